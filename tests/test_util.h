@@ -1,0 +1,32 @@
+// Shared helpers for the test suite: golden file access, error metrics, running the CLI.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "io/safetensors.h"
+
+namespace dm::test {
+
+std::string goldens_dir();   // ../shared/goldens (or $DM_GOLDENS)
+std::string source_dir();
+std::string cli_path();      // build/bin/deltamoe
+bool goldens_available();    // false → tests that need them are skipped with GTEST_SKIP
+
+// RMS(a − b) / RMS(b) over n elements.
+double rel_rms(const float* a, const float* b, size_t n);
+double rel_rms(const double* a, const double* b, size_t n);
+// Copies any float tensor to f32 / f64 vectors.
+std::vector<float> to_f32(const Tensor& t);
+std::vector<double> to_f64(const Tensor& t);
+
+struct CliResult {
+  int exit_code = -1;  // -1: killed by a signal
+  std::string output;  // stdout + stderr
+};
+CliResult run_cli(const std::string& args);
+
+// A fresh temporary directory (removed at process exit is not guaranteed).
+std::string temp_dir(const std::string& tag);
+
+}  // namespace dm::test
