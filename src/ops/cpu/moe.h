@@ -1,0 +1,56 @@
+// Mixture-of-experts routing and grouped expert compute (CPU, fp32). SPEC §1.5, §1.6.
+#pragma once
+#include <cstdint>
+
+#include "core/arena.h"
+#include "ops/cpu/ffn.h"
+
+namespace dm {
+
+struct RouterParams {
+  int num_experts = 0, top_k = 0;
+  int n_group = 1, topk_group = 1;  // DeepSeek groups: a group scores the sum of its top-2 biased scores
+  bool renormalize = true;
+  float scaling = 1.0f;
+};
+
+// logits [N,E] (router GEMM output) → s = sigmoid(logits) (written to scores [N,E]);
+// selection = top_k of (s + bias) within the topk_group best groups; weights p_j = s_j /
+// Σ_{r∈T} s_r (if renormalize; +1e-20 in the denominator) × scaling.
+//   idx [N,k] sorted by expert id ascending, w [N,k] in the same order.
+//   cutoff (optional) [N]: the (k+1)-th largest biased score of the token among the experts
+//   eligible after group selection (QB, SPEC §1.6); -inf when fewer than k+1 are eligible.
+void moe_route(const float* logits, const float* bias, int64_t N, const RouterParams& p,
+               float* scores, int32_t* idx, float* w, float* cutoff);
+
+// Token→expert dispatch plan: the N·k (token, slot) pairs sorted by expert.
+//   offsets[E+1]: rows of expert e are [offsets[e], offsets[e+1]) in the sorted order;
+//   token[N·k], slot[N·k]: which token / which of its k slots each sorted row came from.
+struct MoePlan {
+  int64_t N = 0;
+  int k = 0, E = 0;
+  int64_t* offsets = nullptr;
+  int32_t* token = nullptr;
+  int32_t* slot = nullptr;
+};
+// Allocates the plan's arrays from `a` (persistent for as long as the caller keeps them).
+void moe_plan_build(const int32_t* idx, int64_t N, int k, int E, MoePlan* plan, Arena& a);
+
+// Expert weights stacked per expert: gate, up [E, F, Din]; down [E, Din, F].
+struct ExpertWeights {
+  const float* gate = nullptr;
+  const float* up = nullptr;
+  const float* down = nullptr;
+  int64_t E = 0, Din = 0, F = 0;
+};
+
+// y[N,Din] = Σ_{j∈T(t)} w[t,slot] · E_j(x[t]) (y is overwritten). Grouped: rows gathered per
+// expert, three GEMMs per expert with ≥1 row, scatter-add; no dense masked product.
+void moe_experts_forward(const float* x, const MoePlan& plan, const float* w,
+                         const ExpertWeights& ew, const GluActivation& act, float* y, Arena& ws);
+
+// Naive per-token loop (tests): same result as moe_experts_forward.
+void moe_experts_reference(const float* x, const int32_t* idx, const float* w, int64_t N, int k,
+                           const ExpertWeights& ew, const GluActivation& act, float* y);
+
+}  // namespace dm
