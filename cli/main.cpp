@@ -16,6 +16,7 @@ std::vector<Command>& registry() {
 }  // namespace dm::cli
 
 int main(int argc, char** argv) {
+  dm::blas_ensure_fast_kernels(argc, argv);
   CLI::App app{"deltamoe: train, post-train and serve KDA/MLA hybrid MoE language models"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "deltamoe 0.1.0");
@@ -27,8 +28,15 @@ int main(int argc, char** argv) {
   app.parse_complete_callback([&] { dm::set_num_threads(threads); });
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);  // prints the message
+    return 2;
   } catch (const dm::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

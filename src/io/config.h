@@ -13,8 +13,17 @@
 //     activation_situ_beta, activation_situ_linear_beta, routed_expert_hidden_size,
 //     latent_moe_use_norm, mla_use_nope, mla_use_output_gate, ...). Also accepted bare.
 // Unknown fields are errors unless they are in the dialect's list of known-but-ignored fields
-// (e.g. "initializer_range", "dtype", "id2label"); inconsistent values are errors naming the
-// field and the file.
+// (e.g. "dtype", "id2label", "use_cache"); inconsistent values are errors naming the field and
+// the file ("<file>: field 'text_config.num_experts_per_token': ...", "<file>: unknown field
+// 'x'"). Duplicated keys are errors too.
+//
+// Written (config_to_k3_json): {"model_type": "kimi_k3", "text_config": {...}} where text_config
+// is the K3 reference's text schema plus our own fields that make every ModelConfig field
+// round-trip: source_model_type, weight_naming ("kimi_linear" | "deepseek_v3" | "k3"),
+// mla_latent_norm_eps, router_initializer_range, shared_expert_intermediate_size (only when it
+// differs from moe_intermediate_size) and mlp_layer_types (only when first_k_dense_replace
+// cannot express the dense/MoE layout). Implementation: config_read*.cpp, config_write.cpp,
+// config.cpp (validation).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -37,6 +46,7 @@ struct KdaConfig {
   KdaGateKind gate = KdaGateKind::Softplus;
   float gate_lower_bound = -5.0f;  // safe gate only
   bool full_rank_output_gate = false;  // g_proj [H*K, d] instead of g_a/g_b low rank (rank = K)
+  bool operator==(const KdaConfig&) const = default;
 };
 
 struct YarnConfig {
@@ -45,6 +55,7 @@ struct YarnConfig {
   double original_max_position = 4096;
   double beta_fast = 32.0, beta_slow = 1.0;
   double mscale = 1.0, mscale_all_dim = 0.0;
+  bool operator==(const YarnConfig&) const = default;
 };
 
 struct MlaConfig {
@@ -59,6 +70,7 @@ struct MlaConfig {
   double rope_theta = 10000.0;
   YarnConfig yarn;
   float latent_norm_eps = 1e-6f;  // q_a / kv_a RMSNorms
+  bool operator==(const MlaConfig&) const = default;
 };
 
 struct MoeConfig {
@@ -73,6 +85,7 @@ struct MoeConfig {
   bool renormalize = true;
   float routed_scaling = 1.0f;
   float router_init_std = 0.006f;
+  bool operator==(const MoeConfig&) const = default;
 };
 
 struct ModelConfig {
@@ -100,11 +113,13 @@ struct ModelConfig {
   int num_kda_layers() const;
   int num_mla_layers() const;
   int num_moe_layers() const;
+  // Field-by-field equality (round-trip tests: parse_config(config_to_k3_json(c)) == c).
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // Reads config.json (path to the file or to its directory). Throws dm::Error naming file+field.
 ModelConfig load_config(const std::string& path);
-// Parses JSON text; `origin` names the source in errors.
+// Parses JSON text; `origin` names the source in errors. The result is validated.
 ModelConfig parse_config(const std::string& json_text, const std::string& origin);
 // Serialises in the K3 schema (top-level kimi_k3 with text_config); parse_config(dump) == cfg.
 std::string config_to_k3_json(const ModelConfig& cfg);

@@ -4,6 +4,7 @@
 // attention_causal_forward is flash-style: key blocks of `block` rows, online softmax in fp32,
 // no T×T buffer. attention_causal_reference forms the full score row (tests only).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "core/arena.h"
@@ -19,6 +20,10 @@ void attention_causal_forward(const float* q, const float* k, const float* v, fl
                               int block = 64);
 void attention_causal_reference(const float* q, const float* k, const float* v, float* o,
                                 const AttnShape& s, float scale);
+// Bytes attention_causal_forward takes from `ws` (released on return) at the current
+// num_threads(): one slice per thread of scores [block, block], accumulator [block, Dv],
+// running max and running sum [block].
+size_t attention_causal_workspace_bytes(const AttnShape& s, int block = 64);
 
 // Rotary tables for interleaved-pair RoPE (adjacent dims (2i, 2i+1) rotate together), with
 // optional YaRN frequency interpolation (SPEC §1.2).

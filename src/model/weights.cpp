@@ -1,0 +1,346 @@
+#include "model/weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <unistd.h>
+#include <cstdlib>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+
+namespace dm {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Checkpoint tensor names of one model family (SPEC §4: released names load without conversion).
+struct NameTable {
+  std::string model;       // "model." or "language_model.model."
+  std::string lm_head;     // "lm_head.weight"
+  std::string dense;       // module of dense FFN layers: "mlp." / "block_sparse_moe."
+  std::string moe;         // module of MoE layers: "mlp." / "block_sparse_moe."
+  std::string e_gate, e_up, e_down;  // expert projection names
+  int64_t a_log_pad_to = 0;          // K3 stores A_log zero-padded to a multiple of 128
+  bool a_log_4d = false;             // Kimi-Linear stores A_log as [1,1,H,1]
+};
+
+NameTable name_table(WeightNaming n) {
+  switch (n) {
+    case WeightNaming::KimiLinear:
+      return {"model.", "lm_head.weight", "block_sparse_moe.", "block_sparse_moe.", "w1", "w3",
+              "w2", 0, true};
+    case WeightNaming::DeepseekV3:
+      return {"model.", "lm_head.weight", "mlp.", "mlp.", "gate_proj", "up_proj", "down_proj", 0,
+              false};
+    case WeightNaming::K3:
+      return {"language_model.model.", "language_model.lm_head.weight", "mlp.",
+              "block_sparse_moe.", "w1", "w3", "w2", 128, false};
+  }
+  return {};
+}
+
+// Builds the table; with `arena == nullptr` only counts (data stays null).
+class TableBuilder {
+ public:
+  TableBuilder(ModelWeights& w, Arena* arena) : w_(w), arena_(arena) {}
+  float* add(const std::string& name, Shape shape, ParamInit init, bool decay = true,
+             Shape file_shape = {}, int64_t file_pad = 0) {
+    ParamEntry e;
+    e.name = name;
+    e.shape = shape;
+    e.file_shape = file_shape.ndim ? file_shape : shape;
+    e.file_pad = file_pad;
+    e.init = init;
+    e.decay = decay;
+    bytes_ += Arena::round_up(size_t(shape.numel()) * sizeof(float));
+    if (arena_) e.data = arena_->alloc<float>(size_t(shape.numel()));
+    w_.params.push_back(e);
+    return e.data;
+  }
+  // One contiguous block of `count` slices of `slice` shape (stacked experts), each slice its
+  // own entry (checkpoint tensor) viewing part of the block. Returns the block.
+  float* add_stacked(const std::vector<std::string>& names, Shape slice, ParamInit init) {
+    const int64_t n = slice.numel();
+    float* block = nullptr;
+    bytes_ += Arena::round_up(size_t(n) * names.size() * sizeof(float));
+    if (arena_) block = arena_->alloc<float>(size_t(n) * names.size());
+    for (size_t j = 0; j < names.size(); ++j) {
+      ParamEntry e;
+      e.name = names[j];
+      e.shape = e.file_shape = slice;
+      e.init = init;
+      e.data = block ? block + j * n : nullptr;
+      w_.params.push_back(e);
+    }
+    return block;
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  ModelWeights& w_;
+  Arena* arena_;
+  size_t bytes_ = 0;
+};
+
+size_t build_table(ModelWeights& w, Arena* arena) {
+  const ModelConfig& c = w.cfg;
+  const NameTable nt = name_table(c.naming);
+  const int64_t d = c.hidden, V = c.vocab_size;
+  TableBuilder tb(w, arena);
+  w.params.clear();
+  w.layers.assign(c.num_layers, LayerWeights{});
+  const std::string m = nt.model;
+  w.embed = tb.add(m + "embed_tokens.weight", {V, d}, ParamInit::Normal);
+  for (int i = 0; i < c.num_layers; ++i) {
+    LayerWeights& L = w.layers[i];
+    const std::string p = m + "layers." + std::to_string(i) + ".";
+    L.input_norm = tb.add(p + "input_layernorm.weight", {d}, ParamInit::Ones, false);
+    L.post_norm = tb.add(p + "post_attention_layernorm.weight", {d}, ParamInit::Ones, false);
+    if (c.residual == ResidualKind::AttnRes) {
+      L.attn_site.query = tb.add(p + "self_attention_res_proj.weight", {d}, ParamInit::Zeros, false,
+                                 {1, d});
+      L.attn_site.norm = tb.add(p + "self_attention_res_norm.weight", {d}, ParamInit::Ones, false);
+      L.ffn_site.query = tb.add(p + "mlp_res_proj.weight", {d}, ParamInit::Zeros, false, {1, d});
+      L.ffn_site.norm = tb.add(p + "mlp_res_norm.weight", {d}, ParamInit::Ones, false);
+    }
+    const std::string a = p + "self_attn.";
+    if (c.mixers[i] == MixerKind::KDA) {
+      const int64_t H = c.kda.num_heads, K = c.kda.head_dim, HK = H * K, Kc = c.kda.conv_kernel;
+      KdaWeights& k = L.kda;
+      k.q_proj = tb.add(a + "q_proj.weight", {HK, d}, ParamInit::Normal);
+      k.k_proj = tb.add(a + "k_proj.weight", {HK, d}, ParamInit::Normal);
+      k.v_proj = tb.add(a + "v_proj.weight", {HK, d}, ParamInit::Normal);
+      k.q_conv = tb.add(a + "q_conv1d.weight", {HK, Kc}, ParamInit::ConvNormal, true, {HK, 1, Kc});
+      k.k_conv = tb.add(a + "k_conv1d.weight", {HK, Kc}, ParamInit::ConvNormal, true, {HK, 1, Kc});
+      k.v_conv = tb.add(a + "v_conv1d.weight", {HK, Kc}, ParamInit::ConvNormal, true, {HK, 1, Kc});
+      const int64_t pad = nt.a_log_pad_to ? (H + nt.a_log_pad_to - 1) / nt.a_log_pad_to * nt.a_log_pad_to - H : 0;
+      k.A_log = tb.add(a + "A_log", {H}, ParamInit::KdaALog, false,
+                       nt.a_log_4d ? Shape{1, 1, H, 1} : Shape{H + pad}, pad);
+      k.f_a = tb.add(a + "f_a_proj.weight", {K, d}, ParamInit::Normal);
+      k.f_b = tb.add(a + "f_b_proj.weight", {HK, K}, ParamInit::Normal);
+      k.dt_bias = tb.add(a + "dt_bias", {HK}, ParamInit::KdaDtBias, false);
+      k.b_proj = tb.add(a + "b_proj.weight", {H, d}, ParamInit::Normal);
+      if (c.kda.full_rank_output_gate) {
+        k.g_full = tb.add(a + "g_proj.weight", {HK, d}, ParamInit::Normal);
+      } else {
+        k.g_a = tb.add(a + "g_a_proj.weight", {K, d}, ParamInit::Normal);
+        k.g_b = tb.add(a + "g_b_proj.weight", {HK, K}, ParamInit::Normal);
+      }
+      k.o_norm = tb.add(a + "o_norm.weight", {K}, ParamInit::Ones, false);
+      k.o_proj = tb.add(a + "o_proj.weight", {d, HK}, ParamInit::NormalOut);
+    } else {
+      const MlaConfig& ml = c.mla;
+      const int64_t H = ml.num_heads, dq = ml.qk_nope_dim + ml.qk_rope_dim;
+      MlaWeights& q = L.mla;
+      if (ml.q_lora_rank > 0) {
+        q.q_a = tb.add(a + "q_a_proj.weight", {ml.q_lora_rank, d}, ParamInit::Normal);
+        q.q_a_norm = tb.add(a + "q_a_layernorm.weight", {ml.q_lora_rank}, ParamInit::Ones, false);
+        q.q_b = tb.add(a + "q_b_proj.weight", {H * dq, ml.q_lora_rank}, ParamInit::Normal);
+      } else {
+        q.q_proj = tb.add(a + "q_proj.weight", {H * dq, d}, ParamInit::Normal);
+      }
+      q.kv_a = tb.add(a + "kv_a_proj_with_mqa.weight", {ml.kv_lora_rank + ml.qk_rope_dim, d},
+                      ParamInit::Normal);
+      q.kv_a_norm = tb.add(a + "kv_a_layernorm.weight", {ml.kv_lora_rank}, ParamInit::Ones, false);
+      q.kv_b = tb.add(a + "kv_b_proj.weight", {H * (ml.qk_nope_dim + ml.v_head_dim), ml.kv_lora_rank},
+                      ParamInit::Normal);
+      if (ml.output_gate) q.gate = tb.add(a + "g_proj.weight", {H * ml.v_head_dim, d}, ParamInit::Normal);
+      q.o_proj = tb.add(a + "o_proj.weight", {d, H * ml.v_head_dim}, ParamInit::NormalOut);
+    }
+    if (c.ffns[i] == FfnKind::Dense) {
+      const std::string f = p + nt.dense;
+      const int64_t F = c.dense_ffn;
+      L.dense.gate = tb.add(f + "gate_proj.weight", {F, d}, ParamInit::Normal);
+      L.dense.up = tb.add(f + "up_proj.weight", {F, d}, ParamInit::Normal);
+      L.dense.down = tb.add(f + "down_proj.weight", {d, F}, ParamInit::NormalOut);
+    } else {
+      const MoeConfig& mo = c.moe;
+      const std::string f = p + nt.moe;
+      const int64_t E = mo.num_experts, F = mo.expert_ffn, l = mo.latent_dim ? mo.latent_dim : d;
+      MoeWeights& e = L.moe;
+      e.router = tb.add(f + "gate.weight", {E, d}, ParamInit::Router);
+      e.router_bias = tb.add(f + "gate.e_score_correction_bias", {E}, ParamInit::Zeros, false);
+      w.params.back().trainable = false;
+      // Experts are stacked [E, F, ℓ] in the arena; each checkpoint tensor views one slice.
+      auto names = [&](const std::string& proj) {
+        std::vector<std::string> v;
+        for (int64_t j = 0; j < E; ++j)
+          v.push_back(f + "experts." + std::to_string(j) + "." + proj + ".weight");
+        return v;
+      };
+      e.expert_gate = tb.add_stacked(names(nt.e_gate), {F, l}, ParamInit::Normal);
+      e.expert_up = tb.add_stacked(names(nt.e_up), {F, l}, ParamInit::Normal);
+      e.expert_down = tb.add_stacked(names(nt.e_down), {l, F}, ParamInit::NormalOut);
+      if (mo.num_shared > 0) {
+        const int64_t Fs = int64_t(mo.num_shared) * mo.shared_ffn;
+        e.shared.gate = tb.add(f + "shared_experts.gate_proj.weight", {Fs, d}, ParamInit::Normal);
+        e.shared.up = tb.add(f + "shared_experts.up_proj.weight", {Fs, d}, ParamInit::Normal);
+        e.shared.down = tb.add(f + "shared_experts.down_proj.weight", {d, Fs}, ParamInit::NormalOut);
+      }
+      if (mo.latent_dim > 0) {
+        e.latent_down = tb.add(f + "routed_expert_down_proj.weight", {l, d}, ParamInit::Normal);
+        if (mo.latent_norm)
+          e.latent_norm = tb.add(f + "routed_expert_norm.weight", {l}, ParamInit::Ones, false);
+        e.latent_up = tb.add(f + "routed_expert_up_proj.weight", {d, l}, ParamInit::NormalOut);
+      }
+    }
+  }
+  w.final_norm = tb.add(m + "norm.weight", {d}, ParamInit::Ones, false);
+  if (c.residual == ResidualKind::AttnRes) {
+    w.output_site.query = tb.add(m + "output_attn_res_proj.weight", {d}, ParamInit::Zeros, false, {1, d});
+    w.output_site.norm = tb.add(m + "output_attn_res_norm.weight", {d}, ParamInit::Ones, false);
+  }
+  w.lm_head = tb.add(nt.lm_head, {V, d}, ParamInit::Normal);
+  return tb.bytes();
+}
+
+}  // namespace
+
+const ParamEntry* ModelWeights::find(const std::string& name) const {
+  for (const ParamEntry& e : params)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+int64_t ModelWeights::numel() const {
+  int64_t n = 0;
+  for (const ParamEntry& e : params) n += e.numel();
+  return n;
+}
+
+std::unique_ptr<ModelWeights> weights_allocate(const ModelConfig& cfg) {
+  auto w = std::make_unique<ModelWeights>();
+  w->cfg = cfg;
+  // Pass 1 counts bytes, pass 2 assigns views into one arena.
+  w->arena.reserve(build_table(*w, nullptr), "weights");
+  build_table(*w, &w->arena);
+  return w;
+}
+
+}  // namespace dm
+
+namespace dm {
+
+namespace {
+// Tensors a checkpoint may carry that this engine does not build (yet): multi-token-prediction
+// layers past num_layers and the vision tower / projector of multimodal checkpoints.
+bool ignorable_tensor(const std::string& name, const ModelConfig& cfg) {
+  if (name.find("vision_tower.") != std::string::npos ||
+      name.find("multi_modal_projector.") != std::string::npos || name.find("mm_projector.") != std::string::npos)
+    return true;
+  const auto p = name.find("layers.");
+  if (p != std::string::npos) {
+    const int idx = std::atoi(name.c_str() + p + 7);
+    if (idx >= cfg.num_layers) return true;
+  }
+  return false;
+}
+}  // namespace
+
+std::unique_ptr<ModelWeights> weights_load(const std::string& dir) {
+  ModelConfig cfg = load_config(dir);
+  auto w = weights_allocate(cfg);
+  const SafetensorsReader r = SafetensorsReader::open(dir);
+  std::set<std::string> used;
+  for (ParamEntry& e : w->params) {
+    DM_CHECK(r.has(e.name), r.path(), ": missing tensor '", e.name, "' (required by config)");
+    const Tensor& t = r.get(e.name);
+    const std::string& file = r.file_of(e.name);
+    DM_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16 ||
+                 t.dtype == DType::F64,
+             file, ": tensor '", e.name, "' has dtype ", dtype_name(t.dtype), ", expected a float type");
+    // A_log is accepted in any stored form holding at least H values (K3 pads with zeros).
+    const bool shape_ok = t.shape == e.file_shape ||
+                          (e.file_pad > 0 && t.shape.ndim == 1 && t.shape[0] >= e.numel());
+    DM_CHECK(shape_ok, file, ": tensor '", e.name, "' has shape ", t.shape.str(), ", expected ",
+             e.file_shape.str());
+    convert_to_f32(t.data, t.dtype, e.data, size_t(e.numel()));
+    used.insert(e.name);
+  }
+  for (const std::string& n : r.names())
+    DM_CHECK(used.count(n) || ignorable_tensor(n, cfg), r.file_of(n), ": unexpected tensor '", n,
+             "' (not part of the model described by config.json)");
+  return w;
+}
+
+void weights_init(ModelWeights& w, uint64_t seed) {
+  const ModelConfig& c = w.cfg;
+  std::mt19937_64 rng(seed);
+  const float out_std = c.init_std / std::sqrt(2.0f * float(std::max(1, c.num_layers)));
+  for (ParamEntry& e : w.params) {
+    const int64_t n = e.numel();
+    float* x = e.data;
+    auto normal = [&](float std) {
+      std::normal_distribution<float> nd(0.0f, std);
+      for (int64_t i = 0; i < n; ++i) x[i] = nd(rng);
+    };
+    std::uniform_real_distribution<double> u01(0.0, 1.0);
+    switch (e.init) {
+      case ParamInit::Normal: normal(c.init_std); break;
+      case ParamInit::NormalOut: normal(out_std); break;
+      case ParamInit::Router: normal(c.moe.router_init_std); break;
+      case ParamInit::Ones: std::fill(x, x + n, 1.0f); break;
+      case ParamInit::Zeros: std::fill(x, x + n, 0.0f); break;
+      case ParamInit::ConvNormal: normal(1.0f / std::sqrt(float(e.shape[-1]))); break;
+      case ParamInit::KdaALog:  // A = U(1, 16), stored as log A
+        for (int64_t i = 0; i < n; ++i) x[i] = float(std::log(1.0 + 15.0 * u01(rng)));
+        break;
+      case ParamInit::KdaDtBias:  // dt ~ logU(1e-3, 0.1); bias = softplus⁻¹(dt) = dt + log(−expm1(−dt))
+        for (int64_t i = 0; i < n; ++i) {
+          const double dt = std::exp(std::log(1e-3) + u01(rng) * (std::log(0.1) - std::log(1e-3)));
+          x[i] = float(dt + std::log(-std::expm1(-dt)));
+        }
+        break;
+    }
+  }
+}
+
+void weights_save(const ModelWeights& w, const std::string& dir) {
+  // Our own format: K3 schema and K3 tensor names, whatever the source checkpoint used.
+  ModelWeights names;
+  names.cfg = w.cfg;
+  names.cfg.naming = WeightNaming::K3;
+  build_table(names, nullptr);
+  DM_CHECK(names.params.size() == w.params.size(), "internal: parameter tables differ in size");
+
+  const fs::path target(dir);
+  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  DM_CHECK(!ec, tmp.string(), ": cannot create directory (", ec.message(), ")");
+
+  std::vector<std::vector<float>> padded;  // A_log with its zero padding
+  padded.reserve(w.params.size());
+  SafetensorsWriter wr;
+  wr.set_metadata("format", "pt");
+  for (size_t i = 0; i < w.params.size(); ++i) {
+    const ParamEntry& src = w.params[i];
+    const ParamEntry& dst = names.params[i];
+    if (dst.file_pad > 0) {
+      padded.emplace_back(size_t(dst.file_shape.numel()), 0.0f);
+      std::copy(src.data, src.data + src.numel(), padded.back().begin());
+      wr.add_f32(dst.name, padded.back().data(), dst.file_shape);
+    } else {
+      wr.add_f32(dst.name, src.data, dst.file_shape);
+    }
+  }
+  wr.write((tmp / "model.safetensors").string());
+  const std::string cfg_json = config_to_k3_json(names.cfg);
+  write_file_atomic((tmp / "config.json").string(), cfg_json.data(), cfg_json.size());
+  // Swap the finished folder into place: a crash leaves either the old or the new checkpoint.
+  const fs::path old = target.string() + ".old." + std::to_string(::getpid());
+  const bool had = fs::exists(target);
+  if (had) fs::rename(target, old, ec);
+  DM_CHECK(!ec, target.string(), ": cannot move the previous checkpoint aside (", ec.message(), ")");
+  fs::rename(tmp, target, ec);
+  DM_CHECK(!ec, target.string(), ": cannot move the new checkpoint into place (", ec.message(), ")");
+  if (had) fs::remove_all(old, ec);
+}
+
+}  // namespace dm
