@@ -7,6 +7,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <type_traits>
 #include <unistd.h>
 #include <cstdlib>
 
@@ -45,32 +46,33 @@ NameTable name_table(WeightNaming n) {
 }
 
 // Builds the table; with `arena == nullptr` only counts (data stays null).
+template <typename Real>
 class TableBuilder {
  public:
-  TableBuilder(ModelWeights& w, Arena* arena) : w_(w), arena_(arena) {}
-  float* add(const std::string& name, Shape shape, ParamInit init, bool decay = true,
+  TableBuilder(ModelWeightsT<Real>& w, Arena* arena) : w_(w), arena_(arena) {}
+  Real* add(const std::string& name, Shape shape, ParamInit init, bool decay = true,
              Shape file_shape = {}, int64_t file_pad = 0) {
-    ParamEntry e;
+    ParamEntryT<Real> e;
     e.name = name;
     e.shape = shape;
     e.file_shape = file_shape.ndim ? file_shape : shape;
     e.file_pad = file_pad;
     e.init = init;
     e.decay = decay;
-    bytes_ += Arena::round_up(size_t(shape.numel()) * sizeof(float));
-    if (arena_) e.data = arena_->alloc<float>(size_t(shape.numel()));
+    bytes_ += Arena::round_up(size_t(shape.numel()) * sizeof(Real));
+    if (arena_) e.data = arena_->alloc<Real>(size_t(shape.numel()));
     w_.params.push_back(e);
     return e.data;
   }
   // One contiguous block of `count` slices of `slice` shape (stacked experts), each slice its
   // own entry (checkpoint tensor) viewing part of the block. Returns the block.
-  float* add_stacked(const std::vector<std::string>& names, Shape slice, ParamInit init) {
+  Real* add_stacked(const std::vector<std::string>& names, Shape slice, ParamInit init) {
     const int64_t n = slice.numel();
-    float* block = nullptr;
-    bytes_ += Arena::round_up(size_t(n) * names.size() * sizeof(float));
-    if (arena_) block = arena_->alloc<float>(size_t(n) * names.size());
+    Real* block = nullptr;
+    bytes_ += Arena::round_up(size_t(n) * names.size() * sizeof(Real));
+    if (arena_) block = arena_->alloc<Real>(size_t(n) * names.size());
     for (size_t j = 0; j < names.size(); ++j) {
-      ParamEntry e;
+      ParamEntryT<Real> e;
       e.name = names[j];
       e.shape = e.file_shape = slice;
       e.init = init;
@@ -82,22 +84,23 @@ class TableBuilder {
   size_t bytes() const { return bytes_; }
 
  private:
-  ModelWeights& w_;
+  ModelWeightsT<Real>& w_;
   Arena* arena_;
   size_t bytes_ = 0;
 };
 
-size_t build_table(ModelWeights& w, Arena* arena) {
+template <typename Real>
+size_t build_table(ModelWeightsT<Real>& w, Arena* arena) {
   const ModelConfig& c = w.cfg;
   const NameTable nt = name_table(c.naming);
   const int64_t d = c.hidden, V = c.vocab_size;
-  TableBuilder tb(w, arena);
+  TableBuilder<Real> tb(w, arena);
   w.params.clear();
-  w.layers.assign(c.num_layers, LayerWeights{});
+  w.layers.assign(c.num_layers, LayerWeightsT<Real>{});
   const std::string m = nt.model;
   w.embed = tb.add(m + "embed_tokens.weight", {V, d}, ParamInit::Normal);
   for (int i = 0; i < c.num_layers; ++i) {
-    LayerWeights& L = w.layers[i];
+    LayerWeightsT<Real>& L = w.layers[i];
     const std::string p = m + "layers." + std::to_string(i) + ".";
     L.input_norm = tb.add(p + "input_layernorm.weight", {d}, ParamInit::Ones, false);
     L.post_norm = tb.add(p + "post_attention_layernorm.weight", {d}, ParamInit::Ones, false);
@@ -111,7 +114,7 @@ size_t build_table(ModelWeights& w, Arena* arena) {
     const std::string a = p + "self_attn.";
     if (c.mixers[i] == MixerKind::KDA) {
       const int64_t H = c.kda.num_heads, K = c.kda.head_dim, HK = H * K, Kc = c.kda.conv_kernel;
-      KdaWeights& k = L.kda;
+      KdaWeightsT<Real>& k = L.kda;
       k.q_proj = tb.add(a + "q_proj.weight", {HK, d}, ParamInit::Normal);
       k.k_proj = tb.add(a + "k_proj.weight", {HK, d}, ParamInit::Normal);
       k.v_proj = tb.add(a + "v_proj.weight", {HK, d}, ParamInit::Normal);
@@ -136,7 +139,7 @@ size_t build_table(ModelWeights& w, Arena* arena) {
     } else {
       const MlaConfig& ml = c.mla;
       const int64_t H = ml.num_heads, dq = ml.qk_nope_dim + ml.qk_rope_dim;
-      MlaWeights& q = L.mla;
+      MlaWeightsT<Real>& q = L.mla;
       if (ml.q_lora_rank > 0) {
         q.q_a = tb.add(a + "q_a_proj.weight", {ml.q_lora_rank, d}, ParamInit::Normal);
         q.q_a_norm = tb.add(a + "q_a_layernorm.weight", {ml.q_lora_rank}, ParamInit::Ones, false);
@@ -162,7 +165,7 @@ size_t build_table(ModelWeights& w, Arena* arena) {
       const MoeConfig& mo = c.moe;
       const std::string f = p + nt.moe;
       const int64_t E = mo.num_experts, F = mo.expert_ffn, l = mo.latent_dim ? mo.latent_dim : d;
-      MoeWeights& e = L.moe;
+      MoeWeightsT<Real>& e = L.moe;
       e.router = tb.add(f + "gate.weight", {E, d}, ParamInit::Router);
       e.router_bias = tb.add(f + "gate.e_score_correction_bias", {E}, ParamInit::Zeros, false);
       w.params.back().trainable = false;
@@ -201,20 +204,9 @@ size_t build_table(ModelWeights& w, Arena* arena) {
 
 }  // namespace
 
-const ParamEntry* ModelWeights::find(const std::string& name) const {
-  for (const ParamEntry& e : params)
-    if (e.name == name) return &e;
-  return nullptr;
-}
-
-int64_t ModelWeights::numel() const {
-  int64_t n = 0;
-  for (const ParamEntry& e : params) n += e.numel();
-  return n;
-}
-
-std::unique_ptr<ModelWeights> weights_allocate(const ModelConfig& cfg) {
-  auto w = std::make_unique<ModelWeights>();
+template <typename Real>
+std::unique_ptr<ModelWeightsT<Real>> weights_allocate(const ModelConfig& cfg) {
+  auto w = std::make_unique<ModelWeightsT<Real>>();
   w->cfg = cfg;
   // Pass 1 counts bytes, pass 2 assigns views into one arena.
   w->arena.reserve(build_table(*w, nullptr), "weights");
@@ -242,12 +234,14 @@ bool ignorable_tensor(const std::string& name, const ModelConfig& cfg) {
 }
 }  // namespace
 
-std::unique_ptr<ModelWeights> weights_load(const std::string& dir) {
+template <typename Real>
+std::unique_ptr<ModelWeightsT<Real>> weights_load(const std::string& dir) {
   ModelConfig cfg = load_config(dir);
-  auto w = weights_allocate(cfg);
+  auto w = weights_allocate<Real>(cfg);
   const SafetensorsReader r = SafetensorsReader::open(dir);
   std::set<std::string> used;
-  for (ParamEntry& e : w->params) {
+  std::vector<float> staging;
+  for (ParamEntryT<Real>& e : w->params) {
     DM_CHECK(r.has(e.name), r.path(), ": missing tensor '", e.name, "' (required by config)");
     const Tensor& t = r.get(e.name);
     const std::string& file = r.file_of(e.name);
@@ -259,7 +253,15 @@ std::unique_ptr<ModelWeights> weights_load(const std::string& dir) {
                           (e.file_pad > 0 && t.shape.ndim == 1 && t.shape[0] >= e.numel());
     DM_CHECK(shape_ok, file, ": tensor '", e.name, "' has shape ", t.shape.str(), ", expected ",
              e.file_shape.str());
-    convert_to_f32(t.data, t.dtype, e.data, size_t(e.numel()));
+    if constexpr (std::is_same_v<Real, float>) {
+      convert_to_f32(t.data, t.dtype, e.data, size_t(e.numel()));
+    } else if (t.dtype == DType::F64) {
+      std::copy(t.as<double>(), t.as<double>() + e.numel(), e.data);
+    } else {
+      staging.resize(size_t(e.numel()));
+      convert_to_f32(t.data, t.dtype, staging.data(), staging.size());
+      std::copy(staging.begin(), staging.end(), e.data);
+    }
     used.insert(e.name);
   }
   for (const std::string& n : r.names())
@@ -268,41 +270,54 @@ std::unique_ptr<ModelWeights> weights_load(const std::string& dir) {
   return w;
 }
 
-void weights_init(ModelWeights& w, uint64_t seed) {
+template <typename Real>
+void weights_init(ModelWeightsT<Real>& w, uint64_t seed) {
   const ModelConfig& c = w.cfg;
   std::mt19937_64 rng(seed);
   const float out_std = c.init_std / std::sqrt(2.0f * float(std::max(1, c.num_layers)));
-  for (ParamEntry& e : w.params) {
+  for (ParamEntryT<Real>& e : w.params) {
     const int64_t n = e.numel();
-    float* x = e.data;
+    Real* x = e.data;
+    // Draws are made in float so a double model starts from exactly the float model's values.
     auto normal = [&](float std) {
       std::normal_distribution<float> nd(0.0f, std);
-      for (int64_t i = 0; i < n; ++i) x[i] = nd(rng);
+      for (int64_t i = 0; i < n; ++i) x[i] = Real(nd(rng));
     };
     std::uniform_real_distribution<double> u01(0.0, 1.0);
     switch (e.init) {
       case ParamInit::Normal: normal(c.init_std); break;
       case ParamInit::NormalOut: normal(out_std); break;
       case ParamInit::Router: normal(c.moe.router_init_std); break;
-      case ParamInit::Ones: std::fill(x, x + n, 1.0f); break;
-      case ParamInit::Zeros: std::fill(x, x + n, 0.0f); break;
+      case ParamInit::Ones: std::fill(x, x + n, Real(1)); break;
+      case ParamInit::Zeros: std::fill(x, x + n, Real(0)); break;
       case ParamInit::ConvNormal: normal(1.0f / std::sqrt(float(e.shape[-1]))); break;
       case ParamInit::KdaALog:  // A = U(1, 16), stored as log A
-        for (int64_t i = 0; i < n; ++i) x[i] = float(std::log(1.0 + 15.0 * u01(rng)));
+        for (int64_t i = 0; i < n; ++i) x[i] = Real(float(std::log(1.0 + 15.0 * u01(rng))));
         break;
       case ParamInit::KdaDtBias:  // dt ~ logU(1e-3, 0.1); bias = softplus⁻¹(dt) = dt + log(−expm1(−dt))
         for (int64_t i = 0; i < n; ++i) {
           const double dt = std::exp(std::log(1e-3) + u01(rng) * (std::log(0.1) - std::log(1e-3)));
-          x[i] = float(dt + std::log(-std::expm1(-dt)));
+          x[i] = Real(float(dt + std::log(-std::expm1(-dt))));
         }
         break;
     }
   }
 }
 
-void weights_save(const ModelWeights& w, const std::string& dir) {
-  // Our own format: K3 schema and K3 tensor names, whatever the source checkpoint used.
-  ModelWeights names;
+template <typename To, typename From>
+void weights_copy(const ModelWeightsT<From>& src, ModelWeightsT<To>& dst) {
+  DM_CHECK(src.params.size() == dst.params.size(), "weights_copy: layouts differ");
+  for (size_t i = 0; i < src.params.size(); ++i) {
+    const auto& a = src.params[i];
+    DM_CHECK(a.numel() == dst.params[i].numel(), "weights_copy: ", a.name, " differs in size");
+    std::copy(a.data, a.data + a.numel(), dst.params[i].data);
+  }
+}
+
+template <typename Real>
+void weights_save(const ModelWeightsT<Real>& w, const std::string& dir) {
+  // Our own format: K3 schema and K3 tensor names, whatever the source checkpoint used; f32.
+  ModelWeightsT<Real> names;
   names.cfg = w.cfg;
   names.cfg.naming = WeightNaming::K3;
   build_table(names, nullptr);
@@ -315,19 +330,19 @@ void weights_save(const ModelWeights& w, const std::string& dir) {
   fs::create_directories(tmp, ec);
   DM_CHECK(!ec, tmp.string(), ": cannot create directory (", ec.message(), ")");
 
-  std::vector<std::vector<float>> padded;  // A_log with its zero padding
-  padded.reserve(w.params.size());
+  std::vector<std::vector<float>> staged;  // f32 copies (double models) and A_log with its padding
+  staged.reserve(w.params.size());
   SafetensorsWriter wr;
   wr.set_metadata("format", "pt");
   for (size_t i = 0; i < w.params.size(); ++i) {
-    const ParamEntry& src = w.params[i];
-    const ParamEntry& dst = names.params[i];
-    if (dst.file_pad > 0) {
-      padded.emplace_back(size_t(dst.file_shape.numel()), 0.0f);
-      std::copy(src.data, src.data + src.numel(), padded.back().begin());
-      wr.add_f32(dst.name, padded.back().data(), dst.file_shape);
+    const ParamEntryT<Real>& src = w.params[i];
+    const ParamEntryT<Real>& dst = names.params[i];
+    if (dst.file_pad > 0 || !std::is_same_v<Real, float>) {
+      staged.emplace_back(size_t(dst.file_shape.numel()), 0.0f);
+      std::copy(src.data, src.data + src.numel(), staged.back().begin());
+      wr.add_f32(dst.name, staged.back().data(), dst.file_shape);
     } else {
-      wr.add_f32(dst.name, src.data, dst.file_shape);
+      wr.add_f32(dst.name, reinterpret_cast<const float*>(src.data), dst.file_shape);
     }
   }
   wr.write((tmp / "model.safetensors").string());
@@ -342,5 +357,17 @@ void weights_save(const ModelWeights& w, const std::string& dir) {
   DM_CHECK(!ec, target.string(), ": cannot move the new checkpoint into place (", ec.message(), ")");
   if (had) fs::remove_all(old, ec);
 }
+
+template std::unique_ptr<ModelWeightsT<float>> weights_allocate<float>(const ModelConfig&);
+template std::unique_ptr<ModelWeightsT<double>> weights_allocate<double>(const ModelConfig&);
+template std::unique_ptr<ModelWeightsT<float>> weights_load<float>(const std::string&);
+template std::unique_ptr<ModelWeightsT<double>> weights_load<double>(const std::string&);
+template void weights_init<float>(ModelWeightsT<float>&, uint64_t);
+template void weights_init<double>(ModelWeightsT<double>&, uint64_t);
+template void weights_copy<float, float>(const ModelWeightsT<float>&, ModelWeightsT<float>&);
+template void weights_copy<double, float>(const ModelWeightsT<float>&, ModelWeightsT<double>&);
+template void weights_copy<float, double>(const ModelWeightsT<double>&, ModelWeightsT<float>&);
+template void weights_save<float>(const ModelWeightsT<float>&, const std::string&);
+template void weights_save<double>(const ModelWeightsT<double>&, const std::string&);
 
 }  // namespace dm

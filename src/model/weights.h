@@ -25,9 +25,11 @@ enum class ParamInit : uint8_t {
   ConvNormal,     // N(0, 1/sqrt(kernel))
 };
 
-struct ParamEntry {
+// Real = float for the engine, double for finite-difference reference checks.
+template <typename Real>
+struct ParamEntryT {
   std::string name;        // checkpoint tensor name
-  float* data = nullptr;   // view into the weights arena
+  Real* data = nullptr;    // view into the weights arena
   Shape shape;             // our shape
   Shape file_shape;        // shape as stored in the checkpoint (A_log, conv weights differ)
   int64_t file_pad = 0;    // extra zero entries the checkpoint stores (K3 pads A_log to 128)
@@ -37,71 +39,107 @@ struct ParamEntry {
   int64_t numel() const { return shape.numel(); }
 };
 
-struct KdaWeights {
-  float *q_proj, *k_proj, *v_proj;     // [H·K, d]
-  float *q_conv, *k_conv, *v_conv;     // [H·K, Kc]
-  float *f_a, *f_b;                    // [K, d], [H·K, K]
-  float* b_proj;                       // [H, d]
-  float *A_log, *dt_bias;              // [H], [H·K]
-  float *g_a, *g_b;                    // low-rank output gate [K, d], [H·K, K]
-  float* g_full;                       // full-rank output gate [H·K, d]
-  float* o_norm;                       // [K]
-  float* o_proj;                       // [d, H·K]
+template <typename Real>
+struct KdaWeightsT {
+  Real *q_proj, *k_proj, *v_proj;     // [H·K, d]
+  Real *q_conv, *k_conv, *v_conv;     // [H·K, Kc]
+  Real *f_a, *f_b;                    // [K, d], [H·K, K]
+  Real* b_proj;                       // [H, d]
+  Real *A_log, *dt_bias;              // [H], [H·K]
+  Real *g_a, *g_b;                    // low-rank output gate [K, d], [H·K, K]
+  Real* g_full;                       // full-rank output gate [H·K, d]
+  Real* o_norm;                       // [K]
+  Real* o_proj;                       // [d, H·K]
 };
 
-struct MlaWeights {
-  float *q_a, *q_a_norm, *q_b;         // [ql, d], [ql], [H·(nope+rope), ql]  (q LoRA)
-  float* q_proj;                       // [H·(nope+rope), d]                   (no q LoRA)
-  float *kv_a, *kv_a_norm, *kv_b;      // [kvl+rope, d], [kvl], [H·(nope+v), kvl]
-  float* gate;                         // [H·v, d] (output gate)
-  float* o_proj;                       // [d, H·v]
+template <typename Real>
+struct MlaWeightsT {
+  Real *q_a, *q_a_norm, *q_b;         // [ql, d], [ql], [H·(nope+rope), ql]  (q LoRA)
+  Real* q_proj;                       // [H·(nope+rope), d]                   (no q LoRA)
+  Real *kv_a, *kv_a_norm, *kv_b;      // [kvl+rope, d], [kvl], [H·(nope+v), kvl]
+  Real* gate;                         // [H·v, d] (output gate)
+  Real* o_proj;                       // [d, H·v]
 };
 
-struct FfnWeights {
-  float *gate, *up, *down;             // [F, din], [F, din], [din, F]
+template <typename Real>
+struct FfnWeightsT {
+  Real *gate, *up, *down;             // [F, din], [F, din], [din, F]
 };
 
-struct MoeWeights {
-  float *router, *router_bias;         // [E, d], [E]
-  float *expert_gate, *expert_up;      // [E, F, ℓ] stacked
-  float* expert_down;                  // [E, ℓ, F]
-  FfnWeights shared;                   // F = num_shared · shared_ffn, din = d
-  float *latent_down, *latent_up, *latent_norm;  // [ℓ, d], [d, ℓ], [ℓ]
+template <typename Real>
+struct MoeWeightsT {
+  Real *router, *router_bias;         // [E, d], [E]
+  Real *expert_gate, *expert_up;      // [E, F, ℓ] stacked
+  Real* expert_down;                  // [E, ℓ, F]
+  FfnWeightsT<Real> shared;                   // F = num_shared · shared_ffn, din = d
+  Real *latent_down, *latent_up, *latent_norm;  // [ℓ, d], [d, ℓ], [ℓ]
 };
 
-struct AttnResSiteWeights {
-  float *query, *norm;                 // [d], [d]
+template <typename Real>
+struct AttnResSiteWeightsT {
+  Real *query, *norm;                 // [d], [d]
 };
 
-struct LayerWeights {
-  float *input_norm, *post_norm;       // [d]
-  KdaWeights kda{};
-  MlaWeights mla{};
-  FfnWeights dense{};
-  MoeWeights moe{};
-  AttnResSiteWeights attn_site{}, ffn_site{};
+template <typename Real>
+struct LayerWeightsT {
+  Real *input_norm, *post_norm;       // [d]
+  KdaWeightsT<Real> kda{};
+  MlaWeightsT<Real> mla{};
+  FfnWeightsT<Real> dense{};
+  MoeWeightsT<Real> moe{};
+  AttnResSiteWeightsT<Real> attn_site{}, ffn_site{};
 };
 
-struct ModelWeights {
+template <typename Real>
+struct ModelWeightsT {
   ModelConfig cfg;
   Arena arena;                          // every parameter lives here
-  std::vector<ParamEntry> params;       // in a fixed order; names per cfg.naming
-  float *embed, *final_norm, *lm_head;  // [V, d], [d], [V, d]
-  AttnResSiteWeights output_site{};
-  std::vector<LayerWeights> layers;
+  std::vector<ParamEntryT<Real>> params;       // in a fixed order; names per cfg.naming
+  Real *embed, *final_norm, *lm_head;  // [V, d], [d], [V, d]
+  AttnResSiteWeightsT<Real> output_site{};
+  std::vector<LayerWeightsT<Real>> layers;
 
-  const ParamEntry* find(const std::string& name) const;
-  int64_t numel() const;
+  const ParamEntryT<Real>* find(const std::string& name) const {
+    for (const auto& e : params)
+      if (e.name == name) return &e;
+    return nullptr;
+  }
+  // Offset of a parameter view from the start of the arena, in elements. Gradients and optimizer
+  // state mirror the layout, so the same offset addresses a parameter's gradient.
+  int64_t offset_of(const Real* p) const { return p - static_cast<const Real*>(arena_base()); }
+  const void* arena_base() const { return params.empty() ? nullptr : params.front().data; }
+  int64_t numel() const {
+    int64_t n = 0;
+    for (const auto& e : params) n += e.numel();
+    return n;
+  }
 };
 
-// Lays out all parameters of `cfg` (zero-filled) in one arena.
-std::unique_ptr<ModelWeights> weights_allocate(const ModelConfig& cfg);
+using ParamEntry = ParamEntryT<float>;
+using KdaWeights = KdaWeightsT<float>;
+using MlaWeights = MlaWeightsT<float>;
+using FfnWeights = FfnWeightsT<float>;
+using MoeWeights = MoeWeightsT<float>;
+using AttnResSiteWeights = AttnResSiteWeightsT<float>;
+using LayerWeights = LayerWeightsT<float>;
+using ModelWeights = ModelWeightsT<float>;
+
+// Lays out all parameters of `cfg` (zero-filled) in one arena. The layout depends only on the
+// config, so a second call gives a gradient (or optimizer-moment) arena with identical offsets.
+template <typename Real = float>
+std::unique_ptr<ModelWeightsT<Real>> weights_allocate(const ModelConfig& cfg);
 // Loads a checkpoint folder (config.json + safetensors, possibly sharded). Every parameter must be
 // present with the right shape; unexpected model tensors are an error naming them.
-std::unique_ptr<ModelWeights> weights_load(const std::string& dir);
-// Random initialisation per SPEC rules (deterministic for a seed).
-void weights_init(ModelWeights& w, uint64_t seed);
-// Writes config.json (K3 schema) + model.safetensors atomically into dir (created if needed).
-void weights_save(const ModelWeights& w, const std::string& dir);
+template <typename Real = float>
+std::unique_ptr<ModelWeightsT<Real>> weights_load(const std::string& dir);
+// Random initialisation per SPEC rules (deterministic for a seed; the same values for any Real).
+template <typename Real>
+void weights_init(ModelWeightsT<Real>& w, uint64_t seed);
+// Copies values between layouts of the same config (e.g. float → double for reference checks).
+template <typename To, typename From>
+void weights_copy(const ModelWeightsT<From>& src, ModelWeightsT<To>& dst);
+// Writes config.json (K3 schema) + model.safetensors (f32) atomically into dir.
+template <typename Real>
+void weights_save(const ModelWeightsT<Real>& w, const std::string& dir);
 
 }  // namespace dm
