@@ -1,4 +1,7 @@
-// Tests for the CPU causal attention (flash-style vs double reference) and RoPE / YaRN tables.
+// Tests for the CPU causal attention (flash-style forward vs double reference; FlashAttention-2
+// backward vs a full-matrix reference backward and finite differences; packed documents via
+// doc_start; determinism across thread counts) and RoPE / YaRN tables (incl. the inverse
+// rotation used by the backward).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,6 +10,8 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/error.h"
+#include "core/gemm.h"
 #include "ops/cpu/attention.h"
 #include "test_util.h"
 
@@ -381,6 +386,385 @@ TEST(RopeInterleaved, MatchesHuggingFaceDeinterleavedRotateHalf) {
     }
     EXPECT_NEAR(dot_product(q.data(), k.data(), D), hf_dot, 1e-4);
   }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Backward and packed documents
+
+template <typename Real>
+std::vector<Real> random_vector_of(size_t n, uint32_t seed, double stddev = 1.0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, stddev);
+  std::vector<Real> out(n);
+  for (auto& x : out) x = Real(normal(rng));
+  return out;
+}
+
+// doc_start [B·T] for rows packed from documents of the given lengths (each row's lengths sum to T).
+std::vector<int32_t> doc_start_from_lengths(const std::vector<std::vector<int>>& rows, int64_t T) {
+  std::vector<int32_t> doc_start;
+  for (const auto& lengths : rows) {
+    int32_t start = 0;
+    for (int length : lengths) {
+      for (int i = 0; i < length; ++i) doc_start.push_back(start);
+      start += length;
+    }
+    EXPECT_EQ(start, T) << "document lengths must fill the row";
+  }
+  return doc_start;
+}
+
+// Random packing of every row into documents of length 1..max_length.
+std::vector<int32_t> random_doc_start(int64_t B, int64_t T, uint32_t seed, int max_length) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int>> rows(static_cast<size_t>(B));
+  for (auto& lengths : rows) {
+    int64_t used = 0;
+    while (used < T) {
+      const int length = int(std::min<int64_t>(1 + rng() % max_length, T - used));
+      lengths.push_back(length);
+      used += length;
+    }
+  }
+  return doc_start_from_lengths(rows, T);
+}
+
+template <typename Real>
+struct AttentionProblem {
+  AttnShape shape;
+  std::vector<Real> q, k, v, dout;
+  std::vector<int32_t> doc_start;  // empty = one document per row
+  const int32_t* doc_start_or_null() const { return doc_start.empty() ? nullptr : doc_start.data(); }
+};
+
+template <typename Real>
+AttentionProblem<Real> make_attention_problem(const AttnShape& s, uint32_t seed) {
+  AttentionProblem<Real> p;
+  p.shape = s;
+  p.q = random_vector_of<Real>(size_t(s.B * s.T * s.H * s.Dqk), seed);
+  p.k = random_vector_of<Real>(size_t(s.B * s.T * s.H * s.Dqk), seed + 1);
+  p.v = random_vector_of<Real>(size_t(s.B * s.T * s.H * s.Dv), seed + 2);
+  p.dout = random_vector_of<Real>(size_t(s.B * s.T * s.H * s.Dv), seed + 3);
+  return p;
+}
+
+template <typename To, typename From>
+AttentionProblem<To> cast_attention_problem(const AttentionProblem<From>& p) {
+  AttentionProblem<To> c;
+  c.shape = p.shape;
+  c.q.assign(p.q.begin(), p.q.end());
+  c.k.assign(p.k.begin(), p.k.end());
+  c.v.assign(p.v.begin(), p.v.end());
+  c.dout.assign(p.dout.begin(), p.dout.end());
+  c.doc_start = p.doc_start;
+  return c;
+}
+
+template <typename Real>
+struct AttentionGradients {
+  std::vector<Real> o, lse, dq, dk, dv;
+};
+
+// Forward (for o, lse) then the flash backward into zeroed gradients.
+template <typename Real>
+AttentionGradients<Real> run_flash_forward_backward(const AttentionProblem<Real>& p, int block,
+                                                    double scale) {
+  const AttnShape& s = p.shape;
+  AttentionGradients<Real> g;
+  g.o.assign(p.v.size(), Real(NAN));
+  g.lse.assign(size_t(s.B * s.H * s.T), Real(NAN));
+  g.dq.assign(p.q.size(), Real(0));
+  g.dk.assign(p.k.size(), Real(0));
+  g.dv.assign(p.v.size(), Real(0));
+  Arena ws(std::max(attention_causal_workspace_bytes(s, block, sizeof(Real)),
+                    attention_causal_backward_workspace_bytes(s, block, sizeof(Real))),
+           "attn-backward-test");
+  attention_causal_forward(p.q.data(), p.k.data(), p.v.data(), g.o.data(), g.lse.data(), s, scale,
+                           ws, block, p.doc_start_or_null());
+  attention_causal_backward(p.q.data(), p.k.data(), p.v.data(), g.o.data(), g.lse.data(),
+                            p.dout.data(), g.dq.data(), g.dk.data(), g.dv.data(), s, scale, ws,
+                            block, p.doc_start_or_null());
+  EXPECT_EQ(ws.used(), 0u) << "scratch must be released on return";
+  return g;
+}
+
+template <typename Real>
+AttentionGradients<double> run_reference_backward(const AttentionProblem<Real>& p_in,
+                                                  double scale) {
+  const AttentionProblem<double> p = cast_attention_problem<double>(p_in);
+  AttentionGradients<double> g;
+  g.o.assign(p.v.size(), 0.0);
+  g.dq.assign(p.q.size(), 0.0);
+  g.dk.assign(p.k.size(), 0.0);
+  g.dv.assign(p.v.size(), 0.0);
+  attention_causal_reference(p.q.data(), p.k.data(), p.v.data(), g.o.data(), p.shape, scale,
+                             p.doc_start_or_null());
+  attention_causal_reference_backward(p.q.data(), p.k.data(), p.v.data(), p.dout.data(),
+                                      g.dq.data(), g.dk.data(), g.dv.data(), p.shape, scale,
+                                      p.doc_start_or_null());
+  return g;
+}
+
+template <typename Real>
+double rel_rms_against_double(const std::vector<Real>& a, const std::vector<double>& b) {
+  const std::vector<double> a_double(a.begin(), a.end());
+  return test::rel_rms(a_double.data(), b.data(), b.size());
+}
+
+struct AttentionBackwardCase {
+  int64_t B, T, H, Dqk, Dv;
+  int block;
+  bool packed_documents;
+};
+
+class AttentionBackwardVsReference : public ::testing::TestWithParam<AttentionBackwardCase> {};
+
+template <typename Real>
+void check_backward_against_reference(const AttentionBackwardCase& c, double tolerance) {
+  const AttnShape shape{c.B, c.T, c.H, c.Dqk, c.Dv};
+  AttentionProblem<double> problem = make_attention_problem<double>(shape, 500u + uint32_t(c.T));
+  if (c.packed_documents) problem.doc_start = random_doc_start(c.B, c.T, 77u + uint32_t(c.T), 40);
+  const double scale = 1.0 / std::sqrt(double(c.Dqk));
+  const AttentionProblem<Real> typed = cast_attention_problem<Real>(problem);
+  const AttentionGradients<Real> flash = run_flash_forward_backward(typed, c.block, scale);
+  const AttentionGradients<double> reference = run_reference_backward(problem, scale);
+  const double err_o = rel_rms_against_double(flash.o, reference.o);
+  const double err_dq = rel_rms_against_double(flash.dq, reference.dq);
+  const double err_dk = rel_rms_against_double(flash.dk, reference.dk);
+  const double err_dv = rel_rms_against_double(flash.dv, reference.dv);
+  std::printf("  %s B=%lld T=%lld H=%lld Dqk=%lld Dv=%lld block=%d packed=%d: rel RMS o %.3g "
+              "dq %.3g dk %.3g dv %.3g\n",
+              sizeof(Real) == 4 ? "float " : "double", (long long)c.B, (long long)c.T,
+              (long long)c.H, (long long)c.Dqk, (long long)c.Dv, c.block, int(c.packed_documents),
+              err_o, err_dq, err_dk, err_dv);
+  EXPECT_LE(err_o, tolerance);
+  EXPECT_LE(err_dq, tolerance);
+  EXPECT_LE(err_dk, tolerance);
+  EXPECT_LE(err_dv, tolerance);
+}
+
+TEST_P(AttentionBackwardVsReference, FloatGradientsMatch) {
+  check_backward_against_reference<float>(GetParam(), 1e-5);
+}
+TEST_P(AttentionBackwardVsReference, DoubleGradientsMatch) {
+  check_backward_against_reference<double>(GetParam(), 1e-12);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AttentionBackwardShapes, AttentionBackwardVsReference,
+    ::testing::Values(AttentionBackwardCase{1, 1, 1, 8, 8, 16, false},
+                      AttentionBackwardCase{2, 100, 3, 48, 32, 16, false},
+                      AttentionBackwardCase{2, 100, 3, 48, 32, 64, false},
+                      AttentionBackwardCase{1, 150, 2, 40, 24, 64, false},
+                      AttentionBackwardCase{1, 131, 1, 24, 16, 16, false},
+                      AttentionBackwardCase{1, 37, 2, 16, 24, 7, false},
+                      AttentionBackwardCase{2, 100, 2, 24, 16, 16, true},
+                      AttentionBackwardCase{1, 150, 2, 40, 24, 64, true},
+                      AttentionBackwardCase{2, 37, 1, 8, 8, 1, true}));
+
+// Central differences of L = Σ o·R on a tiny double problem (several blocks, with and without
+// packed documents) against the flash backward.
+TEST(AttentionBackward, FiniteDifferencesInDouble) {
+  for (bool packed : {false, true}) {
+    const AttnShape shape{2, 9, 2, 5, 3};
+    const int block = 4;
+    AttentionProblem<double> p = make_attention_problem<double>(shape, 31u);
+    if (packed) p.doc_start = doc_start_from_lengths({{4, 5}, {2, 1, 6}}, shape.T);
+    const double scale = 0.7;
+    const AttentionGradients<double> analytic = run_flash_forward_backward(p, block, scale);
+
+    Arena ws(attention_causal_workspace_bytes(shape, block, sizeof(double)), "attn-fd");
+    std::vector<double> o(p.v.size());
+    auto loss = [&]() {
+      attention_causal_forward(p.q.data(), p.k.data(), p.v.data(), o.data(), nullptr, shape,
+                               scale, ws, block, p.doc_start_or_null());
+      double l = 0;
+      for (size_t i = 0; i < o.size(); ++i) l += o[i] * p.dout[i];
+      return l;
+    };
+    auto check = [&](std::vector<double>& input, const std::vector<double>& gradient,
+                     const char* name) {
+      double max_error = 0, max_gradient = 0;
+      for (size_t i = 0; i < input.size(); ++i) {
+        const double saved = input[i], h = 1e-6 * std::max(1.0, std::abs(saved));
+        input[i] = saved + h;
+        const double plus = loss();
+        input[i] = saved - h;
+        const double minus = loss();
+        input[i] = saved;
+        max_error = std::max(max_error, std::abs((plus - minus) / (2 * h) - gradient[i]));
+        max_gradient = std::max(max_gradient, std::abs(gradient[i]));
+      }
+      std::printf("  FD packed=%d d%s: max abs error %.3g (max |grad| %.3g)\n", int(packed), name,
+                  max_error, max_gradient);
+      EXPECT_LE(max_error, 1e-7 * std::max(1.0, max_gradient)) << name;
+    };
+    check(p.q, analytic.dq, "q");
+    check(p.k, analytic.dk, "k");
+    check(p.v, analytic.dv, "v");
+  }
+}
+
+// A row packing [A | B] (doc_start) behaves exactly like A and B as separate rows, forward
+// (o, lse) and backward (dq, dk, dv); documents cross block boundaries mid-block.
+template <typename Real>
+void check_packed_equals_separate(double tolerance) {
+  const int64_t H = 2, Dqk = 12, Dv = 10, length_a = 13, length_b = 24, T = length_a + length_b;
+  const int block = 16;
+  const double scale = 0.4;
+  const AttnShape packed_shape{1, T, H, Dqk, Dv};
+  AttentionProblem<Real> packed = make_attention_problem<Real>(packed_shape, 71u);
+  packed.doc_start = doc_start_from_lengths({{int(length_a), int(length_b)}}, T);
+  const AttentionGradients<Real> packed_grads = run_flash_forward_backward(packed, block, scale);
+
+  int64_t token_offset = 0;
+  for (int64_t length : {length_a, length_b}) {
+    // Slice document tokens [token_offset, token_offset + length) out of the packed row.
+    AttentionProblem<Real> single;
+    single.shape = AttnShape{1, length, H, Dqk, Dv};
+    auto slice = [&](const std::vector<Real>& full, int64_t width) {
+      return std::vector<Real>(full.begin() + token_offset * H * width,
+                               full.begin() + (token_offset + length) * H * width);
+    };
+    single.q = slice(packed.q, Dqk);
+    single.k = slice(packed.k, Dqk);
+    single.v = slice(packed.v, Dv);
+    single.dout = slice(packed.dout, Dv);
+    const AttentionGradients<Real> single_grads = run_flash_forward_backward(single, block, scale);
+    auto compare = [&](const std::vector<Real>& packed_values, const std::vector<Real>& expected,
+                       int64_t width, const char* name) {
+      const std::vector<Real> part(packed_values.begin() + token_offset * H * width,
+                                   packed_values.begin() + (token_offset + length) * H * width);
+      const double err = test::rel_rms(part.data(), expected.data(), expected.size());
+      EXPECT_LE(err, tolerance) << name << " document at " << token_offset;
+      return err;
+    };
+    const double err_o = compare(packed_grads.o, single_grads.o, Dv, "o");
+    const double err_dq = compare(packed_grads.dq, single_grads.dq, Dqk, "dq");
+    const double err_dk = compare(packed_grads.dk, single_grads.dk, Dqk, "dk");
+    const double err_dv = compare(packed_grads.dv, single_grads.dv, Dv, "dv");
+    double max_lse_error = 0;  // lse is [B, H, T]
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < length; ++t)
+        max_lse_error = std::max(max_lse_error,
+                                 std::abs(double(packed_grads.lse[h * T + token_offset + t]) -
+                                          double(single_grads.lse[h * length + t])));
+    EXPECT_LE(max_lse_error, tolerance * 10);
+    std::printf("  %s packed vs separate doc@%lld: o %.3g dq %.3g dk %.3g dv %.3g lse %.3g\n",
+                sizeof(Real) == 4 ? "float " : "double", (long long)token_offset, err_o, err_dq,
+                err_dk, err_dv, max_lse_error);
+    token_offset += length;
+  }
+}
+
+TEST(AttentionDocStart, PackedRowEqualsSeparateRowsDouble) { check_packed_equals_separate<double>(1e-13); }
+TEST(AttentionDocStart, PackedRowEqualsSeparateRowsFloat) { check_packed_equals_separate<float>(1e-6); }
+
+TEST(AttentionDocStart, RejectsStartsOutsideTheRow) {
+  const AttnShape shape{1, 4, 1, 4, 4};
+  const AttentionInputs in = make_attention_inputs(shape, 5u);
+  Arena ws(attention_causal_workspace_bytes(shape, 16), "attn-test");
+  std::vector<float> out(in.v.size());
+  for (std::vector<int32_t> bad : {std::vector<int32_t>{0, 0, 3, 2}, {0, -1, 0, 0}}) {
+    EXPECT_THROW(attention_causal_forward(in.q.data(), in.k.data(), in.v.data(), out.data(),
+                                          nullptr, shape, 1.0, ws, 16, bad.data()),
+                 Error);
+  }
+}
+
+// The per-head schedule (1 thread) and the two-pass schedule (more threads than heads) give
+// bit-identical gradients; and the backward accumulates into its outputs.
+TEST(AttentionBackward, DeterministicAcrossThreadCountsAndAccumulates) {
+  const AttnShape shape{1, 200, 1, 32, 16};
+  AttentionProblem<float> p = make_attention_problem<float>(shape, 9u);
+  p.doc_start = random_doc_start(1, shape.T, 4u, 90);
+  const int saved_threads = num_threads();
+  set_num_threads(1);
+  const AttentionGradients<float> one_thread = run_flash_forward_backward(p, 32, 0.2);
+  set_num_threads(4);
+  const AttentionGradients<float> four_threads = run_flash_forward_backward(p, 32, 0.2);
+  set_num_threads(saved_threads);
+  EXPECT_EQ(one_thread.dq, four_threads.dq);
+  EXPECT_EQ(one_thread.dk, four_threads.dk);
+  EXPECT_EQ(one_thread.dv, four_threads.dv);
+
+  // Accumulation: a second backward into the same buffers doubles them (up to rounding: the
+  // tiles are added one by one onto the existing values).
+  AttentionGradients<float> twice = one_thread;
+  Arena ws(attention_causal_backward_workspace_bytes(shape, 32), "attn-test");
+  attention_causal_backward(p.q.data(), p.k.data(), p.v.data(), twice.o.data(), twice.lse.data(),
+                            p.dout.data(), twice.dq.data(), twice.dk.data(), twice.dv.data(),
+                            shape, 0.2, ws, 32, p.doc_start_or_null());
+  for (size_t i = 0; i < twice.dq.size(); ++i)
+    ASSERT_NEAR(twice.dq[i], 2 * one_thread.dq[i], 1e-5 * (1 + std::abs(one_thread.dq[i])));
+  for (size_t i = 0; i < twice.dk.size(); ++i)
+    ASSERT_NEAR(twice.dk[i], 2 * one_thread.dk[i], 1e-5 * (1 + std::abs(one_thread.dk[i])));
+  for (size_t i = 0; i < twice.dv.size(); ++i)
+    ASSERT_NEAR(twice.dv[i], 2 * one_thread.dv[i], 1e-5 * (1 + std::abs(one_thread.dv[i])));
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE backward and positions
+
+TEST(RopeInterleaved, InverseIsTransposeAndUndoesPlainRotation) {
+  for (bool yarn : {false, true}) {
+    RopeParams p;
+    p.dim = 16;
+    p.yarn = yarn;
+    p.factor = 8;
+    p.original_max_position = 64;
+    p.mscale = 1.0;
+    p.mscale_all_dim = 0.0;  // under YaRN the tables then carry an amplitude ≠ 1
+    const int64_t positions = 300, rows = 12, stride = 24, offset = 5;
+    std::vector<double> cos(size_t(positions * p.dim / 2)), sin(cos.size());
+    rope_build_tables(p, positions, cos.data(), sin.data());
+    std::vector<int64_t> pos(rows);
+    for (int64_t r = 0; r < rows; ++r) pos[r] = (r * 37) % positions;
+    const std::vector<double> x = random_vector_of<double>(size_t(rows * stride), 1u);
+    const std::vector<double> y = random_vector_of<double>(size_t(rows * stride), 2u);
+    std::vector<double> rotated_x = x, inverse_rotated_y = y;
+    rope_apply_interleaved(rotated_x.data(), rows, stride, offset, p.dim, pos.data(), cos.data(),
+                           sin.data());
+    rope_apply_interleaved_inverse(inverse_rotated_y.data(), rows, stride, offset, p.dim,
+                                   pos.data(), cos.data(), sin.data());
+    // <R x, y> = <x, Rᵀ y>
+    double lhs = 0, rhs = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      lhs += rotated_x[i] * y[i];
+      rhs += x[i] * inverse_rotated_y[i];
+    }
+    EXPECT_NEAR(lhs, rhs, 1e-12 * (1 + std::abs(lhs))) << "yarn=" << yarn;
+    if (!yarn) {  // amplitude 1: the inverse undoes the rotation
+      rope_apply_interleaved_inverse(rotated_x.data(), rows, stride, offset, p.dim, pos.data(),
+                                     cos.data(), sin.data());
+      for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(rotated_x[i], x[i], 1e-13);
+    }
+  }
+}
+
+TEST(RopeInterleaved, DoubleTablesMatchFloatTables) {
+  RopeParams p;
+  p.dim = 64;
+  p.yarn = true;
+  p.factor = 40;
+  const int64_t positions = 5000;
+  const RopeTables f = build_tables(p, positions);
+  std::vector<double> cos(f.cos.size()), sin(f.sin.size());
+  rope_build_tables(p, positions, cos.data(), sin.data());
+  for (size_t i = 0; i < cos.size(); ++i) {
+    ASSERT_EQ(f.cos[i], float(cos[i]));
+    ASSERT_EQ(f.sin[i], float(sin[i]));
+  }
+}
+
+TEST(RopeInterleaved, PositionsRestartAtDocumentStarts) {
+  const std::vector<int32_t> doc_start = doc_start_from_lengths({{3, 2}, {5}}, 5);
+  std::vector<int64_t> pos(10);
+  rope_positions_from_doc_start(doc_start.data(), 2, 5, pos.data());
+  EXPECT_EQ(pos, (std::vector<int64_t>{0, 1, 2, 0, 1, 0, 1, 2, 3, 4}));
+  rope_positions_from_doc_start(nullptr, 2, 5, pos.data());
+  EXPECT_EQ(pos, (std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1, 2, 3, 4}));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Tests for the gated FFN (SwiGLU / SiTU-GLU) and the MoE router, dispatch plan and grouped expert
-// compute. SPEC §1.4–1.6.
+// compute, forward and backward (finite differences in double, docs/backward.md). SPEC §1.4–1.6.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -507,6 +507,251 @@ TEST(MoeExpertsTest, ResultIndependentOfThreadCount) {
   set_num_threads(threads_before);
   // Each tile's GEMMs see the same rows whatever thread runs them, and the combine order is fixed.
   EXPECT_EQ(y_many, y_one);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: finite differences in double (docs/backward.md)
+
+std::vector<double> random_doubles(size_t n, double stddev, std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, stddev);
+  std::vector<double> v(n);
+  for (double& x : v) x = dist(rng);
+  return v;
+}
+
+double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Central difference of loss() in `param` with a step relative to its magnitude.
+template <typename Loss>
+double central_difference(double& param, Loss&& loss) {
+  const double saved = param, step = 1e-6 * std::max(1.0, std::fabs(saved));
+  param = saved + step;
+  const double plus = loss();
+  param = saved - step;
+  const double minus = loss();
+  param = saved;
+  return (plus - minus) / (2 * step);
+}
+
+// Compares the analytic gradient of every entry of `param` (or `max_entries` random ones) with
+// central differences; returns max |fd − analytic| / max(max |analytic|, 1e-6) over the entries
+// checked (the floor makes an identically zero gradient, e.g. k = 1 renormalised weights, an
+// absolute check instead of 0/0).
+template <typename Loss>
+double fd_check_tensor(std::vector<double>& param, const std::vector<double>& analytic,
+                       Loss&& loss, std::mt19937& rng, size_t max_entries = 1u << 30) {
+  std::vector<size_t> entries(param.size());
+  std::iota(entries.begin(), entries.end(), size_t(0));
+  if (entries.size() > max_entries) {
+    std::shuffle(entries.begin(), entries.end(), rng);
+    entries.resize(max_entries);
+  }
+  double max_diff = 0, max_analytic = 1e-6;
+  for (size_t i : entries) {
+    const double fd = central_difference(param[i], loss);
+    max_diff = std::max(max_diff, std::fabs(fd - analytic[i]));
+    max_analytic = std::max(max_analytic, std::fabs(analytic[i]));
+  }
+  return max_diff / max_analytic;
+}
+
+TEST(SituTest, GluBackwardAtExtremeInputsIsFiniteAndMatchesFiniteDifferences) {
+  const std::vector<double> values = {1e4, -1e4, 1e3, -1e3, 50.0, -50.0, 3.0, -3.0, 1e-3, 0.0};
+  double worst = 0;
+  for (const GluActivation& a : {swiglu(), situ()})
+    for (double g : values)
+      for (double u : values) {
+        SCOPED_TRACE(testing::Message() << "act=" << int(a.kind) << " g=" << g << " u=" << u);
+        const double dh = 1.0;
+        double dg = 0, du = 0;
+        glu_backward(&g, &u, &dh, &dg, &du, 1, a);
+        ASSERT_TRUE(std::isfinite(dg) && std::isfinite(du));
+        const float gf = float(g), uf = float(u), dhf = 1.0f;
+        float dgf = 0, duf = 0;
+        glu_backward(&gf, &uf, &dhf, &dgf, &duf, 1, a);
+        ASSERT_TRUE(std::isfinite(dgf) && std::isfinite(duf));
+        double gv = g, uv = u;
+        const double fd_g = central_difference(gv, [&] { return glu_reference(gv, u, a); });
+        const double fd_u = central_difference(uv, [&] { return glu_reference(g, uv, a); });
+        const double err_g = std::fabs(dg - fd_g) / (1.0 + std::fabs(fd_g));
+        const double err_u = std::fabs(du - fd_u) / (1.0 + std::fabs(fd_u));
+        EXPECT_LE(err_g, 1e-6);
+        EXPECT_LE(err_u, 1e-6);
+        worst = std::max({worst, err_g, err_u});
+      }
+  RecordProperty("glu_backward_extreme_worst_err", testing::PrintToString(worst));
+  std::printf("[          ] glu_backward at |g|,|u| up to 1e4 vs FD: worst rel err %.3g\n", worst);
+}
+
+TEST(FfnTest, BackwardMatchesFiniteDifferencesInDouble) {
+  const int64_t N = 5, d = 6, F = 7;
+  std::mt19937 rng(21);
+  double worst = 0;
+  for (const GluActivation& a : {swiglu(), situ()}) {
+    std::vector<double> x = random_doubles(N * d, 1.0, rng);
+    std::vector<double> wg = random_doubles(F * d, 0.6, rng), wu = random_doubles(F * d, 0.6, rng);
+    std::vector<double> wd = random_doubles(d * F, 0.5, rng);
+    const std::vector<double> R = random_doubles(N * d, 1.0, rng);
+    Arena ws(ffn_backward_workspace_bytes(N, F, sizeof(double)) +
+                 ffn_forward_workspace_bytes(N, F, sizeof(double)),
+             "ffn-ws");
+    auto loss = [&] {
+      std::vector<double> y(N * d);
+      ffn_forward(x.data(), wg.data(), wu.data(), wd.data(), y.data(), N, d, F, a, ws);
+      return dot(y, R);
+    };
+    // Analytic, recomputing g/u.
+    std::vector<double> dx(N * d, 0.0), dwg(F * d, 0.0), dwu(F * d, 0.0), dwd(d * F, 0.0);
+    ffn_backward(x.data(), wg.data(), wu.data(), wd.data(), nullptr, nullptr, R.data(), dx.data(),
+                 dwg.data(), dwu.data(), dwd.data(), N, d, F, a, ws);
+    EXPECT_EQ(ws.used(), 0u);
+    // Same with the forward's saved g/u; accumulating on top doubles every gradient.
+    std::vector<double> saved_gate(N * F), saved_up(N * F), y(N * d);
+    ffn_forward(x.data(), wg.data(), wu.data(), wd.data(), y.data(), N, d, F, a, ws,
+                saved_gate.data(), saved_up.data());
+    EXPECT_NEAR(dot(y, R), loss(), 1e-12 * std::fabs(loss()));
+    std::vector<double> dx2 = dx, dwg2 = dwg, dwu2 = dwu, dwd2 = dwd;
+    ffn_backward(x.data(), wg.data(), wu.data(), wd.data(), saved_gate.data(), saved_up.data(),
+                 R.data(), dx2.data(), dwg2.data(), dwu2.data(), dwd2.data(), N, d, F, a, ws);
+    for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], 2 * dx[i], 1e-12);
+    for (size_t i = 0; i < dwg.size(); ++i) EXPECT_NEAR(dwg2[i], 2 * dwg[i], 1e-12);
+    for (size_t i = 0; i < dwd.size(); ++i) EXPECT_NEAR(dwd2[i], 2 * dwd[i], 1e-12);
+
+    const double err_x = fd_check_tensor(x, dx, loss, rng);
+    const double err_g = fd_check_tensor(wg, dwg, loss, rng);
+    const double err_u = fd_check_tensor(wu, dwu, loss, rng);
+    const double err_d = fd_check_tensor(wd, dwd, loss, rng);
+    std::printf("[          ] ffn_backward %s FD rel err: x %.2g gate %.2g up %.2g down %.2g\n",
+                a.kind == Activation::SiTU ? "SiTU" : "SwiGLU", err_x, err_g, err_u, err_d);
+    for (double e : {err_x, err_g, err_u, err_d}) {
+      EXPECT_LE(e, 1e-7);
+      worst = std::max(worst, e);
+    }
+  }
+  RecordProperty("ffn_backward_fd_worst_rel_err", testing::PrintToString(worst));
+}
+
+struct RouteBackwardCase {
+  int E, k, n_group, topk_group;
+  bool renormalize;
+  float scaling;
+};
+
+TEST(MoeRouteBackwardTest, MatchesFiniteDifferencesWithSelectionFixed) {
+  std::mt19937 rng(23);
+  const int64_t N = 6;
+  double worst = 0;
+  for (const RouteBackwardCase& c : {RouteBackwardCase{8, 3, 1, 1, true, 2.5f},
+                                     RouteBackwardCase{8, 2, 1, 1, false, 1.7f},
+                                     RouteBackwardCase{16, 2, 4, 2, true, 1.0f},
+                                     RouteBackwardCase{6, 1, 1, 1, true, 1.0f}}) {
+    SCOPED_TRACE(testing::Message() << "E=" << c.E << " k=" << c.k << " groups=" << c.n_group
+                                    << " renorm=" << c.renormalize);
+    RouterParams p;
+    p.num_experts = c.E;
+    p.top_k = c.k;
+    p.n_group = c.n_group;
+    p.topk_group = c.topk_group;
+    p.renormalize = c.renormalize;
+    p.scaling = c.scaling;
+    std::vector<double> logits = random_doubles(N * c.E, 1.5, rng);
+    const std::vector<double> bias = random_doubles(c.E, 0.1, rng);
+    const std::vector<double> R = random_doubles(N * c.k, 1.0, rng);
+    std::vector<double> scores(N * c.E), w(N * c.k), cutoff(N);
+    std::vector<int32_t> idx(N * c.k), base_idx(N * c.k);
+    moe_route(logits.data(), bias.data(), N, p, scores.data(), base_idx.data(), w.data(),
+              cutoff.data());
+    bool selection_changed = false;
+    auto loss = [&] {
+      moe_route(logits.data(), bias.data(), N, p, scores.data(), idx.data(), w.data(), nullptr);
+      selection_changed |= idx != base_idx;
+      return dot(w, R);
+    };
+    loss();
+    std::vector<double> dlogits(N * c.E, 0.0);
+    moe_route_backward(scores.data(), base_idx.data(), R.data(), N, p, dlogits.data());
+    // Only selected experts receive gradient: the bias and the unselected scores do not enter p.
+    for (int64_t t = 0; t < N; ++t)
+      for (int e = 0; e < c.E; ++e)
+        if (std::find(base_idx.begin() + t * c.k, base_idx.begin() + (t + 1) * c.k, e) ==
+            base_idx.begin() + (t + 1) * c.k) {
+          EXPECT_EQ(dlogits[t * c.E + e], 0.0);
+        }
+    const double err = fd_check_tensor(logits, dlogits, loss, rng);
+    EXPECT_FALSE(selection_changed) << "a perturbation flipped the selection; widen the margins";
+    EXPECT_LE(err, 1e-7);
+    worst = std::max(worst, err);
+  }
+  RecordProperty("moe_route_backward_fd_worst_rel_err", testing::PrintToString(worst));
+  std::printf("[          ] moe_route_backward FD: worst rel err %.3g\n", worst);
+}
+
+// Experts in double: y = Σ_slot w·E_j(x); FD for x, every expert weight and the routing weights.
+TEST(MoeExpertsBackwardTest, MatchesFiniteDifferencesInDouble) {
+  std::mt19937 rng(29);
+  const int64_t N = 9, Din = 5, F = 6;
+  const int E = 4, k = 2;
+  double worst = 0;
+  for (const GluActivation& act : {swiglu(), situ()}) {
+    std::vector<double> x = random_doubles(N * Din, 1.0, rng);
+    std::vector<double> gate = random_doubles(E * F * Din, 0.6, rng);
+    std::vector<double> up = random_doubles(E * F * Din, 0.6, rng);
+    std::vector<double> down = random_doubles(E * Din * F, 0.5, rng);
+    std::vector<double> w = random_doubles(N * k, 0.7, rng);
+    const std::vector<double> R = random_doubles(N * Din, 1.0, rng);
+    // Expert 3 gets no rows: its gradient must stay exactly zero.
+    const std::vector<int32_t> idx = random_routing(N, k, E, {0, 1, 2}, rng);
+    Arena plan_arena(1 << 16, "plan");
+    MoePlan plan;
+    moe_plan_build(idx.data(), N, k, E, &plan, plan_arena);
+    const ExpertWeightsT<double> ew{gate.data(), up.data(), down.data(), E, Din, F};
+    const ExpertWeights ew_shape{nullptr, nullptr, nullptr, E, Din, F};
+    Arena ws(std::max(moe_experts_forward_workspace_bytes(N, k, ew_shape, num_threads(), 8),
+                      moe_experts_backward_workspace_bytes(N, k, ew_shape, num_threads(), 8)),
+             "moe-ws");
+    auto loss = [&] {
+      std::vector<double> y(N * Din);
+      moe_experts_forward(x.data(), plan, w.data(), ew, act, y.data(), ws);
+      return dot(y, R);
+    };
+    std::vector<double> dx(N * Din, 0.0), dw(N * k, 0.0), dgate(gate.size(), 0.0),
+        dup(up.size(), 0.0), ddown(down.size(), 0.0);
+    moe_experts_backward(x.data(), plan, w.data(), ew, act, nullptr, nullptr, R.data(), dx.data(),
+                         dw.data(), ExpertGradsT<double>{dgate.data(), dup.data(), ddown.data()},
+                         ws);
+    EXPECT_EQ(ws.used(), 0u);
+    for (int64_t i = 3 * F * Din; i < 4 * F * Din; ++i) EXPECT_EQ(dgate[i], 0.0);
+
+    // Saved g/u give the same gradients (up to GEMM vs GEMV rounding).
+    std::vector<double> saved_gate(N * k * F), saved_up(N * k * F), y(N * Din);
+    moe_experts_forward(x.data(), plan, w.data(), ew, act, y.data(), ws, saved_gate.data(),
+                        saved_up.data());
+    std::vector<double> dx_saved(N * Din, 0.0), dw_saved(N * k, 0.0), ddown_saved(down.size(), 0.0);
+    moe_experts_backward(x.data(), plan, w.data(), ew, act, saved_gate.data(), saved_up.data(),
+                         R.data(), dx_saved.data(), dw_saved.data(),
+                         ExpertGradsT<double>{nullptr, nullptr, ddown_saved.data()}, ws);
+    EXPECT_LE(test::rel_rms(dx_saved.data(), dx.data(), dx.size()), 1e-13);
+    EXPECT_LE(test::rel_rms(dw_saved.data(), dw.data(), dw.size()), 1e-13);
+    EXPECT_LE(test::rel_rms(ddown_saved.data(), ddown.data(), ddown.size()), 1e-13);
+
+    const double err_x = fd_check_tensor(x, dx, loss, rng);
+    const double err_w = fd_check_tensor(w, dw, loss, rng);
+    const double err_g = fd_check_tensor(gate, dgate, loss, rng);
+    const double err_u = fd_check_tensor(up, dup, loss, rng);
+    const double err_d = fd_check_tensor(down, ddown, loss, rng);
+    std::printf("[          ] moe_experts_backward %s FD rel err: x %.2g weights %.2g gate %.2g "
+                "up %.2g down %.2g\n",
+                act.kind == Activation::SiTU ? "SiTU" : "SwiGLU", err_x, err_w, err_g, err_u, err_d);
+    for (double e : {err_x, err_w, err_g, err_u, err_d}) {
+      EXPECT_LE(e, 1e-7);
+      worst = std::max(worst, e);
+    }
+  }
+  RecordProperty("moe_experts_backward_fd_worst_rel_err", testing::PrintToString(worst));
 }
 
 }  // namespace

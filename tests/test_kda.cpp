@@ -1,6 +1,7 @@
 // KDA operator (SPEC §1.1): recurrent and chunked forms against the reference goldens, against
 // each other on random inputs (including decay strong enough to underflow), state handling
-// (nullptr s0 / sT, in-place decode), and the `deltamoe op kda` CLI.
+// (nullptr s0 / sT, in-place decode), packed documents (doc_start), the backward of both forms
+// (goldens, chunked vs BPTT, finite differences) and the `deltamoe op kda` CLI.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,9 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/arena.h"
@@ -309,6 +313,370 @@ TEST(KdaChunk, RejectsBadChunkAndTinyWorkspace) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Backward.
+
+namespace {
+
+template <typename T>
+struct KdaGrads {
+  std::vector<T> dq, dk, dv, dg, dbeta, ds0;
+};
+
+// Gradients of Σ o·d_o + Σ sT·dsT (dsT == nullptr: 0); chunk == 0 selects BPTT.
+template <typename T>
+KdaGrads<T> run_kda_backward(const KdaProblem<T>& p, const std::vector<T>& d_o,
+                             const std::type_identity_t<std::vector<T>>* dsT, int chunk,
+                             bool with_s0 = true,
+                             const int32_t* doc_start = nullptr) {
+  const KdaShape& s = p.shape;
+  KdaGrads<T> r;
+  const size_t n_qk = size_t(s.B * s.T * s.H * s.K), n_v = size_t(s.B * s.T * s.H * s.V);
+  r.dq.assign(n_qk, T(0));
+  r.dk.assign(n_qk, T(0));
+  r.dg.assign(n_qk, T(0));
+  r.dv.assign(n_v, T(0));
+  r.dbeta.assign(size_t(s.B * s.T * s.H), T(0));
+  r.ds0.assign(size_t(s.B * s.H * s.K * s.V), T(0));
+  const T* s0 = with_s0 ? p.s0.data() : nullptr;
+  const T* dsT_ptr = dsT ? dsT->data() : nullptr;
+  if (chunk == 0) {
+    kda_recurrent_backward<T>(p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), s0,
+                              d_o.data(), dsT_ptr, r.dq.data(), r.dk.data(), r.dv.data(),
+                              r.dg.data(), r.dbeta.data(), r.ds0.data(), s, default_scale<T>(s),
+                              doc_start);
+  } else {
+    Arena ws(kda_chunk_backward_workspace_bytes<T>(s, chunk), "kda_backward_test_ws");
+    kda_chunk_backward<T>(p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), s0,
+                          d_o.data(), dsT_ptr, r.dq.data(), r.dk.data(), r.dv.data(),
+                          r.dg.data(), r.dbeta.data(), r.ds0.data(), s, default_scale<T>(s),
+                          chunk, ws, doc_start);
+    EXPECT_EQ(ws.used(), 0u) << "workspace not released";
+  }
+  return r;
+}
+
+template <typename T>
+std::vector<std::pair<std::string, const std::vector<T>*>> grad_list(const KdaGrads<T>& g) {
+  return {{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv},
+          {"dg", &g.dg}, {"dbeta", &g.dbeta}, {"ds0", &g.ds0}};
+}
+
+std::vector<double> random_normal_vector(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> x(n);
+  for (auto& e : x) e = normal(rng);
+  return x;
+}
+
+void check_golden_backward_file(const std::string& file) {
+  if (!test::goldens_available()) GTEST_SKIP() << "goldens not found at " << test::goldens_dir();
+  const auto reader = SafetensorsReader::open(test::goldens_dir() + "/" + file);
+  const KdaProblem<double> p = load_golden_problem(reader);
+  const KdaProblem<float> p32 = cast_problem<float>(p);
+  const std::vector<double> d_o = test::to_f64(reader.get("do"));
+  const std::vector<double> dsT = test::to_f64(reader.get("dsT"));
+  const std::vector<float> d_o32 = cast_vector<float>(d_o), dsT32 = cast_vector<float>(dsT);
+  for (int chunk : {0, 16, 32, 64}) {
+    const std::string form = chunk == 0 ? "recurrent" : "chunk " + std::to_string(chunk);
+    const KdaGrads<double> g64 = run_kda_backward(p, d_o, &dsT, chunk);
+    const KdaGrads<float> g32 = run_kda_backward(p32, d_o32, &dsT32, chunk);
+    const auto list64 = grad_list(g64);
+    const auto list32 = grad_list(g32);
+    std::string line;
+    for (size_t i = 0; i < list64.size(); ++i) {
+      const std::string& name = list64[i].first;
+      const std::vector<double> ref = test::to_f64(reader.get(name));
+      const std::vector<float> ref32 = test::to_f32(reader.get(name));
+      const double err64 = test::rel_rms(list64[i].second->data(), ref.data(), ref.size());
+      const double err32 = test::rel_rms(list32[i].second->data(), ref32.data(), ref32.size());
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " %s %.1e/%.1e", name.c_str(), err64, err32);
+      line += buf;
+      EXPECT_LE(err64, 1e-10) << form << " " << name;
+      EXPECT_LE(err32, 1e-4) << form << " " << name;
+    }
+    std::printf("[kda backward %s %-10s] f64/f32:%s\n", file.c_str(), form.c_str(), line.c_str());
+  }
+}
+
+}  // namespace
+
+TEST(KdaBackwardGolden, SmallMatchesReference) {
+  check_golden_backward_file("kda_op_small.safetensors");
+}
+TEST(KdaBackwardGolden, LongMatchesReference) {
+  check_golden_backward_file("kda_op_long.safetensors");
+}
+
+// Chunked backward == BPTT for lengths around chunk boundaries, with mixed weak / very strong
+// decay, with and without s0 / dsT.
+TEST(KdaBackward, ChunkMatchesRecurrentRandom) {
+  for (int64_t T_len : {1, 17, 63, 64, 65, 130}) {
+    const KdaShape shape{2, T_len, 3, 16, 12};
+    const KdaProblem<double> p = random_problem(shape, 2000 + uint64_t(T_len));
+    const KdaProblem<float> p32 = cast_problem<float>(p);
+    const std::vector<double> d_o = random_normal_vector(size_t(shape.B * T_len * shape.H * shape.V), 1);
+    const std::vector<double> dsT = random_normal_vector(size_t(shape.B * shape.H * shape.K * shape.V), 2);
+    const std::vector<float> d_o32 = cast_vector<float>(d_o), dsT32 = cast_vector<float>(dsT);
+    double worst64 = 0, worst32 = 0;
+    for (bool with_state : {true, false}) {
+      const std::vector<double>* dsT_ptr = with_state ? &dsT : nullptr;
+      const std::vector<float>* dsT32_ptr = with_state ? &dsT32 : nullptr;
+      const KdaGrads<double> ref = run_kda_backward(p, d_o, dsT_ptr, 0, with_state);
+      for (int chunk : {16, 32, 64}) {
+        const KdaGrads<double> r = run_kda_backward(p, d_o, dsT_ptr, chunk, with_state);
+        const KdaGrads<float> r32 = run_kda_backward(p32, d_o32, dsT32_ptr, chunk, with_state);
+        const auto ref_list = grad_list(ref), list = grad_list(r);
+        const auto list32 = grad_list(r32);
+        for (size_t i = 0; i < ref_list.size(); ++i) {
+          const std::vector<double>& want = *ref_list[i].second;
+          ASSERT_TRUE(all_finite(*list[i].second) && all_finite(*list32[i].second));
+          const std::vector<float> want32 = cast_vector<float>(want);
+          const double err = test::rel_rms(list[i].second->data(), want.data(), want.size());
+          const double err32 =
+              test::rel_rms(list32[i].second->data(), want32.data(), want32.size());
+          worst64 = std::max(worst64, err);
+          worst32 = std::max(worst32, err32);
+          EXPECT_LE(err, 1e-11) << "T=" << T_len << " chunk=" << chunk << " "
+                                << ref_list[i].first << " state=" << with_state;
+          EXPECT_LE(err32, 1e-4) << "T=" << T_len << " chunk=" << chunk << " "
+                                 << ref_list[i].first << " state=" << with_state;
+        }
+      }
+    }
+    std::printf("[kda backward chunk vs bptt T=%3lld] worst f64 %.1e f32 %.1e\n",
+                (long long)T_len, worst64, worst32);
+  }
+}
+
+// Every channel decays by e^{−20} or more per step: the backward must stay finite too.
+TEST(KdaBackward, StrongDecayStaysFinite) {
+  const KdaShape shape{1, 130, 2, 32, 16};
+  const KdaProblem<double> p = random_problem(shape, 8, 3.0, 3.3);
+  const KdaProblem<float> p32 = cast_problem<float>(p);
+  const std::vector<double> d_o = random_normal_vector(size_t(shape.T * shape.H * shape.V), 3);
+  const std::vector<double> dsT = random_normal_vector(size_t(shape.H * shape.K * shape.V), 4);
+  const std::vector<float> d_o32 = cast_vector<float>(d_o), dsT32 = cast_vector<float>(dsT);
+  const KdaGrads<double> ref = run_kda_backward(p, d_o, &dsT, 0);
+  const auto ref_list = grad_list(ref);
+  for (int chunk : {16, 32, 64}) {
+    const KdaGrads<double> r = run_kda_backward(p, d_o, &dsT, chunk);
+    const KdaGrads<float> r32 = run_kda_backward(p32, d_o32, &dsT32, chunk);
+    const auto list = grad_list(r);
+    const auto list32 = grad_list(r32);
+    for (size_t i = 0; i < ref_list.size(); ++i) {
+      const std::string& name = ref_list[i].first;
+      ASSERT_TRUE(all_finite(*list[i].second) && all_finite(*list32[i].second)) << name;
+      const std::vector<double>& want = *ref_list[i].second;
+      if (name == "ds0") {  // ~e^{−20·130}: zero in every form; compare absolutely
+        double max_abs = 0;
+        for (size_t j = 0; j < want.size(); ++j)
+          max_abs = std::max(max_abs, std::abs((*list[i].second)[j] - want[j]));
+        EXPECT_LE(max_abs, 1e-12) << chunk;
+        continue;
+      }
+      const std::vector<float> want32 = cast_vector<float>(want);
+      const double err = test::rel_rms(list[i].second->data(), want.data(), want.size());
+      const double err32 = test::rel_rms(list32[i].second->data(), want32.data(), want32.size());
+      std::printf("[kda backward strong decay chunk %d %-5s] f64 %.1e f32 %.1e\n", chunk,
+                  name.c_str(), err, err32);
+      EXPECT_LE(err, 1e-11) << chunk << " " << name;
+      EXPECT_LE(err32, 1e-4) << chunk << " " << name;
+    }
+  }
+}
+
+// Central differences in double of L = Σ o·R + Σ sT·Rs against both backwards.
+TEST(KdaBackward, FiniteDifferencesDouble) {
+  const KdaShape shape{2, 21, 2, 8, 6};
+  const KdaProblem<double> base = random_problem(shape, 99, -5.0, 1.0);
+  const std::vector<double> r_o = random_normal_vector(size_t(shape.B * shape.T * shape.H * shape.V), 5);
+  const std::vector<double> r_s = random_normal_vector(size_t(shape.B * shape.H * shape.K * shape.V), 6);
+  for (int chunk : {0, 16}) {
+    auto loss = [&](const KdaProblem<double>& p) {
+      const KdaResult<double> r = run_kda(p, chunk);
+      double total = 0;
+      for (size_t i = 0; i < r.o.size(); ++i) total += r.o[i] * r_o[i];
+      for (size_t i = 0; i < r.sT.size(); ++i) total += r.sT[i] * r_s[i];
+      return total;
+    };
+    const KdaGrads<double> analytic = run_kda_backward(base, r_o, &r_s, chunk);
+    using Field = std::vector<double> KdaProblem<double>::*;
+    const std::vector<std::tuple<std::string, Field, const std::vector<double>*>> fields = {
+        {"q", &KdaProblem<double>::q, &analytic.dq},   {"k", &KdaProblem<double>::k, &analytic.dk},
+        {"v", &KdaProblem<double>::v, &analytic.dv},   {"g", &KdaProblem<double>::g, &analytic.dg},
+        {"beta", &KdaProblem<double>::beta, &analytic.dbeta},
+        {"s0", &KdaProblem<double>::s0, &analytic.ds0}};
+    std::mt19937_64 rng(123);
+    for (const auto& [name, field, grad] : fields) {
+      const size_t n = (base.*field).size();
+      std::vector<double> numeric, expected;
+      for (int sample = 0; sample < 60; ++sample) {
+        const size_t i = size_t(rng() % n);
+        KdaProblem<double> p = base;
+        const double x = (base.*field)[i];
+        const double h = 1e-6 * std::max(1.0, std::abs(x));
+        (p.*field)[i] = x + h;
+        const double up = loss(p);
+        (p.*field)[i] = x - h;
+        const double down = loss(p);
+        numeric.push_back((up - down) / (2 * h));
+        expected.push_back((*grad)[i]);
+      }
+      const double err = test::rel_rms(expected.data(), numeric.data(), numeric.size());
+      std::printf("[kda fd %-9s %-4s] rel err %.2e\n", chunk == 0 ? "recurrent" : "chunk 16",
+                  name.c_str(), err);
+      EXPECT_LE(err, 1e-6) << name << " chunk=" << chunk;
+    }
+  }
+}
+
+// Packed documents: one row holding several documents equals running each document as its own
+// sequence (the first from s0, the others from the zero state), forward and backward. Documents
+// start inside chunks, at a chunk boundary, and one is a single token.
+TEST(KdaDocStart, PackedEqualsSeparate) {
+  const std::vector<std::vector<int64_t>> row_docs = {{23, 41}, {16, 1, 30, 17}};
+  const int64_t T_len = 64, H = 2, K = 8, V = 6;
+  const KdaShape packed_shape{int64_t(row_docs.size()), T_len, H, K, V};
+  const KdaProblem<double> packed = random_problem(packed_shape, 31, -4.0, 1.0);
+  const std::vector<double> d_o = random_normal_vector(size_t(2 * T_len * H * V), 7);
+  const std::vector<double> dsT = random_normal_vector(size_t(2 * H * K * V), 8);
+  std::vector<int32_t> doc_start(size_t(2 * T_len));
+  for (size_t b = 0; b < row_docs.size(); ++b) {
+    int64_t start = 0;
+    for (int64_t len : row_docs[b]) {
+      for (int64_t t = start; t < start + len; ++t) doc_start[b * T_len + t] = int32_t(start);
+      start += len;
+    }
+    ASSERT_EQ(start, T_len);
+  }
+  // Slices [start, start+len) of row b of a [B, T, H, W] tensor → a [1, len, H, W] tensor.
+  auto slice = [&](const std::vector<double>& x, size_t b, int64_t start, int64_t len,
+                   int64_t width) {
+    const double* from = x.data() + (int64_t(b) * T_len + start) * H * width;
+    return std::vector<double>(from, from + len * H * width);
+  };
+  for (int chunk : {0, 16, 32, 64}) {
+    const KdaResult<double> fwd = [&] {
+      KdaResult<double> r;
+      r.o.assign(d_o.size(), 0.0);
+      r.sT.assign(dsT.size(), 0.0);
+      if (chunk == 0) {
+        kda_recurrent_forward<double>(packed.q.data(), packed.k.data(), packed.v.data(),
+                                      packed.g.data(), packed.beta.data(), packed.s0.data(),
+                                      r.o.data(), r.sT.data(), packed_shape,
+                                      default_scale<double>(packed_shape), doc_start.data());
+      } else {
+        Arena ws(kda_chunk_workspace_bytes<double>(packed_shape, chunk));
+        kda_chunk_forward<double>(packed.q.data(), packed.k.data(), packed.v.data(),
+                                  packed.g.data(), packed.beta.data(), packed.s0.data(),
+                                  r.o.data(), r.sT.data(), packed_shape,
+                                  default_scale<double>(packed_shape), chunk, ws,
+                                  doc_start.data());
+      }
+      return r;
+    }();
+    const KdaGrads<double> bwd =
+        run_kda_backward(packed, d_o, &dsT, chunk, true, doc_start.data());
+    for (size_t b = 0; b < row_docs.size(); ++b) {
+      int64_t start = 0;
+      for (size_t doc = 0; doc < row_docs[b].size(); ++doc) {
+        const int64_t len = row_docs[b][doc];
+        const bool first = doc == 0, last = doc + 1 == row_docs[b].size();
+        KdaProblem<double> one;
+        one.shape = {1, len, H, K, V};
+        one.q = slice(packed.q, b, start, len, K);
+        one.k = slice(packed.k, b, start, len, K);
+        one.g = slice(packed.g, b, start, len, K);
+        one.v = slice(packed.v, b, start, len, V);
+        one.beta = slice(packed.beta, b, start, len, 1);
+        one.s0.assign(packed.s0.begin() + b * H * K * V, packed.s0.begin() + (b + 1) * H * K * V);
+        const std::vector<double> one_d_o = slice(d_o, b, start, len, V);
+        const std::vector<double> one_dsT(dsT.begin() + b * H * K * V,
+                                          dsT.begin() + (b + 1) * H * K * V);
+        const KdaResult<double> want = run_kda(one, chunk, first);
+        const KdaGrads<double> want_grads =
+            run_kda_backward(one, one_d_o, last ? &one_dsT : nullptr, chunk, first);
+        const std::string where = "chunk=" + std::to_string(chunk) + " row=" +
+                                  std::to_string(b) + " doc=" + std::to_string(doc);
+        auto expect_close = [&](const std::vector<double>& got, const std::vector<double>& ref,
+                                const std::string& what) {
+          ASSERT_EQ(got.size(), ref.size());
+          EXPECT_LE(test::rel_rms(got.data(), ref.data(), ref.size()), 1e-12) << where << " " << what;
+        };
+        expect_close(slice(fwd.o, b, start, len, V), want.o, "o");
+        expect_close(slice(bwd.dq, b, start, len, K), want_grads.dq, "dq");
+        expect_close(slice(bwd.dk, b, start, len, K), want_grads.dk, "dk");
+        expect_close(slice(bwd.dg, b, start, len, K), want_grads.dg, "dg");
+        expect_close(slice(bwd.dv, b, start, len, V), want_grads.dv, "dv");
+        expect_close(slice(bwd.dbeta, b, start, len, 1), want_grads.dbeta, "dbeta");
+        if (first) {
+          const std::vector<double> ds0_row(bwd.ds0.begin() + b * H * K * V,
+                                            bwd.ds0.begin() + (b + 1) * H * K * V);
+          expect_close(ds0_row, want_grads.ds0, "ds0");
+        }
+        if (last) {
+          const std::vector<double> sT_row(fwd.sT.begin() + b * H * K * V,
+                                           fwd.sT.begin() + (b + 1) * H * K * V);
+          expect_close(sT_row, want.sT, "sT");
+        }
+        start += len;
+      }
+    }
+  }
+}
+
+// Gradients accumulate: running the backward twice into the same buffers doubles them.
+TEST(KdaBackward, Accumulates) {
+  const KdaProblem<double> p = random_problem({1, 40, 2, 8, 8}, 41);
+  const std::vector<double> d_o = random_normal_vector(size_t(40 * 2 * 8), 9);
+  for (int chunk : {0, 16}) {
+    const KdaGrads<double> once = run_kda_backward(p, d_o, nullptr, chunk);
+    KdaGrads<double> twice = once;
+    const KdaShape& s = p.shape;
+    if (chunk == 0) {
+      kda_recurrent_backward<double>(p.q.data(), p.k.data(), p.v.data(), p.g.data(),
+                                     p.beta.data(), p.s0.data(), d_o.data(), nullptr,
+                                     twice.dq.data(), twice.dk.data(), twice.dv.data(),
+                                     twice.dg.data(), twice.dbeta.data(), twice.ds0.data(), s,
+                                     default_scale<double>(s));
+    } else {
+      Arena ws(kda_chunk_backward_workspace_bytes<double>(s, chunk));
+      kda_chunk_backward<double>(p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(),
+                                 p.s0.data(), d_o.data(), nullptr, twice.dq.data(),
+                                 twice.dk.data(), twice.dv.data(), twice.dg.data(),
+                                 twice.dbeta.data(), twice.ds0.data(), s,
+                                 default_scale<double>(s), chunk, ws);
+    }
+    const auto a = grad_list(once), b2 = grad_list(twice);
+    for (size_t i = 0; i < a.size(); ++i)
+      for (size_t j = 0; j < a[i].second->size(); ++j)
+        ASSERT_NEAR((*b2[i].second)[j], 2 * (*a[i].second)[j], 1e-12) << a[i].first;
+  }
+}
+
+// Large enough for the OpenMP path: same gradients as one thread.
+TEST(KdaBackward, ParallelMatchesSerial) {
+  const KdaProblem<double> p = random_problem({2, 100, 4, 32, 32}, 16);
+  const std::vector<double> d_o = random_normal_vector(size_t(2 * 100 * 4 * 32), 10);
+  const int saved_threads = num_threads();
+  set_num_threads(1);
+  const KdaGrads<double> serial = run_kda_backward(p, d_o, nullptr, 64);
+  set_num_threads(std::max(saved_threads, 4));
+  const KdaGrads<double> parallel = run_kda_backward(p, d_o, nullptr, 64);
+  const KdaGrads<double> parallel_recurrent = run_kda_backward(p, d_o, nullptr, 0);
+  set_num_threads(saved_threads);
+  const auto a = grad_list(serial), b = grad_list(parallel), c = grad_list(parallel_recurrent);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE(test::rel_rms(b[i].second->data(), a[i].second->data(), a[i].second->size()), 1e-13)
+        << a[i].first;
+    EXPECT_LE(test::rel_rms(c[i].second->data(), a[i].second->data(), a[i].second->size()), 1e-11)
+        << a[i].first;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // CLI: `deltamoe op kda`.
 
 TEST(KdaCli, ReproducesSmallGolden) {
@@ -341,6 +709,54 @@ TEST(KdaCli, ReproducesSmallGolden) {
     EXPECT_LE(o_err, c.tolerance) << c.flags;
     EXPECT_LE(s_err, c.tolerance) << c.flags;
   }
+}
+
+// With `do` and `dsT` in the input the CLI also writes the gradients; without them it does not.
+TEST(KdaCli, WritesGoldenGradients) {
+  if (!test::goldens_available()) GTEST_SKIP() << "goldens not found at " << test::goldens_dir();
+  const std::string dir = test::temp_dir("kda_cli_backward");
+  for (const std::string file : {"kda_op_small.safetensors", "kda_op_long.safetensors"}) {
+    const std::string input = test::goldens_dir() + "/" + file;
+    const auto golden = SafetensorsReader::open(input);
+    struct Case {
+      std::string flags;
+      DType dtype;
+      double tolerance;
+    };
+    for (const Case& c : {Case{"", DType::F64, 1e-10}, Case{"--chunk recurrent", DType::F64, 1e-10},
+                          Case{"--chunk 16 --dtype f32", DType::F32, 1e-4}}) {
+      const std::string output = dir + "/grads.safetensors";
+      const auto res = test::run_cli("op kda --input " + input + " --output " + output + " " +
+                                     c.flags);
+      ASSERT_EQ(res.exit_code, 0) << c.flags << ": " << res.output;
+      const auto out = SafetensorsReader::open(output);
+      std::string line;
+      for (const char* name : {"dq", "dk", "dv", "dg", "dbeta", "ds0"}) {
+        ASSERT_TRUE(out.has(name)) << name;
+        EXPECT_EQ(out.get(name).dtype, c.dtype) << name;
+        EXPECT_EQ(out.get(name).shape, golden.get(name).shape) << name;
+        const std::vector<double> got = test::to_f64(out.get(name));
+        const std::vector<double> want = test::to_f64(golden.get(name));
+        const double err = test::rel_rms(got.data(), want.data(), want.size());
+        char buf[48];
+        std::snprintf(buf, sizeof buf, " %s %.1e", name, err);
+        line += buf;
+        EXPECT_LE(err, c.tolerance) << file << " " << c.flags << " " << name;
+      }
+      std::printf("[kda cli backward %s %-24s]%s\n", file.c_str(), c.flags.c_str(), line.c_str());
+    }
+  }
+  // Forward-only input: no gradient tensors.
+  const auto golden = SafetensorsReader::open(test::goldens_dir() + "/kda_op_small.safetensors");
+  SafetensorsWriter w;
+  for (const char* name : {"q", "k", "v", "g", "beta", "s0"}) w.add(name, golden.get(name));
+  const std::string input = dir + "/forward_only.safetensors";
+  w.write(input);
+  const auto res = test::run_cli("op kda --input " + input + " --output " + dir + "/fwd.safetensors");
+  ASSERT_EQ(res.exit_code, 0) << res.output;
+  const auto out = SafetensorsReader::open(dir + "/fwd.safetensors");
+  EXPECT_TRUE(out.has("o"));
+  EXPECT_FALSE(out.has("dq"));
 }
 
 // A malformed input fails with exit code 1 and a single line naming the offending tensor.

@@ -1,74 +1,313 @@
 #include "model/kda.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "core/gemm.h"
 #include "ops/cpu/kda.h"
 #include "ops/cpu/kda_prep.h"
-#include "ops/cpu/norm.h"
+#include "ops/cpu/norm_gated.h"
 
 namespace dm {
+namespace {
 
-size_t kda_layer_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T, int chunk) {
-  const int64_t N = B * T, H = cfg.kda.num_heads, K = cfg.kda.head_dim, HK = H * K;
-  SizeCounter c;
-  c.add<float>(N * HK);   // raw projection (reused for q, k, v)
-  c.add<float>(N * HK);   // q
-  c.add<float>(N * HK);   // k
-  c.add<float>(N * HK);   // v
-  c.add<float>(N * K);    // low-rank bottleneck (f_a x, g_a x)
-  c.add<float>(N * HK);   // g (log decay), later the output gate
-  c.add<float>(N * H);    // beta
-  c.add<float>(N * HK);   // o
-  KdaShape s{B, T, H, K, K};
-  return c.bytes + (chunk > 0 ? kda_chunk_workspace_bytes<float>(s, chunk) : 0) + 4096;
+// Allocates from an arena, or (arena == nullptr) only counts: the byte functions run the same
+// allocation sequence as the layer, so they cannot disagree with it.
+struct KdaLayerAllocator {
+  Arena* arena = nullptr;
+  SizeCounter counter;
+  template <typename T>
+  T* take(int64_t n) {
+    counter.add<T>(size_t(n));
+    return arena ? arena->alloc<T>(size_t(n)) : nullptr;
+  }
+};
+
+struct KdaLayerDims {
+  int64_t N, d, H, K, HK;
+  int Kc;
+};
+
+KdaLayerDims kda_layer_dims(const ModelConfig& cfg, int64_t B, int64_t T) {
+  const int64_t H = cfg.kda.num_heads, K = cfg.kda.head_dim;
+  return {B * T, int64_t(cfg.hidden), H, K, H * K, cfg.kda.conv_kernel};
 }
 
-void kda_layer_forward(const ModelConfig& cfg, const KdaWeights& w, const float* x, float* y,
-                       int64_t B, int64_t T, Arena& ws, const KdaRunOptions& opt) {
+// y[N,out] (+)= x[N,in] · W[out,in]ᵀ
+template <typename Real>
+void kda_linear(Real* y, const Real* x, const Real* W, int64_t N, int64_t in, int64_t out,
+                bool accumulate = false) {
+  gemm(false, true, N, out, in, Real(1), x, in, W, in, Real(accumulate ? 1 : 0), y, out);
+}
+
+// Backward of y = x·Wᵀ: dW[out,in] += dyᵀ·x; dx[N,in] (+)= dy·W (dx == nullptr: skipped).
+template <typename Real>
+void kda_linear_backward(const Real* x, const Real* W, const Real* dy, Real* dW, Real* dx,
+                         int64_t N, int64_t in, int64_t out, bool accumulate_dx = true) {
+  gemm(true, false, out, in, N, Real(1), dy, out, x, in, Real(1), dW, in);
+  if (dx) gemm(false, false, N, in, out, Real(1), dy, out, W, in, Real(accumulate_dx ? 1 : 0), dx, in);
+}
+
+// The layer's saved activations, from `keep` (the saved arena, or ws when nothing is kept; then
+// buffers that are dead by the time the next one is written share memory, as the inference
+// forward always did).
+template <typename Real>
+KdaSaved<Real> kda_layer_carve_saved(KdaLayerAllocator& keep, const KdaLayerDims& dims,
+                                     bool keeping, bool full_rank_gate, Real* log_decay) {
+  const int64_t N = dims.N, HK = dims.HK, K = dims.K, H = dims.H;
+  KdaSaved<Real> s;
+  s.q_raw = keep.take<Real>(N * HK);
+  s.k_raw = keeping ? keep.take<Real>(N * HK) : s.q_raw;
+  s.v_raw = keeping ? keep.take<Real>(N * HK) : s.q_raw;
+  s.gate_low = keep.take<Real>(N * K);
+  s.gate_raw = keeping ? keep.take<Real>(N * HK) : s.q_raw;
+  s.beta = keep.take<Real>(N * H);
+  s.o = keep.take<Real>(N * HK);
+  if (!full_rank_gate) s.out_gate_low = keeping ? keep.take<Real>(N * K) : s.gate_low;
+  s.out_gate = keeping ? keep.take<Real>(N * HK) : log_decay;  // g is dead after the operator
+  return s;
+}
+
+template <typename Real>
+size_t kda_layer_forward_bytes(const ModelConfig& cfg, int64_t B, int64_t T, int chunk,
+                               bool for_saved_arena) {
+  const KdaLayerDims dims = kda_layer_dims(cfg, B, T);
+  KdaLayerAllocator ws_counter, saved_counter;
+  // Without `saved` everything is in ws; with it, ws holds only q, k, v, g.
+  for (int i = 0; i < 4; ++i) ws_counter.take<Real>(dims.N * dims.HK);
+  KdaLayerAllocator& keep = for_saved_arena ? saved_counter : ws_counter;
+  kda_layer_carve_saved<Real>(keep, dims, for_saved_arena, cfg.kda.full_rank_output_gate,
+                              nullptr);
+  if (for_saved_arena) return saved_counter.counter.bytes;
+  const KdaShape shape{B, T, dims.H, dims.K, dims.K};
+  return ws_counter.counter.bytes + (chunk > 0 ? kda_chunk_workspace_bytes<Real>(shape, chunk) : 0) +
+         4096;
+}
+
+}  // namespace
+
+size_t kda_layer_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T, int chunk,
+                                 size_t elem_size) {
+  return elem_size == sizeof(double) ? kda_layer_forward_bytes<double>(cfg, B, T, chunk, false)
+                                     : kda_layer_forward_bytes<float>(cfg, B, T, chunk, false);
+}
+
+size_t kda_layer_saved_bytes(const ModelConfig& cfg, int64_t B, int64_t T, size_t elem_size) {
+  return elem_size == sizeof(double) ? kda_layer_forward_bytes<double>(cfg, B, T, 0, true)
+                                     : kda_layer_forward_bytes<float>(cfg, B, T, 0, true);
+}
+
+template <typename Real>
+void kda_layer_forward(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const Real* x, Real* y,
+                       int64_t B, int64_t T, Arena& ws, const KdaRunOptions& opt,
+                       const int32_t* doc_start, KdaSaved<Real>* saved, Arena* saved_arena) {
+  DM_CHECK(saved == nullptr || saved_arena != nullptr,
+           "kda_layer_forward: `saved` needs a saved arena");
   ArenaScope scope(ws);
-  const int64_t N = B * T, d = cfg.hidden, H = cfg.kda.num_heads, K = cfg.kda.head_dim, HK = H * K;
-  const int Kc = cfg.kda.conv_kernel;
-  float* raw = ws.alloc<float>(N * HK);
-  float* q = ws.alloc<float>(N * HK);
-  float* k = ws.alloc<float>(N * HK);
-  float* v = ws.alloc<float>(N * HK);
-  float* low = ws.alloc<float>(N * K);
-  float* g = ws.alloc<float>(N * HK);
-  float* beta = ws.alloc<float>(N * H);
-  float* o = ws.alloc<float>(N * HK);
+  const KdaLayerDims dims = kda_layer_dims(cfg, B, T);
+  const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
+  const int Kc = dims.Kc;
+  const bool full_rank_gate = cfg.kda.full_rank_output_gate;
+  KdaLayerAllocator scratch{&ws, {}};
+  KdaLayerAllocator keep{saved ? saved_arena : &ws, {}};
+  Real* q = scratch.take<Real>(N * HK);
+  Real* k = scratch.take<Real>(N * HK);
+  Real* v = scratch.take<Real>(N * HK);
+  Real* g = scratch.take<Real>(N * HK);
+  KdaSaved<Real> act =
+      kda_layer_carve_saved<Real>(keep, dims, saved != nullptr, full_rank_gate, g);
+  act.chunk = opt.chunk;
 
   // q, k, v = SiLU(ShortConv(W x)) — [B, T, H·K], i.e. the operator's [B, T, H, K] layout.
-  linear(raw, x, w.q_proj, N, d, HK);
-  short_conv_silu_forward(raw, w.q_conv, nullptr, q, B, T, HK, Kc);
-  linear(raw, x, w.k_proj, N, d, HK);
-  short_conv_silu_forward(raw, w.k_conv, nullptr, k, B, T, HK, Kc);
-  linear(raw, x, w.v_proj, N, d, HK);
-  short_conv_silu_forward(raw, w.v_conv, nullptr, v, B, T, HK, Kc);
+  kda_linear(act.q_raw, x, w.q_proj, N, d, HK);
+  short_conv_silu_forward<Real>(act.q_raw, w.q_conv, nullptr, q, B, T, HK, Kc, doc_start);
+  kda_linear(act.k_raw, x, w.k_proj, N, d, HK);
+  short_conv_silu_forward<Real>(act.k_raw, w.k_conv, nullptr, k, B, T, HK, Kc, doc_start);
+  kda_linear(act.v_raw, x, w.v_proj, N, d, HK);
+  short_conv_silu_forward<Real>(act.v_raw, w.v_conv, nullptr, v, B, T, HK, Kc, doc_start);
 
   // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
-  linear(low, x, w.f_a, N, d, K);
-  linear(raw, low, w.f_b, N, K, HK);
-  kda_gate_forward(raw, w.A_log, w.dt_bias, g, N, H, K, cfg.kda.gate, cfg.kda.gate_lower_bound);
-  linear(beta, x, w.b_proj, N, d, H);
-  sigmoid_inplace(beta, N * H);
+  kda_linear(act.gate_low, x, w.f_a, N, d, K);
+  kda_linear(act.gate_raw, act.gate_low, w.f_b, N, K, HK);
+  kda_gate_forward<Real>(act.gate_raw, w.A_log, w.dt_bias, g, N, H, K, cfg.kda.gate,
+                         cfg.kda.gate_lower_bound);
+  kda_linear(act.beta, x, w.b_proj, N, d, H);
+  for (int64_t i = 0; i < N * H; ++i) act.beta[i] = kda_sigmoid(act.beta[i]);
 
   const KdaShape s{B, T, H, K, K};
-  const float scale = 1.0f / std::sqrt(float(K));
+  const Real scale = Real(1) / std::sqrt(Real(K));
   if (opt.chunk > 0)
-    kda_chunk_forward<float>(q, k, v, g, beta, nullptr, o, nullptr, s, scale, opt.chunk, ws);
+    kda_chunk_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, nullptr, s, scale, opt.chunk,
+                            ws, doc_start);
   else
-    kda_recurrent_forward<float>(q, k, v, g, beta, nullptr, o, nullptr, s, scale);
+    kda_recurrent_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, nullptr, s, scale,
+                                doc_start);
 
-  // Output gate (low-rank or full-rank), per-head RMSNorm ⊙ sigmoid(gate), then W_o.
-  if (w.g_full) {
-    linear(g, x, w.g_full, N, d, HK);
+  // Output gate (low-rank or full-rank), per-head RMSNorm ⊙ sigmoid(gate), then W_o. Without
+  // `saved` the norm runs in place in o; with it, o is kept and the dead g holds the result.
+  if (full_rank_gate) {
+    kda_linear(act.out_gate, x, w.g_full, N, d, HK);
   } else {
-    linear(low, x, w.g_a, N, d, K);
-    linear(g, low, w.g_b, N, K, HK);
+    kda_linear(act.out_gate_low, x, w.g_a, N, d, K);
+    kda_linear(act.out_gate, act.out_gate_low, w.g_b, N, K, HK);
   }
-  rmsnorm_gated_forward(o, w.o_norm, g, o, N * H, K, cfg.rms_eps);
-  linear(y, o, w.o_proj, N, HK, d);
+  Real* normed = saved ? g : act.o;
+  rmsnorm_gated_forward<Real>(act.o, w.o_norm, act.out_gate, normed, N * H, K, cfg.rms_eps);
+  kda_linear(y, normed, w.o_proj, N, HK, d);
+  if (saved) *saved = act;
 }
+
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+template <typename Real>
+struct KdaLayerBackwardBuffers {
+  Real *q, *k, *v, *log_decay;     // [N, H·K] recomputed operator inputs
+  Real* normed_then_d_o;           // [N, H·K] normed output, then the operator's do
+  Real* d_normed_then_d_raw;       // [N, H·K] d(normed), then d(W x) before each short conv
+  Real* d_out_gate_then_d_gate;    // [N, H·K] d(out gate), then d(gate_raw)
+  Real *dq, *dk, *dv, *dg;         // [N, H·K] operator input gradients
+  Real* dbeta;                     // [N, H]
+  Real* d_low;                     // [N, K]
+};
+
+template <typename Real>
+KdaLayerBackwardBuffers<Real> kda_layer_carve_backward(KdaLayerAllocator& a,
+                                                       const KdaLayerDims& dims) {
+  const int64_t NHK = dims.N * dims.HK;
+  KdaLayerBackwardBuffers<Real> b;
+  for (Real** p : {&b.q, &b.k, &b.v, &b.log_decay, &b.normed_then_d_o, &b.d_normed_then_d_raw,
+                   &b.d_out_gate_then_d_gate, &b.dq, &b.dk, &b.dv, &b.dg})
+    *p = a.take<Real>(NHK);
+  b.dbeta = a.take<Real>(dims.N * dims.H);
+  b.d_low = a.take<Real>(dims.N * dims.K);
+  return b;
+}
+
+template <typename Real>
+size_t kda_layer_backward_bytes(const ModelConfig& cfg, int64_t B, int64_t T, int chunk) {
+  const KdaLayerDims dims = kda_layer_dims(cfg, B, T);
+  KdaLayerAllocator counter;
+  kda_layer_carve_backward<Real>(counter, dims);
+  const KdaShape shape{B, T, dims.H, dims.K, dims.K};
+  return counter.counter.bytes +
+         (chunk > 0 ? kda_chunk_backward_workspace_bytes<Real>(shape, chunk) : 0) + 4096;
+}
+
+template <typename Real>
+void kda_zero(Real* p, int64_t n) {
+  std::fill(p, p + n, Real(0));
+}
+
+}  // namespace
+
+size_t kda_layer_backward_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T,
+                                          int chunk, size_t elem_size) {
+  return elem_size == sizeof(double) ? kda_layer_backward_bytes<double>(cfg, B, T, chunk)
+                                     : kda_layer_backward_bytes<float>(cfg, B, T, chunk);
+}
+
+template <typename Real>
+void kda_layer_backward(const ModelConfig& cfg, const KdaWeightsT<Real>& w,
+                        KdaWeightsT<Real>& grad, const Real* x, const KdaSaved<Real>& saved,
+                        const Real* dy, Real* dx, int64_t B, int64_t T, Arena& ws,
+                        const int32_t* doc_start) {
+  ArenaScope scope(ws);
+  const KdaLayerDims dims = kda_layer_dims(cfg, B, T);
+  const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
+  const int Kc = dims.Kc;
+  KdaLayerAllocator allocator{&ws, {}};
+  const KdaLayerBackwardBuffers<Real> buf = kda_layer_carve_backward<Real>(allocator, dims);
+
+  // Recompute what the forward did not keep: q, k, v, g and the normed output.
+  short_conv_silu_forward<Real>(saved.q_raw, w.q_conv, nullptr, buf.q, B, T, HK, Kc, doc_start);
+  short_conv_silu_forward<Real>(saved.k_raw, w.k_conv, nullptr, buf.k, B, T, HK, Kc, doc_start);
+  short_conv_silu_forward<Real>(saved.v_raw, w.v_conv, nullptr, buf.v, B, T, HK, Kc, doc_start);
+  kda_gate_forward<Real>(saved.gate_raw, w.A_log, w.dt_bias, buf.log_decay, N, H, K,
+                         cfg.kda.gate, cfg.kda.gate_lower_bound);
+  Real* normed = buf.normed_then_d_o;
+  rmsnorm_gated_forward<Real>(saved.o, w.o_norm, saved.out_gate, normed, N * H, K, cfg.rms_eps);
+
+  // y = normed · o_projᵀ
+  Real* d_normed = buf.d_normed_then_d_raw;
+  kda_linear_backward(normed, w.o_proj, dy, grad.o_proj, d_normed, N, HK, d,
+                      /*accumulate_dx=*/false);
+  // normed = RMSNorm(o)·o_norm ⊙ sigmoid(out_gate), per head.
+  Real* d_o = buf.normed_then_d_o;
+  Real* d_out_gate = buf.d_out_gate_then_d_gate;
+  kda_zero(d_o, N * HK);
+  kda_zero(d_out_gate, N * HK);
+  rmsnorm_gated_backward<Real>(saved.o, w.o_norm, saved.out_gate, d_normed, d_o, grad.o_norm,
+                               d_out_gate, N * H, K, cfg.rms_eps);
+  // Output gate: G x = g_proj x, or g_b (g_a x).
+  if (cfg.kda.full_rank_output_gate) {
+    kda_linear_backward(x, w.g_full, d_out_gate, grad.g_full, dx, N, d, HK);
+  } else {
+    kda_linear_backward(saved.out_gate_low, w.g_b, d_out_gate, grad.g_b, buf.d_low, N, K, HK,
+                        /*accumulate_dx=*/false);
+    kda_linear_backward(x, w.g_a, buf.d_low, grad.g_a, dx, N, d, K);
+  }
+
+  // The operator (zero initial state, final state unused).
+  for (Real* p : {buf.dq, buf.dk, buf.dv, buf.dg}) kda_zero(p, N * HK);
+  kda_zero(buf.dbeta, N * H);
+  const KdaShape s{B, T, H, K, K};
+  const Real scale = Real(1) / std::sqrt(Real(K));
+  if (saved.chunk > 0)
+    kda_chunk_backward<Real>(buf.q, buf.k, buf.v, buf.log_decay, saved.beta, nullptr, d_o,
+                             nullptr, buf.dq, buf.dk, buf.dv, buf.dg, buf.dbeta, nullptr, s,
+                             scale, saved.chunk, ws, doc_start);
+  else
+    kda_recurrent_backward<Real>(buf.q, buf.k, buf.v, buf.log_decay, saved.beta, nullptr, d_o,
+                                 nullptr, buf.dq, buf.dk, buf.dv, buf.dg, buf.dbeta, nullptr, s,
+                                 scale, doc_start);
+
+  // β = sigmoid(b_proj x): dz = dβ·β(1−β).
+  for (int64_t i = 0; i < N * H; ++i)
+    buf.dbeta[i] *= saved.beta[i] * (Real(1) - saved.beta[i]);
+  kda_linear_backward(x, w.b_proj, buf.dbeta, grad.b_proj, dx, N, d, H);
+
+  // g = gate(f_b (f_a x)).
+  Real* d_gate_raw = buf.d_out_gate_then_d_gate;
+  kda_zero(d_gate_raw, N * HK);
+  kda_gate_backward<Real>(saved.gate_raw, w.A_log, w.dt_bias, buf.dg, d_gate_raw, grad.A_log,
+                          grad.dt_bias, N, H, K, cfg.kda.gate, cfg.kda.gate_lower_bound);
+  kda_linear_backward(saved.gate_low, w.f_b, d_gate_raw, grad.f_b, buf.d_low, N, K, HK,
+                      /*accumulate_dx=*/false);
+  kda_linear_backward(x, w.f_a, buf.d_low, grad.f_a, dx, N, d, K);
+
+  // q, k, v = SiLU(ShortConv(W x)).
+  struct Branch {
+    const Real* raw;
+    const Real* conv;
+    Real* grad_conv;
+    const Real* proj;
+    Real* grad_proj;
+    const Real* d_act;
+  };
+  Real* d_raw = buf.d_normed_then_d_raw;
+  for (const Branch& br : {Branch{saved.q_raw, w.q_conv, grad.q_conv, w.q_proj, grad.q_proj, buf.dq},
+                           Branch{saved.k_raw, w.k_conv, grad.k_conv, w.k_proj, grad.k_proj, buf.dk},
+                           Branch{saved.v_raw, w.v_conv, grad.v_conv, w.v_proj, grad.v_proj, buf.dv}}) {
+    kda_zero(d_raw, N * HK);
+    short_conv_silu_backward<Real>(br.raw, br.conv, nullptr, br.d_act, d_raw, br.grad_conv, B, T,
+                                   HK, Kc, doc_start);
+    kda_linear_backward(x, br.proj, d_raw, br.grad_proj, dx, N, d, HK);
+  }
+}
+
+#define DM_KDA_LAYER_INSTANTIATE(Real)                                                          \
+  template void kda_layer_forward<Real>(const ModelConfig&, const KdaWeightsT<Real>&,           \
+                                        const Real*, Real*, int64_t, int64_t, Arena&,           \
+                                        const KdaRunOptions&, const int32_t*, KdaSaved<Real>*,  \
+                                        Arena*);                                                \
+  template void kda_layer_backward<Real>(const ModelConfig&, const KdaWeightsT<Real>&,          \
+                                         KdaWeightsT<Real>&, const Real*, const KdaSaved<Real>&, \
+                                         const Real*, Real*, int64_t, int64_t, Arena&,          \
+                                         const int32_t*);
+DM_KDA_LAYER_INSTANTIATE(float)
+DM_KDA_LAYER_INSTANTIATE(double)
+#undef DM_KDA_LAYER_INSTANTIATE
 
 }  // namespace dm

@@ -1,6 +1,14 @@
-// Gated MLA token mixer layer, expanded form for prefill/training (SPEC §1.2).
+// Gated MLA token mixer layer, expanded form for prefill/training (SPEC §1.2): forward, saved
+// activations and backward, templated on the scalar (float engine, double reference checks).
+//
+//   x: normed input [B, T, d]; y: output [B, T, d]; N = B·T.
+//   doc_start (optional) [B, T]: packed documents (docs/backward.md); attention stays inside a
+//   document and RoPE positions restart at every document start (pos = t − doc_start[t]).
+//   nullptr = every row is one document with positions 0..T−1.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/arena.h"
 #include "io/config.h"
@@ -8,11 +16,52 @@
 
 namespace dm {
 
-// x: normed input [B, T, d]; y: output [B, T, d]. Positions are 0..T−1 per sequence.
-void mla_layer_forward(const ModelConfig& cfg, const MlaWeights& w, const float* x, float* y,
-                       int64_t B, int64_t T, Arena& ws);
-size_t mla_layer_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T);
-// Softmax scale: (nope+rope)^-1/2, × m² under YaRN.
+// Activations the backward needs, filled by mla_layer_forward when `saved` is given. The buffers
+// come from the caller's `saved_arena` and must live until mla_layer_backward returns.
+// (H = num_heads, dq = qk_nope + qk_rope, dv = v_head, kvl = kv_lora, ql = q_lora)
+template <typename Real>
+struct MlaSaved {
+  int64_t B = 0, T = 0;
+  Real* q_a = nullptr;       // [N, ql]            W_qa x before its RMSNorm (nullptr without q LoRA)
+  Real* kv_a = nullptr;      // [N, kvl + rope]    [c_raw ; kr], kr already rotated when RoPE is on
+  Real* q = nullptr;         // [N, H, dq]         attention queries (rotated)
+  Real* k = nullptr;         // [N, H, dq]         attention keys [k_nope | kr]
+  Real* v = nullptr;         // [N, H, dv]
+  Real* attn_out = nullptr;  // [N, H, dv]         attention output before the gate
+  Real* lse = nullptr;       // [B, H, T]          softmax log-sum-exp per query row
+  Real* gate_sigmoid = nullptr;  // [N, H·dv]      sigmoid(W_gate x) (nullptr without the gate)
+};
+
+// Forward. With `saved` (and `saved_arena`) the activations above are kept for the backward;
+// otherwise everything is scratch from `ws`, released on return.
+template <typename Real>
+void mla_layer_forward(const ModelConfig& cfg, const MlaWeightsT<Real>& w, const Real* x, Real* y,
+                       int64_t B, int64_t T, Arena& ws, const int32_t* doc_start = nullptr,
+                       std::type_identity_t<MlaSaved<Real>>* saved = nullptr,
+                       Arena* saved_arena = nullptr);
+
+// Backward given dy [N, d]. ACCUMULATES into dx [N, d] and into every tensor of `grad` the
+// config uses (q_a, q_a_norm, q_b or q_proj; kv_a, kv_a_norm, kv_b; gate; o_proj). `saved` is
+// what mla_layer_forward stored for the same x, weights and doc_start.
+template <typename Real>
+void mla_layer_backward(const ModelConfig& cfg, const MlaWeightsT<Real>& w,
+                        MlaWeightsT<Real>& grad, const Real* x,
+                        const std::type_identity_t<MlaSaved<Real>>& saved, const Real* dy,
+                        Real* dx, int64_t B, int64_t T, Arena& ws,
+                        const int32_t* doc_start = nullptr);
+
+// Arena sizes (real_bytes = sizeof(Real)). Saved bytes are what one forward takes from
+// `saved_arena`; the workspace sizes are the peak scratch of the forward (with or without
+// `saved`: the larger) and of the backward.
+size_t mla_layer_saved_bytes(const ModelConfig& cfg, int64_t B, int64_t T,
+                             size_t real_bytes = sizeof(float));
+size_t mla_layer_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T,
+                                 size_t real_bytes = sizeof(float));
+size_t mla_layer_backward_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T,
+                                          size_t real_bytes = sizeof(float));
+
+// Softmax scale: (nope+rope)^-1/2, × m² under YaRN (rounded to float; the layer itself uses the
+// double value).
 float mla_softmax_scale(const MlaConfig& m);
 
 }  // namespace dm

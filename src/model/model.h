@@ -1,9 +1,10 @@
 // The whole network: embedding → L × (mixer, FFN) with plain or Block-AttnRes residuals → final
 // norm → LM head (SPEC §1). One code path for every checkpoint family; the config decides.
+// Templated on the scalar: float is the engine, double the finite-difference reference.
 #pragma once
 #include <cstdint>
-#include <memory>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,33 +42,71 @@ class ForwardCollector : public ForwardObserver {
   std::map<int, Routing> routers;
 };
 
+// Routing of one MoE layer during a training forward (for Quantile Balancing and balance
+// metrics): scores [N, E] sigmoid router scores, cutoff [N] (k+1)-th biased score, idx [N, k].
+class RoutingSink {
+ public:
+  virtual ~RoutingSink() = default;
+  virtual void on_routing(int layer, const float* scores, const float* cutoff, const int32_t* idx,
+                          int64_t N, int E, int k) = 0;
+};
+
 struct ForwardOptions {
   int kda_chunk = 64;  // 16/32/64, or 0 for the recurrent reference
 };
 
-class Model {
+struct TrainOptions {
+  int kda_chunk = 64;
+  bool recompute = true;  // keep only each layer's input; recompute its internals in backward
+  int64_t lm_head_rows = 256;  // rows per fused LM-head + cross-entropy tile
+};
+
+struct TrainStepResult {
+  double loss_sum = 0;     // Σ cross-entropy over counted target positions
+  int64_t count = 0;       // counted target positions
+  int64_t correct = 0;     // positions whose argmax equals the target
+};
+
+template <typename Real>
+class ModelT {
  public:
-  explicit Model(std::unique_ptr<ModelWeights> w);
-  static std::unique_ptr<Model> load(const std::string& dir);
+  explicit ModelT(std::unique_ptr<ModelWeightsT<Real>> w);
+  ~ModelT();
+  static std::unique_ptr<ModelT> load(const std::string& dir);
 
   const ModelConfig& config() const { return w_->cfg; }
-  ModelWeights& weights() { return *w_; }
-  const ModelWeights& weights() const { return *w_; }
+  ModelWeightsT<Real>& weights() { return *w_; }
+  const ModelWeightsT<Real>& weights() const { return *w_; }
 
-  // tokens [B, T] (ids checked against the vocabulary) → logits [B, T, V].
-  void forward(const int64_t* tokens, int64_t B, int64_t T, float* logits,
-               ForwardObserver* obs = nullptr, const ForwardOptions& opt = {});
+  // tokens [B, T] (ids checked against the vocabulary) → logits [B, T, V]. doc_start [B·T]
+  // (optional): packed documents (docs/backward.md).
+  void forward(const int64_t* tokens, int64_t B, int64_t T, Real* logits,
+               ForwardObserver* obs = nullptr, const ForwardOptions& opt = {},
+               const int32_t* doc_start = nullptr);
 
-  // Bytes of the activation arena for a batch of B×T tokens.
+  // Training: forward + backward of Σ CE(targets)·loss_scale over one micro-batch; parameter
+  // gradients accumulate into `grad` (same layout as the weights). targets [B, T] (−1 = no
+  // loss), doc_start [B·T] (nullptr = one document per row).
+  TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
+                                   const int32_t* doc_start, int64_t B, int64_t T,
+                                   ModelWeightsT<Real>& grad, double loss_scale,
+                                   const TrainOptions& opt = {}, RoutingSink* sink = nullptr);
+
+  // Bytes of the activation arenas for a batch of B×T tokens (inference / training).
   size_t activation_bytes(int64_t B, int64_t T) const;
-  size_t activation_peak() const { return act_.peak(); }
+  size_t train_activation_bytes(int64_t B, int64_t T, const TrainOptions& opt) const;
+  size_t activation_peak() const;
 
  private:
+  struct Train;
   void ensure_activations(int64_t B, int64_t T);
-  std::unique_ptr<ModelWeights> w_;
+  std::unique_ptr<ModelWeightsT<Real>> w_;
   Arena act_;
   int64_t act_B_ = 0, act_T_ = 0;
+  std::unique_ptr<Train> train_;
 };
+
+using Model = ModelT<float>;
 
 // Checks every id is in [0, vocab); throws naming the position.
 void check_token_ids(const int64_t* tokens, int64_t n, int64_t vocab, const std::string& origin);

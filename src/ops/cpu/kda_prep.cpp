@@ -2,44 +2,153 @@
 
 #include <cmath>
 
-#include "ops/cpu/norm.h"
-
 namespace dm {
+namespace {
 
-void short_conv_silu_forward(const float* x, const float* w, const float* tail, float* y, int64_t B,
-                             int64_t T, int64_t C, int Kc) {
-#pragma omp parallel for collapse(2) schedule(static)
+// First position the conv of token t of row b may read: its document start, or −(Kc−1) (the
+// tail) for tokens of the row's first document.
+inline int64_t short_conv_first_readable(const int32_t* doc_start, int64_t b, int64_t T,
+                                         int64_t t, int Kc) {
+  const int64_t start = doc_start ? doc_start[b * T + t] : 0;
+  return start > 0 ? start : -int64_t(Kc - 1);
+}
+
+// Pre-activation a[t,c] = Σ_j w[c,j]·x[t−Kc+1+j, c] over the readable positions.
+template <typename Real>
+Real short_conv_preactivation(const Real* x, const Real* w, const Real* tail, int64_t b,
+                              int64_t T, int64_t C, int Kc, int64_t t, int64_t c,
+                              int64_t first_readable) {
+  Real acc = 0;
+  for (int j = 0; j < Kc; ++j) {
+    const int64_t src = t - (Kc - 1) + j;
+    if (src < first_readable) continue;
+    Real xv;
+    if (src >= 0) xv = x[(b * T + src) * C + c];
+    else if (tail) xv = tail[(b * (Kc - 1) + (Kc - 1 + src)) * C + c];
+    else continue;
+    acc += w[c * Kc + j] * xv;
+  }
+  return acc;
+}
+
+}  // namespace
+
+template <typename Real>
+void short_conv_silu_forward(const Real* x, const Real* w, const std::type_identity_t<Real>* tail,
+                             Real* y, int64_t B, int64_t T, int64_t C, int Kc,
+                             const int32_t* doc_start) {
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * C > 65536)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      float* yr = y + (b * T + t) * C;
+      const int64_t first_readable = short_conv_first_readable(doc_start, b, T, t, Kc);
+      Real* y_row = y + (b * T + t) * C;
       for (int64_t c = 0; c < C; ++c) {
-        float acc = 0;
-        for (int j = 0; j < Kc; ++j) {
-          const int64_t src = t - (Kc - 1) + j;
-          float xv;
-          if (src >= 0) xv = x[(b * T + src) * C + c];
-          else if (tail) xv = tail[(b * (Kc - 1) + (Kc - 1 + src)) * C + c];
-          else continue;
-          acc += w[c * Kc + j] * xv;
-        }
-        yr[c] = siluf(acc);
+        const Real a = short_conv_preactivation(x, w, tail, b, T, C, Kc, t, c, first_readable);
+        y_row[c] = a * kda_sigmoid(a);
       }
     }
 }
 
-void kda_gate_forward(const float* f, const float* A_log, const float* dt_bias, float* g, int64_t N,
+template <typename Real>
+void short_conv_silu_backward(const Real* x, const Real* w, const std::type_identity_t<Real>* tail,
+                              const Real* dy, Real* dx, Real* dw, int64_t B, int64_t T, int64_t C,
+                              int Kc, const int32_t* doc_start) {
+  // One thread per channel: dw[c,:] and the column c of dx are then written by one thread only.
+#pragma omp parallel for schedule(static) if (B * T * C > 65536)
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t first_readable = short_conv_first_readable(doc_start, b, T, t, Kc);
+        const Real a = short_conv_preactivation(x, w, tail, b, T, C, Kc, t, c, first_readable);
+        const Real sig = kda_sigmoid(a);
+        // SiLU'(a) = σ(a)·(1 + a·(1 − σ(a)))
+        const Real da = dy[(b * T + t) * C + c] * sig * (Real(1) + a * (Real(1) - sig));
+        for (int j = 0; j < Kc; ++j) {
+          const int64_t src = t - (Kc - 1) + j;
+          if (src < first_readable) continue;
+          Real xv;
+          if (src >= 0) {
+            xv = x[(b * T + src) * C + c];
+            dx[(b * T + src) * C + c] += w[c * Kc + j] * da;
+          } else if (tail) {
+            xv = tail[(b * (Kc - 1) + (Kc - 1 + src)) * C + c];
+          } else {
+            continue;
+          }
+          dw[c * Kc + j] += da * xv;
+        }
+      }
+  }
+}
+
+template <typename Real>
+void kda_gate_forward(const Real* f, const Real* A_log, const Real* dt_bias, Real* g, int64_t N,
                       int64_t H, int64_t K, KdaGateKind kind, float lower_bound) {
 #pragma omp parallel for schedule(static) if (N * H * K > 65536)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
-      const float a = std::exp(A_log[h]);
+      const Real a = std::exp(A_log[h]);
       for (int64_t i = 0; i < K; ++i) {
         const int64_t c = h * K + i;
-        const float z = f[n * H * K + c] + dt_bias[c];
-        g[n * H * K + c] = kind == KdaGateKind::Softplus ? -a * softplusf(z)
-                                                         : lower_bound * sigmoidf_stable(a * z);
+        const Real z = f[n * H * K + c] + dt_bias[c];
+        g[n * H * K + c] = kind == KdaGateKind::Softplus
+                               ? -a * kda_softplus(z)
+                               : Real(lower_bound) * kda_sigmoid(a * z);
       }
     }
 }
+
+template <typename Real>
+void kda_gate_backward(const Real* f, const Real* A_log, const Real* dt_bias, const Real* dg,
+                       Real* df, Real* dA_log, Real* ddt_bias, int64_t N, int64_t H, int64_t K,
+                       KdaGateKind kind, float lower_bound) {
+  const int64_t HK = H * K;
+  // One thread per head: dA_log[h] and ddt_bias[h·K..] are then written by one thread only.
+#pragma omp parallel for schedule(static) if (N * HK > 65536)
+  for (int64_t h = 0; h < H; ++h) {
+    const Real a = std::exp(A_log[h]);
+    Real d_a_log = 0;
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t c = h * K + i;
+      Real d_bias = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        const Real z = f[n * HK + c] + dt_bias[c];
+        const Real upstream = dg[n * HK + c];
+        Real dz;
+        if (kind == KdaGateKind::Softplus) {
+          // g = −a·softplus(z): ∂g/∂z = −a·σ(z) (−a above the threshold), ∂g/∂A_log = g.
+          const Real softplus_slope = z > Real(20) ? Real(1) : kda_sigmoid(z);
+          dz = -upstream * a * softplus_slope;
+          d_a_log += -upstream * a * kda_softplus(z);
+        } else {
+          // g = lb·σ(a·z): ∂g/∂z = lb·a·σ(1−σ), ∂g/∂A_log = lb·σ(1−σ)·a·z.
+          const Real sig = kda_sigmoid(a * z);
+          const Real slope = Real(lower_bound) * sig * (Real(1) - sig);
+          dz = upstream * slope * a;
+          d_a_log += upstream * slope * a * z;
+        }
+        df[n * HK + c] += dz;
+        d_bias += dz;
+      }
+      ddt_bias[c] += d_bias;
+    }
+    dA_log[h] += d_a_log;
+  }
+}
+
+#define DM_KDA_PREP_INSTANTIATE(Real)                                                           \
+  template void short_conv_silu_forward<Real>(const Real*, const Real*, const Real*, Real*,     \
+                                              int64_t, int64_t, int64_t, int, const int32_t*);  \
+  template void short_conv_silu_backward<Real>(const Real*, const Real*, const Real*,           \
+                                               const Real*, Real*, Real*, int64_t, int64_t,     \
+                                               int64_t, int, const int32_t*);                   \
+  template void kda_gate_forward<Real>(const Real*, const Real*, const Real*, Real*, int64_t,   \
+                                       int64_t, int64_t, KdaGateKind, float);                   \
+  template void kda_gate_backward<Real>(const Real*, const Real*, const Real*, const Real*,     \
+                                        Real*, Real*, Real*, int64_t, int64_t, int64_t,         \
+                                        KdaGateKind, float);
+DM_KDA_PREP_INSTANTIATE(float)
+DM_KDA_PREP_INSTANTIATE(double)
+#undef DM_KDA_PREP_INSTANTIATE
 
 }  // namespace dm

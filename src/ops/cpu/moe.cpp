@@ -1,5 +1,6 @@
-// Mixture-of-experts (CPU, fp32): sigmoid router with DeepSeek expert groups and QB cutoffs,
-// token→expert dispatch plan, grouped expert compute. SPEC §1.5, §1.6.
+// Mixture-of-experts forward (CPU; float engine, double for reference checks): sigmoid router with
+// DeepSeek expert groups and QB cutoffs, token→expert dispatch plan, grouped expert compute.
+// SPEC §1.5, §1.6. The backward lives in moe_backward.cpp.
 #include "ops/cpu/moe.h"
 
 #include <cblas.h>
@@ -22,23 +23,25 @@ namespace {
 // Routing a token is O(E·k); below this many (token, expert) pairs a parallel region is overhead.
 constexpr int64_t kRouteParallelMinPairs = 1 << 14;
 
-inline float router_sigmoid(float x) {
+template <typename Real>
+inline Real router_sigmoid(Real x) {
   // Same overflow-free form as the GLU: exp of a non-positive argument only.
-  const float e = std::exp(-std::fabs(x));
-  const float r = 1.0f / (1.0f + e);
-  return x >= 0.0f ? r : e * r;
+  const Real e = std::exp(-std::fabs(x));
+  const Real r = Real(1) / (Real(1) + e);
+  return x >= Real(0) ? r : e * r;
 }
 
 // Descending list of the best `capacity` (value, expert) pairs seen so far. Experts are offered
 // in ascending index order and an equal value never displaces an earlier one, so ties go to the
 // lower expert index (deterministic, unlike torch.topk).
+template <typename Real>
 struct TopList {
-  float value[kMoeRouteMaxTopK + 1];
+  Real value[kMoeRouteMaxTopK + 1];
   int32_t expert[kMoeRouteMaxTopK + 1];
   int count = 0;
   int capacity = 0;
 
-  void offer(float v, int32_t e) {
+  void offer(Real v, int32_t e) {
     if (count == capacity && !(v > value[count - 1])) return;
     int pos = count < capacity ? count++ : capacity - 1;
     while (pos > 0 && value[pos - 1] < v) {
@@ -71,12 +74,13 @@ void check_router_params(const RouterParams& p) {
 }
 
 // Routes one token: writes its scores [E], idx [k], w [k] and (optionally) its cutoff.
-void route_one_token(const float* logit_row, const float* bias, const RouterParams& p,
-                     float* score_row, int32_t* idx_row, float* w_row, float* cutoff_out) {
+template <typename Real>
+void route_one_token(const Real* logit_row, const Real* bias, const RouterParams& p,
+                     Real* score_row, int32_t* idx_row, Real* w_row, Real* cutoff_out) {
   const int E = p.num_experts, k = p.top_k;
   for (int e = 0; e < E; ++e) score_row[e] = router_sigmoid(logit_row[e]);
   // s + b is recomputed where needed instead of stored: no per-token scratch row.
-  auto biased = [&](int e) { return score_row[e] + (bias ? bias[e] : 0.0f); };
+  auto biased = [&](int e) { return score_row[e] + (bias ? bias[e] : Real(0)); };
 
   // Group selection (DeepSeek-V3): a group scores the sum of its two best biased values; the
   // topk_group best groups stay eligible. group_eligible[g] == 1 ⇔ group g kept.
@@ -84,12 +88,12 @@ void route_one_token(const float* logit_row, const float* bias, const RouterPara
   const bool grouped = p.n_group > 1 && p.topk_group < p.n_group;
   const int group_size = E / p.n_group;
   if (grouped) {
-    TopList best_groups;
+    TopList<Real> best_groups;
     best_groups.capacity = p.topk_group;
     for (int g = 0; g < p.n_group; ++g) {
-      float first = -std::numeric_limits<float>::infinity(), second = first;
+      Real first = -std::numeric_limits<Real>::infinity(), second = first;
       for (int e = g * group_size; e < (g + 1) * group_size; ++e) {
-        const float v = biased(e);
+        const Real v = biased(e);
         if (v > first) {
           second = first;
           first = v;
@@ -98,7 +102,7 @@ void route_one_token(const float* logit_row, const float* bias, const RouterPara
         }
       }
       // A one-expert group has no second value; it then scores its single value.
-      const float group_score = group_size >= 2 ? first + second : first;
+      const Real group_score = group_size >= 2 ? first + second : first;
       best_groups.offer(group_score, g);
       group_eligible[g] = 0;
     }
@@ -110,14 +114,14 @@ void route_one_token(const float* logit_row, const float* bias, const RouterPara
   // DeepSeek-V3 / Kimi reference instead masked_fill's them with 0.0 and runs topk over all E, so
   // with negative biased scores it could pick a dropped-group expert (a 0.0 beats a negative);
   // we treat that as an artefact of the reference, not as intended semantics.
-  TopList best;
+  TopList<Real> best;
   best.capacity = k + 1;
   for (int e = 0; e < E; ++e) {
     if (grouped && !group_eligible[e / group_size]) continue;
     best.offer(biased(e), e);
   }
   if (cutoff_out)
-    *cutoff_out = best.count == k + 1 ? best.value[k] : -std::numeric_limits<float>::infinity();
+    *cutoff_out = best.count == k + 1 ? best.value[k] : -std::numeric_limits<Real>::infinity();
 
   // Output in ascending expert order (insertion sort of k ≤ 63 ids).
   for (int i = 0; i < k; ++i) {
@@ -130,9 +134,10 @@ void route_one_token(const float* logit_row, const float* bias, const RouterPara
     idx_row[pos] = e;
   }
   // Weights come from the unbiased scores: the bias steers selection only (SPEC §1.5/§1.6).
-  float score_sum = 0.0f;
+  Real score_sum = 0;
   for (int i = 0; i < k; ++i) score_sum += score_row[idx_row[i]];
-  const float scale = p.renormalize ? p.scaling / (score_sum + 1e-20f) : p.scaling;
+  const Real scaling = p.scaling;
+  const Real scale = p.renormalize ? scaling / (score_sum + Real(1e-20)) : scaling;
   for (int i = 0; i < k; ++i) w_row[i] = score_row[idx_row[i]] * scale;
 }
 
@@ -146,19 +151,29 @@ inline void expert_linear(float* y, const float* x, const float* W, int64_t rows
   }
   linear(y, x, W, rows, in, out);
 }
+inline void expert_linear(double* y, const double* x, const double* W, int64_t rows, int64_t in,
+                          int64_t out) {
+  if (rows == 1) {
+    cblas_dgemv(CblasRowMajor, CblasNoTrans, int(out), int(in), 1.0, W, int(in), x, 1, 0.0, y, 1);
+    return;
+  }
+  gemm(false, true, rows, out, in, 1.0, x, in, W, in, 0.0, y, out);
+}
 
-// Floats of per-thread scratch for one tile: gathered x [T,Din], gate/h [T,F], up [T,F]; rounded
-// to whole cache lines so neighbouring threads' slices never share one.
-int64_t expert_tile_scratch_floats(int64_t Din, int64_t F) {
-  const int64_t floats = kMoeExpertTileRows * (Din + 2 * F);
-  const int64_t per_line = int64_t(Arena::kAlign / sizeof(float));
-  return (floats + per_line - 1) / per_line * per_line;
+// Elements of per-thread scratch for one tile: gathered x [T,Din], gate/h [T,F], up [T,F];
+// rounded to whole cache lines so neighbouring threads' slices never share one.
+int64_t expert_tile_scratch_elements(int64_t Din, int64_t F, size_t elem_bytes) {
+  const int64_t elements = kMoeExpertTileRows * (Din + 2 * F);
+  const int64_t per_line = int64_t(Arena::kAlign / elem_bytes);
+  return (elements + per_line - 1) / per_line * per_line;
 }
 
 }  // namespace
 
-void moe_route(const float* logits, const float* bias, int64_t N, const RouterParams& p,
-               float* scores, int32_t* idx, float* w, float* cutoff) {
+template <typename Real>
+void moe_route(const Real* logits, const std::type_identity_t<Real>* bias, int64_t N,
+               const RouterParams& p, Real* scores, int32_t* idx, Real* w,
+               std::type_identity_t<Real>* cutoff) {
   check_router_params(p);
   DM_CHECK(N >= 0, "moe_route: negative token count ", N);
   const int E = p.num_experts, k = p.top_k;
@@ -205,7 +220,14 @@ void moe_plan_build(const int32_t* idx, int64_t N, int k, int E, MoePlan* plan, 
   offsets[0] = 0;
 }
 
-size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeights& ew, int threads) {
+size_t moe_plan_bytes(int64_t N, int k, int E) {
+  const size_t rows = size_t(std::max<int64_t>(N * k, 1));
+  return Arena::round_up((size_t(E) + 1) * sizeof(int64_t)) +
+         2 * Arena::round_up(rows * sizeof(int32_t));
+}
+
+size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeights& ew, int threads,
+                                           size_t elem_bytes) {
   const int64_t total_rows = N * k;
   // Σ_e ⌈n_e/T⌉ ≤ Σ_e (n_e/T + 1) over non-empty experts.
   const int64_t max_tiles = total_rows / kMoeExpertTileRows + std::min<int64_t>(ew.E, total_rows);
@@ -213,18 +235,24 @@ size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeights
   bytes += Arena::round_up(size_t(std::max<int64_t>(max_tiles, 1)) * sizeof(int32_t));  // expert
   bytes += Arena::round_up(size_t(std::max<int64_t>(max_tiles, 1)) * sizeof(int64_t));  // begin
   bytes += Arena::round_up(size_t(std::max<int64_t>(total_rows, 1)) * sizeof(int64_t));
-  bytes += Arena::round_up(size_t(std::max<int64_t>(total_rows, 1)) * size_t(ew.Din) * 4);
+  bytes += Arena::round_up(size_t(std::max<int64_t>(total_rows, 1)) * size_t(ew.Din) * elem_bytes);
   bytes += Arena::round_up(size_t(std::max(threads, 1)) *
-                           size_t(expert_tile_scratch_floats(ew.Din, ew.F)) * sizeof(float));
+                           size_t(expert_tile_scratch_elements(ew.Din, ew.F, elem_bytes)) *
+                           elem_bytes);
   return bytes;
 }
 
-void moe_experts_forward(const float* x, const MoePlan& plan, const float* w,
-                         const ExpertWeights& ew, const GluActivation& act, float* y, Arena& ws) {
+template <typename Real>
+void moe_experts_forward(const Real* x, const MoePlan& plan, const Real* w,
+                         const ExpertWeightsT<Real>& ew, const GluActivation& act, Real* y,
+                         Arena& ws, std::type_identity_t<Real>* saved_gate,
+                         std::type_identity_t<Real>* saved_up) {
   DM_CHECK(plan.E == ew.E, "moe_experts_forward: plan has ", plan.E, " experts, weights have ",
            ew.E);
   DM_CHECK(ew.Din > 0 && ew.F > 0, "moe_experts_forward: bad expert shape Din=", ew.Din,
            " F=", ew.F);
+  DM_CHECK((saved_gate == nullptr) == (saved_up == nullptr),
+           "moe_experts_forward: saved_gate and saved_up go together");
   const int64_t N = plan.N, Din = ew.Din, F = ew.F, E = ew.E;
   const int k = plan.k;
   const int64_t total_rows = N * k;
@@ -255,10 +283,10 @@ void moe_experts_forward(const float* x, const MoePlan& plan, const float* w,
   // sorted_row_of_pair[t·k + s]: where (token t, slot s) sits in the expert-sorted order.
   int64_t* sorted_row_of_pair = ws.alloc<int64_t>(size_t(total_rows));
   // expert_out[r, :] = E_{expert(r)}(x[token(r)]) for each sorted row r, unweighted. [N·k, Din]
-  float* expert_out = ws.alloc<float>(size_t(total_rows) * size_t(Din));
+  Real* expert_out = ws.alloc<Real>(size_t(total_rows) * size_t(Din));
   const int threads = std::max(1, num_threads());
-  const int64_t scratch_floats = expert_tile_scratch_floats(Din, F);
-  float* thread_scratch = ws.alloc<float>(size_t(threads) * size_t(scratch_floats));
+  const int64_t scratch_elements = expert_tile_scratch_elements(Din, F, sizeof(Real));
+  Real* thread_scratch = ws.alloc<Real>(size_t(threads) * size_t(scratch_elements));
 
   for (int64_t r = 0; r < total_rows; ++r)
     sorted_row_of_pair[int64_t(plan.token[r]) * k + plan.slot[r]] = r;
@@ -278,9 +306,9 @@ void moe_experts_forward(const float* x, const MoePlan& plan, const float* w,
 #else
       const int thread_id = 0;
 #endif
-      float* gathered = thread_scratch + int64_t(thread_id) * scratch_floats;  // [T,Din]
-      float* gate = gathered + kMoeExpertTileRows * Din;                       // [T,F] → h
-      float* up = gate + kMoeExpertTileRows * F;                               // [T,F]
+      Real* gathered = thread_scratch + int64_t(thread_id) * scratch_elements;  // [T,Din]
+      Real* gate = gathered + kMoeExpertTileRows * Din;                         // [T,F] → h
+      Real* up = gate + kMoeExpertTileRows * F;                                 // [T,F]
 #pragma omp for schedule(dynamic, 1)
       for (int64_t tile = 0; tile < num_tiles; ++tile) {
         const int64_t e = tile_expert[tile];
@@ -288,10 +316,19 @@ void moe_experts_forward(const float* x, const MoePlan& plan, const float* w,
         const int64_t rows = std::min(kMoeExpertTileRows, plan.offsets[e + 1] - row_begin);
         for (int64_t i = 0; i < rows; ++i)
           std::memcpy(gathered + i * Din, x + int64_t(plan.token[row_begin + i]) * Din,
-                      size_t(Din) * sizeof(float));
-        expert_linear(gate, gathered, ew.gate + e * F * Din, rows, Din, F);
-        expert_linear(up, gathered, ew.up + e * F * Din, rows, Din, F);
-        glu_forward(gate, up, gate, rows * F, act);
+                      size_t(Din) * sizeof(Real));
+        if (saved_gate) {
+          // Training: keep g/u (sorted-row order) for the backward; h goes to the scratch.
+          Real* gate_kept = saved_gate + row_begin * F;
+          Real* up_kept = saved_up + row_begin * F;
+          expert_linear(gate_kept, gathered, ew.gate + e * F * Din, rows, Din, F);
+          expert_linear(up_kept, gathered, ew.up + e * F * Din, rows, Din, F);
+          glu_forward(gate_kept, up_kept, gate, rows * F, act);
+        } else {
+          expert_linear(gate, gathered, ew.gate + e * F * Din, rows, Din, F);
+          expert_linear(up, gathered, ew.up + e * F * Din, rows, Din, F);
+          glu_forward(gate, up, gate, rows * F, act);
+        }
         // The tile's sorted rows are contiguous, so the down GEMM writes its final place.
         expert_linear(expert_out + row_begin * Din, gate, ew.down + e * Din * F, rows, F, Din);
       }
@@ -302,15 +339,15 @@ void moe_experts_forward(const float* x, const MoePlan& plan, const float* w,
   // order is fixed (no dependence on which thread ran which tile).
 #pragma omp parallel for schedule(static) if (N * k * Din >= (1 << 15))
   for (int64_t t = 0; t < N; ++t) {
-    float* y_row = y + t * Din;
+    Real* y_row = y + t * Din;
     {
-      const float weight = w[t * k];
-      const float* src = expert_out + sorted_row_of_pair[t * k] * Din;
+      const Real weight = w[t * k];
+      const Real* src = expert_out + sorted_row_of_pair[t * k] * Din;
       for (int64_t d = 0; d < Din; ++d) y_row[d] = weight * src[d];
     }
     for (int s = 1; s < k; ++s) {
-      const float weight = w[t * k + s];
-      const float* src = expert_out + sorted_row_of_pair[t * k + s] * Din;
+      const Real weight = w[t * k + s];
+      const Real* src = expert_out + sorted_row_of_pair[t * k + s] * Din;
       for (int64_t d = 0; d < Din; ++d) y_row[d] += weight * src[d];
     }
   }
@@ -347,5 +384,15 @@ void moe_experts_reference(const float* x, const int32_t* idx, const float* w, i
     for (int64_t d = 0; d < Din; ++d) y[t * Din + d] = float(y_acc[d]);
   }
 }
+
+#define DM_MOE_FORWARD_INSTANTIATE(Real)                                                      \
+  template void moe_route<Real>(const Real*, const Real*, int64_t, const RouterParams&, Real*, \
+                                int32_t*, Real*, Real*);                                      \
+  template void moe_experts_forward<Real>(const Real*, const MoePlan&, const Real*,           \
+                                          const ExpertWeightsT<Real>&, const GluActivation&,  \
+                                          Real*, Arena&, Real*, Real*);
+DM_MOE_FORWARD_INSTANTIATE(float)
+DM_MOE_FORWARD_INSTANTIATE(double)
+#undef DM_MOE_FORWARD_INSTANTIATE
 
 }  // namespace dm

@@ -47,7 +47,8 @@ void check_rope_params(const RopeParams& p) {
 
 }  // namespace
 
-void rope_build_tables(const RopeParams& p, int64_t positions, float* cos, float* sin) {
+template <typename Real>
+void rope_build_tables(const RopeParams& p, int64_t positions, Real* cos, Real* sin) {
   check_rope_params(p);
   DM_CHECK(positions >= 0, "rope: negative table length ", positions);
   const int half_dim = p.dim / 2;
@@ -83,12 +84,12 @@ void rope_build_tables(const RopeParams& p, int64_t positions, float* cos, float
 
 #pragma omp parallel for schedule(static) if (positions * half_dim >= (1 << 16))
   for (int64_t position = 0; position < positions; ++position) {
-    float* cos_row = cos + position * half_dim;  // [D/2]
-    float* sin_row = sin + position * half_dim;  // [D/2]
+    Real* cos_row = cos + position * half_dim;  // [D/2]
+    Real* sin_row = sin + position * half_dim;  // [D/2]
     for (int i = 0; i < half_dim; ++i) {
       const double angle = double(position) * frequency_as_trained[i];
-      cos_row[i] = float(std::cos(angle) * amplitude);
-      sin_row[i] = float(std::sin(angle) * amplitude);
+      cos_row[i] = Real(std::cos(angle) * amplitude);
+      sin_row[i] = Real(std::sin(angle) * amplitude);
     }
   }
 }
@@ -99,25 +100,46 @@ double rope_softmax_scale_factor(const RopeParams& p) {
   return m * m;
 }
 
-void rope_apply_interleaved(float* x, int64_t N, int64_t stride, int64_t offset, int dim,
-                            const int64_t* pos, const float* cos, const float* sin) {
+template <typename Real>
+void rope_apply_interleaved(Real* x, int64_t N, int64_t stride, int64_t offset, int dim,
+                            const int64_t* pos, const Real* cos, const Real* sin, bool inverse) {
   DM_CHECK(dim >= 0 && dim % 2 == 0, "rope: rotary dim must be even, got ", dim);
   DM_CHECK(offset >= 0 && offset + dim <= stride, "rope: rotary slice [", offset, ", ",
            offset + dim, ") does not fit a row of ", stride);
   const int half_dim = dim / 2;
+  // The inverse (negative-angle) rotation flips the sign of sin; with the YaRN amplitude folded
+  // into the tables it is the transpose of the forward map, which is what the backward needs.
+  const Real sin_sign = inverse ? Real(-1) : Real(1);
 
 #pragma omp parallel for schedule(static) if (N * half_dim >= (1 << 14))
   for (int64_t row = 0; row < N; ++row) {
-    float* pair_base = x + row * stride + offset;  // [D] = D/2 interleaved pairs
-    const float* cos_row = cos + pos[row] * half_dim;
-    const float* sin_row = sin + pos[row] * half_dim;
+    Real* pair_base = x + row * stride + offset;  // [D] = D/2 interleaved pairs
+    const Real* cos_row = cos + pos[row] * half_dim;
+    const Real* sin_row = sin + pos[row] * half_dim;
     for (int i = 0; i < half_dim; ++i) {
-      const float x0 = pair_base[2 * i], x1 = pair_base[2 * i + 1];
-      const float c = cos_row[i], s = sin_row[i];
+      const Real x0 = pair_base[2 * i], x1 = pair_base[2 * i + 1];
+      const Real c = cos_row[i], s = sin_sign * sin_row[i];
       pair_base[2 * i] = x0 * c - x1 * s;
       pair_base[2 * i + 1] = x1 * c + x0 * s;
     }
   }
 }
+
+void rope_positions_from_doc_start(const int32_t* doc_start, int64_t B, int64_t T, int64_t* pos) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t start = doc_start ? doc_start[b * T + t] : 0;
+      DM_CHECK(start >= 0 && start <= t, "rope: doc_start[", b, ", ", t, "] = ", start,
+               " must lie in [0, ", t, "]");
+      pos[b * T + t] = t - start;
+    }
+}
+
+template void rope_build_tables<float>(const RopeParams&, int64_t, float*, float*);
+template void rope_build_tables<double>(const RopeParams&, int64_t, double*, double*);
+template void rope_apply_interleaved<float>(float*, int64_t, int64_t, int64_t, int,
+                                            const int64_t*, const float*, const float*, bool);
+template void rope_apply_interleaved<double>(double*, int64_t, int64_t, int64_t, int,
+                                             const int64_t*, const double*, const double*, bool);
 
 }  // namespace dm

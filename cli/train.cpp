@@ -1,0 +1,110 @@
+// `deltamoe train`: train a model from scratch (or continue one) on built-in or sharded data.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "command.h"
+#include "core/error.h"
+#include "train/trainer.h"
+
+namespace {
+
+// "T:tokens[:lr_mult[:replay]],..." → stages; tokens accept K/M suffixes.
+std::vector<dm::TrainStage> parse_stages(const std::string& spec) {
+  std::vector<dm::TrainStage> out;
+  std::stringstream ss(spec);
+  std::string item;
+  auto count = [&](const std::string& s) {
+    DM_CHECK(!s.empty(), "--stages: empty number in '", spec, "'");
+    double mult = 1;
+    std::string num = s;
+    if (s.back() == 'K' || s.back() == 'k') mult = 1e3, num.pop_back();
+    else if (s.back() == 'M' || s.back() == 'm') mult = 1e6, num.pop_back();
+    try {
+      return std::stod(num) * mult;
+    } catch (const std::exception&) {
+      throw dm::Error(dm::str_cat("--stages: '", s, "' is not a number"));
+    }
+  };
+  while (std::getline(ss, item, ',')) {
+    std::vector<std::string> f;
+    std::stringstream is(item);
+    std::string x;
+    while (std::getline(is, x, ':')) f.push_back(x);
+    DM_CHECK(f.size() >= 2 && f.size() <= 4, "--stages: '", item, "' must be T:tokens[:lr_mult[:replay]]");
+    dm::TrainStage s;
+    s.seq_len = int64_t(count(f[0]));
+    s.tokens = int64_t(count(f[1]));
+    if (f.size() > 2) s.lr_mult = float(count(f[2]));
+    if (f.size() > 3) s.replay = count(f[3]);
+    DM_CHECK(s.seq_len > 0 && s.tokens > 0 && s.lr_mult > 0 && s.replay >= 0 && s.replay < 1,
+             "--stages: bad values in '", item, "'");
+    out.push_back(s);
+  }
+  return out;
+}
+
+dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancing, checkpoints)", [](CLI::App* app) {
+  static std::string model, data = "builtin", out, train_config, stages, optimizer, balance;
+  static int64_t steps = 0, batch = 0, accum = 0, ckpt_every = -1, warmup = -1;
+  static float lr = 0;
+  static bool resume = false, no_recompute = false, quiet = false;
+  static uint64_t seed = 0;
+  app->add_option("--config", model, "Model config.json, or a checkpoint folder to continue from")->required();
+  app->add_option("--data", data, "'builtin' (synthetic English + recall tasks) or a shard folder from `deltamoe data`");
+  app->add_option("--out", out, "Output folder (metrics.jsonl, checkpoint/, tokenizer.json)")->required();
+  app->add_option("--train-config", train_config, "Training JSON (batch, lr, stages, optimizer, ...)");
+  app->add_option("--steps", steps, "Stop after N steps (default: when the stage token budgets are used)");
+  app->add_option("--batch", batch, "Rows per micro-batch");
+  app->add_option("--accum", accum, "Micro-batches per optimizer step");
+  app->add_option("--lr", lr, "Peak learning rate");
+  app->add_option("--warmup", warmup, "Warmup steps");
+  app->add_option("--stages", stages, "Progressive context: T:tokens[:lr_mult[:replay]],... e.g. 128:150K,512:150K:0.5:0.1");
+  app->add_option("--optimizer", optimizer, "adamw or muon")->check(CLI::IsMember({"adamw", "muon"}));
+  app->add_option("--balance", balance, "qb, qb-hist, sign or none")->check(CLI::IsMember({"qb", "qb-hist", "sign", "none"}));
+  app->add_option("--checkpoint-every", ckpt_every, "Checkpoint every N steps (always at the end)");
+  app->add_option("--seed", seed, "Seed (init, data order)");
+  app->add_flag("--resume", resume, "Continue from OUT/checkpoint (bit-exact)");
+  app->add_flag("--no-recompute", no_recompute, "Keep every layer's activations instead of recomputing them");
+  app->add_flag("--quiet", quiet, "No progress bar");
+  app->callback([] {
+    dm::TrainerConfig c;
+    if (!train_config.empty()) {
+      std::ifstream in(train_config);
+      DM_CHECK(in.good(), train_config, ": cannot open");
+      std::stringstream s;
+      s << in.rdbuf();
+      c = dm::trainer_config_from_json(s.str(), train_config);
+    }
+    c.model = model;
+    c.data = data;
+    c.out = out;
+    c.resume = resume;
+    if (steps) c.steps = steps;
+    if (batch) c.batch = batch;
+    if (accum) c.accum = accum;
+    if (lr > 0) c.lr = lr;
+    if (warmup >= 0) c.warmup = warmup;
+    if (!stages.empty()) c.stages = parse_stages(stages);
+    if (!optimizer.empty()) c.optimizer.kind = optimizer == "muon" ? dm::OptimizerKind::Muon : dm::OptimizerKind::AdamW;
+    if (!balance.empty()) c.balance = balance;
+    if (ckpt_every >= 0) c.checkpoint_every = ckpt_every;
+    if (seed) c.seed = seed;
+    if (no_recompute) c.recompute = false;
+    c.progress = !quiet;
+    const dm::TrainSummary s = dm::train(c);
+    std::printf("trained %lld steps, %lld tokens (%lld skipped) at %.0f tokens/s\n", (long long)s.steps,
+                (long long)s.tokens, (long long)s.skipped, s.tokens_per_s);
+    std::printf("loss %.3f -> %.3f nats/token", s.first_loss, s.last_loss);
+    if (s.unigram_entropy > 0) std::printf(" (unigram entropy of the data %.3f)", s.unigram_entropy);
+    std::printf("\n");
+    if (s.recall_acc >= 0)
+      std::printf("recall accuracy at the last stage's distance: %.3f (chance %.3f)\n", s.recall_acc, s.recall_chance);
+    std::printf("MaxVio %.3f; memory: weights %.1f MB, optimizer %.1f MB, activations peak %.1f MB\n",
+                s.last_maxvio, s.weights_bytes / 1e6, s.optimizer_bytes / 1e6, s.peak_activation_bytes / 1e6);
+    std::printf("metrics: %s/metrics.jsonl, checkpoint: %s/checkpoint (plot: deltamoe plot %s)\n",
+                out.c_str(), out.c_str(), out.c_str());
+  });
+});
+
+}  // namespace

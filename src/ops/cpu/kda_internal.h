@@ -1,0 +1,200 @@
+// Internals shared by the KDA forward (kda.cpp) and backward (kda_backward.cpp). Not a public
+// interface: include ops/cpu/kda.h instead.
+//
+// A "piece" is the unit of work of the chunked form: a run of c ≤ C consecutive tokens of one
+// (b, h) that lies inside one chunk [m·C, (m+1)·C) and inside one document. Without doc_start a
+// piece is a whole chunk; a document start inside a chunk splits it into two pieces, and the
+// piece that begins at a document start begins from the zero state. Chunk boundaries stay at
+// multiples of C, so the backward can keep one state per chunk: every piece starts either at a
+// chunk start (its state is the stored one) or at a document start (its state is zero).
+#pragma once
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+#include "core/error.h"
+#include "core/gemm.h"
+#include "ops/cpu/kda.h"
+
+namespace dm::kda_detail {
+
+// Under the square root of the L2 norm of q and k (SPEC §1.1: z / sqrt(Σ z² + 1e-6)).
+constexpr double kKdaL2NormEps = 1e-6;
+// Intra-chunk products are built in sub-blocks of this many tokens: pairs inside one sub-block
+// use pairwise exponents (an exp per pair and channel); pairs across sub-blocks factor through
+// a reference token (an exp per token and channel, then one GEMM). Smaller sub-blocks trade
+// pairwise exps for reference exps and smaller GEMMs; 4 measured fastest at C = 64,
+// K = V = 128 (16 was ~1.5x slower overall).
+constexpr int64_t kKdaSubChunk = 4;
+// Below this many multiply-adds of state work (B·H·T·K·V) one thread does the whole call: a
+// parallel region costs microseconds idle and whole scheduler ticks on a busy machine, which
+// dominated small decode steps and tests.
+constexpr int64_t kKdaMinParallelWork = int64_t(1) << 18;
+
+// exp(x) that GCC vectorises without -ffast-math (libm's exp is a call and blocks it; the chunked
+// form spends most of its non-GEMM time in exp). Cody–Waite reduction x = n·ln2 + r, Taylor
+// polynomial in r, then ·2ⁿ by building the exponent bits. Within ~1 ulp of std::exp for
+// |x| ≤ 87 (float) / 708 (double); x below −limit returns 0 (true value is below the normal
+// range), x above +limit is clamped (never happens here: every exponent formed is ≤ 0).
+// Clamping and the underflow test are integer mask arithmetic, no compares: GCC does not
+// if-convert a float compare-and-select under the default -ftrapping-math, and even integer
+// selects stayed branches inside the larger loops here, which kept those loops scalar.
+inline float kda_exp(float x) {
+  const int32_t x_bits = std::bit_cast<int32_t>(x);
+  const int32_t sign_bit = x_bits & int32_t(0x80000000u);
+  const int32_t magnitude_bits = x_bits & 0x7fffffff;
+  const int32_t limit_bits = std::bit_cast<int32_t>(87.0f);
+  // All-ones masks from arithmetic shifts (C++20: >> of a negative value is arithmetic).
+  const int32_t excess_bits = magnitude_bits - limit_bits;  // > 0: |x| beyond the limit
+  const int32_t within_limit_mask = excess_bits >> 31;
+  const int32_t negative_mask = x_bits >> 31;
+  const float x_clamped =
+      std::bit_cast<float>(sign_bit | (limit_bits + (excess_bits & within_limit_mask)));
+  // Adding 1.5·2²³ rounds x·log2(e) to an integer n and leaves n in the low mantissa bits.
+  const float shifter = 0x1.8p23f;
+  const float shifted = x_clamped * 1.44269504f + shifter;
+  const float n = shifted - shifter;
+  const float r = (x_clamped - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 = hi + lo
+  float poly = 1.f / 5040.f;
+  poly = poly * r + 1.f / 720.f;
+  poly = poly * r + 1.f / 120.f;
+  poly = poly * r + 1.f / 24.f;
+  poly = poly * r + 1.f / 6.f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.f;
+  poly = poly * r + 1.f;
+  const int32_t underflow_mask = negative_mask & ~within_limit_mask;
+  const int32_t two_to_n_bits =
+      ((std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(shifter) + 127) << 23) &
+      ~underflow_mask;
+  return poly * std::bit_cast<float>(two_to_n_bits);
+}
+
+inline double kda_exp(double x) {
+  const int64_t x_bits = std::bit_cast<int64_t>(x);
+  const int64_t sign_bit = x_bits & int64_t(0x8000000000000000ull);
+  const int64_t magnitude_bits = x_bits & int64_t(0x7fffffffffffffffll);
+  const int64_t limit_bits = std::bit_cast<int64_t>(708.0);
+  const int64_t excess_bits = magnitude_bits - limit_bits;
+  const int64_t within_limit_mask = excess_bits >> 63;
+  const int64_t negative_mask = x_bits >> 63;
+  const double x_clamped =
+      std::bit_cast<double>(sign_bit | (limit_bits + (excess_bits & within_limit_mask)));
+  const double shifter = 0x1.8p52;
+  const double shifted = x_clamped * 1.4426950408889634 + shifter;
+  const double n = shifted - shifter;
+  const double r = (x_clamped - n * 0x1.62e42fefa39efp-1) - n * 0x1.abc9e3b39803fp-56;
+  // Taylor to r¹³: |r| ≤ ln2/2 leaves a truncation error below 1e-17.
+  double poly = 1.0 / 6227020800.0;
+  poly = poly * r + 1.0 / 479001600.0;
+  poly = poly * r + 1.0 / 39916800.0;
+  poly = poly * r + 1.0 / 3628800.0;
+  poly = poly * r + 1.0 / 362880.0;
+  poly = poly * r + 1.0 / 40320.0;
+  poly = poly * r + 1.0 / 5040.0;
+  poly = poly * r + 1.0 / 720.0;
+  poly = poly * r + 1.0 / 120.0;
+  poly = poly * r + 1.0 / 24.0;
+  poly = poly * r + 1.0 / 6.0;
+  poly = poly * r + 0.5;
+  poly = poly * r + 1.0;
+  poly = poly * r + 1.0;
+  const int64_t underflow_mask = negative_mask & ~within_limit_mask;
+  const int64_t two_to_n_bits =
+      ((std::bit_cast<int64_t>(shifted) - std::bit_cast<int64_t>(shifter) + 1023) << 52) &
+      ~underflow_mask;
+  return poly * std::bit_cast<double>(two_to_n_bits);
+}
+
+inline void kda_check_shape(const KdaShape& s, const char* who) {
+  DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.K > 0 && s.V > 0, who, ": bad shape B=", s.B,
+           " T=", s.T, " H=", s.H, " K=", s.K, " V=", s.V);
+}
+
+inline void kda_check_chunk(int chunk, const char* who) {
+  DM_CHECK(chunk == 16 || chunk == 32 || chunk == 64, who, ": chunk must be 16, 32 or 64, got ",
+           chunk);
+}
+
+// 1 / sqrt(Σ z² + eps) over n contiguous elements.
+template <typename T>
+T kda_inverse_l2_norm(const T* z, int64_t n) {
+  T sum_squares = 0;
+#pragma omp simd reduction(+ : sum_squares)
+  for (int64_t i = 0; i < n; ++i) sum_squares += z[i] * z[i];
+  return T(1) / std::sqrt(sum_squares + T(kKdaL2NormEps));
+}
+
+// Threads for a call: one (b, h) per thread at most, and serial for small problems.
+inline int kda_thread_count(const KdaShape& s) {
+  const int64_t num_heads_total = s.B * s.H;
+  if (num_heads_total <= 1 || num_heads_total * s.T * s.K * s.V < kKdaMinParallelWork) return 1;
+  return int(std::max<int64_t>(1, std::min<int64_t>(num_threads(), num_heads_total)));
+}
+
+// True when token t (> 0) of batch row b begins a new document: the state before it is reset to
+// zero. Token 0 never resets (its state is s0). doc_start == nullptr: one document per row.
+inline bool kda_token_starts_document(const int32_t* doc_start, int64_t b, int64_t T_len,
+                                      int64_t t) {
+  return doc_start != nullptr && t > 0 && doc_start[b * T_len + t] == t;
+}
+
+// doc_start must describe documents: doc_start[0] = 0 and, for t > 0, either t (a new document)
+// or doc_start[t−1] (the same one). Anything else would silently make the forms disagree.
+inline void kda_check_doc_start(const int32_t* doc_start, int64_t B, int64_t T_len,
+                                const char* who) {
+  if (doc_start == nullptr) return;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_len; ++t) {
+      const int32_t start = doc_start[b * T_len + t];
+      const bool valid = t == 0 ? start == 0
+                                : start == t || start == doc_start[b * T_len + t - 1];
+      DM_CHECK(valid, who, ": doc_start[", b, ", ", t, "] = ", start,
+               " is neither ", t, " nor the previous token's document start");
+    }
+}
+
+// End (exclusive) of the piece that begins at piece_start inside the chunk ending at chunk_end:
+// the next document start, or the chunk end.
+inline int64_t kda_piece_end(const int32_t* doc_start, int64_t b, int64_t T_len,
+                             int64_t piece_start, int64_t chunk_end) {
+  int64_t piece_end = piece_start + 1;
+  while (piece_end < chunk_end && !kda_token_starts_document(doc_start, b, T_len, piece_end))
+    ++piece_end;
+  return piece_end;
+}
+
+// Forward quantities of one piece of c tokens (row-major, leading dimension K, V or c).
+template <typename T>
+struct KdaPieceBuffers {
+  T* query_norm = nullptr;       // [C, K]  q̂·scale
+  T* key_norm = nullptr;         // [C, K]  k̂
+  T* query_inv_norm = nullptr;   // [C]     1/sqrt(Σq² + eps) (backward only; may be nullptr)
+  T* key_inv_norm = nullptr;     // [C]     1/sqrt(Σk² + eps) (backward only; may be nullptr)
+  T* gamma_cum = nullptr;        // [C, K]  Γ, inclusive in-piece cumsum of g
+  T* query_decay = nullptr;      // [C, K]  Q⊙e^Γ       (scratch while the products are built)
+  T* key_decay = nullptr;        // [C, K]  K⊙e^Γ       (scratch while the products are built)
+  T* key_to_end = nullptr;       // [C, K]  K⊙e^{γ−Γ}   (scratch while the products are built)
+  T* value_residual = nullptr;   // [C, V]  V − (K⊙e^Γ)·S (backward only; may be nullptr)
+  T* value_new = nullptr;        // [C, V]  V' = (I + Diag(β)L)⁻¹ Diag(β) (V − (K⊙e^Γ)·S)
+  T* lower_key_key = nullptr;    // [c, c]  L without the β_i row factor (strictly lower)
+  T* lower_query_key = nullptr;  // [c, c]  P (lower, diagonal included)
+  T* beta = nullptr;             // [C]
+  T* gamma_last = nullptr;       // [K]     γ = Γ of the last token of the piece
+};
+
+// Gathers the piece [piece_start, piece_start + c) of head (b, h) and builds everything up to V'
+// from the state S [K, V] at its start (state == nullptr: zero state).
+template <typename T>
+void kda_piece_prepare(const T* q, const T* k, const T* v, const T* g, const T* beta,
+                       const KdaShape& s, int64_t b, int64_t h, int64_t piece_start, int64_t c,
+                       T scale, const T* state, const KdaPieceBuffers<T>& buf);
+
+// After kda_piece_prepare: writes o for the piece (o == nullptr: skipped) and advances the
+// state in place to the state after the piece.
+template <typename T>
+void kda_piece_finish_forward(const KdaShape& s, int64_t first_row, int64_t c, T* o, T* state,
+                              const KdaPieceBuffers<T>& buf);
+
+}  // namespace dm::kda_detail

@@ -1,0 +1,529 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "data/builtin.h"
+#include "data/sampler.h"
+#include "data/shard.h"
+#include "io/config.h"
+#include "io/safetensors.h"
+#include "io/tokenizer.h"
+#include "model/model.h"
+#include "train/balance.h"
+
+namespace dm {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+// ---- training data ---------------------------------------------------------------------------
+
+struct StageData {
+  std::shared_ptr<const TokenDataset> data;
+  bool has_recall = false;
+  RecallTaskOptions recall;
+};
+
+struct TrainData {
+  std::vector<StageData> stages;
+  double unigram_entropy = 0;
+};
+
+// Recall tasks sized to ~85% of the stage's sequence length, ids in a reserved top range.
+RecallTaskOptions recall_options_for(int64_t vocab, int64_t seq_len, uint64_t seed) {
+  RecallTaskOptions o;
+  o.vocab_size = vocab;
+  o.num_keys = 32;
+  o.num_values = 32;
+  o.num_filler = 64;
+  o.num_pairs = 4;
+  o.num_queries = 2;
+  o.token_base = int32_t(vocab - (4 + o.num_keys + o.num_values + o.num_filler));
+  o.seed = seed;
+  o.filler_length = 0;
+  const int64_t overhead = recall_task_length(o);
+  o.filler_length = std::max<int64_t>(8, int64_t(0.85 * double(seq_len)) - overhead);
+  return o;
+}
+
+TrainData build_builtin_data(const TrainerConfig& tc, const ModelConfig& mc,
+                             std::vector<int64_t> stage_seq) {
+  TrainData td;
+  const std::string tok_path = tc.out + "/tokenizer.json";
+  SyntheticEnglishOptions so;
+  so.num_documents = 4000;
+  so.seed = tc.seed;
+  const std::vector<std::string> corpus = synthetic_english_corpus(so);
+  Tokenizer tok;
+  if (fs::exists(tok_path)) {
+    tok = Tokenizer::load(tok_path);
+  } else {
+    // Leave the top of the vocabulary to the recall tasks' reserved ids.
+    const int64_t tok_vocab = std::min<int64_t>(mc.vocab_size - 160, 4096);
+    DM_CHECK(tok_vocab >= 300, "builtin data needs a model vocabulary of at least 460 tokens");
+    tok = Tokenizer::train(corpus, tok_vocab);
+    tok.save(tok_path);
+  }
+  DM_CHECK(tok.vocab_size() <= mc.vocab_size, tok_path, ": tokenizer has ", tok.vocab_size(),
+           " tokens, more than the model's vocabulary ", mc.vocab_size);
+  std::vector<std::vector<int32_t>> english;
+  english.reserve(corpus.size());
+  std::vector<int32_t> all;
+  const int32_t eot = tok.special_id("<|endoftext|>");
+  for (const std::string& doc : corpus) {
+    english.push_back(tok.encode(doc));
+    english.back().push_back(eot);
+    all.insert(all.end(), english.back().begin(), english.back().end());
+  }
+  td.unigram_entropy = unigram_entropy_nats(all);
+  const double english_tokens = double(all.size());
+  for (size_t s = 0; s < stage_seq.size(); ++s) {
+    StageData sd;
+    std::vector<std::vector<int32_t>> docs = english;
+    if (tc.recall_fraction > 0) {
+      sd.has_recall = true;
+      sd.recall = recall_options_for(mc.vocab_size, stage_seq[s], tc.seed * 1000 + s);
+      const int64_t len = recall_task_length(sd.recall);
+      const int64_t count = std::max<int64_t>(
+          16, int64_t(tc.recall_fraction / (1 - tc.recall_fraction) * english_tokens / double(len)));
+      for (RecallTask& t : generate_recall_tasks(sd.recall, count)) docs.push_back(std::move(t.tokens));
+    }
+    sd.data = TokenDataset::from_documents(docs, mc.vocab_size, "builtin stage " + std::to_string(s));
+    td.stages.push_back(std::move(sd));
+  }
+  return td;
+}
+
+// ---- routing collection for Quantile Balancing and balance metrics ---------------------------
+
+class BalanceCollector : public RoutingSink {
+ public:
+  explicit BalanceCollector(const ModelConfig& c) : E_(c.moe.num_experts), k_(c.moe.top_k) {
+    layers_.resize(c.num_layers);
+  }
+  void clear() {
+    for (auto& l : layers_) {
+      l.scores.clear();
+      l.cutoff.clear();
+      l.loads.assign(size_t(E_), 0);
+      l.tokens = 0;
+    }
+  }
+  void on_routing(int layer, const float* scores, const float* cutoff, const int32_t* idx,
+                  int64_t N, int E, int k) override {
+    Layer& l = layers_[layer];
+    l.scores.insert(l.scores.end(), scores, scores + N * E);
+    l.cutoff.insert(l.cutoff.end(), cutoff, cutoff + N);
+    if (l.loads.empty()) l.loads.assign(size_t(E), 0);
+    for (int64_t i = 0; i < N * k; ++i) l.loads[size_t(idx[i])] += 1;
+    l.tokens += N;
+  }
+  struct Layer {
+    std::vector<float> scores, cutoff;
+    std::vector<int64_t> loads;
+    int64_t tokens = 0;
+  };
+  std::vector<Layer> layers_;
+  int E_, k_;
+};
+
+// ---- small utilities -------------------------------------------------------------------------
+
+std::string human_count(double v) {
+  char b[32];
+  if (v >= 1e9) std::snprintf(b, sizeof b, "%.2fB", v / 1e9);
+  else if (v >= 1e6) std::snprintf(b, sizeof b, "%.2fM", v / 1e6);
+  else if (v >= 1e3) std::snprintf(b, sizeof b, "%.1fK", v / 1e3);
+  else std::snprintf(b, sizeof b, "%.0f", v);
+  return b;
+}
+
+void progress_line(bool tty, int64_t step, int64_t total, const std::string& body) {
+  const int width = 24;
+  const int filled = total > 0 ? int(double(step) / double(total) * width) : 0;
+  std::string bar(size_t(filled), '#');
+  bar.resize(size_t(width), '.');
+  if (tty) std::fprintf(stderr, "\r[%s] %lld/%lld %s\x1b[K", bar.c_str(), (long long)step, (long long)total, body.c_str());
+  else std::fprintf(stderr, "[%s] %lld/%lld %s\n", bar.c_str(), (long long)step, (long long)total, body.c_str());
+  std::fflush(stderr);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  DM_CHECK(in.good(), path, ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TrainerConfig trainer_config_from_json(const std::string& text, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(str_cat(origin, ": not valid JSON (", e.what(), ")"));
+  }
+  DM_CHECK(j.is_object(), origin, ": expected a JSON object");
+  TrainerConfig c;
+  auto num = [&](const json& o, const char* key, auto& dst, const std::string& path) {
+    if (!o.contains(key)) return;
+    DM_CHECK(o[key].is_number(), origin, ": field '", path, key, "' must be a number");
+    dst = o[key].get<std::remove_reference_t<decltype(dst)>>();
+  };
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    static const char* known[] = {"model", "data", "steps", "batch", "accum", "lr", "min_lr_ratio",
+                                  "warmup", "optimizer", "weight_decay", "clip", "spike_factor",
+                                  "stages", "balance", "sign_rate", "recompute", "kda_chunk",
+                                  "checkpoint_every", "eval_every", "eval_tasks", "seed",
+                                  "recall_fraction"};
+    DM_CHECK(std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) !=
+                 std::end(known),
+             origin, ": unknown field '", it.key(), "'");
+  }
+  if (j.contains("model")) c.model = j["model"].get<std::string>();
+  if (j.contains("data")) c.data = j["data"].get<std::string>();
+  num(j, "steps", c.steps, "");
+  num(j, "batch", c.batch, "");
+  num(j, "accum", c.accum, "");
+  num(j, "lr", c.lr, "");
+  num(j, "min_lr_ratio", c.min_lr_ratio, "");
+  num(j, "warmup", c.warmup, "");
+  num(j, "weight_decay", c.optimizer.weight_decay, "");
+  num(j, "clip", c.clip, "");
+  num(j, "spike_factor", c.spike_factor, "");
+  num(j, "sign_rate", c.sign_rate, "");
+  num(j, "kda_chunk", c.kda_chunk, "");
+  num(j, "checkpoint_every", c.checkpoint_every, "");
+  num(j, "eval_every", c.eval_every, "");
+  num(j, "eval_tasks", c.eval_tasks, "");
+  num(j, "seed", c.seed, "");
+  num(j, "recall_fraction", c.recall_fraction, "");
+  if (j.contains("recompute")) {
+    DM_CHECK(j["recompute"].is_boolean(), origin, ": field 'recompute' must be true/false");
+    c.recompute = j["recompute"].get<bool>();
+  }
+  if (j.contains("optimizer")) {
+    const std::string o = j["optimizer"].get<std::string>();
+    DM_CHECK(o == "adamw" || o == "muon", origin, ": field 'optimizer' must be \"adamw\" or \"muon\"");
+    c.optimizer.kind = o == "muon" ? OptimizerKind::Muon : OptimizerKind::AdamW;
+  }
+  if (j.contains("balance")) {
+    c.balance = j["balance"].get<std::string>();
+    DM_CHECK(c.balance == "qb" || c.balance == "qb-hist" || c.balance == "sign" || c.balance == "none",
+             origin, ": field 'balance' must be qb, qb-hist, sign or none");
+  }
+  if (j.contains("stages")) {
+    DM_CHECK(j["stages"].is_array() && !j["stages"].empty(), origin, ": field 'stages' must be a non-empty array");
+    for (size_t i = 0; i < j["stages"].size(); ++i) {
+      const json& s = j["stages"][i];
+      const std::string p = "stages[" + std::to_string(i) + "].";
+      DM_CHECK(s.is_object(), origin, ": field '", p, "' must be an object");
+      TrainStage st;
+      num(s, "seq_len", st.seq_len, p);
+      num(s, "tokens", st.tokens, p);
+      num(s, "lr_mult", st.lr_mult, p);
+      num(s, "replay", st.replay, p);
+      DM_CHECK(st.seq_len > 0 && st.tokens > 0, origin, ": ", p, "seq_len and tokens must be > 0");
+      DM_CHECK(st.replay >= 0 && st.replay < 1, origin, ": ", p, "replay must be in [0, 1)");
+      c.stages.push_back(st);
+    }
+  }
+  DM_CHECK(c.batch > 0 && c.accum > 0, origin, ": batch and accum must be > 0");
+  DM_CHECK(c.kda_chunk == 0 || c.kda_chunk == 16 || c.kda_chunk == 32 || c.kda_chunk == 64, origin,
+           ": field 'kda_chunk' must be 16, 32, 64 or 0");
+  return c;
+}
+
+TrainSummary train(const TrainerConfig& tc) {
+  DM_CHECK(!tc.out.empty(), "train: no output folder");
+  fs::create_directories(tc.out);
+  const std::string ckpt = tc.out + "/checkpoint";
+  const bool resuming = tc.resume && fs::exists(ckpt + "/trainer_state.json");
+  DM_CHECK(!tc.resume || resuming, ckpt, ": no checkpoint to resume from");
+
+  // ---- model ----
+  std::unique_ptr<Model> model;
+  if (resuming) {
+    model = Model::load(ckpt);
+  } else if (fs::is_directory(tc.model) && fs::exists(tc.model + "/model.safetensors")) {
+    model = Model::load(tc.model);
+  } else {
+    auto w = weights_allocate<float>(load_config(tc.model));
+    weights_init(*w, tc.seed);
+    model = std::make_unique<Model>(std::move(w));
+  }
+  const ModelConfig& mc = model->config();
+  ModelWeights& W = model->weights();
+  auto G = weights_allocate<float>(mc);
+
+  // ---- schedule ----
+  std::vector<TrainStage> stages = tc.stages;
+  if (stages.empty()) {
+    TrainStage s;
+    s.seq_len = 256;
+    s.tokens = std::max<int64_t>(1, tc.steps) * tc.batch * tc.accum * s.seq_len;
+    stages.push_back(s);
+  }
+  std::vector<int64_t> stage_first_step;  // step index where each stage begins
+  int64_t total_steps = 0;
+  for (const TrainStage& s : stages) {
+    DM_CHECK(s.seq_len <= mc.max_context, "stage seq_len ", s.seq_len, " exceeds the model context ", mc.max_context);
+    stage_first_step.push_back(total_steps);
+    total_steps += std::max<int64_t>(1, (s.tokens + tc.batch * tc.accum * s.seq_len - 1) /
+                                            (tc.batch * tc.accum * s.seq_len));
+  }
+  const int64_t run_steps = tc.steps > 0 ? std::min(tc.steps, total_steps) : total_steps;
+  auto stage_of = [&](int64_t step) {
+    int s = 0;
+    while (s + 1 < int(stages.size()) && step >= stage_first_step[s + 1]) ++s;
+    return s;
+  };
+
+  // ---- data ----
+  std::vector<int64_t> seqs;
+  for (const TrainStage& s : stages) seqs.push_back(s.seq_len);
+  TrainData td;
+  if (tc.data == "builtin") {
+    td = build_builtin_data(tc, mc, seqs);
+  } else {
+    auto ds = TokenDataset::open(tc.data);
+    for (size_t s = 0; s < stages.size(); ++s) td.stages.push_back({ds, false, {}});
+  }
+  auto make_sampler = [&](int s) {
+    PackedSamplerOptions o;
+    o.batch_size = tc.batch;
+    o.seq_len = stages[s].seq_len;
+    o.seed = tc.seed * 7919 + uint64_t(s);
+    o.replay_fraction = s > 0 ? stages[s].replay : 0.0;
+    auto replay = s > 0 && o.replay_fraction > 0 ? td.stages[s - 1].data : nullptr;
+    if (!replay) o.replay_fraction = 0;
+    return std::make_unique<PackedSampler>(td.stages[s].data, o, replay);
+  };
+
+  // ---- optimizer, balance, state ----
+  OptimizerConfig oc = tc.optimizer;
+  Optimizer opt(mc, oc);
+  BalanceOptions bo;
+  bo.estimator = tc.balance == "qb-hist" ? QuantileEstimator::Histogram : QuantileEstimator::Exact;
+  bo.rule = tc.balance == "sign" ? BalanceRule::Sign : BalanceRule::Quantile;
+  bo.sign_rate = tc.sign_rate;
+  std::vector<BalanceLayerState> bstate(size_t(mc.num_layers));
+  BalanceCollector collector(mc);
+
+  int64_t step = 0, tokens_seen = 0, skipped = 0;
+  double loss_ema = 0, elapsed = 0;
+  int cur_stage = stage_of(0);
+  std::unique_ptr<PackedSampler> sampler = make_sampler(cur_stage);
+  if (resuming) {
+    opt.load(ckpt + "/optimizer.safetensors");
+    const json st = json::parse(read_text(ckpt + "/trainer_state.json"));
+    step = st.at("step").get<int64_t>();
+    tokens_seen = st.at("tokens").get<int64_t>();
+    skipped = st.at("skipped").get<int64_t>();
+    loss_ema = st.at("loss_ema").get<double>();
+    elapsed = st.at("elapsed_s").get<double>();
+    cur_stage = st.at("stage").get<int>();
+    sampler = make_sampler(cur_stage);
+    sampler->restore(st.at("sampler"));
+    const json& bs = st.at("balance_ema");
+    for (size_t i = 0; i < bstate.size() && i < bs.size(); ++i)
+      bstate[i].smoothed_raw_bias = bs[i].get<std::vector<double>>();
+    // Keep metrics.jsonl consistent with the checkpoint: drop lines past its step.
+    std::ifstream in(tc.out + "/metrics.jsonl");
+    std::string line, kept;
+    while (std::getline(in, line)) {
+      try {
+        if (json::parse(line).at("step").get<int64_t>() <= step) kept += line + "\n";
+      } catch (const std::exception&) {
+      }
+    }
+    write_file_atomic(tc.out + "/metrics.jsonl", kept.data(), kept.size());
+  } else {
+    std::ofstream(tc.out + "/metrics.jsonl", std::ios::trunc);
+  }
+  std::ofstream metrics(tc.out + "/metrics.jsonl", std::ios::app);
+
+  auto save_checkpoint = [&]() {
+    const std::string tmp = tc.out + "/checkpoint.tmp";
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    weights_save(W, tmp);
+    opt.save(tmp + "/optimizer.safetensors");
+    if (fs::exists(tc.out + "/tokenizer.json"))  // so `generate --model OUT/checkpoint` finds it
+      fs::copy_file(tc.out + "/tokenizer.json", tmp + "/tokenizer.json", fs::copy_options::overwrite_existing);
+    json bs = json::array();
+    for (const auto& b : bstate) bs.push_back(b.smoothed_raw_bias);
+    const json st = {{"step", step},         {"tokens", tokens_seen}, {"skipped", skipped},
+                     {"loss_ema", loss_ema}, {"elapsed_s", elapsed},   {"stage", cur_stage},
+                     {"sampler", sampler->state_json()}, {"balance_ema", bs}};
+    const std::string s = st.dump(1);
+    write_file_atomic(tmp + "/trainer_state.json", s.data(), s.size());
+    const std::string old = tc.out + "/checkpoint.old";
+    fs::remove_all(old, ec);
+    if (fs::exists(ckpt)) fs::rename(ckpt, old);
+    fs::rename(tmp, ckpt);
+    fs::remove_all(old, ec);
+  };
+
+  // Recall evaluation: held-out tasks at the current stage's distance, argmax at answer positions.
+  auto eval_recall = [&](int s) -> double {
+    if (!td.stages[s].has_recall || tc.eval_tasks <= 0) return -1;
+    RecallTaskOptions o = td.stages[s].recall;
+    o.seed += 0x5eed;
+    const auto tasks = generate_recall_tasks(o, tc.eval_tasks);
+    std::vector<float> logits;
+    std::vector<int64_t> ids;
+    const NextTokenArgmaxFn predict = [&](std::span<const int32_t> prompt) {
+      const int64_t T = int64_t(prompt.size()), V = mc.vocab_size;
+      ids.assign(prompt.begin(), prompt.end());
+      logits.resize(size_t(T * V));
+      ForwardOptions fo;
+      fo.kda_chunk = tc.kda_chunk;
+      model->forward(ids.data(), 1, T, logits.data(), nullptr, fo);
+      std::vector<int32_t> arg(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) {
+        const float* z = logits.data() + t * V;
+        arg[size_t(t)] = int32_t(std::max_element(z, z + V) - z);
+      }
+      return arg;
+    };
+    return recall_accuracy(predict, tasks).accuracy();
+  };
+
+  TrainSummary sum;
+  sum.unigram_entropy = td.unigram_entropy;
+  sum.weights_bytes = W.arena.capacity();
+  sum.optimizer_bytes = opt.state_bytes();
+  const bool tty = tc.progress && isatty(2);
+  std::vector<PackedBatch> micro(size_t(tc.accum));
+  std::vector<double> losses;
+  TrainOptions to;
+  to.kda_chunk = tc.kda_chunk;
+  to.recompute = tc.recompute;
+
+  while (step < run_steps) {
+    const int s = stage_of(step);
+    if (s != cur_stage) {  // stage transition: new length, new data mix; the LR multiplier drops
+      cur_stage = s;
+      sampler = make_sampler(s);
+    }
+    const TrainStage& st = stages[s];
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t targets = 0, step_tokens = 0;
+    for (auto& b : micro) {
+      sampler->next_batch(b);
+      targets += b.num_targets();
+      step_tokens += b.batch_size * b.seq_len;
+    }
+    grad_zero(*G);
+    collector.clear();
+    double loss_sum = 0;
+    int64_t correct = 0;
+    for (const auto& b : micro) {
+      const TrainStepResult r = model->forward_backward(b.tokens.data(), b.targets.data(), b.doc_start.data(),
+                                                        b.batch_size, b.seq_len, *G,
+                                                        1.0 / double(std::max<int64_t>(1, targets)), to,
+                                                        tc.balance == "none" ? nullptr : &collector);
+      loss_sum += r.loss_sum;
+      correct += r.correct;
+    }
+    const double loss = loss_sum / double(std::max<int64_t>(1, targets));
+    const double gnorm = grad_global_norm(*G);
+    const float lr = lr_schedule(step, tc.warmup, run_steps, tc.lr, tc.min_lr_ratio) * st.lr_mult;
+    bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
+    if (!skip && tc.spike_factor > 0 && step >= 20 && loss > tc.spike_factor * loss_ema) skip = true;
+    double maxvio = 0, cv = 0;
+    int dead = 0, moe_layers = 0;
+    json per_layer = json::array();
+    if (!skip) {
+      if (tc.clip > 0 && gnorm > tc.clip) grad_scale(*G, float(tc.clip / gnorm));
+      opt.step(W, *G, lr);
+      loss_ema = step == 0 ? loss : 0.95 * loss_ema + 0.05 * loss;
+    } else {
+      ++skipped;
+      std::fprintf(stderr, "\nstep %lld skipped: loss %.4g (running %.4g), grad norm %.4g\n",
+                   (long long)step, loss, loss_ema, gnorm);
+    }
+    for (int i = 0; i < mc.num_layers; ++i) {
+      if (mc.ffns[i] != FfnKind::MoE || tc.balance == "none") continue;
+      auto& l = collector.layers_[size_t(i)];
+      if (l.tokens == 0) continue;
+      const BalanceMetrics bm = balance_metrics(l.loads.data(), mc.moe.num_experts);
+      maxvio = std::max(maxvio, bm.max_violation);
+      cv += bm.coefficient_of_variation;
+      dead += bm.dead_experts;
+      ++moe_layers;
+      per_layer.push_back({{"layer", i}, {"maxvio", bm.max_violation}, {"cv", bm.coefficient_of_variation}, {"dead", bm.dead_experts}});
+      if (skip) continue;
+      float* bias = W.layers[size_t(i)].moe.router_bias;
+      if (bo.rule == BalanceRule::Sign)
+        sign_balance_update(l.loads.data(), mc.moe.num_experts, bo.sign_rate, bias);
+      else
+        quantile_balance_update(l.scores.data(), l.cutoff.data(), l.tokens, mc.moe.num_experts,
+                                mc.moe.top_k, bo, &bstate[size_t(i)], bias);
+    }
+    if (moe_layers) cv /= moe_layers;
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    elapsed += dt;
+    tokens_seen += step_tokens;
+    ++step;
+    json m = {{"step", step},        {"stage", s},        {"seq_len", st.seq_len}, {"loss", loss},
+              {"lr", lr},            {"grad_norm", gnorm}, {"tokens_per_s", double(step_tokens) / dt},
+              {"tokens", tokens_seen}, {"token_acc", double(correct) / double(std::max<int64_t>(1, targets))},
+              {"maxvio", maxvio},    {"cv", cv},           {"dead_experts", dead},  {"skipped", skip},
+              {"elapsed_s", elapsed}};
+    if (!per_layer.empty()) m["balance"] = per_layer;
+    const bool stage_ends = step == run_steps || stage_of(step) != s;
+    if (tc.eval_every > 0 && (step % tc.eval_every == 0 || stage_ends)) {
+      const double acc = eval_recall(s);
+      if (acc >= 0) {
+        m["recall_acc"] = acc;
+        m["recall_distance"] = td.stages[s].recall.filler_length;
+        sum.recall_acc = acc;
+        sum.recall_chance = 1.0 / td.stages[s].recall.num_values;
+      }
+    }
+    metrics << m.dump() << "\n";
+    metrics.flush();
+    losses.push_back(loss);
+    sum.last_maxvio = maxvio;
+    if (tc.progress) {
+      char body[256];
+      std::snprintf(body, sizeof body, "T=%lld %s tok/s loss %.3f lr %.2e gnorm %.2f maxvio %.3f",
+                    (long long)st.seq_len, human_count(double(step_tokens) / dt).c_str(), loss, lr,
+                    gnorm, maxvio);
+      if (tty || step % 10 == 0 || step == run_steps) progress_line(tty, step, run_steps, body);
+    }
+    if ((tc.checkpoint_every > 0 && step % tc.checkpoint_every == 0) || step == run_steps) save_checkpoint();
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  auto mean_of = [](const std::vector<double>& v, size_t from, size_t to) {
+    double s = 0;
+    for (size_t i = from; i < to; ++i) s += v[i];
+    return to > from ? s / double(to - from) : 0.0;
+  };
+  const size_t n = losses.size(), w = std::min<size_t>(10, n);
+  sum.steps = step;
+  sum.tokens = tokens_seen;
+  sum.skipped = skipped;
+  sum.first_loss = mean_of(losses, 0, w);
+  sum.last_loss = mean_of(losses, n - w, n);
+  sum.tokens_per_s = elapsed > 0 ? double(tokens_seen) / elapsed : 0;
+  sum.peak_activation_bytes = model->activation_peak();
+  return sum;
+}
+
+}  // namespace dm

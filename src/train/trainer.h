@@ -1,0 +1,65 @@
+// The training loop (SPEC §2): progressive-context stages, packed documents, gradient
+// accumulation, warmup + cosine LR, global-norm clipping, spike / non-finite guard, Quantile
+// Balancing of every MoE layer, metrics.jsonl, atomic checkpoints and bit-exact resume.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "train/optimizer.h"
+
+namespace dm {
+
+// One progressive-context stage: sequence length, token budget, LR multiplier (lowered at each
+// transition) and the fraction of rows replayed from the previous stage's data.
+struct TrainStage {
+  int64_t seq_len = 256;
+  int64_t tokens = 0;
+  float lr_mult = 1.0f;
+  double replay = 0.0;
+};
+
+struct TrainerConfig {
+  std::string model;            // config.json (fresh init) or a checkpoint folder (fine-tune)
+  std::string data = "builtin"; // "builtin" or a folder of shards from `deltamoe data`
+  std::string out;              // output folder
+  bool resume = false;
+  int64_t steps = 0;            // stop after this many steps (0 = when the stage budgets run out)
+  int64_t batch = 8;            // rows per micro-batch
+  int64_t accum = 1;            // micro-batches per step
+  float lr = 3e-3f, min_lr_ratio = 0.1f;
+  int64_t warmup = 30;
+  OptimizerConfig optimizer;
+  float clip = 1.0f;            // global-norm clip (0 = off)
+  float spike_factor = 3.0f;    // skip a step whose loss exceeds this × the running loss (0 = off)
+  std::vector<TrainStage> stages;
+  std::string balance = "qb";   // qb | qb-hist | sign | none
+  float sign_rate = 1e-3f;
+  bool recompute = true;
+  int kda_chunk = 64;
+  int64_t checkpoint_every = 0; // steps (0 = only at the end)
+  int64_t eval_every = 50;      // recall evaluation (builtin data)
+  int64_t eval_tasks = 32;
+  uint64_t seed = 0;
+  double recall_fraction = 0.3; // builtin data: fraction of documents that are recall tasks
+  bool progress = true;         // progress bar on stderr
+};
+
+// Parses a training config JSON (all fields optional except those the CLI sets); errors name the
+// field and file.
+TrainerConfig trainer_config_from_json(const std::string& json_text, const std::string& origin);
+
+struct TrainSummary {
+  int64_t steps = 0, tokens = 0, skipped = 0;
+  double first_loss = 0, last_loss = 0;    // mean over the first / last 10 steps
+  double unigram_entropy = 0;              // of the training data (nats/token; builtin data)
+  double recall_acc = -1, recall_chance = 0;
+  double last_maxvio = 0;
+  double tokens_per_s = 0;
+  size_t peak_activation_bytes = 0, weights_bytes = 0, optimizer_bytes = 0;
+};
+
+// Runs training; writes OUT/metrics.jsonl, OUT/checkpoint/, OUT/tokenizer.json (builtin data).
+TrainSummary train(const TrainerConfig& cfg);
+
+}  // namespace dm
