@@ -48,6 +48,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   static std::string model, data = "builtin", out, train_config, stages, optimizer, balance;
   static int64_t steps = 0, batch = 0, accum = 0, ckpt_every = -1, warmup = -1;
   static float lr = 0;
+  static double balance_ema = -1;
   static bool resume = false, no_recompute = false, quiet = false;
   static uint64_t seed = 0;
   app->add_option("--config", model, "Model config.json, or a checkpoint folder to continue from")->required();
@@ -62,6 +63,8 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   app->add_option("--stages", stages, "Progressive context: T:tokens[:lr_mult[:replay]],... e.g. 128:150K,512:150K:0.5:0.1");
   app->add_option("--optimizer", optimizer, "adamw or muon")->check(CLI::IsMember({"adamw", "muon"}));
   app->add_option("--balance", balance, "qb, qb-hist, sign or none")->check(CLI::IsMember({"qb", "qb-hist", "sign", "none"}));
+  app->add_option("--balance-ema", balance_ema, "QB: EMA of the expert quantiles across steps, in [0,1) (0 = off)")
+      ->check(CLI::Range(0.0, 0.999));
   app->add_option("--checkpoint-every", ckpt_every, "Checkpoint every N steps (always at the end)");
   app->add_option("--seed", seed, "Seed (init, data order)");
   app->add_flag("--resume", resume, "Continue from OUT/checkpoint (bit-exact)");
@@ -89,6 +92,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
     if (!optimizer.empty()) c.optimizer.kind = optimizer == "muon" ? dm::OptimizerKind::Muon : dm::OptimizerKind::AdamW;
     if (!balance.empty()) c.balance = balance;
     if (ckpt_every >= 0) c.checkpoint_every = ckpt_every;
+    if (balance_ema >= 0) c.balance_ema = balance_ema;
     if (seed) c.seed = seed;
     if (no_recompute) c.recompute = false;
     c.progress = !quiet;

@@ -12,6 +12,8 @@
 // The backward walks the same chain in reverse; see mla_layer_backward.
 #include "model/mla.h"
 
+#include "core/fastmath.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -58,10 +60,7 @@ bool mla_rope_active(const MlaConfig& m) { return m.use_rope && m.qk_rope_dim > 
 
 template <typename Real>
 Real sigmoid_stable(Real x) {
-  // exp of a non-positive argument only, so large |x| never overflows.
-  if (x >= Real(0)) return Real(1) / (Real(1) + std::exp(-x));
-  const Real e = std::exp(x);
-  return e / (Real(1) + e);
+  return sigmoid(x);  // core/fastmath.h
 }
 
 // y[N,out] = x[N,in] · W[out,in]ᵀ

@@ -188,7 +188,7 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
                                   "warmup", "optimizer", "weight_decay", "clip", "spike_factor",
                                   "stages", "balance", "sign_rate", "recompute", "kda_chunk",
                                   "checkpoint_every", "eval_every", "eval_tasks", "seed",
-                                  "recall_fraction"};
+                                  "recall_fraction", "balance_ema"};
     DM_CHECK(std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) !=
                  std::end(known),
              origin, ": unknown field '", it.key(), "'");
@@ -211,6 +211,8 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
   num(j, "eval_tasks", c.eval_tasks, "");
   num(j, "seed", c.seed, "");
   num(j, "recall_fraction", c.recall_fraction, "");
+  num(j, "balance_ema", c.balance_ema, "");
+  DM_CHECK(c.balance_ema >= 0 && c.balance_ema < 1, origin, ": field 'balance_ema' must be in [0, 1)");
   if (j.contains("recompute")) {
     DM_CHECK(j["recompute"].is_boolean(), origin, ": field 'recompute' must be true/false");
     c.recompute = j["recompute"].get<bool>();
@@ -320,6 +322,7 @@ TrainSummary train(const TrainerConfig& tc) {
   bo.estimator = tc.balance == "qb-hist" ? QuantileEstimator::Histogram : QuantileEstimator::Exact;
   bo.rule = tc.balance == "sign" ? BalanceRule::Sign : BalanceRule::Quantile;
   bo.sign_rate = tc.sign_rate;
+  bo.quantile_ema = tc.balance_ema;
   std::vector<BalanceLayerState> bstate(size_t(mc.num_layers));
   BalanceCollector collector(mc);
 

@@ -35,6 +35,7 @@ struct TrainerConfig {
   std::vector<TrainStage> stages;
   std::string balance = "qb";   // qb | qb-hist | sign | none
   float sign_rate = 1e-3f;
+  double balance_ema = 0.0;     // QB: EMA of the per-expert quantiles across steps (0 = off)
   bool recompute = true;
   int kda_chunk = 64;
   int64_t checkpoint_every = 0; // steps (0 = only at the end)

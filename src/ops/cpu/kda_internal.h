@@ -8,6 +8,7 @@
 // multiples of C, so the backward can keep one state per chunk: every piece starts either at a
 // chunk start (its state is the stored one) or at a document start (its state is zero).
 #pragma once
+#include "core/fastmath.h"
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -32,79 +33,10 @@ constexpr int64_t kKdaSubChunk = 4;
 // dominated small decode steps and tests.
 constexpr int64_t kKdaMinParallelWork = int64_t(1) << 18;
 
-// exp(x) that GCC vectorises without -ffast-math (libm's exp is a call and blocks it; the chunked
-// form spends most of its non-GEMM time in exp). Cody–Waite reduction x = n·ln2 + r, Taylor
-// polynomial in r, then ·2ⁿ by building the exponent bits. Within ~1 ulp of std::exp for
-// |x| ≤ 87 (float) / 708 (double); x below −limit returns 0 (true value is below the normal
-// range), x above +limit is clamped (never happens here: every exponent formed is ≤ 0).
-// Clamping and the underflow test are integer mask arithmetic, no compares: GCC does not
-// if-convert a float compare-and-select under the default -ftrapping-math, and even integer
-// selects stayed branches inside the larger loops here, which kept those loops scalar.
-inline float kda_exp(float x) {
-  const int32_t x_bits = std::bit_cast<int32_t>(x);
-  const int32_t sign_bit = x_bits & int32_t(0x80000000u);
-  const int32_t magnitude_bits = x_bits & 0x7fffffff;
-  const int32_t limit_bits = std::bit_cast<int32_t>(87.0f);
-  // All-ones masks from arithmetic shifts (C++20: >> of a negative value is arithmetic).
-  const int32_t excess_bits = magnitude_bits - limit_bits;  // > 0: |x| beyond the limit
-  const int32_t within_limit_mask = excess_bits >> 31;
-  const int32_t negative_mask = x_bits >> 31;
-  const float x_clamped =
-      std::bit_cast<float>(sign_bit | (limit_bits + (excess_bits & within_limit_mask)));
-  // Adding 1.5·2²³ rounds x·log2(e) to an integer n and leaves n in the low mantissa bits.
-  const float shifter = 0x1.8p23f;
-  const float shifted = x_clamped * 1.44269504f + shifter;
-  const float n = shifted - shifter;
-  const float r = (x_clamped - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 = hi + lo
-  float poly = 1.f / 5040.f;
-  poly = poly * r + 1.f / 720.f;
-  poly = poly * r + 1.f / 120.f;
-  poly = poly * r + 1.f / 24.f;
-  poly = poly * r + 1.f / 6.f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.f;
-  poly = poly * r + 1.f;
-  const int32_t underflow_mask = negative_mask & ~within_limit_mask;
-  const int32_t two_to_n_bits =
-      ((std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(shifter) + 127) << 23) &
-      ~underflow_mask;
-  return poly * std::bit_cast<float>(two_to_n_bits);
-}
-
-inline double kda_exp(double x) {
-  const int64_t x_bits = std::bit_cast<int64_t>(x);
-  const int64_t sign_bit = x_bits & int64_t(0x8000000000000000ull);
-  const int64_t magnitude_bits = x_bits & int64_t(0x7fffffffffffffffll);
-  const int64_t limit_bits = std::bit_cast<int64_t>(708.0);
-  const int64_t excess_bits = magnitude_bits - limit_bits;
-  const int64_t within_limit_mask = excess_bits >> 63;
-  const int64_t negative_mask = x_bits >> 63;
-  const double x_clamped =
-      std::bit_cast<double>(sign_bit | (limit_bits + (excess_bits & within_limit_mask)));
-  const double shifter = 0x1.8p52;
-  const double shifted = x_clamped * 1.4426950408889634 + shifter;
-  const double n = shifted - shifter;
-  const double r = (x_clamped - n * 0x1.62e42fefa39efp-1) - n * 0x1.abc9e3b39803fp-56;
-  // Taylor to r¹³: |r| ≤ ln2/2 leaves a truncation error below 1e-17.
-  double poly = 1.0 / 6227020800.0;
-  poly = poly * r + 1.0 / 479001600.0;
-  poly = poly * r + 1.0 / 39916800.0;
-  poly = poly * r + 1.0 / 3628800.0;
-  poly = poly * r + 1.0 / 362880.0;
-  poly = poly * r + 1.0 / 40320.0;
-  poly = poly * r + 1.0 / 5040.0;
-  poly = poly * r + 1.0 / 720.0;
-  poly = poly * r + 1.0 / 120.0;
-  poly = poly * r + 1.0 / 24.0;
-  poly = poly * r + 1.0 / 6.0;
-  poly = poly * r + 0.5;
-  poly = poly * r + 1.0;
-  poly = poly * r + 1.0;
-  const int64_t underflow_mask = negative_mask & ~within_limit_mask;
-  const int64_t two_to_n_bits =
-      ((std::bit_cast<int64_t>(shifted) - std::bit_cast<int64_t>(shifter) + 1023) << 52) &
-      ~underflow_mask;
-  return poly * std::bit_cast<double>(two_to_n_bits);
+// exp that vectorises: see core/fastmath.h.
+template <typename Real>
+inline Real kda_exp(Real x) {
+  return fast_exp(x);
 }
 
 inline void kda_check_shape(const KdaShape& s, const char* who) {

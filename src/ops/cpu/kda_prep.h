@@ -10,6 +10,7 @@
 //       safe gate:     g = lb · sigmoid(exp(A_log[h]) · (f + dt_bias))          (lb < 0)
 // Backwards accumulate (+=) into every gradient they produce.
 #pragma once
+#include "core/fastmath.h"
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -41,10 +42,7 @@ void kda_gate_backward(const Real* f, const Real* A_log, const Real* dt_bias, co
 // Scalar helpers in the compute type (the float versions in norm.h compute the same values).
 template <typename Real>
 inline Real kda_sigmoid(Real x) {
-  // exp of a non-positive argument only, so ±1e4 never overflows.
-  if (x >= 0) return Real(1) / (Real(1) + std::exp(-x));
-  const Real e = std::exp(x);
-  return e / (Real(1) + e);
+  return sigmoid(x);  // core/fastmath.h
 }
 template <typename Real>
 inline Real kda_softplus(Real x) {  // log(1 + e^x), linear above PyTorch's threshold 20

@@ -3,6 +3,8 @@
 // SPEC §1.5, §1.6. The backward lives in moe_backward.cpp.
 #include "ops/cpu/moe.h"
 
+#include "core/fastmath.h"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -25,10 +27,7 @@ constexpr int64_t kRouteParallelMinPairs = 1 << 14;
 
 template <typename Real>
 inline Real router_sigmoid(Real x) {
-  // Same overflow-free form as the GLU: exp of a non-positive argument only.
-  const Real e = std::exp(-std::fabs(x));
-  const Real r = Real(1) / (Real(1) + e);
-  return x >= Real(0) ? r : e * r;
+  return sigmoid(x);  // core/fastmath.h
 }
 
 // Descending list of the best `capacity` (value, expert) pairs seen so far. Experts are offered

@@ -3,6 +3,7 @@
 //   rmsnorm_gated_forward:  y = rmsnorm(x)·w ⊙ sigmoid(gate)     (KDA output: per-head norm, D = head dim)
 // y may alias x.
 #pragma once
+#include "core/fastmath.h"
 #include <cmath>
 #include <cstdint>
 
@@ -12,12 +13,7 @@ void rmsnorm_forward(const float* x, const float* w, float* y, int64_t N, int64_
 void rmsnorm_gated_forward(const float* x, const float* w, const float* gate, float* y, int64_t N,
                            int64_t D, float eps);
 
-inline float sigmoidf_stable(float x) {
-  // exp of a non-positive argument only, so ±1e4 never overflows.
-  if (x >= 0) return 1.0f / (1.0f + std::exp(-x));
-  const float e = std::exp(x);
-  return e / (1.0f + e);
-}
+inline float sigmoidf_stable(float x) { return sigmoid(x); }  // core/fastmath.h
 inline float siluf(float x) { return x * sigmoidf_stable(x); }
 inline float softplusf(float x) {  // log(1 + e^x), PyTorch threshold 20
   return x > 20.0f ? x : std::log1p(std::exp(x));
