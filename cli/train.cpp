@@ -46,6 +46,7 @@ std::vector<dm::TrainStage> parse_stages(const std::string& spec) {
 
 dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancing, checkpoints)", [](CLI::App* app) {
   static std::string model, data = "builtin", out, train_config, stages, optimizer, balance;
+  static int64_t stop_after = 0;
   static int64_t steps = 0, batch = 0, accum = 0, ckpt_every = -1, warmup = -1;
   static float lr = 0;
   static double balance_ema = -1;
@@ -56,6 +57,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   app->add_option("--out", out, "Output folder (metrics.jsonl, checkpoint/, tokenizer.json)")->required();
   app->add_option("--train-config", train_config, "Training JSON (batch, lr, stages, optimizer, ...)");
   app->add_option("--steps", steps, "Stop after N steps (default: when the stage token budgets are used)");
+  app->add_option("--stop-after", stop_after, "End this run at step N with a checkpoint (resume later with --resume)");
   app->add_option("--batch", batch, "Rows per micro-batch");
   app->add_option("--accum", accum, "Micro-batches per optimizer step");
   app->add_option("--lr", lr, "Peak learning rate");
@@ -84,6 +86,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
     c.out = out;
     c.resume = resume;
     if (steps) c.steps = steps;
+    if (stop_after) c.stop_after = stop_after;
     if (batch) c.batch = batch;
     if (accum) c.accum = accum;
     if (lr > 0) c.lr = lr;

@@ -44,11 +44,13 @@ struct TrainData {
 RecallTaskOptions recall_options_for(int64_t vocab, int64_t seq_len, uint64_t seed) {
   RecallTaskOptions o;
   o.vocab_size = vocab;
-  o.num_keys = 32;
-  o.num_values = 32;
+  // Small alphabets and every pair queried: many answer tokens per document, so a small model
+  // learns the lookup within a few hundred steps (chance = 1/num_values).
+  o.num_keys = 16;
+  o.num_values = 16;
   o.num_filler = 64;
   o.num_pairs = 4;
-  o.num_queries = 2;
+  o.num_queries = 4;
   o.token_base = int32_t(vocab - (4 + o.num_keys + o.num_values + o.num_filler));
   o.seed = seed;
   o.filler_length = 0;
@@ -417,7 +419,8 @@ TrainSummary train(const TrainerConfig& tc) {
   to.kda_chunk = tc.kda_chunk;
   to.recompute = tc.recompute;
 
-  while (step < run_steps) {
+  const int64_t last_step = tc.stop_after > 0 ? std::min(tc.stop_after, run_steps) : run_steps;
+  while (step < last_step) {
     const int s = stage_of(step);
     if (s != cur_stage) {  // stage transition: new length, new data mix; the LR multiplier drops
       cur_stage = s;
@@ -510,7 +513,7 @@ TrainSummary train(const TrainerConfig& tc) {
                     gnorm, maxvio);
       if (tty || step % 10 == 0 || step == run_steps) progress_line(tty, step, run_steps, body);
     }
-    if ((tc.checkpoint_every > 0 && step % tc.checkpoint_every == 0) || step == run_steps) save_checkpoint();
+    if ((tc.checkpoint_every > 0 && step % tc.checkpoint_every == 0) || step == last_step) save_checkpoint();
   }
   if (tty) std::fprintf(stderr, "\n");
   auto mean_of = [](const std::vector<double>& v, size_t from, size_t to) {

@@ -24,7 +24,8 @@ struct TrainerConfig {
   std::string data = "builtin"; // "builtin" or a folder of shards from `deltamoe data`
   std::string out;              // output folder
   bool resume = false;
-  int64_t steps = 0;            // stop after this many steps (0 = when the stage budgets run out)
+  int64_t steps = 0;            // schedule length in steps (0 = when the stage budgets run out)
+  int64_t stop_after = 0;       // end this run (with a checkpoint) at this step; 0 = at the end
   int64_t batch = 8;            // rows per micro-batch
   int64_t accum = 1;            // micro-batches per step
   float lr = 3e-3f, min_lr_ratio = 0.1f;
