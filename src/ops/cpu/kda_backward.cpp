@@ -662,15 +662,12 @@ void kda_chunk_backward(const T* q, const T* k, const T* v, const T* g, const T*
   }
 
   ArenaScope scope(ws);
-  const size_t per_thread_bytes = kda_backward_per_thread_bytes<T>(s.T, K, V, C);
-  const size_t free_bytes = ws.capacity() - ws.used();
-  const int thread_count =
-      int(std::min<size_t>(size_t(kda_thread_count(s)), free_bytes / per_thread_bytes));
-  DM_CHECK(thread_count >= 1, "kda_chunk_backward: workspace arena '", ws.name(), "' has ",
-           free_bytes, " bytes free, needs at least ", per_thread_bytes,
-           " (size it with kda_chunk_backward_workspace_bytes)");
-  uint8_t* scratch_base =
-      static_cast<uint8_t*>(ws.alloc_bytes(per_thread_bytes * size_t(thread_count)));
+  const KdaThreadSlices slices = kda_carve_thread_slices(
+      ws, kda_backward_per_thread_bytes<T>(s.T, K, V, C), kda_thread_count(s),
+      "kda_chunk_backward", "kda_chunk_backward_workspace_bytes");
+  const size_t per_thread_bytes = slices.per_thread;
+  const int thread_count = slices.threads;
+  uint8_t* scratch_base = slices.base;
   BlasSingleThreadScope blas_single_thread(thread_count > 1);
 
 #pragma omp parallel num_threads(thread_count) if (thread_count > 1)

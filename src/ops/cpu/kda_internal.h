@@ -39,6 +39,26 @@ inline Real kda_exp(Real x) {
   return fast_exp(x);
 }
 
+// One scratch slice per thread carved from `ws` (inside the caller's ArenaScope): fewer threads
+// than `wanted` when the arena has less room than the sizing function asked for (e.g. sized
+// before the thread count changed); none at all is an error naming `who` and the sizer.
+struct KdaThreadSlices {
+  uint8_t* base = nullptr;
+  size_t per_thread = 0;
+  int threads = 0;
+};
+inline KdaThreadSlices kda_carve_thread_slices(Arena& ws, size_t per_thread, int wanted,
+                                               const char* who, const char* sizer) {
+  const size_t free_bytes = ws.capacity() - ws.used();
+  KdaThreadSlices t;
+  t.per_thread = per_thread;
+  t.threads = int(std::min<size_t>(size_t(wanted), free_bytes / per_thread));
+  DM_CHECK(t.threads >= 1, who, ": workspace arena '", ws.name(), "' has ", free_bytes,
+           " bytes free, needs at least ", per_thread, " (size it with ", sizer, ")");
+  t.base = static_cast<uint8_t*>(ws.alloc_bytes(per_thread * size_t(t.threads)));
+  return t;
+}
+
 inline void kda_check_shape(const KdaShape& s, const char* who) {
   DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.K > 0 && s.V > 0, who, ": bad shape B=", s.B,
            " T=", s.T, " H=", s.H, " K=", s.K, " V=", s.V);
