@@ -42,6 +42,7 @@ void expect_close(const std::vector<float>& ours, const Tensor& ref, const std::
   const std::vector<float> r = test::to_f32(ref);
   const double e = test::rel_rms(ours.data(), r.data(), r.size());
   EXPECT_LE(e, tol) << what << " rel RMS error " << e;
+  if (what.rfind("logits", 0) == 0) std::printf("  %s: rel RMS error %.2e\n", what.c_str(), e);
 }
 
 // Greedy continuation by repeated full forward passes, one row at a time.
