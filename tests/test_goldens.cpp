@@ -1,7 +1,7 @@
 // Whole-model reproduction of the public reference implementations (../shared/goldens):
 // logits and every stored intermediate within 1e-4 relative RMS, router choices identical,
-// greedy continuations token for token (here by full re-forward; cached decode is tested with
-// the inference engine).
+// greedy continuations token for token (here by full re-forward; the cached decode path is
+// checked against the same continuations in tests/test_decode.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>

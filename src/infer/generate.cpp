@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "infer/decode.h"
 
 namespace dm {
 
@@ -15,20 +16,20 @@ std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt,
            prompt.size(), " tokens) + max_new_tokens (", opt.max_new_tokens,
            ") exceeds the context limit ", c.max_context);
   std::vector<int32_t> seq = prompt, out;
-  std::vector<int64_t> ids;
-  std::vector<float> logits;
-  Sampler sampler(opt.sampling);
+  if (opt.max_new_tokens == 0) return out;
+  // One slot holding the prompt and every new token but the last (whose logits are not needed).
   const int64_t V = c.vocab_size;
+  DecodeState state(c, 1, int64_t(prompt.size()) + opt.max_new_tokens);
+  std::vector<float> logits(static_cast<size_t>(V));
+  prefill(model, state, 0, prompt.data(), int64_t(prompt.size()), logits.data());
+  Sampler sampler(opt.sampling);
   for (int64_t s = 0; s < opt.max_new_tokens; ++s) {
-    const int64_t T = int64_t(seq.size());
-    ids.assign(seq.begin(), seq.end());
-    logits.resize(size_t(T * V));
-    model.forward(ids.data(), 1, T, logits.data());
-    const int32_t next = sampler.sample(logits.data() + (T - 1) * V, V, seq);
+    const int32_t next = sampler.sample(logits.data(), V, seq);
     seq.push_back(next);
     out.push_back(next);
     if (on_token) on_token(next);
     if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) break;
+    if (s + 1 < opt.max_new_tokens) decode_step(model, state, &next, nullptr, logits.data());
   }
   return out;
 }

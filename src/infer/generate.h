@@ -1,6 +1,6 @@
-// Autoregressive generation for one prompt. This version re-runs the full forward pass for every
-// new token (O(T²) per sequence): correct and simple, used until the cached decode path
-// (recurrent KDA state + absorbed MLA over a latent cache) lands with the inference issue.
+// Autoregressive generation for one prompt: prefill the prompt once, then one cached decode step
+// per new token (infer/decode.h: recurrent KDA state, absorbed MLA over the latent cache), so
+// each new token costs O(T) instead of a full re-forward.
 #pragma once
 #include <cstdint>
 #include <functional>

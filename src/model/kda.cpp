@@ -98,10 +98,35 @@ size_t kda_layer_saved_bytes(const ModelConfig& cfg, int64_t B, int64_t T, size_
                                      : kda_layer_forward_bytes<float>(cfg, B, T, 0, true);
 }
 
+namespace {
+
+// What a prefill additionally wants from the forward: the operator's final state and the last
+// Kc−1 raw (pre-conv) inputs of each conv, so decode can continue where the prompt ended.
 template <typename Real>
-void kda_layer_forward(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const Real* x, Real* y,
-                       int64_t B, int64_t T, Arena& ws, const KdaRunOptions& opt,
-                       const int32_t* doc_start, KdaSaved<Real>* saved, Arena* saved_arena) {
+struct KdaPrefillOutputs {
+  Real* final_state = nullptr;                                        // [B, H, K, V]
+  Real *conv_tail_q = nullptr, *conv_tail_k = nullptr, *conv_tail_v = nullptr;  // [B, Kc−1, H·K]
+};
+
+// tail[b] = the last Kc−1 rows of raw[b] (zeros in front when the row is shorter): exactly what
+// short_conv_silu_forward's `tail` expects for the token after the row.
+template <typename Real>
+void kda_copy_conv_tail(const Real* raw, Real* tail, int64_t B, int64_t T, int64_t C, int Kc) {
+  const int64_t W = Kc - 1;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t t = T - W + j;
+      Real* dst = tail + (b * W + j) * C;
+      if (t < 0) std::fill(dst, dst + C, Real(0));
+      else std::copy(raw + (b * T + t) * C, raw + (b * T + t + 1) * C, dst);
+    }
+}
+
+template <typename Real>
+void kda_layer_forward_impl(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const Real* x,
+                            Real* y, int64_t B, int64_t T, Arena& ws, const KdaRunOptions& opt,
+                            const int32_t* doc_start, KdaSaved<Real>* saved, Arena* saved_arena,
+                            const KdaPrefillOutputs<Real>* prefill_out) {
   DM_CHECK(saved == nullptr || saved_arena != nullptr,
            "kda_layer_forward: `saved` needs a saved arena");
   ArenaScope scope(ws);
@@ -122,10 +147,13 @@ void kda_layer_forward(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const
   // q, k, v = SiLU(ShortConv(W x)) — [B, T, H·K], i.e. the operator's [B, T, H, K] layout.
   kda_linear(act.q_raw, x, w.q_proj, N, d, HK);
   short_conv_silu_forward<Real>(act.q_raw, w.q_conv, nullptr, q, B, T, HK, Kc, doc_start);
+  if (prefill_out) kda_copy_conv_tail(act.q_raw, prefill_out->conv_tail_q, B, T, HK, Kc);
   kda_linear(act.k_raw, x, w.k_proj, N, d, HK);
   short_conv_silu_forward<Real>(act.k_raw, w.k_conv, nullptr, k, B, T, HK, Kc, doc_start);
+  if (prefill_out) kda_copy_conv_tail(act.k_raw, prefill_out->conv_tail_k, B, T, HK, Kc);
   kda_linear(act.v_raw, x, w.v_proj, N, d, HK);
   short_conv_silu_forward<Real>(act.v_raw, w.v_conv, nullptr, v, B, T, HK, Kc, doc_start);
+  if (prefill_out) kda_copy_conv_tail(act.v_raw, prefill_out->conv_tail_v, B, T, HK, Kc);
 
   // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
   kda_linear(act.gate_low, x, w.f_a, N, d, K);
@@ -137,11 +165,12 @@ void kda_layer_forward(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const
 
   const KdaShape s{B, T, H, K, K};
   const Real scale = Real(1) / std::sqrt(Real(K));
+  Real* final_state = prefill_out ? prefill_out->final_state : nullptr;
   if (opt.chunk > 0)
-    kda_chunk_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, nullptr, s, scale, opt.chunk,
-                            ws, doc_start);
+    kda_chunk_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, final_state, s, scale,
+                            opt.chunk, ws, doc_start);
   else
-    kda_recurrent_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, nullptr, s, scale,
+    kda_recurrent_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, final_state, s, scale,
                                 doc_start);
 
   // Output gate (low-rank or full-rank), per-head RMSNorm ⊙ sigmoid(gate), then W_o. Without
@@ -156,6 +185,16 @@ void kda_layer_forward(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const
   rmsnorm_gated_forward<Real>(act.o, w.o_norm, act.out_gate, normed, N * H, K, cfg.rms_eps);
   kda_linear(y, normed, w.o_proj, N, HK, d);
   if (saved) *saved = act;
+}
+
+}  // namespace
+
+template <typename Real>
+void kda_layer_forward(const ModelConfig& cfg, const KdaWeightsT<Real>& w, const Real* x, Real* y,
+                       int64_t B, int64_t T, Arena& ws, const KdaRunOptions& opt,
+                       const int32_t* doc_start, KdaSaved<Real>* saved, Arena* saved_arena) {
+  kda_layer_forward_impl<Real>(cfg, w, x, y, B, T, ws, opt, doc_start, saved, saved_arena,
+                               nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -295,6 +334,102 @@ void kda_layer_backward(const ModelConfig& cfg, const KdaWeightsT<Real>& w,
                                    HK, Kc, doc_start);
     kda_linear_backward(x, br.proj, d_raw, br.grad_proj, dx, N, d, HK);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cached inference: prefill (the chunked forward, keeping the final state and conv tails) and one
+// decode step (the recurrent operator on the stored state). Float only: the engine's scalar.
+
+void kda_layer_prefill(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
+                       float* y, int64_t T, Arena& ws, const KdaPrefillCache& out, int chunk) {
+  DM_CHECK(out.state && out.conv_tail_q && out.conv_tail_k && out.conv_tail_v,
+           "kda_layer_prefill: the state and the three conv tails are required");
+  const KdaPrefillOutputs<float> prefill_out{out.state, out.conv_tail_q, out.conv_tail_k,
+                                             out.conv_tail_v};
+  kda_layer_forward_impl<float>(cfg, w, x, y, /*B=*/1, T, ws, KdaRunOptions{chunk}, nullptr,
+                                nullptr, nullptr, &prefill_out);
+}
+
+size_t kda_layer_decode_workspace_bytes(const ModelConfig& cfg, int64_t n) {
+  const KdaLayerDims dims = kda_layer_dims(cfg, n, 1);
+  SizeCounter c;
+  for (int i = 0; i < 9; ++i) c.add<float>(size_t(n * dims.HK));  // raw q/k/v, q/k/v, g, gate, o…
+  c.add<float>(size_t(n * dims.HK));                               // output gate
+  c.add<float>(size_t(2 * n * dims.K));                            // low-rank gate inputs
+  c.add<float>(size_t(n * dims.H));                                // β
+  return c.bytes + 4096;
+}
+
+void kda_layer_decode(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
+                      float* y, int64_t n, const int64_t* slots, const KdaPrefillCache& cache,
+                      Arena& ws) {
+  ArenaScope scope(ws);
+  const KdaLayerDims dims = kda_layer_dims(cfg, n, 1);
+  const int64_t d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
+  const int Kc = dims.Kc;
+  const int64_t tail_rows = Kc - 1;
+  float* q_raw = ws.alloc<float>(size_t(n * HK));   // [n, H·K] W_q x (before the conv)
+  float* k_raw = ws.alloc<float>(size_t(n * HK));
+  float* v_raw = ws.alloc<float>(size_t(n * HK));
+  float* q = ws.alloc<float>(size_t(n * HK));       // [n, H·K] SiLU(conv(·))
+  float* k = ws.alloc<float>(size_t(n * HK));
+  float* v = ws.alloc<float>(size_t(n * HK));
+  float* log_decay = ws.alloc<float>(size_t(n * HK));
+  float* gate_raw = ws.alloc<float>(size_t(n * HK));
+  float* o = ws.alloc<float>(size_t(n * HK));
+  float* out_gate = ws.alloc<float>(size_t(n * HK));
+  float* gate_low = ws.alloc<float>(size_t(n * K));
+  float* out_gate_low = ws.alloc<float>(size_t(n * K));
+  float* beta = ws.alloc<float>(size_t(n * H));
+
+  kda_linear(q_raw, x, w.q_proj, n, d, HK);
+  kda_linear(k_raw, x, w.k_proj, n, d, HK);
+  kda_linear(v_raw, x, w.v_proj, n, d, HK);
+  // One token per sequence: the conv reads the sequence's Kc−1 previous raw inputs from its
+  // tail, which then shifts by one row (oldest out, this token in).
+  struct ConvBranch {
+    const float* raw;
+    const float* conv;
+    float* tails;
+    float* out;
+  };
+  for (const ConvBranch& br : {ConvBranch{q_raw, w.q_conv, cache.conv_tail_q, q},
+                               ConvBranch{k_raw, w.k_conv, cache.conv_tail_k, k},
+                               ConvBranch{v_raw, w.v_conv, cache.conv_tail_v, v}}) {
+    for (int64_t r = 0; r < n; ++r) {
+      float* tail = br.tails + slots[r] * tail_rows * HK;  // [Kc−1, H·K]
+      short_conv_silu_forward<float>(br.raw + r * HK, br.conv, tail_rows > 0 ? tail : nullptr,
+                                     br.out + r * HK, 1, 1, HK, Kc);
+      if (tail_rows > 0) {
+        std::copy(tail + HK, tail + tail_rows * HK, tail);
+        std::copy(br.raw + r * HK, br.raw + (r + 1) * HK, tail + (tail_rows - 1) * HK);
+      }
+    }
+  }
+  kda_linear(gate_low, x, w.f_a, n, d, K);
+  kda_linear(gate_raw, gate_low, w.f_b, n, K, HK);
+  kda_gate_forward<float>(gate_raw, w.A_log, w.dt_bias, log_decay, n, H, K, cfg.kda.gate,
+                          cfg.kda.gate_lower_bound);
+  kda_linear(beta, x, w.b_proj, n, d, H);
+  for (int64_t i = 0; i < n * H; ++i) beta[i] = kda_sigmoid(beta[i]);
+
+  // The recurrent operator, state updated in place (s0 == sT), one sequence at a time (each
+  // sequence's state lives at its own slot).
+  const KdaShape one_token{1, 1, H, K, K};
+  const float scale = 1.0f / std::sqrt(float(K));
+  for (int64_t r = 0; r < n; ++r) {
+    float* state = cache.state + slots[r] * H * K * K;  // [H, K, V]
+    kda_recurrent_forward<float>(q + r * HK, k + r * HK, v + r * HK, log_decay + r * HK,
+                                 beta + r * H, state, o + r * HK, state, one_token, scale);
+  }
+  if (cfg.kda.full_rank_output_gate) {
+    kda_linear(out_gate, x, w.g_full, n, d, HK);
+  } else {
+    kda_linear(out_gate_low, x, w.g_a, n, d, K);
+    kda_linear(out_gate, out_gate_low, w.g_b, n, K, HK);
+  }
+  rmsnorm_gated_forward<float>(o, w.o_norm, out_gate, o, n * H, K, cfg.rms_eps);
+  kda_linear(y, o, w.o_proj, n, HK, d);
 }
 
 #define DM_KDA_LAYER_INSTANTIATE(Real)                                                          \

@@ -62,4 +62,26 @@ void kda_layer_backward(const ModelConfig& cfg, const KdaWeightsT<Real>& w,
 size_t kda_layer_backward_workspace_bytes(const ModelConfig& cfg, int64_t B, int64_t T,
                                           int chunk = 64, size_t elem_size = sizeof(float));
 
+// ---- Cached inference (float engine) ----
+// One sequence's (prefill) or the whole batch's (decode) KDA cache: state [S, H, K, V] and the
+// raw (pre-conv) inputs of the last Kc−1 tokens per conv [S, Kc−1, H·K]. Prefill writes S = 1
+// (pointers at the sequence's slot); decode indexes it by slot.
+struct KdaPrefillCache {
+  float* state = nullptr;
+  float *conv_tail_q = nullptr, *conv_tail_k = nullptr, *conv_tail_v = nullptr;
+};
+
+// The chunked forward of one sequence x [T, d] → y [T, d] (same code path as
+// kda_layer_forward with B = 1 and a zero initial state) that also leaves the final state and
+// conv tails in `out`. Scratch: kda_layer_workspace_bytes(cfg, 1, T, chunk).
+void kda_layer_prefill(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
+                       float* y, int64_t T, Arena& ws, const KdaPrefillCache& out, int chunk = 64);
+
+// One token for each of n sequences: x [n, d] → y [n, d]; row r belongs to cache slot
+// slots[r], whose state and conv tails advance by that token (recurrent operator, in place).
+void kda_layer_decode(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
+                      float* y, int64_t n, const int64_t* slots, const KdaPrefillCache& cache,
+                      Arena& ws);
+size_t kda_layer_decode_workspace_bytes(const ModelConfig& cfg, int64_t n);
+
 }  // namespace dm

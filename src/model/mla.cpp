@@ -170,10 +170,15 @@ size_t mla_layer_backward_workspace_bytes(const ModelConfig& cfg, int64_t B, int
   return bytes + 4096;
 }
 
+namespace {
+
+// The expanded forward; latent_out [N, kvl] / rope_key_out [N, rope] (optional, prefill)
+// receive c after its RMSNorm and kr after RoPE: exactly what the decode cache holds.
 template <typename Real>
-void mla_layer_forward(const ModelConfig& cfg, const MlaWeightsT<Real>& w, const Real* x, Real* y,
-                       int64_t B, int64_t T, Arena& ws, const int32_t* doc_start,
-                       std::type_identity_t<MlaSaved<Real>>* saved, Arena* saved_arena) {
+void mla_layer_forward_impl(const ModelConfig& cfg, const MlaWeightsT<Real>& w, const Real* x,
+                            Real* y, int64_t B, int64_t T, Arena& ws, const int32_t* doc_start,
+                            MlaSaved<Real>* saved, Arena* saved_arena, Real* latent_out,
+                            Real* rope_key_out) {
   check_mla_config(cfg);
   DM_CHECK(!saved || (saved_arena && saved_arena != &ws),
            "mla forward: `saved` needs its own saved_arena (not the workspace arena)");
@@ -214,6 +219,11 @@ void mla_layer_forward(const ModelConfig& cfg, const MlaWeightsT<Real>& w, const
     rope_apply_interleaved(kv_a, N, kvl + rope, kvl, int(rope), tables.token_positions,
                            tables.cos, tables.sin);
   }
+  if (latent_out) std::copy(c, c + N * kvl, latent_out);
+  if (rope_key_out)
+    for (int64_t n = 0; n < N; ++n)
+      std::copy(kv_a + n * (kvl + rope) + kvl, kv_a + (n + 1) * (kvl + rope),
+                rope_key_out + n * rope);
   // Expanded keys/values: k_h = [k_nope_h | kr] (kr shared by all heads), v_h.
   Real* k = store.alloc<Real>(size_t(N * H * dq));
   Real* v = store.alloc<Real>(size_t(N * H * dv));
@@ -250,6 +260,16 @@ void mla_layer_forward(const ModelConfig& cfg, const MlaWeightsT<Real>& w, const
   if (saved) {
     *saved = MlaSaved<Real>{B, T, q_a, kv_a, q, k, v, attn_out, lse, gate_sigmoid};
   }
+}
+
+}  // namespace
+
+template <typename Real>
+void mla_layer_forward(const ModelConfig& cfg, const MlaWeightsT<Real>& w, const Real* x, Real* y,
+                       int64_t B, int64_t T, Arena& ws, const int32_t* doc_start,
+                       std::type_identity_t<MlaSaved<Real>>* saved, Arena* saved_arena) {
+  mla_layer_forward_impl<Real>(cfg, w, x, y, B, T, ws, doc_start, saved, saved_arena, nullptr,
+                               nullptr);
 }
 
 template <typename Real>
@@ -363,6 +383,128 @@ void mla_layer_backward(const ModelConfig& cfg, const MlaWeightsT<Real>& w,
   } else {
     linear_backward(d_q, x, w.q_proj, grad.q_proj, dx, N, d, H * dq);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cached inference (float engine): prefill through the expanded form, decode absorbed.
+
+void mla_layer_prefill(const ModelConfig& cfg, const MlaWeightsT<float>& w, const float* x,
+                       float* y, int64_t T, Arena& ws, float* latent_cache,
+                       float* rope_key_cache) {
+  DM_CHECK(latent_cache && (rope_key_cache || cfg.mla.qk_rope_dim == 0),
+           "mla_layer_prefill: the latent and rope-key caches are required");
+  mla_layer_forward_impl<float>(cfg, w, x, y, /*B=*/1, T, ws, nullptr, nullptr, nullptr,
+                                latent_cache, rope_key_cache);
+}
+
+void mla_rope_tables(const MlaConfig& m, int64_t positions, float* cos, float* sin) {
+  if (mla_rope_active(m)) rope_build_tables(rope_params(m), positions, cos, sin);
+}
+
+size_t mla_layer_decode_workspace_bytes(const ModelConfig& cfg, int64_t n, int64_t max_length) {
+  const MlaConfig& m = cfg.mla;
+  const int64_t H = m.num_heads, dq = m.qk_nope_dim + m.qk_rope_dim, dv = m.v_head_dim;
+  const int64_t kvl = m.kv_lora_rank, ql = m.q_lora_rank;
+  size_t bytes = 0;
+  bytes += 2 * reals_bytes(n * ql, sizeof(float));                 // q_a, normed
+  bytes += reals_bytes(n * H * dq, sizeof(float));                 // q
+  bytes += reals_bytes(n * (kvl + m.qk_rope_dim), sizeof(float));  // [c ; kr]
+  bytes += 2 * reals_bytes(n * H * kvl, sizeof(float));            // absorbed q, latent output
+  bytes += reals_bytes(H * max_length, sizeof(float));             // scores of one sequence
+  bytes += 2 * reals_bytes(n * H * dv, sizeof(float));             // o, gate
+  bytes += Arena::round_up(size_t(H) * sizeof(int64_t));           // head positions
+  return bytes + 4096;
+}
+
+void mla_layer_decode(const ModelConfig& cfg, const MlaWeightsT<float>& w, const float* x,
+                      float* y, int64_t n, const int64_t* slots, const int64_t* positions,
+                      const MlaDecodeCache& cache, Arena& ws) {
+  check_mla_config(cfg);
+  ArenaScope scope(ws);
+  const MlaConfig& m = cfg.mla;
+  const int64_t d = cfg.hidden, H = m.num_heads;
+  const int64_t nope = m.qk_nope_dim, rope = m.qk_rope_dim, dq = nope + rope, dv = m.v_head_dim;
+  const int64_t kvl = m.kv_lora_rank, ql = m.q_lora_rank, Lmax = cache.max_length;
+  const int64_t kvb_rows_per_head = nope + dv;  // W_kvb [H·(nope+dv), kvl]: keys, then values
+  const float scale = mla_softmax_scale(m);
+
+  // q [n, H, dq] and [c ; kr] [n, kvl + rope], as in the expanded form.
+  float* q = ws.alloc<float>(size_t(n * H * dq));
+  if (ql > 0) {
+    float* q_a = ws.alloc<float>(size_t(n * ql));
+    linear_forward(q_a, x, w.q_a, n, d, ql);
+    rmsnorm_forward(q_a, w.q_a_norm, q_a, n, ql, m.latent_norm_eps);
+    linear_forward(q, q_a, w.q_b, n, ql, H * dq);
+  } else {
+    linear_forward(q, x, w.q_proj, n, d, H * dq);
+  }
+  float* kv_a = ws.alloc<float>(size_t(n * (kvl + rope)));
+  linear_forward(kv_a, x, w.kv_a, n, d, kvl + rope);
+  int64_t* head_positions = ws.alloc<int64_t>(size_t(H));
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = kv_a + r * (kvl + rope);
+    rmsnorm_forward(row, w.kv_a_norm, row, 1, kvl, m.latent_norm_eps);
+    const int64_t pos = positions[r];
+    DM_CHECK(pos >= 0 && pos < Lmax, "mla decode: position ", pos, " outside the cache (",
+             Lmax, " positions)");
+    if (mla_rope_active(m)) {
+      std::fill(head_positions, head_positions + H, pos);
+      rope_apply_interleaved(q + r * H * dq, H, dq, nope, int(rope), head_positions,
+                             cache.rope_cos, cache.rope_sin);
+      rope_apply_interleaved(row, 1, kvl + rope, kvl, int(rope), &pos, cache.rope_cos,
+                             cache.rope_sin);
+    }
+    // Append this token to its sequence's cache: c (normed) and kr (rotated).
+    std::copy(row, row + kvl, cache.latent + (slots[r] * Lmax + pos) * kvl);
+    std::copy(row + kvl, row + kvl + rope, cache.rope_key + (slots[r] * Lmax + pos) * rope);
+  }
+
+  // Absorb W_kvb's key rows into the query: q_lat[r, h] = q_nope[r, h] · Wk_h   [n, H, kvl].
+  float* q_latent = ws.alloc<float>(size_t(n * H * kvl));
+  for (int64_t h = 0; h < H; ++h)
+    gemm(false, false, n, kvl, nope, 1.0f, q + h * dq, H * dq, w.kv_b + h * kvb_rows_per_head * kvl,
+         kvl, 0.0f, q_latent + h * kvl, H * kvl);
+
+  // MQA over the latent cache, one sequence at a time: scores [H, len] = q_lat·Cᵀ + q_rope·KRᵀ,
+  // softmax (fp32), latent output [H, kvl] = P·C.
+  float* latent_output = ws.alloc<float>(size_t(n * H * kvl));
+  float* scores = ws.alloc<float>(size_t(H * Lmax));
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t len = positions[r] + 1;
+    const float* c_seq = cache.latent + slots[r] * Lmax * kvl;      // [len, kvl]
+    const float* kr_seq = cache.rope_key + slots[r] * Lmax * rope;  // [len, rope]
+    gemm(false, true, H, len, kvl, scale, q_latent + r * H * kvl, kvl, c_seq, kvl, 0.0f, scores,
+         len);
+    if (rope > 0)
+      gemm(false, true, H, len, rope, scale, q + r * H * dq + nope, dq, kr_seq, rope, 1.0f,
+           scores, len);
+    for (int64_t h = 0; h < H; ++h) {
+      float* row = scores + h * len;
+      const float mx = *std::max_element(row, row + len);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < len; ++j) {
+        row[j] = std::exp(row[j] - mx);
+        sum += row[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+    }
+    gemm(false, false, H, kvl, len, 1.0f, scores, len, c_seq, kvl, 0.0f,
+         latent_output + r * H * kvl, kvl);
+  }
+
+  // Value up-projection per head: o[r, h] = Wv_h · latent_output[r, h]   [n, H, dv].
+  float* o = ws.alloc<float>(size_t(n * H * dv));
+  for (int64_t h = 0; h < H; ++h)
+    gemm(false, true, n, dv, kvl, 1.0f, latent_output + h * kvl, H * kvl,
+         w.kv_b + (h * kvb_rows_per_head + nope) * kvl, kvl, 0.0f, o + h * dv, H * dv);
+  // The gate acts on the up-projected values (so W_kvb's value rows stay out of W_o).
+  if (m.output_gate) {
+    float* gate = ws.alloc<float>(size_t(n * H * dv));
+    linear_forward(gate, x, w.gate, n, d, H * dv);
+    for (int64_t i = 0; i < n * H * dv; ++i) o[i] *= sigmoid_stable(gate[i]);
+  }
+  linear_forward(y, o, w.o_proj, n, H * dv, d);
 }
 
 template void mla_layer_forward<float>(const ModelConfig&, const MlaWeightsT<float>&,
