@@ -1,5 +1,7 @@
 #include "infer/decode.h"
 
+#include "model/residual.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -13,11 +15,6 @@
 
 namespace dm {
 namespace {
-
-int decode_num_attnres_blocks(const ModelConfig& c) {  // as in model.cpp: sealed blocks + embedding
-  if (c.residual != ResidualKind::AttnRes) return 0;
-  return (c.num_layers + c.attn_res_block - 1) / c.attn_res_block + 1;
-}
 
 // Carves (or, with arena == nullptr, only counts) the cache of `st` in one fixed order, so the
 // size and the layout cannot disagree.
@@ -70,7 +67,7 @@ size_t decode_work_bytes(const ModelConfig& c, int64_t T, int64_t S, int64_t Lma
   const int64_t N = std::max(T, S), d = c.hidden;
   SizeCounter s;
   for (int k = 0; k < 4; ++k) s.add<float>(size_t(N * d));  // p, x, xn, out
-  s.add<float>(size_t(N * d * std::max(1, decode_num_attnres_blocks(c))));
+  s.add<float>(size_t(N * d * std::max(1, residual_num_blocks(c))));
   s.add<float>(size_t(S * c.vocab_size));                    // decode logits of the active rows
   s.add<int64_t>(size_t(2 * S));                             // slots, positions
   size_t layer = 0;
@@ -99,67 +96,17 @@ float* decode_run_layers(Model& model, Arena& work, float* p, int64_t N, MixerFn
   float* x = work.alloc<float>(size_t(N * d));
   float* xn = work.alloc<float>(size_t(N * d));
   float* out = work.alloc<float>(size_t(N * d));
-  const int nb = std::max(1, decode_num_attnres_blocks(c));
-  float* blocks = work.alloc<float>(size_t(N * d * nb));
-  std::vector<const float*> sources;
-  const bool attnres = c.residual == ResidualKind::AttnRes;
-  int sealed = 0;
-  bool p_empty = false;
-  auto mix = [&](const AttnResSiteWeightsT<float>& site, float* dst) {
-    sources.clear();
-    for (int j = 0; j < sealed; ++j) sources.push_back(blocks + int64_t(j) * N * d);
-    if (!p_empty) sources.push_back(p);
-    attnres_forward<float>(sources.data(), int(sources.size()), site.query, site.norm, dst,
-                           nullptr, N, d, c.rms_eps);
+  float* blocks = work.alloc<float>(size_t(N * d * std::max(1, residual_num_blocks(c))));
+  auto ffn = [&](int i, const float* in, float* o) {
+    const size_t mark = work.mark();
+    if (c.ffns[i] == FfnKind::MoE)
+      moe_layer_forward<float>(c, W.layers[i].moe, in, o, N, work);
+    else
+      dense_ffn_forward<float>(c, W.layers[i].dense, in, o, N, work);
+    work.release(mark);
   };
-  for (int i = 0; i < c.num_layers; ++i) {
-    const LayerWeightsT<float>& L = W.layers[i];
-    const float* attn_in = p;
-    if (attnres) {
-      if (sealed > 0) {
-        mix(L.attn_site, x);
-        attn_in = x;
-      }
-      if (i % c.attn_res_block == 0) {  // seal the running block (layer 0 seals the embedding)
-        std::copy(p, p + N * d, blocks + int64_t(sealed) * N * d);
-        ++sealed;
-        p_empty = true;
-        if (attn_in == p) {
-          std::copy(p, p + N * d, x);
-          attn_in = x;
-        }
-      }
-    }
-    rmsnorm_forward<float>(attn_in, L.input_norm, xn, N, d, c.rms_eps);
-    mixer(i, xn, out);
-    if (p_empty) {
-      std::copy(out, out + N * d, p);
-      p_empty = false;
-    } else {
-      for (int64_t k = 0; k < N * d; ++k) p[k] += out[k];
-    }
-    const float* mlp_in = p;
-    if (attnres) {
-      mix(L.ffn_site, x);
-      mlp_in = x;
-    }
-    rmsnorm_forward<float>(mlp_in, L.post_norm, xn, N, d, c.rms_eps);
-    if (c.ffns[i] == FfnKind::MoE) {
-      const size_t mark = work.mark();
-      moe_layer_forward<float>(c, L.moe, xn, out, N, work);
-      work.release(mark);
-    } else {
-      dense_ffn_forward<float>(c, L.dense, xn, out, N, work);
-    }
-    for (int64_t k = 0; k < N * d; ++k) p[k] += out[k];
-  }
-  const float* final_in = p;
-  if (attnres) {
-    mix(W.output_site, x);
-    final_in = x;
-  }
-  rmsnorm_forward<float>(final_in, W.final_norm, xn, N, d, c.rms_eps);
-  return xn;
+  return residual_stack_forward<float>(c, W, N, p, x, xn, out, blocks, mixer, ffn,
+                                       [](const char*, int, const float*) {});
 }
 
 void decode_embed(const ModelWeightsT<float>& W, const int64_t* ids, int64_t n, int64_t d,

@@ -13,6 +13,7 @@
 #include "ops/cpu/attnres.h"
 #include "ops/cpu/loss.h"
 #include "ops/cpu/rmsnorm.h"
+#include "model/residual.h"
 
 namespace dm {
 
@@ -24,10 +25,7 @@ void check_token_ids(const int64_t* tokens, int64_t n, int64_t vocab, const std:
 
 namespace {
 
-int num_attnres_blocks(const ModelConfig& c) {
-  if (c.residual != ResidualKind::AttnRes) return 0;
-  return (c.num_layers + c.attn_res_block - 1) / c.attn_res_block + 1;  // sealed blocks incl. embedding
-}
+int num_attnres_blocks(const ModelConfig& c) { return residual_num_blocks(c); }
 
 template <typename Real>
 void add_rows(Real* y, const Real* x, int64_t n) {
@@ -139,105 +137,44 @@ void ModelT<Real>::forward(const int64_t* tokens, int64_t B, int64_t T, Real* lo
   Real* out = act_.alloc<Real>(N * d);
   const int nb = std::max(1, num_attnres_blocks(c));
   Real* blocks = act_.alloc<Real>(N * d * nb);
-  std::vector<const Real*> sources;
-  sources.reserve(nb + 1);
   std::vector<float> conv;
-  auto emit = [&](const std::string& name, const Real* t) {
+  auto emit = [&](const char* name, int i, const Real* t) {
     if (!obs) return;
+    const std::string full = i < 0 ? std::string(name) : name + std::to_string(i);
     if constexpr (std::is_same_v<Real, float>) {
-      obs->on_tensor(name, t, N, d);
+      obs->on_tensor(full, t, N, d);
     } else {
       conv.assign(t, t + N * d);
-      obs->on_tensor(name, conv.data(), N, d);
+      obs->on_tensor(full, conv.data(), N, d);
     }
   };
-
   for (int64_t n = 0; n < N; ++n)
     std::copy(W.embed + tokens[n] * d, W.embed + (tokens[n] + 1) * d, p + n * d);
-  emit("embeddings", p);
-
-  const bool attnres = c.residual == ResidualKind::AttnRes;
-  int sealed = 0;      // number of sealed block sums
-  bool p_empty = false;
-  // AttnRes([blocks…, p]; site) → dst.
-  auto mix = [&](const AttnResSiteWeightsT<Real>& site, Real* dst) {
-    sources.clear();
-    for (int j = 0; j < sealed; ++j) sources.push_back(blocks + int64_t(j) * N * d);
-    if (!p_empty) sources.push_back(p);
-    attnres_forward<Real>(sources.data(), int(sources.size()), site.query, site.norm, dst, nullptr,
-                          N, d, c.rms_eps);
-  };
-
-  for (int i = 0; i < c.num_layers; ++i) {
-    const LayerWeightsT<Real>& L = W.layers[i];
-    const std::string si = std::to_string(i);
-    // --- token mixer ---
-    const Real* attn_in = p;
-    if (attnres) {
-      if (sealed > 0) {
-        mix(L.attn_site, x);
-        attn_in = x;
-      }
-      if (i % c.attn_res_block == 0) {  // seal the running block (layer 0 seals the embedding)
-        std::copy(p, p + N * d, blocks + int64_t(sealed) * N * d);
-        ++sealed;
-        p_empty = true;
-        if (attn_in == p) {  // the mixer input must survive p being restarted
-          std::copy(p, p + N * d, x);
-          attn_in = x;
-        }
-      }
-    }
-    emit("attn_in_" + si, attn_in);
-    rmsnorm_forward<Real>(attn_in, L.input_norm, xn, N, d, c.rms_eps);
+  auto mixer = [&](int i, const Real* in, Real* o) {
     if (c.mixers[i] == MixerKind::KDA)
-      kda_layer_forward<Real>(c, L.kda, xn, out, B, T, act_, KdaRunOptions{opt.kda_chunk}, doc_start);
+      kda_layer_forward<Real>(c, W.layers[i].kda, in, o, B, T, act_, KdaRunOptions{opt.kda_chunk}, doc_start);
     else
-      mla_layer_forward<Real>(c, L.mla, xn, out, B, T, act_, doc_start);
-    emit("attn_out_" + si, out);
-    if (p_empty) {
-      std::copy(out, out + N * d, p);
-      p_empty = false;
-    } else {
-      add_rows(p, out, N * d);
+      mla_layer_forward<Real>(c, W.layers[i].mla, in, o, B, T, act_, doc_start);
+  };
+  auto ffn = [&](int i, const Real* in, Real* o) {
+    if (c.ffns[i] != FfnKind::MoE) {
+      dense_ffn_forward<Real>(c, W.layers[i].dense, in, o, N, act_);
+      return;
     }
-    // --- channel mixer ---
-    const Real* mlp_in = p;
-    if (attnres) {
-      mix(L.ffn_site, x);
-      mlp_in = x;
-    }
-    emit("mlp_in_" + si, mlp_in);
-    rmsnorm_forward<Real>(mlp_in, L.post_norm, xn, N, d, c.rms_eps);
-    if (c.ffns[i] == FfnKind::MoE) {
-      const size_t mark = act_.mark();
-      MoeRoutingT<Real> r;
-      moe_layer_forward<Real>(c, L.moe, xn, out, N, act_, &r);
-      if (obs) {
-        if constexpr (std::is_same_v<Real, float>) {
-          obs->on_router(i, r.idx, r.weight, N, c.moe.top_k);
-        } else {
-          std::vector<float> wf(r.weight, r.weight + N * c.moe.top_k);
-          obs->on_router(i, r.idx, wf.data(), N, c.moe.top_k);
-        }
+    const size_t mark = act_.mark();
+    MoeRoutingT<Real> r;
+    moe_layer_forward<Real>(c, W.layers[i].moe, in, o, N, act_, &r);
+    if (obs) {
+      if constexpr (std::is_same_v<Real, float>) {
+        obs->on_router(i, r.idx, r.weight, N, c.moe.top_k);
+      } else {
+        std::vector<float> wf(r.weight, r.weight + N * c.moe.top_k);
+        obs->on_router(i, r.idx, wf.data(), N, c.moe.top_k);
       }
-      act_.release(mark);
-    } else {
-      dense_ffn_forward<Real>(c, L.dense, xn, out, N, act_);
     }
-    emit("mlp_out_" + si, out);
-    add_rows(p, out, N * d);
-    emit("layer_out_" + si, p);
-  }
-
-  const Real* final_in = p;
-  if (attnres) {
-    mix(W.output_site, x);
-    final_in = x;
-  }
-  emit("final_norm_in", final_in);
-  rmsnorm_forward<Real>(final_in, W.final_norm, xn, N, d, c.rms_eps);
-  emit("final_hidden", xn);
+    act_.release(mark);
+  };
+  residual_stack_forward<Real>(c, W, N, p, x, xn, out, blocks, mixer, ffn, emit);
   gemm(false, true, N, c.vocab_size, d, Real(1), xn, d, W.lm_head, d, Real(0), logits, c.vocab_size);
 }
 
