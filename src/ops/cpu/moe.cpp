@@ -225,6 +225,13 @@ size_t moe_plan_bytes(int64_t N, int k, int E) {
          2 * Arena::round_up(rows * sizeof(int32_t));
 }
 
+void moe_check_expert_args(const char* who, const MoePlan& plan, int64_t E, int64_t Din, int64_t F,
+                           bool has_saved_gate, bool has_saved_up) {
+  DM_CHECK(plan.E == E, who, ": plan has ", plan.E, " experts, weights have ", E);
+  DM_CHECK(Din > 0 && F > 0, who, ": bad expert shape Din=", Din, " F=", F);
+  DM_CHECK(has_saved_gate == has_saved_up, who, ": saved_gate and saved_up go together");
+}
+
 size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeights& ew, int threads,
                                            size_t elem_bytes) {
   const int64_t total_rows = N * k;
@@ -246,12 +253,8 @@ void moe_experts_forward(const Real* x, const MoePlan& plan, const Real* w,
                          const ExpertWeightsT<Real>& ew, const GluActivation& act, Real* y,
                          Arena& ws, std::type_identity_t<Real>* saved_gate,
                          std::type_identity_t<Real>* saved_up) {
-  DM_CHECK(plan.E == ew.E, "moe_experts_forward: plan has ", plan.E, " experts, weights have ",
-           ew.E);
-  DM_CHECK(ew.Din > 0 && ew.F > 0, "moe_experts_forward: bad expert shape Din=", ew.Din,
-           " F=", ew.F);
-  DM_CHECK((saved_gate == nullptr) == (saved_up == nullptr),
-           "moe_experts_forward: saved_gate and saved_up go together");
+  moe_check_expert_args("moe_experts_forward", plan, ew.E, ew.Din, ew.F, saved_gate != nullptr,
+                        saved_up != nullptr);
   const int64_t N = plan.N, Din = ew.Din, F = ew.F, E = ew.E;
   const int k = plan.k;
   const int64_t total_rows = N * k;

@@ -59,6 +59,9 @@ struct MoePlan {
 void moe_plan_build(const int32_t* idx, int64_t N, int k, int E, MoePlan* plan, Arena& a);
 // Bytes moe_plan_build takes from its arena.
 size_t moe_plan_bytes(int64_t N, int k, int E);
+// Argument checks shared by the grouped expert forward and backward; `who` names the caller.
+void moe_check_expert_args(const char* who, const MoePlan& plan, int64_t E, int64_t Din, int64_t F,
+                           bool has_saved_gate, bool has_saved_up);
 
 // Expert weights stacked per expert: gate, up [E, F, Din]; down [E, Din, F].
 template <typename Real>

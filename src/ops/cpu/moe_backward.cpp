@@ -90,12 +90,8 @@ void moe_experts_backward(const Real* x, const MoePlan& plan, const Real* w,
                           const std::type_identity_t<Real>* saved_up, const Real* dy,
                           std::type_identity_t<Real>* dx, std::type_identity_t<Real>* dweights,
                           const ExpertGradsT<Real>& grads, Arena& ws) {
-  DM_CHECK(plan.E == ew.E, "moe_experts_backward: plan has ", plan.E, " experts, weights have ",
-           ew.E);
-  DM_CHECK(ew.Din > 0 && ew.F > 0, "moe_experts_backward: bad expert shape Din=", ew.Din,
-           " F=", ew.F);
-  DM_CHECK((saved_gate == nullptr) == (saved_up == nullptr),
-           "moe_experts_backward: saved_gate and saved_up go together");
+  moe_check_expert_args("moe_experts_backward", plan, ew.E, ew.Din, ew.F, saved_gate != nullptr,
+                        saved_up != nullptr);
   const int64_t N = plan.N, Din = ew.Din, F = ew.F, E = ew.E;
   const int k = plan.k;
   const int64_t total_rows = N * k;
