@@ -94,3 +94,15 @@ TEST(Train, BadTrainingInputFailsCleanly) {
   r = test::run_cli("train --config " + cfg + " --out " + out + " --data /nonexistent/shards --quiet");
   EXPECT_EQ(r.exit_code, 1) << r.output;
 }
+
+TEST(Train, OnShardsFromTheDataCommand) {
+  const std::string shards = test::temp_dir("shards"), out = test::temp_dir("train_sh");
+  auto r = test::run_cli("data --synthetic-english 200 --out " + shards + " --vocab-size 500 --overwrite --quiet");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_cli("train --config " + test::source_dir() + "/configs/test.json --data " + shards +
+                    " --out " + out + " --batch 2 --stages 64:2K --quiet");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(metrics(out).size(), 16u);
+  r = test::run_cli("generate --model " + out + "/checkpoint --prompt 'Anna' --max-new-tokens 4");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}

@@ -306,6 +306,10 @@ TrainSummary train(const TrainerConfig& tc) {
     td = build_builtin_data(tc, mc, seqs);
   } else {
     auto ds = TokenDataset::open(tc.data);
+    // Keep the data's tokenizer with the run so `generate --model OUT/checkpoint` can take text.
+    if (fs::exists(tc.data + "/tokenizer.json"))
+      fs::copy_file(tc.data + "/tokenizer.json", tc.out + "/tokenizer.json",
+                    fs::copy_options::overwrite_existing);
     for (size_t s = 0; s < stages.size(); ++s) td.stages.push_back({ds, false, {}});
   }
   auto make_sampler = [&](int s) {
