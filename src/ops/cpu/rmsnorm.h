@@ -1,9 +1,7 @@
 // RMSNorm forward and backward, templated on the scalar (SPEC §1: y = x · rsqrt(mean(x²) + eps) · w).
 //   x, y, dy, dx : [N, D]     w, dw : [D]
 // rmsnorm_forward<Real>:  y[n,:] = x[n,:] · r_n · w,   r_n = 1 / sqrt(mean(x[n,:]²) + eps).
-//   y may alias x. The mean square is summed in double; r_n is formed in Real, so the float
-//   instantiation is bit-identical to ops/cpu/norm.h's rmsnorm_forward (the lead will replace
-//   that one by this).
+//   y may alias x. The mean square is summed in double; r_n is formed in Real.
 // rmsnorm_backward<Real>: ACCUMULATES (docs/backward.md)
 //   dx[n,i] += r_n·w_i·dy[n,i] − x[n,i] · r_n³ · (Σ_k dy[n,k]·w_k·x[n,k]) / D
 //   dw[i]   += Σ_n dy[n,i] · x[n,i] · r_n
