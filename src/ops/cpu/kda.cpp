@@ -245,23 +245,14 @@ std::array<int64_t, kNumKdaChunkBuffers> kda_chunk_buffer_elements(int64_t K, in
 
 template <typename T>
 size_t kda_chunk_per_thread_bytes(int64_t K, int64_t V, int64_t C) {
-  SizeCounter counter;
-  for (int64_t n : kda_chunk_buffer_elements(K, V, C)) counter.add<T>(size_t(n));
-  return counter.bytes;
+  return kda_scratch_bytes<T>(kda_chunk_buffer_elements(K, V, C));
 }
 
 // Carves one thread's scratch out of `base` (64-byte aligned, kda_chunk_per_thread_bytes long).
 template <typename T>
 std::array<T*, kNumKdaChunkBuffers> kda_chunk_carve_scratch(uint8_t* base, int64_t K, int64_t V,
                                                             int64_t C) {
-  std::array<T*, kNumKdaChunkBuffers> scratch{};
-  size_t offset = 0;
-  const auto elements = kda_chunk_buffer_elements(K, V, C);
-  for (int i = 0; i < kNumKdaChunkBuffers; ++i) {
-    scratch[i] = reinterpret_cast<T*>(base + offset);
-    offset += Arena::round_up(size_t(elements[i]) * sizeof(T));
-  }
-  return scratch;
+  return kda_scratch_carve<T>(base, kda_chunk_buffer_elements(K, V, C));
 }
 
 // The piece view of the forward scratch (no inverse norms or residual: the forward needs none).

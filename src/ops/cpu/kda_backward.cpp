@@ -347,23 +347,14 @@ std::array<int64_t, kNumKdaBackwardBuffers> kda_backward_buffer_elements(int64_t
 
 template <typename T>
 size_t kda_backward_per_thread_bytes(int64_t T_len, int64_t K, int64_t V, int64_t C) {
-  SizeCounter counter;
-  for (int64_t n : kda_backward_buffer_elements(T_len, K, V, C)) counter.add<T>(size_t(n));
-  return counter.bytes;
+  return kda_scratch_bytes<T>(kda_backward_buffer_elements(T_len, K, V, C));
 }
 
 template <typename T>
 std::array<T*, kNumKdaBackwardBuffers> kda_backward_carve_scratch(uint8_t* base, int64_t T_len,
                                                                   int64_t K, int64_t V,
                                                                   int64_t C) {
-  std::array<T*, kNumKdaBackwardBuffers> scratch{};
-  size_t offset = 0;
-  const auto elements = kda_backward_buffer_elements(T_len, K, V, C);
-  for (int i = 0; i < kNumKdaBackwardBuffers; ++i) {
-    scratch[i] = reinterpret_cast<T*>(base + offset);
-    offset += Arena::round_up(size_t(elements[i]) * sizeof(T));
-  }
-  return scratch;
+  return kda_scratch_carve<T>(base, kda_backward_buffer_elements(T_len, K, V, C));
 }
 
 template <typename T>

@@ -10,6 +10,7 @@
 #pragma once
 #include "core/fastmath.h"
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -57,6 +58,25 @@ inline KdaThreadSlices kda_carve_thread_slices(Arena& ws, size_t per_thread, int
            " bytes free, needs at least ", per_thread, " (size it with ", sizer, ")");
   t.base = static_cast<uint8_t*>(ws.alloc_bytes(per_thread * size_t(t.threads)));
   return t;
+}
+
+// A thread's scratch is a fixed list of buffers of `elements[i]` values each, 64-byte aligned,
+// laid out back to back; the forward and the backward each have their own list.
+template <typename T, size_t N>
+size_t kda_scratch_bytes(const std::array<int64_t, N>& elements) {
+  SizeCounter counter;
+  for (int64_t n : elements) counter.add<T>(size_t(n));
+  return counter.bytes;
+}
+template <typename T, size_t N>
+std::array<T*, N> kda_scratch_carve(uint8_t* base, const std::array<int64_t, N>& elements) {
+  std::array<T*, N> scratch{};
+  size_t offset = 0;
+  for (size_t i = 0; i < N; ++i) {
+    scratch[i] = reinterpret_cast<T*>(base + offset);
+    offset += Arena::round_up(size_t(elements[i]) * sizeof(T));
+  }
+  return scratch;
 }
 
 inline void kda_check_shape(const KdaShape& s, const char* who) {
