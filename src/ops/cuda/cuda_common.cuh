@@ -1,0 +1,42 @@
+// Device-side helpers shared by the .cu files of the CUDA backend: error checks, bf16
+// conversions and warp reductions. Included only by nvcc-compiled files.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "core/error.h"
+
+#define DM_CUDA_CHECK(expr)                                                                   \
+  do {                                                                                       \
+    const cudaError_t dm_cuda_status_ = (expr);                                              \
+    if (dm_cuda_status_ != cudaSuccess)                                                       \
+      throw ::dm::Error(::dm::str_cat(#expr, ": ", cudaGetErrorString(dm_cuda_status_)));     \
+  } while (0)
+
+namespace dm::cuda {
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, ≤ 1024); every thread gets the sum.
+// `shared` holds ≥ 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < warps ? shared[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
+
+}  // namespace dm::cuda

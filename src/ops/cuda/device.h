@@ -1,0 +1,55 @@
+// CUDA device basics for the GPU backend, as plain C++ (no CUDA headers) so the engine, the CLI
+// and the tests include it without nvcc. Implemented in device.cu.
+//
+// Memory follows the engine's rule: one device allocation per category (weights, grads,
+// optimizer state, activations, caches), carved into views by a DeviceArena; nothing is
+// allocated inside the hot loop.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dm::cuda {
+
+// True when a CUDA driver and at least one GPU answer (false on CI machines without a GPU;
+// never throws).
+bool device_available();
+// "NVIDIA H200 (sm_90, 139.8 GiB)" or a reason why there is none.
+std::string device_description();
+
+// Throws dm::Error naming `what` and the CUDA error string when the last launch or call failed.
+void check_last_error(const char* what);
+void synchronize();
+
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* src, size_t bytes);
+void copy_device_to_device(void* dst, const void* src, size_t bytes);
+void fill_zero(void* dst, size_t bytes);
+
+// bf16 <-> fp32 on the host (round to nearest even), for uploading weights and checking results.
+uint16_t float_to_bf16(float x);
+float bf16_to_float(uint16_t x);
+
+// One cudaMalloc, handed out in 256-byte-aligned views; reset() reuses it.
+class DeviceArena {
+ public:
+  explicit DeviceArena(size_t capacity_bytes);
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  void* alloc_bytes(size_t bytes);
+  template <class T>
+  T* alloc(size_t count) {
+    return static_cast<T*>(alloc_bytes(count * sizeof(T)));
+  }
+  void reset() { used_ = 0; }
+  size_t used() const { return used_; }
+  size_t capacity() const { return capacity_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t capacity_ = 0, used_ = 0;
+};
+
+}  // namespace dm::cuda
