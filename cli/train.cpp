@@ -9,7 +9,7 @@
 
 namespace {
 
-// "T:tokens[:lr_mult[:replay]],..." → stages; tokens accept K/M suffixes.
+// "T:tokens[:lr_mult[:replay[:batch]]],..." → stages; tokens accept K/M suffixes.
 std::vector<dm::TrainStage> parse_stages(const std::string& spec) {
   std::vector<dm::TrainStage> out;
   std::stringstream ss(spec);
@@ -31,13 +31,15 @@ std::vector<dm::TrainStage> parse_stages(const std::string& spec) {
     std::stringstream is(item);
     std::string x;
     while (std::getline(is, x, ':')) f.push_back(x);
-    DM_CHECK(f.size() >= 2 && f.size() <= 4, "--stages: '", item, "' must be T:tokens[:lr_mult[:replay]]");
+    DM_CHECK(f.size() >= 2 && f.size() <= 5, "--stages: '", item,
+             "' must be T:tokens[:lr_mult[:replay[:batch]]]");
     dm::TrainStage s;
     s.seq_len = int64_t(count(f[0]));
     s.tokens = int64_t(count(f[1]));
     if (f.size() > 2) s.lr_mult = float(count(f[2]));
     if (f.size() > 3) s.replay = count(f[3]);
-    DM_CHECK(s.seq_len > 0 && s.tokens > 0 && s.lr_mult > 0 && s.replay >= 0 && s.replay < 1,
+    if (f.size() > 4) s.batch = int64_t(count(f[4]));
+    DM_CHECK(s.seq_len > 0 && s.tokens > 0 && s.lr_mult > 0 && s.replay >= 0 && s.replay < 1 && s.batch >= 0,
              "--stages: bad values in '", item, "'");
     out.push_back(s);
   }
@@ -62,7 +64,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   app->add_option("--accum", accum, "Micro-batches per optimizer step");
   app->add_option("--lr", lr, "Peak learning rate");
   app->add_option("--warmup", warmup, "Warmup steps");
-  app->add_option("--stages", stages, "Progressive context: T:tokens[:lr_mult[:replay]],... e.g. 128:150K,512:150K:0.5:0.1");
+  app->add_option("--stages", stages, "Progressive context: T:tokens[:lr_mult[:replay[:batch]]],... e.g. 128:150K,512:150K:0.5:0.1:16");
   app->add_option("--optimizer", optimizer, "adamw or muon")->check(CLI::IsMember({"adamw", "muon"}));
   app->add_option("--balance", balance, "qb, qb-hist, sign or none")->check(CLI::IsMember({"qb", "qb-hist", "sign", "none"}));
   app->add_option("--balance-ema", balance_ema, "QB: EMA of the expert quantiles across steps, in [0,1) (0 = off)")

@@ -9,8 +9,10 @@ BIN=./build/bin/deltamoe
 OUT=${OUT:-out/demo}
 rm -rf "$OUT"
 $BIN params --config configs/demo.json
-$BIN train --config configs/demo.json --out "$OUT" --batch 8 --warmup 20 \
-  --stages 128:60K,512:60K:0.5:0.2,1024:40K:0.3:0.2
+# Stages T:tokens:lr_mult:replay:batch. The last stage doubles the batch to 16K tokens per step:
+# QB's per-step MaxVio is bounded below by sampling noise ~1/√(tokens per expert).
+$BIN train --config configs/demo.json --out "$OUT" --batch 8 --warmup 20 --balance-ema 0.5 \
+  --stages 128:150K,512:32K:0.5:0.5,1024:80K:0.3:0.5:16
 $BIN plot "$OUT"
 $BIN generate --model "$OUT/checkpoint" --prompt "Anna found the" --max-new-tokens 40 \
   --temperature 0.7 --top-k 20 --seed 1

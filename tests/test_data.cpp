@@ -51,7 +51,7 @@ std::string error_text_of(const std::function<void()>& f) {
 
 bool batches_equal(const PackedBatch& a, const PackedBatch& b) {
   return a.tokens == b.tokens && a.targets == b.targets && a.doc_start == b.doc_start &&
-         a.row_is_replay == b.row_is_replay;
+         a.row_source == b.row_source;
 }
 }  // namespace
 
@@ -269,29 +269,70 @@ TEST(Sampler, ResumeGivesTheIdenticalContinuation) {
   EXPECT_THROW(b.restore(broken), Error);
 }
 
-TEST(Sampler, ReplayFractionWithinTolerance) {
+// Rows are pure (one source each) and, stratified, every window of rows holds each source's
+// share to within one row; the coin form only matches it on average.
+TEST(Sampler, MixtureSharesPerWindow) {
   auto primary = TokenDataset::from_documents(numbered_documents(random_lengths(100, 5, 50, 6)));
   auto replay = TokenDataset::from_documents(numbered_documents(random_lengths(100, 5, 50, 7), 1000));
-  PackedSamplerOptions opt;
-  opt.batch_size = 16;
-  opt.seq_len = 16;
-  opt.replay_fraction = 0.2;
-  PackedSampler s(primary, opt, replay);
-  int64_t rows = 0, replay_rows = 0;
-  for (int i = 0; i < 250; ++i) {
-    const PackedBatch b = s.next_batch();
-    for (int64_t r = 0; r < b.batch_size; ++r) {
-      ++rows;
-      replay_rows += b.row_is_replay[size_t(r)];
-      for (int64_t t = 0; t < b.seq_len; ++t) {  // rows are pure: one source each
-        const int64_t doc = b.tokens[size_t(r * b.seq_len + t)] / kDocStride;
-        ASSERT_EQ(doc >= 1000, bool(b.row_is_replay[size_t(r)]));
+  for (const bool stratified : {true, false}) {
+    PackedSamplerOptions opt;
+    opt.batch_size = 16;
+    opt.seq_len = 16;
+    opt.replay_fraction = 0.2;
+    opt.stratified_mixture = stratified;
+    PackedSampler s(primary, opt, replay);
+    int64_t rows = 0, replay_rows = 0, min_per_batch = 16, max_per_batch = 0;
+    for (int i = 0; i < 250; ++i) {
+      const PackedBatch b = s.next_batch();
+      int64_t in_batch = 0;
+      for (int64_t r = 0; r < b.batch_size; ++r) {
+        ++rows;
+        in_batch += b.row_source[size_t(r)] == 1;
+        for (int64_t t = 0; t < b.seq_len; ++t) {  // rows are pure: one source each
+          const int64_t doc = b.tokens[size_t(r * b.seq_len + t)] / kDocStride;
+          ASSERT_EQ(doc >= 1000, b.row_source[size_t(r)] == 1);
+        }
       }
+      replay_rows += in_batch;
+      min_per_batch = std::min(min_per_batch, in_batch);
+      max_per_batch = std::max(max_per_batch, in_batch);
+    }
+    const double frac = double(replay_rows) / double(rows);  // coin: 4000 rows, σ ≈ 0.0063
+    EXPECT_NEAR(frac, 0.2, stratified ? 1.0 / 4000 : 0.03) << "stratified " << stratified;
+    if (stratified) {  // 16 rows × 0.2 = 3.2 → 3 or 4 replay rows in every batch
+      EXPECT_GE(min_per_batch, 3);
+      EXPECT_LE(max_per_batch, 4);
+    } else {
+      EXPECT_GT(max_per_batch - min_per_batch, 2);  // a coin swings more
     }
   }
-  const double frac = double(replay_rows) / double(rows);  // 4000 rows: σ ≈ 0.0063
-  EXPECT_NEAR(frac, 0.2, 0.03);
+  PackedSamplerOptions opt;
+  opt.replay_fraction = 0.2;
   EXPECT_THROW(PackedSampler(primary, opt), Error);  // a fraction without a replay source
+}
+
+TEST(Sampler, ThreeSourceMixtureFollowsWeights) {
+  auto a = TokenDataset::from_documents(numbered_documents(random_lengths(60, 5, 30, 1)));
+  auto b = TokenDataset::from_documents(numbered_documents(random_lengths(60, 5, 30, 2), 1000));
+  auto c = TokenDataset::from_documents(numbered_documents(random_lengths(60, 5, 30, 3), 2000));
+  PackedSamplerOptions opt;
+  opt.batch_size = 10;
+  opt.seq_len = 24;
+  PackedSampler s({{a, 5.0}, {b, 3.0}, {c, 2.0}}, opt);
+  int64_t counts[3] = {0, 0, 0};
+  for (int i = 0; i < 40; ++i) {
+    const PackedBatch batch = s.next_batch();
+    int64_t per_batch[3] = {0, 0, 0};
+    for (int32_t src : batch.row_source) ++per_batch[src];
+    EXPECT_EQ(per_batch[0], 5);
+    EXPECT_EQ(per_batch[1], 3);
+    EXPECT_EQ(per_batch[2], 2);
+    for (int k = 0; k < 3; ++k) counts[k] += per_batch[k];
+  }
+  EXPECT_EQ(counts[0] + counts[1] + counts[2], 400);
+  EXPECT_THROW(s.set_source_weights({1.0, -1.0, 0.0}), Error);
+  EXPECT_THROW(s.set_source_weights({0.0, 0.0, 0.0}), Error);
+  EXPECT_THROW(s.set_source_weights({1.0, 1.0}), Error);
 }
 
 TEST(Sampler, DataParallelRanksSplitTheStream) {
@@ -473,6 +514,50 @@ TEST(Recall, AnswerMaskFromPackedBatches) {
     }
   }
   EXPECT_GE(answers, 64 * 3);  // every task's queries (an epoch spill may add a few)
+}
+
+// Text rows keep every target; recall rows keep exactly their answers (key → its value).
+TEST(Recall, MixtureKeepsOnlyAnswerTargetsOfRecallRows) {
+  RecallTaskOptions o;
+  o.vocab_size = 400;
+  o.token_base = 100;
+  o.num_pairs = 2;
+  o.num_queries = 2;
+  o.filler_length = 6;
+  const RecallTaskLayout l = recall_task_layout(o);
+  std::vector<std::vector<int32_t>> task_docs;
+  for (const auto& t : generate_recall_tasks(o, 40)) task_docs.push_back(t.tokens);
+  auto tasks = TokenDataset::from_documents(task_docs, o.vocab_size);
+  auto text = TokenDataset::from_documents(numbered_documents(random_lengths(40, 5, 30, 3)));
+  PackedSamplerOptions opt;
+  opt.batch_size = 8;
+  opt.seq_len = 3 * recall_task_length(o);
+  PackedSampler s({{text, 0.75}, {tasks, 0.25}}, opt);
+  for (int i = 0; i < 10; ++i) {
+    PackedBatch b = s.next_batch();
+    const PackedBatch before = b;
+    recall_keep_only_answer_targets(b, l, /*text_source=*/0);
+    int64_t recall_rows = 0;
+    for (int64_t r = 0; r < b.batch_size; ++r) {
+      int64_t kept = 0;
+      for (int64_t t = 0; t < b.seq_len; ++t) {
+        const size_t k = size_t(r * b.seq_len + t);
+        if (b.row_source[size_t(r)] == 0) {
+          ASSERT_EQ(b.targets[k], before.targets[k]);
+        } else if (b.targets[k] >= 0) {
+          ++kept;
+          EXPECT_TRUE(l.is_key(b.tokens[k]));
+          EXPECT_TRUE(l.is_value(b.targets[k]));
+          EXPECT_EQ(b.targets[k], before.targets[k]);
+        }
+      }
+      if (b.row_source[size_t(r)] != 0) {
+        ++recall_rows;
+        EXPECT_EQ(kept, 3 * o.num_queries);  // three whole tasks per row, every query kept
+      }
+    }
+    EXPECT_EQ(recall_rows, 2);
+  }
 }
 
 // ---- the `deltamoe data` / `deltamoe tokenizer` commands ---------------------------------------

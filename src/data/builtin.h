@@ -104,6 +104,11 @@ RecallAccuracy recall_accuracy(const NextTokenArgmaxFn& predict, const std::vect
 // Answer positions in a packed batch [B·T]: a key after a QUERY marker of the same document
 // whose target is present. Lets training report recall accuracy from its own logits.
 std::vector<uint8_t> recall_answer_mask(const PackedBatch& batch, const RecallTaskLayout& layout);
+// Training on a mixture of text (rows from source `text_source`) and recall tasks (every other
+// source): recall rows keep only their answer targets, the rest become −1. Keys, values and
+// filler are uniform random draws; their targets are noise that would drown the answers.
+void recall_keep_only_answer_targets(PackedBatch& batch, const RecallTaskLayout& layout,
+                                     int32_t text_source);
 // Counts argmax == target over mask positions (argmax [n], targets [n], mask [n]).
 RecallAccuracy masked_argmax_accuracy(std::span<const int32_t> argmax, std::span<const int64_t> targets,
                                       std::span<const uint8_t> mask);

@@ -182,4 +182,15 @@ RecallAccuracy masked_argmax_accuracy(std::span<const int32_t> argmax, std::span
   return acc;
 }
 
+void recall_keep_only_answer_targets(PackedBatch& batch, const RecallTaskLayout& layout,
+                                     int32_t text_source) {
+  const std::vector<uint8_t> answers = recall_answer_mask(batch, layout);
+  const int64_t T = batch.seq_len;
+  for (int64_t r = 0; r < batch.batch_size; ++r) {
+    if (batch.row_source[size_t(r)] == text_source) continue;
+    for (int64_t t = 0; t < T; ++t)
+      if (!answers[size_t(r * T + t)]) batch.targets[size_t(r * T + t)] = -1;
+  }
+}
+
 }  // namespace dm

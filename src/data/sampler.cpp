@@ -1,6 +1,7 @@
 #include "data/sampler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "core/error.h"
@@ -24,24 +25,44 @@ bool json_is_non_negative_integer(const nlohmann::json& v) {
 }
 }  // namespace
 
-PackedSampler::PackedSampler(std::shared_ptr<const TokenDataset> primary,
-                             const PackedSamplerOptions& options,
-                             std::shared_ptr<const TokenDataset> replay)
+namespace {
+constexpr int64_t kMixtureUnits = int64_t(1) << 30;  // integer weight of a source of weight 1
+}  // namespace
+
+PackedSampler::PackedSampler(std::vector<SamplerSource> sources, const PackedSamplerOptions& options)
     : options_(options) {
-  DM_CHECK(primary != nullptr, "packed sampler: no dataset");
+  DM_CHECK(!sources.empty(), "packed sampler: no dataset");
   DM_CHECK(options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size,
            "packed sampler: rank ", options.rank, " outside world size ", options.world_size);
   DM_CHECK(options.lookahead_documents >= 0, "packed sampler: lookahead_documents must be >= 0");
-  sources_.push_back({std::move(primary), kSamplerSourceSeedTag, {}, {}});
-  if (replay) sources_.push_back({std::move(replay), kSamplerSourceSeedTag + 1, {}, {}});
+  std::vector<double> weights;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    DM_CHECK(sources[i].data != nullptr, "packed sampler: source ", i, " has no dataset");
+    sources_.push_back({std::move(sources[i].data), kSamplerSourceSeedTag + i, 0, 0, {}, {}});
+    weights.push_back(sources[i].weight);
+  }
   set_batch_shape(options.batch_size, options.seq_len);
-  set_replay_fraction(options.replay_fraction);
+  set_source_weights(weights);
   for (auto& s : sources_) {
     DM_CHECK(s.data->num_tokens() > 0, "packed sampler: dataset has no tokens");
     DM_CHECK(s.data->num_documents() < (int64_t(1) << 32), "packed sampler: more than 2^32 documents");
     build_order(s);
   }
   mix_rng_state_ = seed_mix(options_.seed, kSamplerMixSeedTag);
+}
+
+PackedSampler::PackedSampler(std::shared_ptr<const TokenDataset> primary,
+                             const PackedSamplerOptions& options,
+                             std::shared_ptr<const TokenDataset> replay)
+    : PackedSampler(
+          replay ? std::vector<SamplerSource>{{std::move(primary), 1.0 - options.replay_fraction},
+                                              {std::move(replay), options.replay_fraction}}
+                 : std::vector<SamplerSource>{{std::move(primary), 1.0}},
+          options) {
+  DM_CHECK(options.replay_fraction >= 0.0 && options.replay_fraction <= 1.0,
+           "packed sampler: replay fraction ", options.replay_fraction, " outside [0, 1]");
+  DM_CHECK(options.replay_fraction == 0.0 || sources_.size() != 1, "packed sampler: replay fraction ",
+           options.replay_fraction, " needs a replay dataset");
 }
 
 void PackedSampler::set_batch_shape(int64_t batch_size, int64_t seq_len) {
@@ -54,9 +75,53 @@ void PackedSampler::set_batch_shape(int64_t batch_size, int64_t seq_len) {
 void PackedSampler::set_replay_fraction(double fraction) {
   DM_CHECK(fraction >= 0.0 && fraction <= 1.0, "packed sampler: replay fraction ", fraction,
            " outside [0, 1]");
-  DM_CHECK(fraction == 0.0 || sources_.size() != 1, "packed sampler: replay fraction ", fraction,
+  DM_CHECK(fraction == 0.0 || sources_.size() == 2, "packed sampler: replay fraction ", fraction,
            " needs a replay dataset");
   options_.replay_fraction = fraction;
+  if (sources_.size() == 2) set_source_weights({1.0 - fraction, fraction});
+}
+
+void PackedSampler::set_source_weights(const std::vector<double>& weights) {
+  DM_CHECK(weights.size() == sources_.size(), "packed sampler: ", weights.size(),
+           " weights for ", sources_.size(), " sources");
+  double total = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    DM_CHECK(std::isfinite(weights[i]) && weights[i] >= 0, "packed sampler: source ", i, " weight ",
+             weights[i], " must be finite and >= 0");
+    total += weights[i];
+  }
+  DM_CHECK(total > 0, "packed sampler: every source weight is 0");
+  for (size_t i = 0; i < weights.size(); ++i) {
+    sources_[i].quota = int64_t(std::llround(weights[i] / total * double(kMixtureUnits)));
+    sources_[i].credit = 0;
+  }
+}
+
+// Smooth weighted round-robin: every source earns its quota, the richest is picked and pays the
+// total. Over any window the picks of a source differ from window·weight by less than one.
+int PackedSampler::pick_source() {
+  if (sources_.size() == 1) return 0;
+  if (!options_.stratified_mixture) {
+    DataRng coin(mix_rng_state_);
+    double u = coin.uniform_double() * double(kMixtureUnits);
+    mix_rng_state_ = coin.state();
+    for (size_t i = 0; i < sources_.size(); ++i) {
+      if (sources_[i].quota > 0 && u < double(sources_[i].quota)) return int(i);
+      u -= double(sources_[i].quota);
+    }
+    for (size_t i = sources_.size(); i-- > 0;)
+      if (sources_[i].quota > 0) return int(i);
+  }
+  int64_t total = 0;
+  int best = -1;
+  for (size_t i = 0; i < sources_.size(); ++i) {
+    sources_[i].credit += sources_[i].quota;
+    total += sources_[i].quota;
+    if (sources_[i].quota > 0 && (best < 0 || sources_[i].credit > sources_[size_t(best)].credit))
+      best = int(i);
+  }
+  sources_[size_t(best)].credit -= total;
+  return best;
 }
 
 void PackedSampler::build_order(Source& s) const {
@@ -172,19 +237,17 @@ void PackedSampler::next_batch(PackedBatch& out) {
   out.tokens.assign(size_t(B * T), 0);
   out.targets.assign(size_t(B * T), -1);
   out.doc_start.assign(size_t(B * T), 0);
-  out.row_is_replay.assign(size_t(B), 0);
+  out.row_source.assign(size_t(B), 0);
   std::vector<RowSegment> segments;
   for (int64_t b = 0; b < B;) {
-    DataRng coin(mix_rng_state_);
-    const bool from_replay = coin.uniform_double() < options_.replay_fraction && sources_.size() > 1;
-    mix_rng_state_ = coin.state();
-    Source& s = sources_[from_replay ? 1 : 0];
+    const int source = pick_source();
+    Source& s = sources_[size_t(source)];
     pack_row(s, T + 1, segments);
     const bool mine = rows_emitted_ % uint64_t(options_.world_size) == uint64_t(options_.rank);
     ++rows_emitted_;
     if (!mine) continue;
     write_row(s, segments, b, out);
-    out.row_is_replay[size_t(b)] = from_replay;
+    out.row_source[size_t(b)] = source;
     ++b;
   }
 }
@@ -199,7 +262,7 @@ PackedBatch PackedSampler::next_batch() {
 nlohmann::json PackedSampler::state_json() const {
   nlohmann::json j;
   j["format"] = "deltamoe-packed-sampler";
-  j["version"] = 1;
+  j["version"] = 2;
   j["seed"] = options_.seed;
   j["rows_emitted"] = rows_emitted_;
   j["mix_rng_state"] = mix_rng_state_;
@@ -210,7 +273,8 @@ nlohmann::json PackedSampler::state_json() const {
                             {"epoch", s.cursor.epoch},
                             {"position", s.cursor.position},
                             {"head_offset", s.cursor.head_offset},
-                            {"taken_ahead", s.cursor.taken_ahead}});
+                            {"taken_ahead", s.cursor.taken_ahead},
+                            {"credit", s.credit}});
   }
   return j;
 }
@@ -224,11 +288,12 @@ void PackedSampler::restore(const nlohmann::json& j) {
   };
   DM_CHECK(j.is_object() && j.value("format", "") == "deltamoe-packed-sampler", what,
            ": field 'format' must be \"deltamoe-packed-sampler\"");
-  DM_CHECK(u64_field(j, "version", "") == 1, what, ": field 'version': only 1 is supported");
+  const uint64_t version = u64_field(j, "version", "");
+  DM_CHECK(version == 1 || version == 2, what, ": field 'version': only 1 and 2 are supported");
   DM_CHECK(j.contains("sources") && j["sources"].is_array() && j["sources"].size() == sources_.size(),
-           what, ": field 'sources' must list ", sources_.size(), " source(s) (primary",
-           sources_.size() > 1 ? " + replay" : "", ")");
+           what, ": field 'sources' must list ", sources_.size(), " source(s)");
   std::vector<PackingCursor> cursors;
+  std::vector<int64_t> credits(sources_.size(), 0);
   for (size_t i = 0; i < sources_.size(); ++i) {
     const auto& js = j["sources"][i];
     const std::string where = str_cat("sources[", i, "].");
@@ -252,6 +317,13 @@ void PackedSampler::restore(const nlohmann::json& j) {
                what, ": field '", where, "taken_ahead' must hold increasing positions from 'position' on");
       c.taken_ahead.push_back(p.get<uint64_t>());
     }
+    if (version >= 2) {
+      DM_CHECK(js.contains("credit") && js["credit"].is_number_integer(), what, ": field '", where,
+               "credit' must be an integer");
+      credits[i] = js["credit"].get<int64_t>();
+      DM_CHECK(std::abs(credits[i]) <= 2 * kMixtureUnits, what, ": field '", where,
+               "credit' out of range");
+    }
     cursors.push_back(std::move(c));
   }
   options_.seed = u64_field(j, "seed", "");
@@ -259,6 +331,7 @@ void PackedSampler::restore(const nlohmann::json& j) {
   mix_rng_state_ = u64_field(j, "mix_rng_state", "");
   for (size_t i = 0; i < sources_.size(); ++i) {
     sources_[i].cursor = std::move(cursors[i]);
+    sources_[i].credit = credits[i];
     build_order(sources_[i]);
     if (sources_[i].cursor.position < sources_[i].order.size())
       DM_CHECK(sources_[i].cursor.head_offset <

@@ -15,15 +15,19 @@
 // row is padding. Short documents (≤ T+1 tokens) therefore stay whole by default, which the
 // long-context tasks (builtin.h) need: a retrieval document cut in half teaches nothing.
 //
-// Replay (progressive context, SPEC §2): with a second source and replay_fraction f, each row is
-// drawn from the replay source with probability f (a seeded per-row coin), so a stage keeps
-// seeing a little of the earlier stages' data. Each source keeps its own packing cursor.
+// Mixtures: a sampler draws whole rows from several sources (datasets with weights): replay of
+// the earlier stages' data (progressive context, SPEC §2), or task data beside text. Each source
+// keeps its own packing cursor; every row is packed from one source. With stratified_mixture
+// (default) the row's source is chosen by smooth weighted round-robin on integer credits: every
+// run of n consecutive rows holds ⌊n·w⌋ or ⌈n·w⌉ rows of a source of weight w, so the mix of a
+// batch — and with it the expert loads that Quantile Balancing must predict from one step to the
+// next — does not swing from batch to batch. Otherwise a seeded coin per row picks the source.
 //
 // Data parallel: world_size ranks each build the same global row stream and keep rows
 // r ≡ rank (mod world_size), so ranks see disjoint rows with no communication.
 //
 // State (state_json / restore): per source epoch, position in the permutation, offset into a
-// split document and the documents taken ahead; the replay coin's rng; rows emitted. Restoring
+// split document, the documents taken ahead and the mixture credit; the coin's rng; rows emitted. Restoring
 // continues the identical stream (batch size may change in between: the row stream does not
 // depend on it; the sequence length may change at a stage transition, continuing the cursor).
 #pragma once
@@ -44,7 +48,8 @@ struct PackedSamplerOptions {
   int64_t lookahead_documents = 64;
   bool split_short_documents = false;
   int32_t pad_token = 0;         // input id of padding positions (their targets are −1)
-  double replay_fraction = 0.0;  // in [0, 1]; needs a replay source when > 0
+  double replay_fraction = 0.0;  // in [0, 1]; the two-source constructor's replay weight
+  bool stratified_mixture = true; // false: a seeded coin per row picks its source
   int rank = 0, world_size = 1;
 };
 
@@ -53,7 +58,7 @@ struct PackedBatch {
   std::vector<int64_t> tokens;         // [B, T]
   std::vector<int64_t> targets;        // [B, T]; −1 = no target (document end, padding)
   std::vector<int32_t> doc_start;      // [B·T]; row index of the first token of t's document
-  std::vector<uint8_t> row_is_replay;  // [B]; 1 = row drawn from the replay source
+  std::vector<int32_t> row_source;     // [B]; index of the source the row was packed from
   int64_t num_targets() const;         // positions with a target (what the loss averages over)
 };
 
@@ -65,8 +70,16 @@ struct PackingCursor {
   std::vector<uint64_t> taken_ahead;  // sorted positions ≥ `position` already placed (lookahead)
 };
 
+// One source of a mixture and its share of the rows (weights are normalised; 0 = unused).
+struct SamplerSource {
+  std::shared_ptr<const TokenDataset> data;
+  double weight = 1.0;
+};
+
 class PackedSampler {
  public:
+  PackedSampler(std::vector<SamplerSource> sources, const PackedSamplerOptions& options);
+  // Two sources: primary with weight 1 − replay_fraction, replay (if any) with replay_fraction.
   PackedSampler(std::shared_ptr<const TokenDataset> primary, const PackedSamplerOptions& options,
                 std::shared_ptr<const TokenDataset> replay = nullptr);
 
@@ -80,7 +93,9 @@ class PackedSampler {
   const PackedSamplerOptions& options() const { return options_; }
   // Changes B / T / replay fraction between batches (e.g. at a stage transition).
   void set_batch_shape(int64_t batch_size, int64_t seq_len);
-  void set_replay_fraction(double fraction);
+  void set_replay_fraction(double fraction);          // two-source form: weights {1 − f, f}
+  void set_source_weights(const std::vector<double>& weights);
+  int num_sources() const { return int(sources_.size()); }
   uint64_t epoch() const { return sources_[0].cursor.epoch; }
   uint64_t rows_emitted() const { return rows_emitted_; }  // global rows, all ranks
 
@@ -88,6 +103,8 @@ class PackedSampler {
   struct Source {
     std::shared_ptr<const TokenDataset> data;
     uint64_t seed_tag = 0;
+    int64_t quota = 0;   // weight in integer units (kMixtureUnits = weight 1)
+    int64_t credit = 0;  // smooth weighted round-robin credit
     PackingCursor cursor;
     std::vector<uint32_t> order;  // document order of cursor.epoch
   };
@@ -95,6 +112,7 @@ class PackedSampler {
   struct RowSegment {
     int64_t doc, offset, length;
   };
+  int pick_source();
   void build_order(Source& s) const;
   void skip_used_positions(Source& s) const;
   void pack_row(Source& s, int64_t row_tokens, std::vector<RowSegment>& segments) const;
@@ -102,7 +120,7 @@ class PackedSampler {
                  PackedBatch& out) const;
 
   PackedSamplerOptions options_;
-  std::vector<Source> sources_;  // [0] primary, [1] replay (optional)
+  std::vector<Source> sources_;
   uint64_t mix_rng_state_ = 0;
   uint64_t rows_emitted_ = 0;
 };

@@ -30,7 +30,7 @@ namespace {
 // ---- training data ---------------------------------------------------------------------------
 
 struct StageData {
-  std::shared_ptr<const TokenDataset> data;
+  std::vector<SamplerSource> sources;  // the stage's mixture (weights already applied)
   bool has_recall = false;
   RecallTaskOptions recall;
 };
@@ -40,10 +40,10 @@ struct TrainData {
   double unigram_entropy = 0;
 };
 
-// Recall tasks sized to ~a quarter of the stage's sequence length (so each row packs several
-// documents and the per-batch token mix, hence the expert loads, stays steady), ids in a
+// Recall tasks spanning `span` of the stage's sequence length (each row packs several), ids in a
 // reserved top range.
-RecallTaskOptions recall_options_for(int64_t vocab, int64_t seq_len, uint64_t seed) {
+RecallTaskOptions recall_options_for(const TrainerConfig& tc, int64_t vocab, int64_t seq_len,
+                                     uint64_t seed) {
   RecallTaskOptions o;
   o.vocab_size = vocab;
   // Small alphabets and every pair queried: many answer tokens per document, so a small model
@@ -51,18 +51,20 @@ RecallTaskOptions recall_options_for(int64_t vocab, int64_t seq_len, uint64_t se
   o.num_keys = 16;
   o.num_values = 16;
   o.num_filler = 64;
-  o.num_pairs = 4;
-  o.num_queries = 4;
+  o.num_pairs = tc.recall_pairs;
+  o.num_queries = tc.recall_queries;
   o.token_base = int32_t(vocab - (4 + o.num_keys + o.num_values + o.num_filler));
   o.seed = seed;
   o.filler_length = 0;
   const int64_t overhead = recall_task_length(o);
-  o.filler_length = std::max<int64_t>(8, int64_t(0.25 * double(seq_len)) - overhead);
+  o.filler_length = std::max<int64_t>(8, int64_t(tc.recall_span * double(seq_len)) - overhead);
   return o;
 }
 
 TrainData build_builtin_data(const TrainerConfig& tc, const ModelConfig& mc,
-                             std::vector<int64_t> stage_seq) {
+                             const std::vector<TrainStage>& stages) {
+  std::vector<int64_t> stage_seq;
+  for (const TrainStage& st : stages) stage_seq.push_back(st.seq_len);
   TrainData td;
   const std::string tok_path = tc.out + "/tokenizer.json";
   SyntheticEnglishOptions so;
@@ -92,18 +94,28 @@ TrainData build_builtin_data(const TrainerConfig& tc, const ModelConfig& mc,
   }
   td.unigram_entropy = unigram_entropy_nats(all);
   const double english_tokens = double(all.size());
+  // Text and each stage's recall tasks are separate sources, mixed per batch in fixed shares
+  // (data/sampler.h): stage s = text (1 − r), its own tasks r·(1 − replay), stage s−1's tasks
+  // r·replay. A steady mix keeps the expert loads that QB predicts steady from step to step.
+  auto text = TokenDataset::from_documents(english, mc.vocab_size, "builtin text");
+  std::vector<std::shared_ptr<const TokenDataset>> recall_data;
+  const double r = tc.recall_fraction;
   for (size_t s = 0; s < stage_seq.size(); ++s) {
     StageData sd;
-    std::vector<std::vector<int32_t>> docs = english;
-    if (tc.recall_fraction > 0) {
+    sd.sources.push_back({text, 1.0 - r});
+    if (r > 0) {
       sd.has_recall = true;
-      sd.recall = recall_options_for(mc.vocab_size, stage_seq[s], tc.seed * 1000 + s);
+      sd.recall = recall_options_for(tc, mc.vocab_size, stage_seq[s], tc.seed * 1000 + s);
       const int64_t len = recall_task_length(sd.recall);
-      const int64_t count = std::max<int64_t>(
-          16, int64_t(tc.recall_fraction / (1 - tc.recall_fraction) * english_tokens / double(len)));
+      const int64_t count = std::max<int64_t>(16, int64_t(r / (1 - r) * english_tokens / double(len)));
+      std::vector<std::vector<int32_t>> docs;
       for (RecallTask& t : generate_recall_tasks(sd.recall, count)) docs.push_back(std::move(t.tokens));
+      recall_data.push_back(TokenDataset::from_documents(docs, mc.vocab_size,
+                                                         "builtin recall stage " + std::to_string(s)));
+      const double replay = s > 0 ? stages[s].replay : 0.0;
+      sd.sources.push_back({recall_data[s], r * (1 - replay)});
+      if (replay > 0) sd.sources.push_back({recall_data[s - 1], r * replay});
     }
-    sd.data = TokenDataset::from_documents(docs, mc.vocab_size, "builtin stage " + std::to_string(s));
     td.stages.push_back(std::move(sd));
   }
   return td;
@@ -192,7 +204,8 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
                                   "warmup", "optimizer", "weight_decay", "clip", "spike_factor",
                                   "stages", "balance", "sign_rate", "recompute", "kda_chunk",
                                   "checkpoint_every", "eval_every", "eval_tasks", "seed",
-                                  "recall_fraction", "balance_ema"};
+                                  "recall_fraction", "recall_pairs", "recall_queries",
+                                  "recall_span", "balance_ema"};
     DM_CHECK(std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) !=
                  std::end(known),
              origin, ": unknown field '", it.key(), "'");
@@ -215,6 +228,15 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
   num(j, "eval_tasks", c.eval_tasks, "");
   num(j, "seed", c.seed, "");
   num(j, "recall_fraction", c.recall_fraction, "");
+  num(j, "recall_pairs", c.recall_pairs, "");
+  num(j, "recall_queries", c.recall_queries, "");
+  num(j, "recall_span", c.recall_span, "");
+  DM_CHECK(c.recall_fraction >= 0 && c.recall_fraction < 1, origin,
+           ": field 'recall_fraction' must be in [0, 1)");
+  DM_CHECK(c.recall_pairs >= 1 && c.recall_pairs <= 16 && c.recall_queries >= 1 &&
+               c.recall_queries <= c.recall_pairs,
+           origin, ": fields 'recall_pairs' (1..16) and 'recall_queries' (1..pairs) out of range");
+  DM_CHECK(c.recall_span > 0 && c.recall_span <= 1, origin, ": field 'recall_span' must be in (0, 1]");
   num(j, "balance_ema", c.balance_ema, "");
   DM_CHECK(c.balance_ema >= 0 && c.balance_ema < 1, origin, ": field 'balance_ema' must be in [0, 1)");
   if (j.contains("recompute")) {
@@ -242,6 +264,8 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
       num(s, "tokens", st.tokens, p);
       num(s, "lr_mult", st.lr_mult, p);
       num(s, "replay", st.replay, p);
+      num(s, "batch", st.batch, p);
+      DM_CHECK(st.batch >= 0, origin, ": ", p, "batch must be >= 0 (0 = the run's batch)");
       DM_CHECK(st.seq_len > 0 && st.tokens > 0, origin, ": ", p, "seq_len and tokens must be > 0");
       DM_CHECK(st.replay >= 0 && st.replay < 1, origin, ": ", p, "replay must be in [0, 1)");
       c.stages.push_back(st);
@@ -283,13 +307,15 @@ TrainSummary train(const TrainerConfig& tc) {
     s.tokens = std::max<int64_t>(1, tc.steps) * tc.batch * tc.accum * s.seq_len;
     stages.push_back(s);
   }
+  auto stage_batch = [&](int s) { return stages[size_t(s)].batch > 0 ? stages[size_t(s)].batch : tc.batch; };
   std::vector<int64_t> stage_first_step;  // step index where each stage begins
   int64_t total_steps = 0;
-  for (const TrainStage& s : stages) {
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const TrainStage& s = stages[i];
     DM_CHECK(s.seq_len <= mc.max_context, "stage seq_len ", s.seq_len, " exceeds the model context ", mc.max_context);
     stage_first_step.push_back(total_steps);
-    total_steps += std::max<int64_t>(1, (s.tokens + tc.batch * tc.accum * s.seq_len - 1) /
-                                            (tc.batch * tc.accum * s.seq_len));
+    const int64_t step_tokens = stage_batch(int(i)) * tc.accum * s.seq_len;
+    total_steps += std::max<int64_t>(1, (s.tokens + step_tokens - 1) / step_tokens);
   }
   const int64_t run_steps = tc.steps > 0 ? std::min(tc.steps, total_steps) : total_steps;
   auto stage_of = [&](int64_t step) {
@@ -299,28 +325,24 @@ TrainSummary train(const TrainerConfig& tc) {
   };
 
   // ---- data ----
-  std::vector<int64_t> seqs;
-  for (const TrainStage& s : stages) seqs.push_back(s.seq_len);
   TrainData td;
   if (tc.data == "builtin") {
-    td = build_builtin_data(tc, mc, seqs);
+    td = build_builtin_data(tc, mc, stages);
   } else {
     auto ds = TokenDataset::open(tc.data);
     // Keep the data's tokenizer with the run so `generate --model OUT/checkpoint` can take text.
     if (fs::exists(tc.data + "/tokenizer.json"))
       fs::copy_file(tc.data + "/tokenizer.json", tc.out + "/tokenizer.json",
                     fs::copy_options::overwrite_existing);
-    for (size_t s = 0; s < stages.size(); ++s) td.stages.push_back({ds, false, {}});
+    // One dataset for every stage: rows differ only in length, so there is nothing to replay.
+    for (size_t s = 0; s < stages.size(); ++s) td.stages.push_back({{{ds, 1.0}}, false, {}});
   }
   auto make_sampler = [&](int s) {
     PackedSamplerOptions o;
-    o.batch_size = tc.batch;
+    o.batch_size = stage_batch(s);
     o.seq_len = stages[s].seq_len;
     o.seed = tc.seed * 7919 + uint64_t(s);
-    o.replay_fraction = s > 0 ? stages[s].replay : 0.0;
-    auto replay = s > 0 && o.replay_fraction > 0 ? td.stages[s - 1].data : nullptr;
-    if (!replay) o.replay_fraction = 0;
-    return std::make_unique<PackedSampler>(td.stages[s].data, o, replay);
+    return std::make_unique<PackedSampler>(td.stages[s].sources, o);
   };
 
   // ---- optimizer, balance, state ----
@@ -437,6 +459,7 @@ TrainSummary train(const TrainerConfig& tc) {
     int64_t targets = 0, step_tokens = 0;
     for (auto& b : micro) {
       sampler->next_batch(b);
+      if (td.stages[s].has_recall) recall_keep_only_answer_targets(b, recall_task_layout(td.stages[s].recall), /*text_source=*/0);
       targets += b.num_targets();
       step_tokens += b.batch_size * b.seq_len;
     }

@@ -11,12 +11,14 @@
 namespace dm {
 
 // One progressive-context stage: sequence length, token budget, LR multiplier (lowered at each
-// transition) and the fraction of rows replayed from the previous stage's data.
+// transition), the fraction of rows replayed from the previous stage's data, and optionally its
+// own rows per micro-batch (batch ramps; QB's per-step balance improves as ~1/√tokens-per-step).
 struct TrainStage {
   int64_t seq_len = 256;
   int64_t tokens = 0;
   float lr_mult = 1.0f;
   double replay = 0.0;
+  int64_t batch = 0;  // 0 = the run's batch
 };
 
 struct TrainerConfig {
@@ -43,7 +45,12 @@ struct TrainerConfig {
   int64_t eval_every = 50;      // recall evaluation (builtin data)
   int64_t eval_tasks = 32;
   uint64_t seed = 0;
-  double recall_fraction = 0.3; // builtin data: fraction of documents that are recall tasks
+  // Builtin data: share of rows that are recall tasks (stratified per batch), pairs and queries
+  // per task, and the span of one task as a fraction of the stage's sequence length (the
+  // recall distance grows with it).
+  double recall_fraction = 0.25;
+  int recall_pairs = 2, recall_queries = 2;
+  double recall_span = 0.25;
   bool progress = true;         // progress bar on stderr
 };
 
