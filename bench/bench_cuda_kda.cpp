@@ -1,0 +1,178 @@
+// Benchmark of the CUDA KDA kernels (ops/cuda/kda.h): chunked forward and forward+backward at
+// the shapes of issue 5, bf16 and fp32 inputs, plus one recurrent decode step of many sequences.
+// Plain main (no Google Benchmark fixtures): CUDA-event timing, 2 warm-up runs, median of 10.
+// Without a GPU (or without the CUDA backend) it prints why and exits 0.
+//
+// FLOP convention (shared with bench/peers/kda_peers.py so the columns compare): per chunk of
+// C = 64 tokens of one head, the chunked form's products
+//   2C²K (L, P) + C²(K+V) (forward substitution for W, U) + 6CKV (W·S, Keᵀ·V', Qd·S) + C²V (P·V'),
+// and the backward counted as twice the forward (fwd+bwd = 3 × fwd).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#if DELTAMOE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda.h"
+
+namespace {
+
+namespace cu = dm::cuda;
+
+struct BenchShape {
+  int64_t B, T, H, D;
+};
+
+double chunked_forward_flops(const BenchShape& s) {
+  const double C = 64, K = double(s.D), V = double(s.D);
+  const double chunks = std::ceil(double(s.T) / C) * double(s.B * s.H);
+  return chunks * (2 * C * C * K + C * C * (K + V) + 6 * C * K * V + C * C * V);
+}
+
+// Deterministic pseudo-random fill without <random>'s cost on 10⁸ elements.
+struct Lcg {
+  uint64_t state;
+  float uniform() {  // [0, 1)
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return float(state >> 40) * (1.0f / 16777216.0f);
+  }
+  float centered() { return 2.0f * uniform() - 1.0f; }
+};
+
+// Median of `reps` timings of fn() in milliseconds, after `warmup` untimed runs.
+template <typename Fn>
+double time_median_ms(Fn&& fn, int warmup = 2, int reps = 10) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(start);
+    fn();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float elapsed = 0;
+    cudaEventElapsedTime(&elapsed, start, stop);
+    ms.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// All device buffers of one shape in one arena; Storage = float or uint16_t (bf16).
+template <typename Storage>
+void bench_shape(const BenchShape& bs, const char* dtype) {
+  const dm::KdaShape s{bs.B, bs.T, bs.H, bs.D, bs.D};
+  const size_t n_qk = size_t(s.B * s.T * s.H * s.K), n_beta = size_t(s.B * s.T * s.H);
+  const size_t n_state = size_t(s.B * s.H * s.K * s.V);
+  const size_t ws_forward = cu::kda_chunk_forward_workspace_bytes(s);
+  const size_t ws_backward = cu::kda_chunk_backward_workspace_bytes(s);
+  const size_t bytes = 6 * n_qk * sizeof(Storage) + n_beta * sizeof(Storage) +
+                       (4 * n_qk + 2 * n_beta) * sizeof(float) + 4 * n_state * sizeof(float) +
+                       std::max(ws_forward, ws_backward) + (size_t(64) << 20);
+  cu::DeviceArena arena(bytes);
+  auto upload = [&](size_t n, auto&& draw) {
+    std::vector<Storage> host(n);
+    for (auto& e : host) {
+      const float x = draw();
+      if constexpr (sizeof(Storage) == 2) e = cu::float_to_bf16(x);
+      else e = x;
+    }
+    Storage* device = arena.alloc<Storage>(n);
+    cu::copy_to_device(device, host.data(), n * sizeof(Storage));
+    return device;
+  };
+  Lcg rng{12345};
+  const Storage* q = upload(n_qk, [&] { return rng.centered(); });
+  const Storage* k = upload(n_qk, [&] { return rng.centered(); });
+  const Storage* v = upload(n_qk, [&] { return rng.centered(); });
+  // Log-decays −e^{U(−6, 0.5)} ∈ [−1.6, −0.0025] per step and channel.
+  const Storage* g = upload(n_qk, [&] { return -std::exp(-6.0f + 6.5f * rng.uniform()); });
+  const Storage* beta = upload(n_beta, [&] { return rng.uniform(); });
+  const Storage* d_o = upload(n_qk, [&] { return rng.centered(); });
+  Storage* o = arena.alloc<Storage>(n_qk);
+  float* s0 = arena.alloc<float>(n_state);
+  float* sT = arena.alloc<float>(n_state);
+  float* ds0 = arena.alloc<float>(n_state);
+  float* dq = arena.alloc<float>(n_qk);
+  float* dk = arena.alloc<float>(n_qk);
+  float* dv = arena.alloc<float>(n_qk);
+  float* dg = arena.alloc<float>(n_qk);
+  float* dbeta = arena.alloc<float>(n_beta);
+  void* ws = arena.alloc_bytes(std::max(ws_forward, ws_backward));
+  cu::fill_zero(s0, n_state * sizeof(float));
+  const float scale = 1.0f / std::sqrt(float(s.K));
+
+  const double forward_ms = time_median_ms([&] {
+    cu::kda_chunk_forward(q, k, v, g, beta, s0, o, sT, s, scale, ws);
+  });
+  cu::check_last_error("bench kda_chunk_forward");
+  const double forward_backward_ms = time_median_ms([&] {
+    cu::kda_chunk_forward(q, k, v, g, beta, s0, o, sT, s, scale, ws);
+    cu::kda_chunk_backward(q, k, v, g, beta, s0, d_o, nullptr, dq, dk, dv, dg, dbeta, ds0, s,
+                           scale, ws);
+  });
+  cu::check_last_error("bench kda_chunk_backward");
+  const double flops = chunked_forward_flops(bs);
+  std::printf("| %-22s | %-4s | %9.3f | %12.3f | %9.2f | %13.2f |\n",
+              ("(" + std::to_string(bs.B) + "," + std::to_string(bs.T) + "," +
+               std::to_string(bs.H) + "," + std::to_string(bs.D) + ")")
+                  .c_str(),
+              dtype, forward_ms, forward_backward_ms, flops / (forward_ms * 1e9),
+              3 * flops / (forward_backward_ms * 1e9));
+  std::fflush(stdout);
+}
+
+// One decode step (T = 1) of `sequences` sequences, state in place; memory-bound: each state
+// element is read and written once (8 bytes).
+void bench_decode(int64_t sequences, int64_t H, int64_t D) {
+  const dm::KdaShape s{sequences, 1, H, D, D};
+  const size_t n_qk = size_t(sequences * H * D), n_state = size_t(sequences * H * D * D);
+  cu::DeviceArena arena(n_state * 4 + 6 * n_qk * 2 + (size_t(16) << 20));
+  float* state = arena.alloc<float>(n_state);
+  uint16_t* inputs = arena.alloc<uint16_t>(5 * n_qk);
+  uint16_t* o = arena.alloc<uint16_t>(n_qk);
+  cu::fill_zero(state, n_state * 4);
+  cu::fill_zero(inputs, 5 * n_qk * 2);  // zeros: g = 0 (no decay), the timing does not depend on values
+  const double ms = time_median_ms([&] {
+    cu::kda_recurrent_forward(inputs, inputs + n_qk, inputs + 2 * n_qk, inputs + 3 * n_qk,
+                              inputs + 4 * n_qk, state, o, state, s, 0.088f);
+  });
+  cu::check_last_error("bench kda_recurrent_forward");
+  std::printf("decode step: %lld sequences x %lld heads x %lldx%lld fp32 state: %.3f ms, %.0f GB/s "
+              "of state traffic\n",
+              (long long)sequences, (long long)H, (long long)D, (long long)D, ms,
+              double(n_state) * 8.0 / (ms * 1e6));
+}
+
+}  // namespace
+
+int main() {
+  if (!cu::device_available()) {
+    std::printf("bench_cuda_kda: skipped (%s)\n", cu::device_description().c_str());
+    return 0;
+  }
+  std::printf("bench_cuda_kda on %s\n", cu::device_description().c_str());
+  std::printf("ours: chunked KDA, C=64; TFLOP/s by the nominal chunked-form count (see source)\n");
+  std::printf("| (B,T,H,D)              | in   |    fwd ms |   fwd+bwd ms | fwd TF/s  | fwd+bwd TF/s  |\n");
+  std::printf("|------------------------|------|-----------|--------------|-----------|---------------|\n");
+  const BenchShape shapes[] = {{1, 8192, 16, 128}, {1, 8192, 96, 128}, {2, 16384, 16, 128}};
+  for (const BenchShape& s : shapes) bench_shape<uint16_t>(s, "bf16");
+  for (const BenchShape& s : shapes) bench_shape<float>(s, "fp32");
+  bench_decode(128, 96, 128);
+  return 0;
+}
+#else
+int main() {
+  std::printf("bench_cuda_kda: skipped (built without the CUDA backend)\n");
+  return 0;
+}
+#endif

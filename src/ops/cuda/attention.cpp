@@ -1,0 +1,160 @@
+// Checked entry points of the GPU attention (attention.h): argument validation against the CPU
+// op's AttnShape, the decode work plan, and dispatch to the kernel launchers in attention*.cu.
+// Compiled as C++20 by the host compiler (the .cu files are C++17 and cannot see ops/cpu).
+#include "ops/cuda/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/cpu/attention.h"
+#include "ops/cuda/attention_kernels.h"
+#include "ops/cuda/device.h"
+
+namespace dm::cuda {
+
+namespace {
+
+using attention_detail::AttentionProblem;
+
+AttentionProblem checked_problem(const char* who, const AttnShape& s, double scale,
+                                 const int32_t* doc_start) {
+  DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.Dqk > 0 && s.Dv > 0, who, ": bad shape B=", s.B,
+           " T=", s.T, " H=", s.H, " Dqk=", s.Dqk, " Dv=", s.Dv);
+  DM_CHECK(s.Dqk % 8 == 0 && s.Dv % 8 == 0, who, ": head dims must be multiples of 8 (16-byte ",
+           "rows), got Dqk=", s.Dqk, " Dv=", s.Dv);
+  const int64_t int_max = std::numeric_limits<int32_t>::max();
+  DM_CHECK(s.T <= int_max && s.B * s.H <= int_max && s.Dqk <= 4096 && s.Dv <= 4096, who,
+           ": shape too large (B·H and T must fit in int32)");
+  DM_CHECK(std::isfinite(scale), who, ": scale must be finite, got ", scale);
+  AttentionProblem p;
+  p.B = int(s.B);
+  p.T = int(s.T);
+  p.H = int(s.H);
+  p.Dqk = int(s.Dqk);
+  p.Dv = int(s.Dv);
+  p.scale = float(scale);
+  p.doc_start = doc_start;
+  return p;
+}
+
+void check_aligned(const char* who, const void* p, const char* name) {
+  DM_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, who, ": ", name,
+           " must be 16-byte aligned (vector loads)");
+}
+
+}  // namespace
+
+void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              uint16_t* o, float* lse, const AttnShape& s, double scale,
+                              const int32_t* doc_start, CUstream_st* stream,
+                              AttentionKernel kernel) {
+  const AttentionProblem p = checked_problem("attention_causal_forward (cuda)", s, scale, doc_start);
+  if (p.B == 0 || p.T == 0 || p.H == 0) return;
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {o, "o"}})
+    check_aligned("attention_causal_forward (cuda)", ptr, name);
+  if (kernel == AttentionKernel::Tiled)
+    attention_detail::launch_attention_forward_tiled(p, q, k, v, o, lse, stream);
+  else
+    attention_detail::launch_attention_forward_simple(p, q, k, v, o, lse, stream);
+}
+
+size_t attention_causal_backward_workspace_bytes(const AttnShape& s) {
+  return attention_detail::attention_backward_scratch_bytes(int(s.B), int(s.T), int(s.H));
+}
+
+void attention_causal_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                               const uint16_t* o, const float* lse, const uint16_t* dout,
+                               uint16_t* dq, uint16_t* dk, uint16_t* dv, const AttnShape& s,
+                               double scale, void* workspace, const int32_t* doc_start,
+                               CUstream_st* stream, AttentionKernel kernel) {
+  const char* who = "attention_causal_backward (cuda)";
+  const AttentionProblem p = checked_problem(who, s, scale, doc_start);
+  if (p.B == 0 || p.T == 0 || p.H == 0) return;
+  DM_CHECK(lse && workspace, who, ": lse and workspace are required");
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"},
+                           {o, "o"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"},
+                           {workspace, "workspace"}})
+    check_aligned(who, ptr, name);
+  if (kernel == AttentionKernel::Tiled)
+    attention_detail::launch_attention_backward_tiled(p, q, k, v, o, lse, dout, dq, dk, dv,
+                                                      workspace, stream);
+  else
+    attention_detail::launch_attention_backward_simple(p, q, k, v, o, lse, dout, dq, dk, dv,
+                                                       workspace, stream);
+}
+
+void attention_check_doc_start_device(const int32_t* doc_start, int64_t B, int64_t T) {
+  if (!doc_start || B * T == 0) return;
+  std::vector<int32_t> host(size_t(B * T));
+  copy_to_host(host.data(), doc_start, host.size() * sizeof(int32_t));
+  attention_check_doc_start(host.data(), B, T);
+}
+
+MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_splits) {
+  DM_CHECK(S >= 0 && H >= 0 && max_pages >= 0, "mla_decode_plan: bad shape S=", S, " H=", H,
+           " max_pages=", max_pages);
+  DM_CHECK(max_splits >= 1 && max_splits <= 256, "mla_decode_plan: max_splits must be in [1, 256]",
+           ", got ", max_splits);
+  if (num_sms <= 0) num_sms = attention_detail::current_device_multiprocessors();
+  MlaDecodePlan plan;
+  plan.max_pages = max_pages;
+  if (S == 0 || H == 0 || max_pages == 0) return plan;
+  constexpr int kHeadsPerCta = 16, kMinPagesPerSplit = 4;
+  const int64_t ctas_without_split = int64_t(S) * ((H + kHeadsPerCta - 1) / kHeadsPerCta);
+  int64_t splits = (2 * int64_t(num_sms) + ctas_without_split - 1) / ctas_without_split;
+  splits = std::min<int64_t>(splits, std::max(1, max_pages / kMinPagesPerSplit));
+  splits = std::clamp<int64_t>(splits, 1, max_splits);
+  plan.pages_per_split = int((max_pages + splits - 1) / splits);
+  plan.num_splits = (max_pages + plan.pages_per_split - 1) / plan.pages_per_split;
+  return plan;
+}
+
+size_t mla_decode_workspace_bytes(const MlaDecodePlan& plan, int S, int H, int Dv) {
+  if (plan.num_splits <= 1) return 0;
+  const size_t partials = size_t(S) * plan.num_splits * H;
+  return ((partials * size_t(Dv) * sizeof(float) + 255) & ~size_t(255)) +
+         partials * sizeof(float);
+}
+
+void mla_decode_absorbed(const MlaDecodeArgs& a, const MlaDecodePlan& plan, void* workspace,
+                         CUstream_st* stream) {
+  const char* who = "mla_decode_absorbed";
+  DM_CHECK(a.S >= 0 && a.H >= 0 && a.Dk > 0 && a.Dv > 0, who, ": bad shape S=", a.S, " H=", a.H,
+           " Dk=", a.Dk, " Dv=", a.Dv);
+  DM_CHECK(a.Dk % 8 == 0 && a.Dv % 8 == 0 && a.Dv <= a.Dk, who,
+           ": need Dk, Dv multiples of 8 and Dv ≤ Dk, got Dk=", a.Dk, " Dv=", a.Dv);
+  DM_CHECK(plan.num_splits >= 1 && plan.pages_per_split >= 1 &&
+               int64_t(plan.num_splits) * plan.pages_per_split >= plan.max_pages,
+           who, ": plan does not cover the page table (", plan.num_splits, " × ",
+           plan.pages_per_split, " < ", plan.max_pages, ")");
+  if (a.S == 0 || a.H == 0) return;
+  DM_CHECK(a.q && a.cache && a.page_table && a.seq_len && a.out, who, ": null argument");
+  check_aligned(who, a.q, "q");
+  check_aligned(who, a.cache, "cache");
+  DM_CHECK(plan.num_splits == 1 || workspace, who, ": workspace required with ", plan.num_splits,
+           " splits");
+  attention_detail::DecodeProblem p;
+  p.S = a.S;
+  p.H = a.H;
+  p.Dk = a.Dk;
+  p.Dv = a.Dv;
+  p.max_pages = plan.max_pages;
+  p.num_splits = plan.num_splits;
+  p.pages_per_split = plan.pages_per_split;
+  p.scale = float(a.scale);
+  float* partial_o = static_cast<float*>(workspace);
+  float* partial_lse = nullptr;
+  if (plan.num_splits > 1) {
+    const size_t partials = size_t(a.S) * plan.num_splits * a.H;
+    partial_lse = reinterpret_cast<float*>(
+        static_cast<char*>(workspace) +
+        ((partials * size_t(a.Dv) * sizeof(float) + 255) & ~size_t(255)));
+  }
+  attention_detail::launch_attention_decode(p, a.q, a.cache, a.page_table, a.seq_len, a.out, a.lse,
+                                            partial_o, partial_lse, stream);
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,330 @@
+// Absorbed MLA decode over a paged latent cache (SPEC §1.2 "Decode uses weight absorption", §5).
+// Per sequence s and head h, with the cache row of token j = [c_j (Dv = kv_lora) | kr_j (rope)]:
+//   score_hj = scale · q_h · cache_j          (q_h = [W_kvb_keysᵀ q_nope_h | q_rope_h], Dk wide)
+//   out_h    = Σ_j softmax_j(score_h) · c_j   (Dv wide; the caller applies W_kvb's value rows)
+// i.e. MQA: every head reads the same 576-wide keys and 512-wide values.
+//
+// Grid (split, head group of 16, sequence). One CTA walks the pages [split·pps, (split+1)·pps)
+// of its sequence (pps = pages per split, a page = 64 tokens = one tile), page tiles double-
+// buffered by cp.async through the page table. Per tile:
+//   S [16 heads × 64 keys] = Q·Kᵀ: warp w computes keys 16w..16w+15 over the full Dk (mma),
+//     writes them to shared memory;
+//   every warp then reads all of S, runs the same online softmax (identical statistics in every
+//   warp), and accumulates its own Dv/4 columns of O += P·V from the same tile (ldmatrix.trans).
+// Bytes: 64·Dk·2 per tile per head group (the head groups of one (split, sequence) run side by
+// side and share the tile through L2); FLOP: 2·16·64·(Dk + Dv) per tile per head group.
+// With one split the CTA writes out/lse directly; otherwise it writes a normalised partial O and
+// its lse, and attention_decode_combine_kernel merges the splits (log-sum-exp weights).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "ops/cuda/attention_kernels.h"
+#include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+
+namespace dm::cuda::attention_detail {
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kDecodeHeads = 16;      // heads per CTA (the mma M dimension)
+constexpr int kDecodeWarps = 4;
+constexpr int kCombineMaxSplits = 256;
+
+using bf16 = __nv_bfloat16;
+
+struct DecodeArgs {
+  const bf16* q;               // [S, H, Dk]
+  const bf16* cache;           // [pages, 64, Dk]
+  const int32_t* page_table;   // [S, max_pages]
+  const int32_t* seq_len;      // [S]
+  bf16* out;                   // [S, H, Dv]
+  float* lse;                  // [S, H] or nullptr
+  float* partial_o;            // [S, splits, H, Dv]
+  float* partial_lse;          // [S, splits, H]
+  int S, H, Dk, Dv, max_pages, num_splits, pages_per_split;
+  float scale_log2;
+};
+
+template <int kDk, int kDv>
+struct DecodeConfig {
+  static_assert(kDk % 16 == 0, "key dim padded to a multiple of 16");
+  static_assert(kDv % (16 * kDecodeWarps) == 0 && kDv <= kDk, "value columns per warp");
+  static constexpr int kThreads = kDecodeWarps * 32;
+  static constexpr int kTokens = kDecodePageTokens;  // keys per tile = one page
+  static constexpr int kStride = kDk + kSmemRowPad;
+  static constexpr int kDvPerWarp = kDv / kDecodeWarps;
+  static constexpr int kScoreStride = kTokens + 8;  // fp32; conflict-free float2 row access
+  static constexpr int kQElems = kDecodeHeads * kStride;
+  static constexpr int kTileElems = kTokens * kStride;
+  static constexpr size_t kSmemBytes = size_t(kQElems + 2 * kTileElems) * sizeof(bf16) +
+                                       size_t(kDecodeHeads * kScoreStride) * sizeof(float);
+};
+
+template <int kDk, int kDv>
+__global__ void __launch_bounds__(kDecodeWarps * 32, 1)
+    attention_decode_kernel(const DecodeArgs a) {
+  using Cfg = DecodeConfig<kDk, kDv>;
+  constexpr int kThreads = Cfg::kThreads, kTokens = Cfg::kTokens, kStride = Cfg::kStride;
+  constexpr int kDvPerWarp = Cfg::kDvPerWarp, kScoreStride = Cfg::kScoreStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* const sQ = reinterpret_cast<bf16*>(smem_raw);  // [16][kStride]
+  bf16* const sKV = sQ + Cfg::kQElems;                  // [2][64][kStride]
+  float* const sS = reinterpret_cast<float*>(sKV + 2 * Cfg::kTileElems);  // [16][kScoreStride]
+
+  const int split = blockIdx.x, head0 = blockIdx.y * kDecodeHeads, seq = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int len = a.seq_len[seq];
+  // (a length beyond the page table is clamped to it rather than read out of bounds)
+  const int seq_pages = min((len + kTokens - 1) / kTokens, a.max_pages);
+  const int page_begin = split * a.pages_per_split;
+  const int page_end = min(page_begin + a.pages_per_split, seq_pages);
+  const int valid_heads = min(kDecodeHeads, a.H - head0);
+  const int32_t* pages = a.page_table + int64_t(seq) * a.max_pages;
+
+  auto load_page = [&](int page, int buf) {
+    const bf16* base = a.cache + int64_t(pages[page]) * kTokens * a.Dk;
+    load_rows_async<kTokens, kDk, kThreads>(sKV + buf * Cfg::kTileElems, base, a.Dk, 0,
+                                            min(kTokens, len - page * kTokens), a.Dk);
+  };
+
+  float o_acc[kDvPerWarp / 8][4];
+#pragma unroll
+  for (int n = 0; n < kDvPerWarp / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  if (page_begin < page_end) {
+    load_rows_async<kDecodeHeads, kDk, kThreads>(sQ, a.q + (int64_t(seq) * a.H + head0) * a.Dk,
+                                                 a.Dk, 0, valid_heads, a.Dk);
+    load_page(page_begin, 0);
+    cp_async_commit();
+  }
+  const LaneOffsets lo(lane);
+
+  for (int page = page_begin; page < page_end; ++page) {
+    const int buf = (page - page_begin) & 1;
+    if (page + 1 < page_end) {
+      load_page(page + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* tile = sKV + buf * Cfg::kTileElems;
+
+    // Scores of this warp's 16 keys for the 16 heads.
+    float sw[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll 4
+    for (int kk = 0; kk < kDk / 16; ++kk) {
+      uint32_t qa[4], kb[4];
+      ldmatrix_x4(qa, sQ + lo.a_row * kStride + kk * 16 + lo.a_col);
+      ldmatrix_x4(kb, tile + (warp * 16 + lo.b_row) * kStride + kk * 16 + lo.b_col);
+      mma_bf16_16x8x16(sw[0], qa, kb[0], kb[1]);
+      mma_bf16_16x8x16(sw[1], qa, kb[2], kb[3]);
+    }
+    const int key0 = page * kTokens;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = warp * 16 + n * 8 + 2 * tq;
+        float2 v;
+        v.x = key0 + col < len ? sw[n][2 * half] * a.scale_log2 : -INFINITY;
+        v.y = key0 + col + 1 < len ? sw[n][2 * half + 1] * a.scale_log2 : -INFINITY;
+        *reinterpret_cast<float2*>(sS + (g + 8 * half) * kScoreStride + col) = v;
+      }
+    }
+    __syncthreads();
+
+    // All 64 scores of rows g and g+8, then the online softmax (log2 domain; see attention.cu).
+    float s[kTokens / 8][4];
+#pragma unroll
+    for (int n = 0; n < kTokens / 8; ++n) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 v =
+            *reinterpret_cast<const float2*>(sS + (g + 8 * half) * kScoreStride + n * 8 + 2 * tq);
+        s[n][2 * half] = v.x;
+        s[n][2 * half + 1] = v.y;
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kTokens / 8; ++n)
+        tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+      tile_max = quad_max(tile_max);
+      const float new_max = fmaxf(row_max[half], tile_max);
+      const float reference = new_max == -INFINITY ? 0.0f : new_max;
+      const float correction = fast_exp2(row_max[half] - reference);
+      row_max[half] = new_max;
+      float tile_sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kTokens / 8; ++n) {
+        const float p0 = fast_exp2(s[n][2 * half] - reference);
+        const float p1 = fast_exp2(s[n][2 * half + 1] - reference);
+        s[n][2 * half] = p0;
+        s[n][2 * half + 1] = p1;
+        tile_sum += p0 + p1;
+      }
+      row_sum[half] = row_sum[half] * correction + tile_sum;
+#pragma unroll
+      for (int n = 0; n < kDvPerWarp / 8; ++n) {
+        o_acc[n][2 * half] *= correction;
+        o_acc[n][2 * half + 1] *= correction;
+      }
+    }
+
+    // O[:, this warp's columns] += P·V, V = the first Dv columns of the same tile.
+#pragma unroll
+    for (int kk = 0; kk < kTokens / 16; ++kk) {
+      uint32_t pa[4];
+      c_tiles_to_a_fragment(s[2 * kk], s[2 * kk + 1], pa);
+#pragma unroll
+      for (int dp = 0; dp < kDvPerWarp / 16; ++dp) {
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, tile + (kk * 16 + lo.bt_row) * kStride + warp * kDvPerWarp +
+                                  dp * 16 + lo.bt_col);
+        mma_bf16_16x8x16(o_acc[2 * dp], pa, vf[0], vf[1]);
+        mma_bf16_16x8x16(o_acc[2 * dp + 1], pa, vf[2], vf[3]);
+      }
+    }
+    __syncthreads();  // sS and `buf` are rewritten by the next iteration
+  }
+
+  // Epilogue: normalise; an empty split (or an empty sequence) gives O = 0, lse = −inf.
+  const bool direct = a.num_splits == 1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float total = quad_sum(row_sum[half]);
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    const float lse = total > 0.0f ? (row_max[half] + log2f(total)) * kLn2 : -INFINITY;
+    const int head = head0 + g + 8 * half;
+    if (head >= a.H) continue;
+    const int64_t row = direct ? int64_t(seq) * a.H + head
+                               : (int64_t(seq) * a.num_splits + split) * a.H + head;
+#pragma unroll
+    for (int n = 0; n < kDvPerWarp / 8; ++n) {
+      const int d = warp * kDvPerWarp + n * 8 + 2 * tq;
+      if (d >= a.Dv) continue;
+      const float x = o_acc[n][2 * half] * inverse, y = o_acc[n][2 * half + 1] * inverse;
+      if (direct)
+        *reinterpret_cast<__nv_bfloat162*>(a.out + row * a.Dv + d) = __floats2bfloat162_rn(x, y);
+      else
+        *reinterpret_cast<float2*>(a.partial_o + row * a.Dv + d) = make_float2(x, y);
+    }
+    if (warp == 0 && tq == 0) {
+      if (direct) {
+        if (a.lse) a.lse[row] = lse;
+      } else {
+        a.partial_lse[row] = lse;
+      }
+    }
+  }
+}
+
+// out[s,h,:] = Σ_i w_i·O_i / Σ_i w_i with w_i = exp(lse_i − max lse); one CTA per (h, s).
+__global__ void attention_decode_combine_kernel(const DecodeArgs a) {
+  __shared__ float weights[kCombineMaxSplits];
+  __shared__ float weight_total, lse_max;
+  const int h = blockIdx.x, seq = blockIdx.y, splits = a.num_splits;
+  const float* split_lse = a.partial_lse + int64_t(seq) * splits * a.H + h;  // stride H
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    for (int i = 0; i < splits; ++i) m = fmaxf(m, split_lse[int64_t(i) * a.H]);
+    lse_max = m;
+  }
+  __syncthreads();
+  const float m = lse_max;
+  for (int i = threadIdx.x; i < splits; i += blockDim.x)
+    weights[i] = m == -INFINITY ? 0.0f : expf(split_lse[int64_t(i) * a.H] - m);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int i = 0; i < splits; ++i) total += weights[i];
+    weight_total = total;
+    if (a.lse) a.lse[int64_t(seq) * a.H + h] = total > 0.0f ? m + logf(total) : -INFINITY;
+  }
+  __syncthreads();
+  const float inverse = weight_total > 0.0f ? 1.0f / weight_total : 0.0f;
+  for (int d = threadIdx.x; d < a.Dv; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int i = 0; i < splits; ++i)
+      if (weights[i] != 0.0f)
+        acc += weights[i] * a.partial_o[((int64_t(seq) * splits + i) * a.H + h) * a.Dv + d];
+    a.out[(int64_t(seq) * a.H + h) * a.Dv + d] = __float2bfloat16(acc * inverse);
+  }
+}
+
+template <int kDk, int kDv>
+void launch_decode_instance(const DecodeArgs& args, CUstream_st* stream) {
+  using Cfg = DecodeConfig<kDk, kDv>;
+  static bool attribute_set = false;
+  if (!attribute_set) {
+    DM_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<kDk, kDv>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(Cfg::kSmemBytes)));
+    attribute_set = true;
+  }
+  const dim3 grid(unsigned(args.num_splits), unsigned(ceil_div(args.H, kDecodeHeads)),
+                  unsigned(args.S));
+  attention_decode_kernel<kDk, kDv><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  check_last_error("attention_decode_kernel");
+}
+
+}  // namespace
+
+int current_device_multiprocessors() {
+  int device = 0, count = 0;
+  DM_CUDA_CHECK(cudaGetDevice(&device));
+  DM_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+void launch_attention_decode(const DecodeProblem& p, const uint16_t* q, const uint16_t* cache,
+                             const int32_t* page_table, const int32_t* seq_len, uint16_t* out,
+                             float* lse, float* partial_o, float* partial_lse,
+                             CUstream_st* stream) {
+  if (p.S == 0 || p.H == 0) return;
+  DM_CHECK(p.num_splits >= 1 && p.num_splits <= kCombineMaxSplits && p.pages_per_split >= 1,
+           "mla decode: bad plan (", p.num_splits, " splits of ", p.pages_per_split, " pages)");
+  DM_CHECK(p.S <= 65535, "mla decode: at most 65535 sequences per call, got ", p.S);
+  DecodeArgs a{};
+  a.q = reinterpret_cast<const bf16*>(q);
+  a.cache = reinterpret_cast<const bf16*>(cache);
+  a.page_table = page_table;
+  a.seq_len = seq_len;
+  a.out = reinterpret_cast<bf16*>(out);
+  a.lse = lse;
+  a.partial_o = partial_o;
+  a.partial_lse = partial_lse;
+  a.S = p.S;
+  a.H = p.H;
+  a.Dk = p.Dk;
+  a.Dv = p.Dv;
+  a.max_pages = p.max_pages;
+  a.num_splits = p.num_splits;
+  a.pages_per_split = p.pages_per_split;
+  a.scale_log2 = p.scale * kLog2e;
+  if (p.Dk <= 64 && p.Dv <= 64)
+    launch_decode_instance<64, 64>(a, stream);
+  else if (p.Dk <= 128 && p.Dv <= 128)
+    launch_decode_instance<128, 128>(a, stream);
+  else if (p.Dk <= kDecodeMaxDk && p.Dv <= kDecodeMaxDv)
+    launch_decode_instance<kDecodeMaxDk, kDecodeMaxDv>(a, stream);
+  else
+    throw Error(str_cat("mla decode: key/value dims ", p.Dk, "/", p.Dv, " exceed ", kDecodeMaxDk,
+                        "/", kDecodeMaxDv));
+  if (p.num_splits > 1) {
+    attention_decode_combine_kernel<<<dim3(unsigned(p.H), unsigned(p.S)), 128, 0, stream>>>(a);
+    check_last_error("attention_decode_combine_kernel");
+  }
+}
+
+}  // namespace dm::cuda::attention_detail

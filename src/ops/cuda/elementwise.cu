@@ -1,0 +1,483 @@
+// CUDA RMSNorm, GLU, softmax cross-entropy and AdamW (see elementwise.h for the formulas).
+//
+// All of these are memory-bound (a few FLOP per byte): the kernels aim at coalesced accesses
+// and enough blocks in flight, nothing more. Row kernels use one block per row; reductions are
+// fixed-order tree sums in fp32 (fp64 for the cross-entropy loss sum) so results are
+// deterministic run to run.
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/elementwise_storage.cuh"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kRowThreads = 256;  // threads per row block (a multiple of 32, ≤ 1024)
+constexpr int kElementThreads = 256;
+
+// Blocks of a grid-stride element-wise launch: enough to fill the GPU, never 0.
+int element_blocks(int64_t n) {
+  const int64_t wanted = (n + kElementThreads - 1) / kElementThreads;
+  return int(std::max<int64_t>(1, std::min<int64_t>(wanted, 65536)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+// One block per row. x, y [N, D]; w [D].
+template <typename Storage>
+__global__ void rmsnorm_forward_kernel(const Storage* x, const Storage* w, Storage* y, int64_t D,
+                                       float eps) {
+  __shared__ float reduce_scratch[32];
+  const int64_t row_offset = int64_t(blockIdx.x) * D;
+  float sum_squares = 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float value = load_as_float(x, row_offset + i);
+    sum_squares += value * value;
+  }
+  sum_squares = block_sum(sum_squares, reduce_scratch);
+  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
+  // Each thread rewrites only the elements it read: y may alias x.
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+    store_from_float(y, row_offset + i,
+                     load_as_float(x, row_offset + i) * inverse_rms * load_as_float(w, i));
+}
+
+// One block per row: dx (accumulated) and r_n into inverse_rms_out [N].
+template <typename Storage>
+__global__ void rmsnorm_backward_rows_kernel(const Storage* x, const Storage* w,
+                                             const Storage* dy, Storage* dx,
+                                             float* inverse_rms_out, int64_t D, float eps) {
+  __shared__ float reduce_scratch[32];
+  const int64_t row_offset = int64_t(blockIdx.x) * D;
+  float sum_squares = 0.0f, weighted_dot = 0.0f;  // Σ x², Σ dy·w·x
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float value = load_as_float(x, row_offset + i);
+    sum_squares += value * value;
+    weighted_dot += load_as_float(dy, row_offset + i) * load_as_float(w, i) * value;
+  }
+  sum_squares = block_sum(sum_squares, reduce_scratch);
+  weighted_dot = block_sum(weighted_dot, reduce_scratch);
+  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
+  if (threadIdx.x == 0) inverse_rms_out[blockIdx.x] = inverse_rms;
+  if (dx == nullptr) return;
+  const float projection = weighted_dot / float(D) * inverse_rms * inverse_rms * inverse_rms;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float gradient = inverse_rms * load_as_float(w, i) * load_as_float(dy, row_offset + i) -
+                           load_as_float(x, row_offset + i) * projection;
+    store_from_float(dx, row_offset + i, load_as_float(dx, row_offset + i) + gradient);
+  }
+}
+
+// dw partial sums: block (32 columns, 8 row lanes) over the rows of split blockIdx.y.
+// partial [num_splits, D]. The 8 row lanes are combined in a fixed order.
+constexpr int kDwColumns = 32, kDwRowLanes = 8;
+template <typename Storage>
+__global__ void rmsnorm_backward_dw_partial_kernel(const Storage* x, const Storage* dy,
+                                                   const float* inverse_rms, float* partial,
+                                                   int64_t N, int64_t D, int64_t rows_per_split) {
+  __shared__ float lane_sums[kDwRowLanes][kDwColumns];
+  const int64_t column = int64_t(blockIdx.x) * kDwColumns + threadIdx.x;
+  const int64_t row_begin = int64_t(blockIdx.y) * rows_per_split;
+  const int64_t row_end = row_begin + rows_per_split < N ? row_begin + rows_per_split : N;
+  float sum = 0.0f;
+  if (column < D)
+    for (int64_t n = row_begin + threadIdx.y; n < row_end; n += kDwRowLanes)
+      sum += load_as_float(dy, n * D + column) * load_as_float(x, n * D + column) *
+             inverse_rms[n];
+  lane_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && column < D) {
+    float total = 0.0f;
+    for (int lane = 0; lane < kDwRowLanes; ++lane) total += lane_sums[lane][threadIdx.x];
+    partial[int64_t(blockIdx.y) * D + column] = total;
+  }
+}
+
+// dw[i] += Σ_split partial[split, i], in split order.
+__global__ void rmsnorm_backward_dw_reduce_kernel(const float* partial, float* dw, int64_t D,
+                                                  int num_splits) {
+  const int64_t column = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (column >= D) return;
+  float total = 0.0f;
+  for (int split = 0; split < num_splits; ++split) total += partial[int64_t(split) * D + column];
+  dw[column] += total;
+}
+
+// Row splits of the dw pass: enough blocks to fill the GPU for small D, bounded scratch.
+int rmsnorm_dw_splits(int64_t N) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(128, (N + 63) / 64)));
+}
+
+void rmsnorm_check(int64_t N, int64_t D, const char* who) {
+  DM_CHECK(N >= 0 && D > 0, who, ": bad shape N=", N, " D=", D);
+  DM_CHECK(N < (int64_t(1) << 31), who, ": N=", N, " rows exceed one grid dimension");
+}
+
+template <typename Storage>
+void rmsnorm_forward_launch(const Storage* x, const Storage* w, Storage* y, int64_t N, int64_t D,
+                            double eps, Stream stream) {
+  rmsnorm_check(N, D, "cuda rmsnorm_forward");
+  if (N == 0) return;
+  rmsnorm_forward_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(x, w, y, D, float(eps));
+  check_last_error("cuda rmsnorm_forward");
+}
+
+template <typename Storage>
+void rmsnorm_backward_launch(const Storage* x, const Storage* w, const Storage* dy, Storage* dx,
+                             float* dw, int64_t N, int64_t D, double eps, void* workspace,
+                             Stream stream) {
+  rmsnorm_check(N, D, "cuda rmsnorm_backward");
+  if (N == 0) return;
+  DM_CHECK(workspace != nullptr, "cuda rmsnorm_backward: workspace is null (size it with "
+                                 "rmsnorm_backward_workspace_bytes)");
+  float* inverse_rms = static_cast<float*>(workspace);          // [N]
+  float* partial = inverse_rms + ((N + 63) / 64) * 64;          // [splits, D]
+  rmsnorm_backward_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(x, w, dy, dx,
+                                                                        inverse_rms, D,
+                                                                        float(eps));
+  check_last_error("cuda rmsnorm_backward (rows)");
+  if (dw == nullptr) return;
+  const int splits = rmsnorm_dw_splits(N);
+  const int64_t rows_per_split = (N + splits - 1) / splits;
+  const dim3 grid(unsigned(ceil_div(D, kDwColumns)), unsigned(splits));
+  rmsnorm_backward_dw_partial_kernel<<<grid, dim3(kDwColumns, kDwRowLanes), 0, stream>>>(
+      x, dy, inverse_rms, partial, N, D, rows_per_split);
+  rmsnorm_backward_dw_reduce_kernel<<<unsigned(ceil_div(D, 256)), 256, 0, stream>>>(partial, dw,
+                                                                                    D, splits);
+  check_last_error("cuda rmsnorm_backward (dw)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// GLU
+
+void glu_check(const GluKernelParams& p, const char* who) {
+  if (p.situ)
+    DM_CHECK(p.beta1 > 0.0f && p.beta2 > 0.0f, who,
+             ": SiTU-GLU needs beta1 > 0 and beta2 > 0, got ", p.beta1, ", ", p.beta2);
+}
+
+template <typename Storage>
+__global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* h, int64_t n,
+                                   GluKernelParams p) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float gate = load_as_float(g, i), up = load_as_float(u, i);
+    const float sig = sigmoid_f32(gate);
+    const float value = p.situ ? (p.beta1 * tanhf(gate / p.beta1) * sig) * (p.beta2 * tanhf(up / p.beta2))
+                               : gate * sig * up;
+    store_from_float(h, i, value);
+  }
+}
+
+template <typename Storage>
+__global__ void glu_backward_kernel(const Storage* g, const Storage* u, const Storage* dh,
+                                    Storage* dg, Storage* du, int64_t n, GluKernelParams p) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    // Every input of element i is read before dg[i] / du[i] are written: aliasing is safe.
+    const float gate = load_as_float(g, i), up = load_as_float(u, i), d_h = load_as_float(dh, i);
+    const float sig = sigmoid_f32(gate);
+    const float sig_complement = sigmoid_f32(-gate);  // 1 − σ(g) without cancellation
+    float d_gate, d_up;
+    if (p.situ) {
+      const float tanh_g = tanhf(gate / p.beta1), tanh_u = tanhf(up / p.beta2);
+      const float gate_half = p.beta1 * tanh_g * sig;
+      const float up_half = p.beta2 * tanh_u;
+      // a'(g) = (1 − tanh²(g/β1))σ(g) + β1 tanh(g/β1) σ(g)(1 − σ(g)); b'(u) = 1 − tanh²(u/β2)
+      d_gate = d_h * ((1.0f - tanh_g * tanh_g) * sig + gate_half * sig_complement) * up_half;
+      d_up = d_h * gate_half * (1.0f - tanh_u * tanh_u);
+    } else {
+      d_gate = d_h * up * sig * (1.0f + gate * sig_complement);  // SiLU'(g) = σ(1 + g(1 − σ))
+      d_up = d_h * gate * sig;
+    }
+    store_from_float(dg, i, d_gate);
+    store_from_float(du, i, d_up);
+  }
+}
+
+template <typename Storage>
+void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t n,
+                        const GluKernelParams& p, Stream stream) {
+  glu_check(p, "cuda glu_forward");
+  DM_CHECK(n >= 0, "cuda glu_forward: bad size ", n);
+  if (n == 0) return;
+  glu_forward_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(g, u, h, n, p);
+  check_last_error("cuda glu_forward");
+}
+
+template <typename Storage>
+void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, Storage* dg,
+                         Storage* du, int64_t n, const GluKernelParams& p, Stream stream) {
+  glu_check(p, "cuda glu_backward");
+  DM_CHECK(n >= 0, "cuda glu_backward: bad size ", n);
+  if (n == 0) return;
+  glu_backward_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(g, u, dh, dg, du, n, p);
+  check_last_error("cuda glu_backward");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy. Pass 1 per row: online max / sum of e^{z − max} and the first argmax; pass 2
+// writes the gradient. A second kernel sums the per-row losses in row order.
+
+struct SoftmaxPartial {
+  float max, sum;        // running max and Σ e^{z − max}
+  float best;            // first maximum and its index
+  int best_index;
+};
+
+__device__ __forceinline__ SoftmaxPartial softmax_merge(SoftmaxPartial a, SoftmaxPartial b) {
+  SoftmaxPartial r;
+  r.max = fmaxf(a.max, b.max);
+  // e^{−inf − x} = 0 handles an empty side (sum 0, max −inf) without NaN as long as r.max is
+  // finite; two empty sides give r.max = −inf: keep the sum 0 then.
+  r.sum = r.max == -INFINITY ? 0.0f
+                             : a.sum * expf(a.max - r.max) + b.sum * expf(b.max - r.max);
+  const bool take_b = b.best > a.best || (b.best == a.best && b.best_index < a.best_index);
+  r.best = take_b ? b.best : a.best;
+  r.best_index = take_b ? b.best_index : a.best_index;
+  return r;
+}
+
+__device__ __forceinline__ SoftmaxPartial softmax_shuffle_down(SoftmaxPartial p, int offset) {
+  SoftmaxPartial o;
+  o.max = __shfl_xor_sync(0xffffffffu, p.max, offset);
+  o.sum = __shfl_xor_sync(0xffffffffu, p.sum, offset);
+  o.best = __shfl_xor_sync(0xffffffffu, p.best, offset);
+  o.best_index = __shfl_xor_sync(0xffffffffu, p.best_index, offset);
+  return o;
+}
+
+// One block per row. row_loss [N] (double, 0 for ignored rows), row_flags [N]: bit 0 counted,
+// bit 1 argmax == target.
+template <typename Storage>
+__global__ void cross_entropy_rows_kernel(const Storage* logits, const int64_t* targets,
+                                          Storage* dlogits, int64_t V, float scale,
+                                          double* row_loss, int32_t* row_flags) {
+  __shared__ SoftmaxPartial warp_partials[32];
+  __shared__ float row_stats[2];  // logsumexp, z[target]
+  const int64_t row = blockIdx.x;
+  const int64_t offset = row * V;
+  const int64_t target = targets[row];
+  const bool counted = target >= 0 && target < V;
+  if (!counted) {
+    if (dlogits)
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) store_from_float(dlogits, offset + v, 0.0f);
+    if (threadIdx.x == 0) {
+      row_loss[row] = 0.0;
+      row_flags[row] = 0;
+    }
+    return;
+  }
+  SoftmaxPartial p{-INFINITY, 0.0f, -INFINITY, int(V)};
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    const float z = load_as_float(logits, offset + v);
+    if (z > p.max) {
+      p.sum = p.sum * expf(p.max - z) + 1.0f;  // p.max = −inf at first: e^{−inf} = 0
+      p.max = z;
+    } else if (z != -INFINITY) {  // −inf logits add nothing (and e^{−inf − (−inf)} is NaN)
+      p.sum += expf(z - p.max);
+    }
+    if (z > p.best) {  // increasing v: keeps the first maximum
+      p.best = z;
+      p.best_index = int(v);
+    }  // increasing v: keeps the first maximum
+  }
+  for (int o = 16; o > 0; o >>= 1) p = softmax_merge(p, softmax_shuffle_down(p, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) warp_partials[warp] = p;
+  if (threadIdx.x == 0) row_stats[1] = load_as_float(logits, offset + target);  // before writes
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < warps ? warp_partials[lane] : SoftmaxPartial{-INFINITY, 0.0f, -INFINITY, int(V)};
+    for (int o = 16; o > 0; o >>= 1) p = softmax_merge(p, softmax_shuffle_down(p, o));
+    if (lane == 0) {
+      const float log_sum_exp = p.max + logf(p.sum);
+      row_stats[0] = log_sum_exp;
+      row_loss[row] = double(log_sum_exp) - double(row_stats[1]);
+      row_flags[row] = 1 | (p.best_index == target ? 2 : 0);
+    }
+  }
+  __syncthreads();
+  if (dlogits == nullptr) return;
+  const float log_sum_exp = row_stats[0];
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    const float z = load_as_float(logits, offset + v);
+    const float gradient = expf(z - log_sum_exp) * scale - (v == target ? scale : 0.0f);
+    store_from_float(dlogits, offset + v, gradient);
+  }
+}
+
+// One block: sums row_loss / row_flags in a fixed order into *result.
+constexpr int kCrossEntropyReduceThreads = 256;
+__global__ void cross_entropy_reduce_kernel(const double* row_loss, const int32_t* row_flags,
+                                            int64_t N, CrossEntropyDeviceResult* result) {
+  __shared__ double loss_sums[kCrossEntropyReduceThreads];
+  __shared__ long long counts[kCrossEntropyReduceThreads], corrects[kCrossEntropyReduceThreads];
+  double loss = 0.0;
+  long long count = 0, correct = 0;
+  for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+    loss += row_loss[n];
+    count += row_flags[n] & 1;
+    correct += (row_flags[n] >> 1) & 1;
+  }
+  loss_sums[threadIdx.x] = loss;
+  counts[threadIdx.x] = count;
+  corrects[threadIdx.x] = correct;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (int(threadIdx.x) < stride) {
+      loss_sums[threadIdx.x] += loss_sums[threadIdx.x + stride];
+      counts[threadIdx.x] += counts[threadIdx.x + stride];
+      corrects[threadIdx.x] += corrects[threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    result->loss_sum = loss_sums[0];
+    result->count = counts[0];
+    result->correct = corrects[0];
+  }
+}
+
+template <typename Storage>
+void cross_entropy_launch(const Storage* logits, const int64_t* targets, Storage* dlogits,
+                          int64_t N, int64_t V, double scale, CrossEntropyDeviceResult* result,
+                          void* workspace, Stream stream) {
+  DM_CHECK(N >= 0 && V > 0, "cuda cross_entropy: bad shape N=", N, " V=", V);
+  DM_CHECK(N < (int64_t(1) << 31) && V < (int64_t(1) << 31), "cuda cross_entropy: N=", N,
+           " or V=", V, " beyond 2^31");
+  DM_CHECK(result != nullptr, "cuda cross_entropy: result pointer is null");
+  DM_CHECK(N == 0 || workspace != nullptr,
+           "cuda cross_entropy: workspace is null (size it with cross_entropy_workspace_bytes)");
+  double* row_loss = static_cast<double*>(workspace);                       // [N]
+  int32_t* row_flags = reinterpret_cast<int32_t*>(row_loss + N);            // [N]
+  if (N > 0) {
+    cross_entropy_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
+        logits, targets, dlogits, V, float(scale), row_loss, row_flags);
+    check_last_error("cuda cross_entropy (rows)");
+  }
+  cross_entropy_reduce_kernel<<<1, kCrossEntropyReduceThreads, 0, stream>>>(row_loss, row_flags,
+                                                                             N, result);
+  check_last_error("cuda cross_entropy (reduce)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW
+
+struct AdamWScalars {
+  float lr, beta1, beta2, eps, weight_decay_lr, bias_correction1, bias_correction2;
+};
+
+template <typename GradStorage>
+__global__ void adamw_kernel(float* p, const GradStorage* g, float* m, float* v,
+                             uint16_t* p_bf16, int64_t n, AdamWScalars s) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float gradient = load_as_float(g, i);
+    const float m_new = s.beta1 * m[i] + (1.0f - s.beta1) * gradient;
+    const float v_new = s.beta2 * v[i] + (1.0f - s.beta2) * gradient * gradient;
+    m[i] = m_new;
+    v[i] = v_new;
+    const float m_hat = m_new / s.bias_correction1, v_hat = v_new / s.bias_correction2;
+    const float weight = p[i];
+    const float updated = weight - (s.lr * m_hat / (sqrtf(v_hat) + s.eps) + s.weight_decay_lr * weight);
+    p[i] = updated;
+    if (p_bf16) store_from_float(p_bf16, i, updated);
+  }
+}
+
+template <typename GradStorage>
+void adamw_launch(float* p, const GradStorage* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
+                  const AdamWStep& st, Stream stream) {
+  DM_CHECK(n >= 0, "cuda adamw_update: bad size ", n);
+  DM_CHECK(st.step >= 1, "cuda adamw_update: step must be ≥ 1 (bias correction), got ", st.step);
+  if (n == 0) return;
+  AdamWScalars s;
+  s.lr = st.lr;
+  s.beta1 = st.beta1;
+  s.beta2 = st.beta2;
+  s.eps = st.eps;
+  s.weight_decay_lr = st.decay ? st.lr * st.weight_decay : 0.0f;
+  // Same expressions as Optimizer::adamw_update (powers in double, then rounded to float).
+  s.bias_correction1 = 1.0f - float(std::pow(double(st.beta1), double(st.step)));
+  s.bias_correction2 = 1.0f - float(std::pow(double(st.beta2), double(st.step)));
+  adamw_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(p, g, m, v, p_bf16, n, s);
+  check_last_error("cuda adamw_update");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Public entry points.
+
+void rmsnorm_forward(const float* x, const float* w, float* y, int64_t N, int64_t D, double eps,
+                     Stream stream) {
+  rmsnorm_forward_launch(x, w, y, N, D, eps, stream);
+}
+void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t D,
+                     double eps, Stream stream) {
+  rmsnorm_forward_launch(x, w, y, N, D, eps, stream);
+}
+
+size_t rmsnorm_backward_workspace_bytes(int64_t N, int64_t D) {
+  if (N <= 0) return 0;
+  return (size_t((N + 63) / 64 * 64) + size_t(rmsnorm_dw_splits(N)) * size_t(D)) * sizeof(float);
+}
+void rmsnorm_backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                      int64_t N, int64_t D, double eps, void* workspace, Stream stream) {
+  rmsnorm_backward_launch(x, w, dy, dx, dw, N, D, eps, workspace, stream);
+}
+void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const uint16_t* dy, uint16_t* dx,
+                      float* dw, int64_t N, int64_t D, double eps, void* workspace,
+                      Stream stream) {
+  rmsnorm_backward_launch(x, w, dy, dx, dw, N, D, eps, workspace, stream);
+}
+
+void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluKernelParams& a,
+                 Stream stream) {
+  glu_forward_launch(g, u, h, n, a, stream);
+}
+void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,
+                 const GluKernelParams& a, Stream stream) {
+  glu_forward_launch(g, u, h, n, a, stream);
+}
+void glu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
+                  int64_t n, const GluKernelParams& a, Stream stream) {
+  glu_backward_launch(g, u, dh, dg, du, n, a, stream);
+}
+void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
+                  uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream) {
+  glu_backward_launch(g, u, dh, dg, du, n, a, stream);
+}
+
+size_t cross_entropy_workspace_bytes(int64_t N) {
+  return size_t(std::max<int64_t>(N, 0)) * (sizeof(double) + sizeof(int32_t));
+}
+void cross_entropy_forward_backward(const float* logits, const int64_t* targets, float* dlogits,
+                                    int64_t N, int64_t V, double scale,
+                                    CrossEntropyDeviceResult* result_device, void* workspace,
+                                    Stream stream) {
+  cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);
+}
+void cross_entropy_forward_backward(const uint16_t* logits, const int64_t* targets,
+                                    uint16_t* dlogits, int64_t N, int64_t V, double scale,
+                                    CrossEntropyDeviceResult* result_device, void* workspace,
+                                    Stream stream) {
+  cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);
+}
+
+void adamw_update(float* p, const float* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
+                  const AdamWStep& s, Stream stream) {
+  adamw_launch(p, g, m, v, p_bf16, n, s, stream);
+}
+void adamw_update(float* p, const uint16_t* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
+                  const AdamWStep& s, Stream stream) {
+  adamw_launch(p, g, m, v, p_bf16, n, s, stream);
+}
+
+}  // namespace dm::cuda

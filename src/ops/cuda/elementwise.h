@@ -1,0 +1,107 @@
+// CUDA twins of the CPU row/element ops (SPEC §1, §1.4, §2): RMSNorm, GLU (SwiGLU, SiTU),
+// fused softmax cross-entropy, AdamW. Plain C++ header (no CUDA includes); kernels in
+// elementwise.cu. Same shapes and semantics as ops/cpu/{rmsnorm,ffn,loss}.h and the AdamW of
+// train/optimizer.h; every pointer here is a DEVICE pointer unless its comment says host.
+//
+// Element types: `float`, or bf16 passed as its uint16_t bit pattern (device.h float_to_bf16).
+// All math is fp32 whatever the storage type (statistics in fp32, sums of squares in fp32).
+// `stream` is a cudaStream_t (nullptr = the default stream); nothing here synchronises except
+// the host-returning cross_entropy_forward_backward overload.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;  // = cudaStream_t's pointee (cuda_runtime.h), so no CUDA include is needed
+
+namespace dm {
+struct GluActivation;  // ops/cpu/ffn.h (C++20; this header stays C++17 for nvcc)
+}
+
+namespace dm::cuda {
+
+using Stream = CUstream_st*;
+
+// ---- RMSNorm: y[n,:] = x[n,:] · r_n · w,  r_n = 1/sqrt(mean(x[n,:]²) + eps) ----------------
+//   x, y [N, D] (float or bf16), w [D] (same type as x). y may alias x.
+void rmsnorm_forward(const float* x, const float* w, float* y, int64_t N, int64_t D, double eps,
+                     Stream stream = nullptr);
+void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t D,
+                     double eps, Stream stream = nullptr);
+
+// Backward, ACCUMULATING like the CPU op (docs/backward.md):
+//   dx[n,i] += r_n·w_i·dy[n,i] − x[n,i]·r_n³·(Σ_k dy[n,k]·w_k·x[n,k])/D   (dx same type as x)
+//   dw[i]   += Σ_n dy[n,i]·x[n,i]·r_n                                      (dw always fp32)
+// dw is summed in a fixed order (deterministic). `workspace` holds
+// rmsnorm_backward_workspace_bytes(N, D) bytes of device scratch (dead after the call's kernels).
+// dx must not alias x or dy; dx or dw may be nullptr (not wanted).
+size_t rmsnorm_backward_workspace_bytes(int64_t N, int64_t D);
+void rmsnorm_backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                      int64_t N, int64_t D, double eps, void* workspace,
+                      Stream stream = nullptr);
+void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const uint16_t* dy, uint16_t* dx,
+                      float* dw, int64_t N, int64_t D, double eps, void* workspace,
+                      Stream stream = nullptr);
+
+// ---- GLU: h = act(g, u) (SwiGLU: SiLU(g)·u; SiTU: [β1 tanh(g/β1) σ(g)]·[β2 tanh(u/β2)]) ----
+//   g, u, h [n]; h may alias g or u. The GluActivation overloads (elementwise.cpp) check β and
+//   forward to the GluKernelParams ones (callable from .cu files, which cannot include ffn.h).
+struct GluKernelParams {
+  bool situ = false;  // false: SwiGLU
+  float beta1 = 4.0f, beta2 = 25.0f;
+};
+void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluKernelParams& a,
+                 Stream stream = nullptr);
+void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,
+                 const GluKernelParams& a, Stream stream = nullptr);
+void glu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
+                  int64_t n, const GluKernelParams& a, Stream stream = nullptr);
+void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
+                  uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream = nullptr);
+void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluActivation& a,
+                 Stream stream = nullptr);
+void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,
+                 const GluActivation& a, Stream stream = nullptr);
+// dg = dh·∂act/∂g, du = dh·∂act/∂u, OVERWRITING like the CPU op (dg may alias g or dh, du may
+// alias u).
+void glu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
+                  int64_t n, const GluActivation& a, Stream stream = nullptr);
+void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
+                  uint16_t* du, int64_t n, const GluActivation& a, Stream stream = nullptr);
+
+// ---- Softmax cross-entropy over logits [N, V], targets [N] (int64; outside [0, V) = ignored) ---
+// Per counted row: loss = logsumexp(z) − z_target, and dlogits = (softmax(z) − onehot)·scale
+// (WRITTEN, 0 for ignored rows; dlogits may be nullptr, may alias logits). The sums land in a
+// device-side result (copy it back with copy_to_host when the host needs it).
+struct CrossEntropyDeviceResult {
+  double loss_sum;   // Σ over counted rows, summed in row order (deterministic)
+  int64_t count;     // counted rows
+  int64_t correct;   // counted rows whose argmax (first maximum) equals the target
+};
+size_t cross_entropy_workspace_bytes(int64_t N);
+// Asynchronous: *result_device (device memory) receives the sums. workspace:
+// cross_entropy_workspace_bytes(N) bytes of device scratch.
+void cross_entropy_forward_backward(const float* logits, const int64_t* targets, float* dlogits,
+                                    int64_t N, int64_t V, double scale,
+                                    CrossEntropyDeviceResult* result_device, void* workspace,
+                                    Stream stream = nullptr);
+void cross_entropy_forward_backward(const uint16_t* logits, const int64_t* targets,
+                                    uint16_t* dlogits, int64_t N, int64_t V, double scale,
+                                    CrossEntropyDeviceResult* result_device, void* workspace,
+                                    Stream stream = nullptr);
+
+// ---- AdamW on fp32 master weights (train/optimizer.h, Optimizer::adamw_update) -------------
+//   m ← β1 m + (1−β1) g;  v ← β2 v + (1−β2) g²;  p ← p − lr·(m/c1)/(sqrt(v/c2) + eps) − wd·p
+//   with c1 = 1 − β1^step, c2 = 1 − β2^step (step ≥ 1, counted by the caller), wd = lr·weight_decay
+//   when `decay`, else 0. p, m, v [n] fp32; g [n] fp32 or bf16; p_bf16 [n] (nullable) receives
+//   the updated weights rounded to bf16 (the compute copy).
+struct AdamWStep {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  int64_t step = 1;
+  bool decay = true;
+};
+void adamw_update(float* p, const float* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
+                  const AdamWStep& s, Stream stream = nullptr);
+void adamw_update(float* p, const uint16_t* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
+                  const AdamWStep& s, Stream stream = nullptr);
+
+}  // namespace dm::cuda

@@ -1,0 +1,181 @@
+// cuBLASLt dense GEMM (bf16 in, fp32 accumulate, bf16/fp32 out), row-major like core/gemm.h.
+//
+// Row-major → column-major mapping: a row-major [r, c] matrix with leading dimension ld is the
+// column-major [c, r] matrix with the same ld, so C = op(A)·op(B) (row-major) is computed as the
+// column-major product Cᵀ = op(B)ᵀ·op(A)ᵀ: cuBLAS's "A" is our B, its "B" is our A, m = N, n = M.
+#include "ops/cuda/gemm.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+
+namespace dm::cuda {
+
+namespace {
+
+#define DM_CUBLAS_CHECK(expr)                                                              \
+  do {                                                                                     \
+    const cublasStatus_t dm_cublas_status_ = (expr);                                       \
+    if (dm_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                        \
+      throw ::dm::Error(::dm::str_cat(#expr, ": cuBLAS status ", int(dm_cublas_status_))); \
+  } while (0)
+
+constexpr int kAlgoCacheCapacity = 256;
+constexpr size_t kHostScratchBytes = size_t(1) << 20;
+
+// Largest power of two (≤ 256) dividing the address: the alignment cuBLASLt may assume.
+uint32_t pointer_alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align >>= 1;
+  return align;
+}
+
+// C[M,N] (row-major, ld ldc) ← beta·C; beta = 0 writes zeros (C may hold NaN garbage).
+template <typename OutT>
+__global__ void gemm_scale_output_kernel(OutT* C, int64_t M, int64_t N, int64_t ldc, float beta) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= M * N) return;
+  OutT* c = C + (i / N) * ldc + (i % N);
+  if constexpr (sizeof(OutT) == 4) {
+    *c = beta == 0.0f ? 0.0f : beta * *c;
+  } else {
+    *c = __float2bfloat16(beta == 0.0f ? 0.0f : beta * __bfloat162float(*c));
+  }
+}
+
+}  // namespace
+
+struct GemmContext::AlgoCacheEntry {
+  int64_t key[13];
+  cublasLtMatmulAlgo_t algo;
+};
+
+GemmContext::GemmContext(size_t workspace_bytes) {
+  workspace_bytes = (workspace_bytes + 511) & ~size_t(511);
+  cublasLtHandle_t lt = nullptr;
+  DM_CUBLAS_CHECK(cublasLtCreate(&lt));
+  lt_ = lt;
+  cublasHandle_t handle = nullptr;
+  DM_CUBLAS_CHECK(cublasCreate(&handle));
+  cublas_ = handle;
+  if (workspace_bytes > 0) DM_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes));
+  lt_workspace_bytes_ = workspace_bytes / 2;
+  if (workspace_bytes > 0)
+    DM_CUBLAS_CHECK(cublasSetWorkspace(handle, static_cast<char*>(workspace_) + lt_workspace_bytes_,
+                                       workspace_bytes - lt_workspace_bytes_));
+  cache_ = new AlgoCacheEntry[kAlgoCacheCapacity];
+  host_scratch_ = std::malloc(kHostScratchBytes);
+  host_scratch_bytes_ = kHostScratchBytes;
+}
+
+GemmContext::~GemmContext() {
+  if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(lt_));
+  if (cublas_) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
+  if (workspace_) cudaFree(workspace_);
+  delete[] cache_;
+  std::free(host_scratch_);
+}
+
+void* GemmContext::host_scratch(size_t bytes) {
+  DM_CHECK(bytes <= host_scratch_bytes_, "GemmContext::host_scratch: ", bytes,
+           " bytes requested, capacity ", host_scratch_bytes_);
+  return host_scratch_;
+}
+
+void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                            float alpha, const uint16_t* A, int64_t lda, const uint16_t* B,
+                            int64_t ldb, float beta, void* C, GemmOutType c_type, int64_t ldc,
+                            CUstream_st* stream) {
+  DM_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm_bf16: negative shape M=", M, " N=", N, " K=", K);
+  if (M == 0 || N == 0) return;
+  DM_CHECK(ldc >= N, "gemm_bf16: ldc=", ldc, " < N=", N);
+  const bool out_f32 = c_type == GemmOutType::F32;
+  if (K == 0) {
+    if (beta == 1.0f) return;
+    const int threads = 256;
+    const int blocks = ceil_div(M * N, threads);
+    if (out_f32)
+      gemm_scale_output_kernel<<<blocks, threads, 0, stream>>>(static_cast<float*>(C), M, N, ldc,
+                                                               beta);
+    else
+      gemm_scale_output_kernel<<<blocks, threads, 0, stream>>>(static_cast<__nv_bfloat16*>(C), M,
+                                                               N, ldc, beta);
+    check_last_error("gemm_bf16 (K = 0 scale)");
+    return;
+  }
+  DM_CHECK(lda >= (trans_a ? M : K), "gemm_bf16: lda=", lda, " too small (ta=", trans_a, ", M=", M,
+           ", K=", K, ")");
+  DM_CHECK(ldb >= (trans_b ? K : N), "gemm_bf16: ldb=", ldb, " too small (tb=", trans_b, ", K=", K,
+           ", N=", N, ")");
+  DM_CHECK(A && B && C, "gemm_bf16: null matrix pointer");
+
+  // Column-major problem: m' = N, n' = M, A' = B (op = tb), B' = A (op = ta).
+  const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const uint64_t a_rows = trans_b ? K : N, a_cols = trans_b ? N : K;
+  const uint64_t b_rows = trans_a ? M : K, b_cols = trans_a ? K : M;
+  const cudaDataType_t c_dtype = out_f32 ? CUDA_R_32F : CUDA_R_16BF;
+
+  cublasLtMatmulDescOpaque_t op_desc;
+  DM_CUBLAS_CHECK(cublasLtMatmulDescInit(&op_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  DM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op_desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
+                                                 sizeof(op_a)));
+  DM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op_desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                                 sizeof(op_b)));
+  cublasLtMatrixLayoutOpaque_t a_layout, b_layout, c_layout;
+  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&a_layout, CUDA_R_16BF, a_rows, a_cols, ldb));
+  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&b_layout, CUDA_R_16BF, b_rows, b_cols, lda));
+  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&c_layout, c_dtype, uint64_t(N), uint64_t(M), ldc));
+
+  const uint32_t align_a = pointer_alignment(B), align_b = pointer_alignment(A),
+                 align_c = pointer_alignment(C);
+  const int64_t key[13] = {trans_a,      trans_b,      M,           N,      K,
+                           lda,          ldb,          ldc,         out_f32, beta != 0.0f,
+                           int64_t(align_a), int64_t(align_b), int64_t(align_c)};
+  const cublasLtMatmulAlgo_t* algo = nullptr;
+  for (int i = 0; i < cache_used_; ++i)
+    if (std::memcmp(cache_[i].key, key, sizeof(key)) == 0) {
+      algo = &cache_[i].algo;
+      break;
+    }
+  if (!algo) {
+    cublasLtMatmulPreferenceOpaque_t preference;
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&preference));
+    const uint64_t max_workspace = lt_workspace_bytes_;
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+        sizeof(max_workspace)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int returned = 0;
+    DM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
+        static_cast<cublasLtHandle_t>(lt_), &op_desc, &a_layout, &b_layout, &c_layout, &c_layout,
+        &preference, 1, &result, &returned));
+    DM_CHECK(returned > 0, "gemm_bf16: cuBLASLt found no algorithm for M=", M, " N=", N, " K=", K,
+             " lda=", lda, " ldb=", ldb, " ldc=", ldc);
+    // Fixed-capacity cache, round-robin replacement once full.
+    const int slot = cache_used_ < kAlgoCacheCapacity ? cache_used_++ : cache_next_++;
+    if (cache_next_ >= kAlgoCacheCapacity) cache_next_ = 0;
+    std::memcpy(cache_[slot].key, key, sizeof(key));
+    cache_[slot].algo = result.algo;
+    algo = &cache_[slot].algo;
+  }
+  DM_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(lt_), &op_desc, &alpha, B,
+                                 &a_layout, A, &b_layout, &beta, C, &c_layout, C, &c_layout, algo,
+                                 static_cast<char*>(workspace_), lt_workspace_bytes_, stream));
+}
+
+}  // namespace dm::cuda

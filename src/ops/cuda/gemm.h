@@ -1,0 +1,64 @@
+// Dense GEMM on the GPU through cuBLASLt: bf16 A and B, fp32 accumulate, bf16 or fp32 C.
+// Plain C++ (no CUDA headers); implemented in gemm.cu.
+//
+// Conventions match core/gemm.h (row-major everywhere):
+//   gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
+//       C[M,N] = alpha·op(A)·op(B) + beta·C
+//   A is [M,K] (or [K,M] when ta), B is [K,N] (or [N,K] when tb), leading dimensions in elements.
+//   linear:  y[N,out] = x[N,in]·W[out,in]ᵀ  is gemm_bf16(false, true, N, out, in, ...).
+//
+// One GemmContext per device stream owner: it creates the cuBLASLt handle, the cuBLAS handle (for
+// the grouped expert GEMMs in moe.cu) and one workspace allocation once; calls never allocate
+// device memory. Matmul descriptors live on the stack (cublasLt*Init), and the algorithm chosen
+// by the heuristic is cached per (shape, leading dims, alignment, C type, beta≠0), so a steady
+// state call is one cublasLtMatmul.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;  // cudaStream_t without the CUDA headers
+
+namespace dm::cuda {
+
+// Element type of a GEMM output (A and B are always bf16).
+enum class GemmOutType : uint8_t { Bf16, F32 };
+
+class GemmContext {
+ public:
+  // workspace_bytes is split evenly between cuBLASLt and cuBLAS (32 MiB each is what cuBLAS
+  // recommends on Hopper).
+  explicit GemmContext(size_t workspace_bytes = size_t(64) << 20);
+  ~GemmContext();
+  GemmContext(const GemmContext&) = delete;
+  GemmContext& operator=(const GemmContext&) = delete;
+
+  // C[M,N] = alpha·op(A)·op(B) + beta·C (row-major). A, B: bf16 device pointers; C: bf16 or
+  // fp32 device pointer per c_type. M, N or K = 0 is allowed (K = 0 scales C by beta).
+  // Throws dm::Error on a bad argument or a cuBLAS failure.
+  void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                 const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                 void* C, GemmOutType c_type, int64_t ldc, CUstream_st* stream = nullptr);
+
+  // cublasHandle_t (legacy cuBLAS, with this context's workspace attached) for callers that need
+  // the grouped batched API; the stream is set by the caller before each use.
+  void* cublas_handle() const { return cublas_; }
+  // Host scratch for callers that build per-call host arrays (grouped GEMM descriptors); fixed
+  // size, allocated once.
+  void* host_scratch(size_t bytes);
+
+  // Number of cached algorithms (tests: steady state must not grow it).
+  int cached_algorithms() const { return cache_used_; }
+
+ private:
+  struct AlgoCacheEntry;
+  void* lt_ = nullptr;      // cublasLtHandle_t
+  void* cublas_ = nullptr;  // cublasHandle_t
+  void* workspace_ = nullptr;
+  size_t lt_workspace_bytes_ = 0;
+  AlgoCacheEntry* cache_ = nullptr;
+  int cache_used_ = 0, cache_next_ = 0;
+  void* host_scratch_ = nullptr;
+  size_t host_scratch_bytes_ = 0;
+};
+
+}  // namespace dm::cuda

@@ -1,0 +1,88 @@
+// Kimi Delta Attention on CUDA (SPEC §1.1): the GPU twins of ops/cpu/kda.h. Plain C++ header
+// (C++17, no CUDA includes); kernels in kda_recurrent.cu, kda_chunk.cu, kda_chunk_backward.cu.
+//
+// Same layout and semantics as the CPU operator (ops/cpu/kda.h), all pointers DEVICE pointers:
+//   q, k, g : [B, T, H, K]   v, o : [B, T, H, V]   beta : [B, T, H]   s0, sT : [B, H, K, V] fp32
+// q, k are L2-normalised inside (z / sqrt(Σz² + 1e-6)), q is scaled by `scale`; per token
+//   S ← Diag(e^{g_t})·S;  S ← S + β_t k̂_t (v_t − Sᵀk̂_t)ᵀ;  o_t = Sᵀ q̂_t.
+// g ≤ 0 is the log-decay, used down to −27 per step (every exponent formed is ≤ 0).
+// s0 == nullptr: zero initial state; sT == nullptr: final state not wanted; s0 may equal sT
+// (state carried in place between decode calls).
+// Inputs q, k, v, g, beta and the output o are float or bf16 bit patterns (uint16_t; all five
+// inputs and o share one type); the state is always fp32 and all arithmetic accumulates in fp32.
+// doc_start (optional, device [B·T] int32, docs/backward.md): token t > 0 with
+// doc_start[b·T + t] == t starts a document and sees a zero state. It must be valid (as the
+// CPU op checks on host); the GPU does not re-check it.
+// stream: a cudaStream_t (nullptr = default stream). Nothing here synchronises.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cpu/kda.h"  // KdaShape
+
+struct CUstream_st;
+
+namespace dm::cuda {
+
+using KdaStream = CUstream_st*;
+
+// Chunk length of the chunked kernels (SPEC: C = 64), and the largest head dims they take.
+constexpr int kKdaCudaChunk = 64;
+constexpr int kKdaCudaMaxHeadDim = 128;
+// Largest K of the recurrent kernel (its state tile [K, 32] lives in shared memory).
+constexpr int kKdaCudaRecurrentMaxK = 256;
+
+// ---- Recurrent form: one token at a time (the definition). With T = 1 this is the decode step
+// for B sequences at once (state [B, H, K, V] in place: s0 == sT). Any V; K ≤ 256.
+void kda_recurrent_forward(const float* q, const float* k, const float* v, const float* g,
+                           const float* beta, const float* s0, float* o, float* sT,
+                           const KdaShape& s, float scale, const int32_t* doc_start = nullptr,
+                           KdaStream stream = nullptr);
+void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                           const uint16_t* g, const uint16_t* beta, const float* s0, uint16_t* o,
+                           float* sT, const KdaShape& s, float scale,
+                           const int32_t* doc_start = nullptr, KdaStream stream = nullptr);
+
+// ---- Chunked form (C = 64; K, V ≤ 128, any T ≥ 0). Three stages, each a kernel:
+//   prepare (parallel over chunks): Γ = in-chunk cumsum of g, the masked intra-chunk products L,
+//     P with every exponent ≤ 0 (pairwise inside 16-token sub-blocks, factored through the
+//     sub-block's first token across them), W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with
+//     A = (I + Diag(β)L)⁻¹ (forward substitution), Q⊙e^Γ, K⊙e^{γ−Γ}, e^γ;
+//   state (sequential over chunks, parallel over B·H and 32-column tiles of V):
+//     V' = U − W·S, S ← Diag(e^γ)·S + (K⊙e^{γ−Γ})ᵀ·V', storing S at every chunk start;
+//   output (parallel over chunks): O = (Q⊙e^Γ)·S + P·V'.
+// fp32 inputs run every product on CUDA cores in fp32; bf16 inputs run the state and output
+// products on tensor cores (bf16 operands, fp32 accumulation; the state itself stays fp32).
+// `workspace`: kda_chunk_forward_workspace_bytes(s) bytes of device memory; after the call it
+// holds the chunk-start states and the intra-chunk quantities (kda_chunk_backward reads none of
+// them: it recomputes what it needs).
+size_t kda_chunk_forward_workspace_bytes(const KdaShape& s);
+void kda_chunk_forward(const float* q, const float* k, const float* v, const float* g,
+                       const float* beta, const float* s0, float* o, float* sT,
+                       const KdaShape& s, float scale, void* workspace,
+                       const int32_t* doc_start = nullptr, KdaStream stream = nullptr);
+void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                       const uint16_t* g, const uint16_t* beta, const float* s0, uint16_t* o,
+                       float* sT, const KdaShape& s, float scale, void* workspace,
+                       const int32_t* doc_start = nullptr, KdaStream stream = nullptr);
+
+// ---- Backward of the chunked form (gradients of Σ o·d_o + Σ sT·dsT), matching
+// kda_chunk_backward on CPU: dq, dk with respect to the raw (pre-L2-norm) q, k. Every gradient
+// is fp32 and ACCUMULATED (+=). dsT == nullptr means dsT = 0; ds0 == nullptr: not wanted.
+//   d_o [B,T,H,V] (input type), dsT/ds0 [B,H,K,V], dq/dk/dg [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H].
+// It runs the forward's prepare and state stages again (chunk-start states), then a sequential
+// stage over chunks for the state gradient at every chunk end, then one parallel stage per chunk.
+size_t kda_chunk_backward_workspace_bytes(const KdaShape& s);
+void kda_chunk_backward(const float* q, const float* k, const float* v, const float* g,
+                        const float* beta, const float* s0, const float* d_o, const float* dsT,
+                        float* dq, float* dk, float* dv, float* dg, float* dbeta, float* ds0,
+                        const KdaShape& s, float scale, void* workspace,
+                        const int32_t* doc_start = nullptr, KdaStream stream = nullptr);
+void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                        const uint16_t* g, const uint16_t* beta, const float* s0,
+                        const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
+                        float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
+                        void* workspace, const int32_t* doc_start = nullptr,
+                        KdaStream stream = nullptr);
+
+}  // namespace dm::cuda

@@ -1,0 +1,265 @@
+// Tensor-core (wmma, bf16 operands, fp32 accumulation) versions of the state and output stages
+// of the chunked KDA forward, used for bf16 inputs (kda_chunk.cu runs the prepare stage, which
+// stays on CUDA cores in fp32). Same algebra and workspace as the fp32 kernels of kda_chunk.cu:
+//   state:  V' = U − W·S   (A = −W [C, KP], B = S [KP, 32]),
+//           S ← Diag(e^γ)·S + Keᵀ·V'   (A = Keᵀ read column-major from Ke [C, KP], B = V');
+//   output: O = Qd·S + P·V'.
+// The state is kept in fp32 in shared memory (the accumulator of the update) and rounded to a
+// bf16 copy only as the B operand of the next chunk's W·S. Tiles: 16×16×16 fragments; 8 warps.
+// Shared-memory rows are padded (+8 bf16 / +4 fp32 elements) against bank conflicts; every
+// fragment pointer stays 32-byte aligned (rows and columns start at multiples of 16).
+#include <mma.h>
+
+#include "core/error.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda.h"
+#include "ops/cuda/kda_common.cuh"
+
+namespace dm::cuda {
+namespace kda_detail {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+using FragmentA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+using FragmentAColumnMajor =
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
+using FragmentB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+using FragmentAccumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+constexpr int kPadBf16 = 8, kPadF32 = 4;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileLdBf16 = kTileV + kPadBf16;  // 40
+constexpr int kTileLdF32 = kTileV + kPadF32;    // 36
+
+__host__ __device__ inline int tc_ld_key_bf16(const KdaDims& d) { return d.KP + kPadBf16; }
+
+// Byte offsets of the shared buffers, each rounded up to 128 bytes (keeps fragments aligned).
+__host__ __device__ inline int tc_round(int bytes) { return (bytes + 127) / 128 * 128; }
+
+struct TcStateLayout {
+  int w, key_to_end, state_f32, state_bf16, u_f32, value_new_f32, value_new_bf16, decay, total;
+};
+__host__ __device__ inline TcStateLayout tc_state_layout(const KdaDims& d) {
+  TcStateLayout l;
+  const int ldk = tc_ld_key_bf16(d);
+  int at = 0;
+  l.w = at;              at += tc_round(kChunk * ldk * 2);
+  l.key_to_end = at;     at += tc_round(kChunk * ldk * 2);
+  l.state_f32 = at;      at += tc_round(d.KP * kTileLdF32 * 4);
+  l.state_bf16 = at;     at += tc_round(d.KP * kTileLdBf16 * 2);
+  l.u_f32 = at;          at += tc_round(kChunk * kTileLdF32 * 4);
+  l.value_new_f32 = at;  at += tc_round(kChunk * kTileLdF32 * 4);
+  l.value_new_bf16 = at; at += tc_round(kChunk * kTileLdBf16 * 2);
+  l.decay = at;          at += tc_round(d.KP * 4);
+  l.total = at;
+  return l;
+}
+
+// Grid: ceil(VP/32) × B·H; sequential over chunks (see kda_chunk_state_kernel in kda_chunk.cu).
+__global__ void __launch_bounds__(kThreads)
+    kda_chunk_state_tc_kernel(const float* s0, float* sT, KdaDims d, KdaForwardWorkspace ws) {
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  const TcStateLayout l = tc_state_layout(d);
+  __nv_bfloat16* w_neg = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.w);          // [C, ldk]
+  __nv_bfloat16* key_to_end = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.key_to_end);
+  float* state = reinterpret_cast<float*>(shared_bytes + l.state_f32);                   // [KP, 36]
+  __nv_bfloat16* state_bf16 = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.state_bf16);
+  float* u_tile = reinterpret_cast<float*>(shared_bytes + l.u_f32);                      // [C, 36]
+  float* value_new = reinterpret_cast<float*>(shared_bytes + l.value_new_f32);           // [C, 36]
+  __nv_bfloat16* value_new_bf16 = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.value_new_bf16);
+  float* decay = reinterpret_cast<float*>(shared_bytes + l.decay);                       // [KP]
+
+  const int tid = threadIdx.x, warp = tid / 32, tx = tid % kTileV, ty = tid / kTileV;
+  constexpr int kRowLanes = kThreads / kTileV;
+  const int ldk = tc_ld_key_bf16(d);
+  const int64_t bh = blockIdx.y;
+  const int e0 = blockIdx.x * kTileV, e = e0 + tx;
+  const bool column_real = e < d.V, column_padded = e < d.VP;
+
+  for (int row = ty; row < d.KP; row += kRowLanes) {
+    const float value = (s0 != nullptr && column_real && row < d.K) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
+    state[row * kTileLdF32 + tx] = value;
+    state_bf16[row * kTileLdBf16 + tx] = __float2bfloat16_rn(value);
+  }
+
+  for (int64_t n = 0; n < d.num_chunks; ++n) {
+    const int64_t ch = bh * d.num_chunks + n;
+    for (int idx = tid; idx < kChunk * d.KP; idx += kThreads) {
+      const int i = idx / d.KP, col = idx % d.KP;
+      w_neg[i * ldk + col] = __float2bfloat16_rn(-ws.w[ch * kChunk * d.KP + idx]);
+      key_to_end[i * ldk + col] = __float2bfloat16_rn(ws.key_to_end[ch * kChunk * d.KP + idx]);
+    }
+    for (int i = ty; i < kChunk; i += kRowLanes)
+      u_tile[i * kTileLdF32 + tx] = column_padded ? ws.u[(ch * kChunk + i) * d.VP + e] : 0.0f;
+    for (int col = tid; col < d.KP; col += kThreads) decay[col] = ws.decay_whole[ch * d.KP + col];
+    if (column_padded)
+      for (int row = ty; row < d.KP; row += kRowLanes)
+        ws.states[(ch * d.KP + row) * d.VP + e] = state[row * kTileLdF32 + tx];
+    __syncthreads();
+
+    // V' = U + (−W)·S: 4 × 2 output fragments, one per warp.
+    {
+      const int mi = warp / 2, ni = warp % 2;
+      FragmentAccumulator acc;
+      wmma::load_matrix_sync(acc, u_tile + mi * 16 * kTileLdF32 + ni * 16, kTileLdF32,
+                             wmma::mem_row_major);
+      for (int kk = 0; kk < d.KP / 16; ++kk) {
+        FragmentA a;
+        FragmentB b;
+        wmma::load_matrix_sync(a, w_neg + mi * 16 * ldk + kk * 16, ldk);
+        wmma::load_matrix_sync(b, state_bf16 + kk * 16 * kTileLdBf16 + ni * 16, kTileLdBf16);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(value_new + mi * 16 * kTileLdF32 + ni * 16, acc, kTileLdF32,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+
+    for (int i = ty; i < kChunk; i += kRowLanes) {
+      const float value = value_new[i * kTileLdF32 + tx];
+      value_new_bf16[i * kTileLdBf16 + tx] = __float2bfloat16_rn(value);
+      if (column_padded) ws.value_new[(ch * kChunk + i) * d.VP + e] = value;
+    }
+    for (int row = ty; row < d.KP; row += kRowLanes) state[row * kTileLdF32 + tx] *= decay[row];
+    __syncthreads();
+
+    // S ← Diag(e^γ)·S + Keᵀ·V': (KP/16) × 2 fragments over the 8 warps.
+    for (int f = warp; f < (d.KP / 16) * 2; f += kWarps) {
+      const int mi = f / 2, ni = f % 2;
+      FragmentAccumulator acc;
+      float* state_fragment = state + mi * 16 * kTileLdF32 + ni * 16;
+      wmma::load_matrix_sync(acc, state_fragment, kTileLdF32, wmma::mem_row_major);
+      for (int kk = 0; kk < kChunk / 16; ++kk) {
+        FragmentAColumnMajor a;  // Keᵀ[m = d, k = i] = Ke[i, d] at i·ldk + d
+        FragmentB b;
+        wmma::load_matrix_sync(a, key_to_end + kk * 16 * ldk + mi * 16, ldk);
+        wmma::load_matrix_sync(b, value_new_bf16 + kk * 16 * kTileLdBf16 + ni * 16, kTileLdBf16);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(state_fragment, acc, kTileLdF32, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int row = ty; row < d.KP; row += kRowLanes)
+      state_bf16[row * kTileLdBf16 + tx] = __float2bfloat16_rn(state[row * kTileLdF32 + tx]);
+    __syncthreads();
+  }
+  if (sT != nullptr && column_real)
+    for (int row = ty; row < d.K; row += kRowLanes)
+      sT[(bh * d.K + row) * d.V + e] = state[row * kTileLdF32 + tx];
+}
+
+struct TcOutputLayout {
+  int query_decay, state_bf16, lower_query_key, value_new_bf16, out_f32, total;
+};
+__host__ __device__ inline TcOutputLayout tc_output_layout(const KdaDims& d) {
+  TcOutputLayout l;
+  const int ldk = tc_ld_key_bf16(d);
+  int at = 0;
+  l.query_decay = at;     at += tc_round(kChunk * ldk * 2);
+  l.state_bf16 = at;      at += tc_round(d.KP * kTileLdBf16 * 2);
+  l.lower_query_key = at; at += tc_round(kChunk * (kChunk + kPadBf16) * 2);
+  l.value_new_bf16 = at;  at += tc_round(kChunk * kTileLdBf16 * 2);
+  l.out_f32 = at;         at += tc_round(kChunk * kTileLdF32 * 4);
+  l.total = at;
+  return l;
+}
+
+// Grid: num_chunks × B·H × ceil(VP/32). O = Qd·S + P·V', 4 × 2 fragments, one per warp.
+template <typename Storage>
+__global__ void __launch_bounds__(kThreads)
+    kda_chunk_output_tc_kernel(Storage* o, KdaDims d, KdaForwardWorkspace ws) {
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  const TcOutputLayout l = tc_output_layout(d);
+  __nv_bfloat16* query_decay = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.query_decay);
+  __nv_bfloat16* state_bf16 = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.state_bf16);
+  __nv_bfloat16* lower_query_key = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.lower_query_key);
+  __nv_bfloat16* value_new_bf16 = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.value_new_bf16);
+  float* out = reinterpret_cast<float*>(shared_bytes + l.out_f32);
+
+  const int tid = threadIdx.x, warp = tid / 32, tx = tid % kTileV, ty = tid / kTileV;
+  constexpr int kRowLanes = kThreads / kTileV;
+  constexpr int kLdLower = kChunk + kPadBf16;
+  const int ldk = tc_ld_key_bf16(d);
+  const int64_t n = blockIdx.x, bh = blockIdx.y;
+  const int64_t ch = bh * d.num_chunks + n;
+  const int e = blockIdx.z * kTileV + tx;
+  const bool column_padded = e < d.VP;
+
+  for (int idx = tid; idx < kChunk * d.KP; idx += kThreads) {
+    const int i = idx / d.KP, col = idx % d.KP;
+    query_decay[i * ldk + col] = __float2bfloat16_rn(ws.query_decay[ch * kChunk * d.KP + idx]);
+  }
+  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
+    const int i = idx / kChunk, j = idx % kChunk;
+    lower_query_key[i * kLdLower + j] = __float2bfloat16_rn(ws.lower_query_key[ch * kChunk * kChunk + idx]);
+  }
+  for (int row = ty; row < d.KP; row += kRowLanes)
+    state_bf16[row * kTileLdBf16 + tx] =
+        __float2bfloat16_rn(column_padded ? ws.states[(ch * d.KP + row) * d.VP + e] : 0.0f);
+  for (int i = ty; i < kChunk; i += kRowLanes)
+    value_new_bf16[i * kTileLdBf16 + tx] =
+        __float2bfloat16_rn(column_padded ? ws.value_new[(ch * kChunk + i) * d.VP + e] : 0.0f);
+  __syncthreads();
+
+  {
+    const int mi = warp / 2, ni = warp % 2;
+    FragmentAccumulator acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int kk = 0; kk < d.KP / 16; ++kk) {
+      FragmentA a;
+      FragmentB b;
+      wmma::load_matrix_sync(a, query_decay + mi * 16 * ldk + kk * 16, ldk);
+      wmma::load_matrix_sync(b, state_bf16 + kk * 16 * kTileLdBf16 + ni * 16, kTileLdBf16);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    // P is lower triangular: row block mi needs column blocks 0..mi only.
+    for (int kk = 0; kk <= mi; ++kk) {
+      FragmentA a;
+      FragmentB b;
+      wmma::load_matrix_sync(a, lower_query_key + mi * 16 * kLdLower + kk * 16, kLdLower);
+      wmma::load_matrix_sync(b, value_new_bf16 + kk * 16 * kTileLdBf16 + ni * 16, kTileLdBf16);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(out + mi * 16 * kTileLdF32 + ni * 16, acc, kTileLdF32,
+                            wmma::mem_row_major);
+  }
+  __syncthreads();
+
+  const int64_t b = bh / d.H, h = bh % d.H;
+  const int c = kda_chunk_length(d, n);
+  if (e < d.V)
+    for (int i = ty; i < c; i += kRowLanes)
+      store_from_float(o, kda_token_row(d, b, h, n * kChunk + i) * d.V + e, out[i * kTileLdF32 + tx]);
+}
+
+}  // namespace
+
+void kda_chunk_state_tensor_cores(const float* s0, float* sT, const KdaDims& d,
+                                  const KdaForwardWorkspace& ws, cudaStream_t stream) {
+  const int shared = tc_state_layout(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_tc_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_state_tc_kernel<<<dim3(unsigned(ceil_div(d.VP, kTileV)), unsigned(d.B * d.H)),
+                              kThreads, size_t(shared), stream>>>(s0, sT, d, ws);
+  check_last_error("cuda kda_chunk_forward (state, tensor cores)");
+}
+
+template <typename Storage>
+void kda_chunk_output_tensor_cores(Storage* o, const KdaDims& d, const KdaForwardWorkspace& ws,
+                                   cudaStream_t stream) {
+  if (d.num_chunks == 0) return;
+  const int shared = tc_output_layout(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_output_tc_kernel<Storage>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_output_tc_kernel<Storage>
+      <<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), unsigned(ceil_div(d.VP, kTileV))),
+         kThreads, size_t(shared), stream>>>(o, d, ws);
+  check_last_error("cuda kda_chunk_forward (output, tensor cores)");
+}
+template void kda_chunk_output_tensor_cores<float>(float*, const KdaDims&,
+                                                   const KdaForwardWorkspace&, cudaStream_t);
+template void kda_chunk_output_tensor_cores<uint16_t>(uint16_t*, const KdaDims&,
+                                                      const KdaForwardWorkspace&, cudaStream_t);
+
+}  // namespace kda_detail
+}  // namespace dm::cuda

@@ -1,0 +1,160 @@
+// Recurrent KDA on CUDA (kda.h): the definition, one token at a time; with T = 1 it is the decode
+// step of many sequences at once.
+//
+// Columns of the state are independent given k, q, g, β (S[:, e] only mixes rows), so a block
+// owns a [K, 32] column tile of one head's state in shared memory and walks the tokens; thread
+// (tx, ty) updates column tx on rows ty, ty + 8, …. Per token the block reads q, k, g (K values
+// each), v (32), β once and the tile stays on chip: a decode step reads and writes each state
+// element once (8 bytes), which is the floor for this operator (memory-bound, ≈ 4 FLOP/element).
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/kda.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kRecurrentTile = 32;                         // state columns per block
+constexpr int kRecurrentRowLanes = 8;                      // row lanes (blockDim.y)
+constexpr int kRecurrentThreads = kRecurrentTile * kRecurrentRowLanes;
+constexpr float kRecurrentL2NormEps = 1e-6f;
+
+struct KdaRecurrentDims {
+  int64_t B, T, H;
+  int K, V;
+  float scale;
+};
+
+template <typename Storage>
+__global__ void __launch_bounds__(kRecurrentThreads)
+    kda_recurrent_kernel(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
+                         const Storage* beta, const float* s0, Storage* o, float* sT,
+                         const int32_t* doc_start, KdaRecurrentDims d) {
+  extern __shared__ float shared[];
+  float* state = shared;                               // [K, 32]
+  float* key_hat = state + d.K * kRecurrentTile;       // [K]
+  float* query_hat = key_hat + d.K;                    // [K]
+  float* decay = query_hat + d.K;                      // [K]
+  float* partial = decay + d.K;                        // [8, 32]
+  __shared__ float reduce_scratch[2][kRecurrentThreads / 32];
+
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kRecurrentTile + tx;
+  const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H;
+  const int e = blockIdx.x * kRecurrentTile + tx;
+  const bool column_real = e < d.V;
+
+  for (int row = ty; row < d.K; row += kRecurrentRowLanes)
+    state[row * kRecurrentTile + tx] =
+        (s0 != nullptr && column_real) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
+
+  for (int64_t t = 0; t < d.T; ++t) {
+    const int64_t row = (b * d.T + t) * d.H + h;
+    if (doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t)
+      for (int r = ty; r < d.K; r += kRecurrentRowLanes) state[r * kRecurrentTile + tx] = 0.0f;
+
+    // q̂·scale, k̂, e^g into shared memory (norms by a block reduction).
+    float sum_q = 0.0f, sum_k = 0.0f;
+    for (int col = tid; col < d.K; col += kRecurrentThreads) {
+      const float qv = load_as_float(q, row * d.K + col), kv = load_as_float(k, row * d.K + col);
+      query_hat[col] = qv;
+      key_hat[col] = kv;
+      decay[col] = expf(load_as_float(g, row * d.K + col));
+      sum_q += qv * qv;
+      sum_k += kv * kv;
+    }
+    sum_q = warp_sum(sum_q);
+    sum_k = warp_sum(sum_k);
+    if ((tid & 31) == 0) {
+      reduce_scratch[0][tid >> 5] = sum_q;
+      reduce_scratch[1][tid >> 5] = sum_k;
+    }
+    __syncthreads();
+    sum_q = 0.0f;
+    sum_k = 0.0f;
+    for (int w = 0; w < kRecurrentThreads / 32; ++w) {
+      sum_q += reduce_scratch[0][w];
+      sum_k += reduce_scratch[1][w];
+    }
+    const float query_factor = d.scale / sqrtf(sum_q + kRecurrentL2NormEps);
+    const float key_factor = 1.0f / sqrtf(sum_k + kRecurrentL2NormEps);
+    const float beta_t = load_as_float(beta, row);
+    const float value_t = column_real ? load_as_float(v, row * d.V + e) : 0.0f;
+
+    // Pass 1: S ← Diag(e^g)·S and the prediction Sᵀk̂ (column tx, rows of this lane).
+    float prediction = 0.0f;
+    for (int r = ty; r < d.K; r += kRecurrentRowLanes) {
+      const float decayed = state[r * kRecurrentTile + tx] * decay[r];
+      state[r * kRecurrentTile + tx] = decayed;
+      prediction += decayed * key_hat[r] * key_factor;
+    }
+    partial[ty * kRecurrentTile + tx] = prediction;
+    __syncthreads();
+    prediction = 0.0f;
+    for (int lane = 0; lane < kRecurrentRowLanes; ++lane) prediction += partial[lane * kRecurrentTile + tx];
+    const float delta = beta_t * (value_t - prediction);
+    __syncthreads();  // every lane has read `partial`
+
+    // Pass 2: S ← S + k̂·δᵀ and o = Sᵀ(q̂·scale) with the updated S.
+    float out = 0.0f;
+    for (int r = ty; r < d.K; r += kRecurrentRowLanes) {
+      const float updated = state[r * kRecurrentTile + tx] + key_hat[r] * key_factor * delta;
+      state[r * kRecurrentTile + tx] = updated;
+      out += updated * query_hat[r] * query_factor;
+    }
+    partial[ty * kRecurrentTile + tx] = out;
+    __syncthreads();
+    if (ty == 0 && column_real) {
+      out = 0.0f;
+      for (int lane = 0; lane < kRecurrentRowLanes; ++lane) out += partial[lane * kRecurrentTile + tx];
+      store_from_float(o, row * d.V + e, out);
+    }
+    __syncthreads();  // partial, key_hat, query_hat, decay and reduce_scratch are rewritten next token
+  }
+
+  if (sT != nullptr && column_real)
+    for (int row = ty; row < d.K; row += kRecurrentRowLanes)
+      sT[(bh * d.K + row) * d.V + e] = state[row * kRecurrentTile + tx];
+}
+
+template <typename Storage>
+void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
+                          const Storage* beta, const float* s0, Storage* o, float* sT,
+                          const KdaShape& s, float scale, const int32_t* doc_start,
+                          cudaStream_t stream) {
+  DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.K > 0 && s.V > 0,
+           "cuda kda_recurrent_forward: bad shape B=", s.B, " T=", s.T, " H=", s.H, " K=", s.K,
+           " V=", s.V);
+  DM_CHECK(s.K <= kKdaCudaRecurrentMaxK, "cuda kda_recurrent_forward: K=", s.K,
+           " (the recurrent CUDA kernel takes K ≤ ", kKdaCudaRecurrentMaxK, ")");
+  DM_CHECK(s.B * s.H < 65536, "cuda kda_recurrent_forward: B·H=", s.B * s.H,
+           " exceeds one grid dimension (65535)");
+  if (s.B * s.H == 0) return;
+  const KdaRecurrentDims d{s.B, s.T, s.H, int(s.K), int(s.V), scale};
+  const size_t shared_bytes =
+      size_t(s.K * kRecurrentTile + 3 * s.K + kRecurrentRowLanes * kRecurrentTile) * sizeof(float);
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrent_kernel<Storage>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(shared_bytes)));
+  const dim3 grid(unsigned(ceil_div(s.V, kRecurrentTile)), unsigned(s.B * s.H));
+  kda_recurrent_kernel<Storage><<<grid, dim3(kRecurrentTile, kRecurrentRowLanes), shared_bytes,
+                                  stream>>>(q, k, v, g, beta, s0, o, sT, doc_start, d);
+  check_last_error("cuda kda_recurrent_forward");
+}
+
+}  // namespace
+
+void kda_recurrent_forward(const float* q, const float* k, const float* v, const float* g,
+                           const float* beta, const float* s0, float* o, float* sT,
+                           const KdaShape& s, float scale, const int32_t* doc_start,
+                           KdaStream stream) {
+  kda_recurrent_launch(q, k, v, g, beta, s0, o, sT, s, scale, doc_start, stream);
+}
+void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                           const uint16_t* g, const uint16_t* beta, const float* s0, uint16_t* o,
+                           float* sT, const KdaShape& s, float scale, const int32_t* doc_start,
+                           KdaStream stream) {
+  kda_recurrent_launch(q, k, v, g, beta, s0, o, sT, s, scale, doc_start, stream);
+}
+
+}  // namespace dm::cuda

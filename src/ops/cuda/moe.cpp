@@ -1,0 +1,258 @@
+// Checked entry points of the GPU MoE ops (moe.h): argument validation with the CPU structs
+// (RouterParams, GluActivation, QbHistogramRange), workspace carving and the orchestration of the
+// dispatch, grouped GEMMs and GLU. Compiled as C++20 by the host compiler (the .cu files are
+// C++17 and cannot include ops/cpu or train headers).
+#include "ops/cuda/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/cpu/moe.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_kernels.h"
+#include "train/balance.h"
+
+namespace dm::cuda {
+
+namespace {
+
+size_t round_up_256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+
+void check_aligned(const char* who, const void* p, const char* name) {
+  DM_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, who, ": ", name,
+           " must be 16-byte aligned (vector loads)");
+}
+
+void check_plan(const char* who, const MoeDispatchPlan& plan) {
+  DM_CHECK(plan.offsets && plan.row_of_pair && plan.token && plan.host_offsets, who,
+           ": dispatch plan not built");
+  DM_CHECK(plan.host_offsets[plan.E] == plan.N * plan.k, who, ": plan covers ",
+           plan.host_offsets[plan.E], " rows, expected N·k = ", plan.N * plan.k);
+}
+
+}  // namespace
+
+void moe_route(const float* logits, const float* bias, int64_t N, const RouterParams& p,
+               float* scores, int32_t* idx, float* w, float* cutoff, CUstream_st* stream) {
+  const int E = p.num_experts, k = p.top_k;
+  DM_CHECK(N >= 0, "moe_route (cuda): negative token count ", N);
+  DM_CHECK(E > 0 && k >= 1 && k <= E, "moe_route (cuda): need 1 ≤ top_k ≤ num_experts, got k=", k,
+           " E=", E);
+  DM_CHECK(k + 1 <= moe_detail::kRouteMaxPicks, "moe_route (cuda): top_k ", k,
+           " exceeds the supported maximum ", moe_detail::kRouteMaxPicks - 1);
+  DM_CHECK(p.n_group >= 1, "moe_route (cuda): n_group must be >= 1, got ", p.n_group);
+  if (p.n_group > 1) {
+    DM_CHECK(p.n_group <= moe_detail::kRouteMaxGroups, "moe_route (cuda): n_group ", p.n_group,
+             " exceeds the supported maximum ", moe_detail::kRouteMaxGroups);
+    DM_CHECK(E % p.n_group == 0, "moe_route (cuda): num_experts ", E,
+             " not divisible by n_group ", p.n_group);
+    DM_CHECK(p.topk_group >= 1 && p.topk_group <= p.n_group,
+             "moe_route (cuda): topk_group must be in [1, ", p.n_group, "], got ", p.topk_group);
+    DM_CHECK(int64_t(p.topk_group) * (E / p.n_group) >= k, "moe_route (cuda): topk_group ",
+             p.topk_group, " groups of ", E / p.n_group, " experts cannot supply top_k ", k);
+  }
+  if (N == 0) return;
+  DM_CHECK(logits && scores && idx && w, "moe_route (cuda): null argument");
+  moe_detail::RouteProblem problem;
+  problem.N = N;
+  problem.E = E;
+  problem.k = k;
+  problem.n_group = p.n_group;
+  problem.topk_group = p.topk_group;
+  problem.renormalize = p.renormalize;
+  problem.scaling = p.scaling;
+  moe_detail::launch_route(problem, logits, bias, scores, idx, w, cutoff, stream);
+}
+
+void qb_histogram_accumulate(const float* scores, const float* cutoff, int64_t N, int E,
+                             const QbHistogramRange& range, int64_t* counts,
+                             CUstream_st* stream) {
+  DM_CHECK(N >= 0 && E > 0 && range.bins >= 1 && range.high > range.low,
+           "qb_histogram_accumulate (cuda): bad shape or range");
+  moe_detail::launch_qb_histogram(scores, cutoff, N, E, range.low, 1.0 / range.bin_width(),
+                                  range.bins, counts, stream);
+}
+
+void qb_raw_bias_from_histogram(const int64_t* counts, int E, int k,
+                                const QbHistogramRange& range, double* raw_bias,
+                                CUstream_st* stream) {
+  DM_CHECK(E > 0 && k >= 1 && k <= E && range.bins >= 1,
+           "qb_raw_bias_from_histogram (cuda): bad shape");
+  moe_detail::launch_qb_raw_bias(counts, E, k, range.bins, range.low, range.bin_width(), raw_bias,
+                                 stream);
+}
+
+size_t quantile_balance_workspace_bytes(int E, int bins) {
+  return round_up_256(size_t(E) * size_t(bins) * sizeof(int64_t)) +
+         round_up_256(size_t(E) * sizeof(double));
+}
+
+void quantile_balance_update_device(const float* scores, const float* cutoff, int64_t N, int E,
+                                    int k, const BalanceOptions& options,
+                                    BalanceLayerState* state, float* bias, void* workspace,
+                                    CUstream_st* stream) {
+  DM_CHECK(options.rule == BalanceRule::Quantile &&
+               options.estimator == QuantileEstimator::Histogram,
+           "quantile_balance_update_device: the GPU path implements QB with the histogram "
+           "estimator (set BalanceOptions::estimator = Histogram)");
+  DM_CHECK(N >= 0 && E > 0 && k >= 1 && k <= E, "quantile_balance_update_device: bad shape N=", N,
+           " E=", E, " k=", k);
+  // Once per optimizer step and MoE layer: small host vectors are fine here.
+  std::vector<float> host_bias(static_cast<size_t>(E));
+  moe_detail::copy_to_host_and_wait(host_bias.data(), bias, host_bias.size() * sizeof(float),
+                                    nullptr, nullptr, 0, stream);
+  const QbHistogramRange range = qb_histogram_range(host_bias.data(), E, options.histogram_bins);
+  int64_t* counts = static_cast<int64_t*>(workspace);
+  double* raw_bias = reinterpret_cast<double*>(
+      static_cast<char*>(workspace) +
+      round_up_256(size_t(E) * size_t(range.bins) * sizeof(int64_t)));
+  moe_detail::memset_async(counts, 0, size_t(E) * size_t(range.bins) * sizeof(int64_t), stream);
+  qb_histogram_accumulate(scores, cutoff, N, E, range, counts, stream);
+  qb_raw_bias_from_histogram(counts, E, k, range, raw_bias, stream);
+  std::vector<int64_t> first_row(size_t(range.bins));
+  std::vector<double> host_raw(static_cast<size_t>(E));
+  moe_detail::copy_to_host_and_wait(first_row.data(), counts, first_row.size() * sizeof(int64_t),
+                                    host_raw.data(), raw_bias, host_raw.size() * sizeof(double),
+                                    stream);
+  if (std::accumulate(first_row.begin(), first_row.end(), int64_t(0)) == 0) return;
+  qb_set_bias(host_raw.data(), E, options, state, host_bias.data());
+  moe_detail::copy_to_device_async(bias, host_bias.data(), host_bias.size() * sizeof(float),
+                                   stream);
+  moe_detail::copy_to_host_and_wait(nullptr, nullptr, 0, nullptr, nullptr, 0, stream);
+}
+
+size_t moe_dispatch_plan_bytes(int64_t N, int k, int E) {
+  const size_t pairs = size_t(std::max<int64_t>(N * k, 1));
+  return round_up_256((size_t(E) + 1) * sizeof(int64_t)) +
+         3 * round_up_256(pairs * sizeof(int32_t)) +
+         round_up_256(moe_detail::dispatch_scratch_bytes(N, E)) + round_up_256(sizeof(int32_t));
+}
+
+void moe_dispatch_plan_build(const int32_t* idx, int64_t N, int k, int E, MoeDispatchPlan* plan,
+                             DeviceArena& arena, int64_t* host_offsets, CUstream_st* stream) {
+  DM_CHECK(N >= 0 && k >= 1 && E >= 1, "moe_dispatch_plan_build: bad shape N=", N, " k=", k,
+           " E=", E);
+  DM_CHECK(E <= moe_detail::kDispatchMaxExperts, "moe_dispatch_plan_build: E=", E,
+           " exceeds the supported maximum ", moe_detail::kDispatchMaxExperts);
+  DM_CHECK(N * k <= int64_t(std::numeric_limits<int32_t>::max()), "moe_dispatch_plan_build: N·k = ",
+           N * k, " rows exceed int32 row ids");
+  DM_CHECK(host_offsets, "moe_dispatch_plan_build: host_offsets buffer required");
+  const size_t pairs = size_t(std::max<int64_t>(N * k, 1));
+  plan->N = N;
+  plan->k = k;
+  plan->E = E;
+  plan->offsets = arena.alloc<int64_t>(size_t(E) + 1);
+  plan->token = arena.alloc<int32_t>(pairs);
+  plan->slot = arena.alloc<int32_t>(pairs);
+  plan->row_of_pair = arena.alloc<int32_t>(pairs);
+  void* scratch = arena.alloc_bytes(moe_detail::dispatch_scratch_bytes(N, E));
+  int32_t* error_flag = arena.alloc<int32_t>(1);
+  moe_detail::memset_async(error_flag, 0, sizeof(int32_t), stream);
+  moe_detail::launch_dispatch_plan(idx, N, k, E, plan->offsets, plan->token, plan->slot,
+                                   plan->row_of_pair, scratch, error_flag, stream);
+  int32_t host_error = 0;
+  moe_detail::copy_to_host_and_wait(host_offsets, plan->offsets, (size_t(E) + 1) * sizeof(int64_t),
+                                    &host_error, error_flag, sizeof(int32_t), stream);
+  DM_CHECK(host_error == 0, "moe_dispatch_plan_build: an expert id in idx lies outside [0, ", E,
+           ")");
+  plan->host_offsets = host_offsets;
+}
+
+void moe_permute_rows(const uint16_t* x, const MoeDispatchPlan& plan, int64_t D, uint16_t* sorted,
+                      CUstream_st* stream) {
+  check_plan("moe_permute_rows", plan);
+  DM_CHECK(D > 0 && D % 8 == 0, "moe_permute_rows: D must be a positive multiple of 8, got ", D);
+  check_aligned("moe_permute_rows", x, "x");
+  check_aligned("moe_permute_rows", sorted, "sorted");
+  moe_detail::launch_permute_rows(x, plan.token, plan.N * plan.k, D, sorted, stream);
+}
+
+void moe_unpermute_rows(const uint16_t* sorted, const MoeDispatchPlan& plan, const float* w,
+                        int64_t D, void* y, GemmOutType y_type, CUstream_st* stream) {
+  check_plan("moe_unpermute_rows", plan);
+  DM_CHECK(D > 0 && D % 8 == 0, "moe_unpermute_rows: D must be a positive multiple of 8, got ", D);
+  check_aligned("moe_unpermute_rows", sorted, "sorted");
+  check_aligned("moe_unpermute_rows", y, "y");
+  moe_detail::launch_unpermute_rows(sorted, plan.row_of_pair, w, plan.N, plan.k, D, y,
+                                    y_type == GemmOutType::F32, stream);
+}
+
+size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew) {
+  const size_t rows = size_t(std::max<int64_t>(N * k, 1));
+  return 2 * round_up_256(rows * size_t(ew.Din) * 2) + 2 * round_up_256(rows * size_t(ew.F) * 2) +
+         round_up_256(moe_detail::expert_pointer_array_bytes(int(ew.E)));
+}
+
+void moe_experts_forward(GemmContext& gemm, const uint16_t* x, const MoeDispatchPlan& plan,
+                         const float* w, const ExpertWeightsBf16& ew, const GluActivation& act,
+                         void* y, GemmOutType y_type, void* workspace, MoeGemmPath path,
+                         CUstream_st* stream) {
+  const char* who = "moe_experts_forward (cuda)";
+  check_plan(who, plan);
+  DM_CHECK(plan.E == ew.E, who, ": plan has ", plan.E, " experts, weights have ", ew.E);
+  DM_CHECK(ew.Din > 0 && ew.F > 0 && ew.Din % 8 == 0 && ew.F % 8 == 0, who,
+           ": Din and F must be positive multiples of 8, got Din=", ew.Din, " F=", ew.F);
+  DM_CHECK(ew.Din <= std::numeric_limits<int32_t>::max() / 2 &&
+               ew.F <= std::numeric_limits<int32_t>::max() / 2,
+           who, ": expert dims exceed int32");
+  DM_CHECK(ew.gate && ew.up && ew.down && x && w && y && workspace, who, ": null argument");
+  if (plan.N == 0) return;
+  const int64_t rows = plan.N * plan.k, Din = ew.Din, F = ew.F;
+  char* cursor = static_cast<char*>(workspace);
+  auto take = [&](size_t bytes) {
+    void* p = cursor;
+    cursor += round_up_256(bytes);
+    return p;
+  };
+  moe_detail::ExpertGemmBuffers b;
+  auto* x_sorted = static_cast<uint16_t*>(take(size_t(rows) * Din * 2));
+  b.gate_out = static_cast<uint16_t*>(take(size_t(rows) * F * 2));
+  b.up_out = static_cast<uint16_t*>(take(size_t(rows) * F * 2));
+  b.expert_out = static_cast<uint16_t*>(take(size_t(rows) * Din * 2));
+  b.pointer_arrays =
+      static_cast<const void**>(take(moe_detail::expert_pointer_array_bytes(int(ew.E))));
+  b.gate_w = ew.gate;
+  b.up_w = ew.up;
+  b.down_w = ew.down;
+  b.x_sorted = x_sorted;
+  b.E = int(ew.E);
+  b.Din = Din;
+  b.F = F;
+
+  moe_permute_rows(x, plan, Din, x_sorted, stream);
+  if (path == MoeGemmPath::Grouped) {
+    void* host = gemm.host_scratch(moe_detail::expert_grouped_host_bytes(b.E));
+    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
+                                         0, host, stream);
+    glu_forward(b.gate_out, b.up_out, b.gate_out, rows * F, act, stream);
+    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
+                                         1, host, stream);
+  } else {
+    for (int64_t e = 0; e < ew.E; ++e) {
+      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+      if (n == 0) continue;
+      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, x_sorted + begin * Din, Din,
+                     ew.gate + e * F * Din, Din, 0.0f, b.gate_out + begin * F, GemmOutType::Bf16,
+                     F, stream);
+      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, x_sorted + begin * Din, Din,
+                     ew.up + e * F * Din, Din, 0.0f, b.up_out + begin * F, GemmOutType::Bf16, F,
+                     stream);
+    }
+    glu_forward(b.gate_out, b.up_out, b.gate_out, rows * F, act, stream);
+    for (int64_t e = 0; e < ew.E; ++e) {
+      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+      if (n == 0) continue;
+      gemm.gemm_bf16(false, true, n, Din, F, 1.0f, b.gate_out + begin * F, F,
+                     ew.down + e * Din * F, F, 0.0f, b.expert_out + begin * Din,
+                     GemmOutType::Bf16, Din, stream);
+    }
+  }
+  moe_unpermute_rows(b.expert_out, plan, w, Din, y, y_type, stream);
+}
+
+}  // namespace dm::cuda

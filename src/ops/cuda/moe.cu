@@ -1,0 +1,553 @@
+// Mixture-of-experts kernels (SPEC §1.5, §1.6): sigmoid router with expert groups and QB cutoffs,
+// QB histogram statistics, token dispatch (stable counting sort by expert), row gather/scatter
+// and the grouped expert GEMMs through cublasGemmGroupedBatchedEx. The checked entry points are
+// in moe.cpp; this file only launches.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/moe_kernels.h"
+
+namespace dm::cuda::moe_detail {
+
+namespace {
+
+constexpr int kRouteWarps = 4;
+constexpr int kScanThreads = 1024;
+
+// Selection order of the router: larger value first, ties to the lower index (ops/cpu/moe.cpp
+// TopList offers experts in ascending order and never lets an equal value displace).
+__device__ __forceinline__ bool comes_before(float a_value, int a_index, float b_value,
+                                             int b_index) {
+  return a_value > b_value || (a_value == b_value && a_index < b_index);
+}
+
+// Warp-wide best (value, index) by comes_before; every lane gets the result.
+__device__ __forceinline__ void warp_best(float& value, int& index) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float other_value = __shfl_xor_sync(0xffffffffu, value, o);
+    const int other_index = __shfl_xor_sync(0xffffffffu, index, o);
+    if (comes_before(other_value, other_index, value, index)) {
+      value = other_value;
+      index = other_index;
+    }
+  }
+}
+
+__device__ __forceinline__ float router_sigmoid(float x) {
+  return x < -87.0f ? 0.0f : 1.0f / (1.0f + expf(-x));
+}
+
+// One warp per token. The i-th pick is the best candidate strictly after pick i−1 in the
+// selection order, so no "taken" mask is needed: O((k+1)·E/32) per lane.
+__global__ void moe_route_kernel(const RouteProblem p, const float* logits, const float* bias,
+                                 float* scores, int32_t* idx, float* w, float* cutoff) {
+  __shared__ float group_score[kRouteWarps][kRouteMaxGroups];
+  __shared__ unsigned char group_kept[kRouteWarps][kRouteMaxGroups];
+  __shared__ int pick_expert[kRouteWarps][kRouteMaxPicks];
+  __shared__ int sorted_expert[kRouteWarps][kRouteMaxPicks];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
+  if (t >= p.N) return;  // uniform per warp; the kernel has no block-wide barrier
+  const int E = p.E, k = p.k;
+  const float* logit_row = logits + t * E;
+  float* score_row = scores + t * E;
+  for (int e = lane; e < E; e += 32) score_row[e] = router_sigmoid(logit_row[e]);
+  __syncwarp();
+  auto biased = [&](int e) { return score_row[e] + (bias ? bias[e] : 0.0f); };
+
+  const bool grouped = p.n_group > 1 && p.topk_group < p.n_group;
+  const int group_size = E / p.n_group;
+  if (grouped) {
+    // A group scores the sum of its two best biased values (its single value if one expert).
+    for (int grp = lane; grp < p.n_group; grp += 32) {
+      float first = -INFINITY, second = -INFINITY;
+      for (int e = grp * group_size; e < (grp + 1) * group_size; ++e) {
+        const float v = biased(e);
+        if (v > first) {
+          second = first;
+          first = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      group_score[warp][grp] = group_size >= 2 ? first + second : first;
+      group_kept[warp][grp] = 0;
+    }
+    __syncwarp();
+    float previous_value = INFINITY;
+    int previous_index = -1;
+    for (int i = 0; i < p.topk_group; ++i) {
+      float best_value = -INFINITY;
+      int best_index = INT_MAX;
+      for (int grp = lane; grp < p.n_group; grp += 32) {
+        const float v = group_score[warp][grp];
+        if (comes_before(previous_value, previous_index, v, grp) &&
+            comes_before(v, grp, best_value, best_index)) {
+          best_value = v;
+          best_index = grp;
+        }
+      }
+      warp_best(best_value, best_index);
+      if (best_index == INT_MAX) break;
+      if (lane == 0) group_kept[warp][best_index] = 1;
+      previous_value = best_value;
+      previous_index = best_index;
+    }
+    __syncwarp();
+  }
+
+  // Top-(k+1) over the eligible experts: k picks, the (k+1)-th value is the QB cutoff.
+  float previous_value = INFINITY, cutoff_value = -INFINITY;
+  int previous_index = -1, count = 0;
+  for (int i = 0; i <= k; ++i) {
+    float best_value = -INFINITY;
+    int best_index = INT_MAX;
+    for (int e = lane; e < E; e += 32) {
+      if (grouped && !group_kept[warp][e / group_size]) continue;
+      const float v = biased(e);
+      if (comes_before(previous_value, previous_index, v, e) &&
+          comes_before(v, e, best_value, best_index)) {
+        best_value = v;
+        best_index = e;
+      }
+    }
+    warp_best(best_value, best_index);
+    if (best_index == INT_MAX) break;
+    if (i < k) {
+      if (lane == 0) pick_expert[warp][i] = best_index;
+    } else {
+      cutoff_value = best_value;
+    }
+    ++count;
+    previous_value = best_value;
+    previous_index = best_index;
+  }
+  if (cutoff && lane == 0) cutoff[t] = count == k + 1 ? cutoff_value : -INFINITY;
+  __syncwarp();
+
+  // Ascending expert order: each pick's position is the number of smaller picked ids.
+  for (int i = lane; i < k; i += 32) {
+    const int e = pick_expert[warp][i];
+    int position = 0;
+    for (int j = 0; j < k; ++j) position += pick_expert[warp][j] < e;
+    sorted_expert[warp][position] = e;
+  }
+  __syncwarp();
+  float scale = p.scaling;
+  if (p.renormalize) {
+    // Summed in ascending expert order, as the CPU op does.
+    float sum = 0.0f;
+    for (int i = 0; i < k; ++i) sum += score_row[sorted_expert[warp][i]];
+    scale = p.scaling / (sum + 1e-20f);
+  }
+  for (int i = lane; i < k; i += 32) {
+    const int e = sorted_expert[warp][i];
+    idx[t * k + i] = e;
+    w[t * k + i] = score_row[e] * scale;
+  }
+}
+
+__global__ void qb_histogram_kernel(const float* scores, const float* cutoff, int64_t N, int E,
+                                    double low, double inverse_width, int bins,
+                                    unsigned long long* counts) {
+  const int64_t total = N * E;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / E;
+    const int j = int(i % E);
+    const float c = cutoff[t];
+    if (!isfinite(c)) continue;
+    // Same double arithmetic as train/balance.cpp (no contraction), so the bins match exactly.
+    const double r = __dsub_rn(double(c), double(scores[i]));
+    int64_t bin = int64_t(floor(__dmul_rn(__dsub_rn(r, low), inverse_width)));
+    bin = bin < 0 ? 0 : (bin >= bins ? bins - 1 : bin);
+    atomicAdd(counts + int64_t(j) * bins + bin, 1ull);
+  }
+}
+
+// Value at 0-based position p of one expert's histogram (train/balance.cpp's estimator).
+__device__ double histogram_position_value(const int64_t* counts, int bins, double low,
+                                           double width, int64_t p) {
+  int64_t before = 0;
+  for (int bin = 0; bin < bins; ++bin) {
+    const int64_t c = counts[bin];
+    if (before + c > p) {
+      const double within = __ddiv_rn(__dadd_rn(double(p - before), 0.5), double(c));
+      return __dadd_rn(low, __dmul_rn(width, __dadd_rn(double(bin), within)));
+    }
+    before += c;
+  }
+  return __dadd_rn(low, __dmul_rn(width, double(bins)));
+}
+
+__global__ void qb_raw_bias_kernel(const int64_t* counts, int E, int k, int bins, double low,
+                                   double width, double* raw_bias) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= E) return;
+  int64_t n = 0;  // every used token adds one count to every expert: read it off row 0
+  for (int bin = 0; bin < bins; ++bin) n += counts[bin];
+  if (n == 0) return;
+  double position = __ddiv_rn(__dmul_rn(double(n), double(k)), double(E));
+  position = fmin(fmax(position, 0.0), double(n - 1));
+  const int64_t lower = int64_t(floor(position));
+  const double fraction = position - double(lower);
+  const int64_t* row = counts + int64_t(j) * bins;
+  const double lower_value = histogram_position_value(row, bins, low, width, lower);
+  double value = lower_value;
+  if (fraction > 0.0 && lower + 1 < n)
+    value = __dadd_rn(value, __dmul_rn(fraction, __dsub_rn(histogram_position_value(
+                                                                row, bins, low, width, lower + 1),
+                                                            lower_value)));
+  raw_bias[j] = value;
+}
+
+// ---- dispatch ---------------------------------------------------------------------------------
+
+// Exclusive prefix sum over the block (blockDim.x = kScanThreads); *total gets the block's sum.
+template <typename T>
+__device__ T block_exclusive_scan(T v, T* total) {
+  __shared__ T warp_sums[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  T inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const T n = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += n;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    T s = lane < warps ? warp_sums[lane] : T(0);
+    for (int o = 1; o < 32; o <<= 1) {
+      const T n = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += n;
+    }
+    warp_sums[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  const T before = warp == 0 ? T(0) : warp_sums[warp - 1];
+  *total = warp_sums[warps - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return before + inclusive - v;
+}
+
+// chunk_counts[c, e] = pairs of token chunk c routed to expert e.
+__global__ void dispatch_count_kernel(const int32_t* idx, int64_t N, int k, int E,
+                                      int32_t* chunk_counts, int32_t* error_flag) {
+  extern __shared__ int expert_count[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) expert_count[e] = 0;
+  __syncthreads();
+  const int64_t chunk = blockIdx.x;
+  const int64_t first = chunk * kDispatchChunkTokens * k;
+  const int64_t last = min(N, (chunk + 1) * kDispatchChunkTokens) * k;
+  for (int64_t r = first + threadIdx.x; r < last; r += blockDim.x) {
+    const int e = idx[r];
+    if (e < 0 || e >= E)
+      atomicExch(error_flag, 1);
+    else
+      atomicAdd(&expert_count[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) chunk_counts[chunk * E + e] = expert_count[e];
+}
+
+// Per expert: chunk_counts[:, e] → exclusive prefix over chunks; offsets[e+1] = total of e.
+__global__ void dispatch_chunk_scan_kernel(int32_t* chunk_counts, int64_t chunks, int E,
+                                           int64_t* offsets) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  int64_t running = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int32_t n = chunk_counts[c * E + e];
+    chunk_counts[c * E + e] = int32_t(running);
+    running += n;
+  }
+  offsets[e + 1] = running;
+}
+
+// offsets[1..E] (totals) → inclusive prefix sums; offsets[0] = 0. One block.
+__global__ void dispatch_offsets_scan_kernel(int64_t* offsets, int E) {
+  int64_t carry = 0;
+  for (int base = 0; base < E; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const int64_t v = e < E ? offsets[e + 1] : 0;
+    int64_t total;
+    const int64_t before = block_exclusive_scan<int64_t>(v, &total);
+    if (e < E) offsets[e + 1] = carry + before + v;
+    carry += total;
+  }
+  if (threadIdx.x == 0) offsets[0] = 0;
+}
+
+// One warp per token chunk: walks its tokens in order and hands out rows from per-expert cursors,
+// so rows of one expert are in (token, slot) order (stable, like moe_plan_build).
+__global__ void dispatch_assign_kernel(const int32_t* idx, int64_t N, int k, int E,
+                                       const int64_t* offsets, const int32_t* chunk_counts,
+                                       int32_t* token, int32_t* slot, int32_t* row_of_pair) {
+  extern __shared__ int cursor[];
+  const int64_t chunk = blockIdx.x;
+  const int lane = threadIdx.x;
+  for (int e = lane; e < E; e += 32) cursor[e] = int(offsets[e] + chunk_counts[chunk * E + e]);
+  __syncwarp();
+  const int64_t t_end = min(N, (chunk + 1) * kDispatchChunkTokens);
+  for (int64_t t = chunk * kDispatchChunkTokens; t < t_end; ++t) {
+    for (int s = lane; s < k; s += 32) {
+      const int e = idx[t * k + s];
+      if (e < 0 || e >= E) continue;  // reported by the count kernel
+      const int row = atomicAdd(&cursor[e], 1);  // distinct experts per token: no contention
+      token[row] = int32_t(t);
+      slot[row] = s;
+      row_of_pair[t * k + s] = row;
+    }
+    __syncwarp();
+  }
+}
+
+__global__ void permute_rows_kernel(const uint4* x, const int32_t* token, int64_t rows,
+                                    int64_t chunks_per_row, uint4* sorted) {
+  const int64_t total = rows * chunks_per_row;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks_per_row, c = i % chunks_per_row;
+    sorted[i] = x[int64_t(token[r]) * chunks_per_row + c];
+  }
+}
+
+__global__ void unpermute_rows_kernel(const uint4* sorted, const int32_t* row_of_pair,
+                                      const float* w, int64_t N, int k, int64_t chunks_per_row,
+                                      void* y, bool y_f32) {
+  const int64_t total = N * chunks_per_row;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / chunks_per_row, c = i % chunks_per_row;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < k; ++s) {
+      const float weight = w[t * k + s];
+      const uint4 packed = sorted[int64_t(row_of_pair[t * k + s]) * chunks_per_row + c];
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(pairs[q]);
+        acc[2 * q] += weight * f.x;
+        acc[2 * q + 1] += weight * f.y;
+      }
+    }
+    if (y_f32) {
+      float4* out = static_cast<float4*>(y) + 2 * i;
+      out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+      uint4 packed;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pairs[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+      static_cast<uint4*>(y)[i] = packed;
+    }
+  }
+}
+
+// cuBLAS grouped-GEMM pointer arrays for the non-empty experts in ascending order (group g).
+// Layout (9E entries): A1 B1 C1 [2E each: gate groups 0..G−1, up groups G..2G−1], A2 B2 C2 [E].
+__global__ void expert_pointer_kernel(const int64_t* offsets, const ExpertGemmBuffers b, int G) {
+  const int E = b.E;
+  const void** A1 = b.pointer_arrays;
+  const void** B1 = A1 + 2 * E;
+  const void** C1 = B1 + 2 * E;
+  const void** A2 = C1 + 2 * E;
+  const void** B2 = A2 + E;
+  const void** C2 = B2 + E;
+  const int64_t Din = b.Din, F = b.F;
+  int carry = 0;
+  for (int base = 0; base < E; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const int64_t begin = e < E ? offsets[e] : 0;
+    const int nonempty = e < E && offsets[e + 1] > begin ? 1 : 0;
+    int total;
+    const int before = block_exclusive_scan<int>(nonempty, &total);
+    if (nonempty) {
+      const int g = carry + before;
+      A1[g] = b.gate_w + int64_t(e) * F * Din;
+      A1[G + g] = b.up_w + int64_t(e) * F * Din;
+      B1[g] = B1[G + g] = b.x_sorted + begin * Din;
+      C1[g] = b.gate_out + begin * F;
+      C1[G + g] = b.up_out + begin * F;
+      A2[g] = b.down_w + int64_t(e) * Din * F;
+      B2[g] = b.gate_out + begin * F;
+      C2[g] = b.expert_out + begin * Din;
+    }
+    carry += total;
+  }
+}
+
+int grid_for(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return int(blocks < 65535 * 32 ? (blocks > 0 ? blocks : 1) : 65535 * 32);
+}
+
+}  // namespace
+
+void launch_route(const RouteProblem& p, const float* logits, const float* bias, float* scores,
+                  int32_t* idx, float* w, float* cutoff, CUstream_st* stream) {
+  if (p.N == 0) return;
+  moe_route_kernel<<<ceil_div(p.N, kRouteWarps), kRouteWarps * 32, 0, stream>>>(
+      p, logits, bias, scores, idx, w, cutoff);
+  check_last_error("moe_route_kernel");
+}
+
+void launch_qb_histogram(const float* scores, const float* cutoff, int64_t N, int E, double low,
+                         double inverse_width, int bins, int64_t* counts, CUstream_st* stream) {
+  if (N == 0) return;
+  qb_histogram_kernel<<<grid_for(N * E, 256), 256, 0, stream>>>(
+      scores, cutoff, N, E, low, inverse_width, bins,
+      reinterpret_cast<unsigned long long*>(counts));
+  check_last_error("qb_histogram_kernel");
+}
+
+void launch_qb_raw_bias(const int64_t* counts, int E, int k, int bins, double low, double width,
+                        double* raw_bias, CUstream_st* stream) {
+  qb_raw_bias_kernel<<<ceil_div(E, 128), 128, 0, stream>>>(counts, E, k, bins, low, width,
+                                                           raw_bias);
+  check_last_error("qb_raw_bias_kernel");
+}
+
+size_t dispatch_scratch_bytes(int64_t N, int E) {
+  const int64_t chunks = (N + kDispatchChunkTokens - 1) / kDispatchChunkTokens;
+  return size_t(std::max<int64_t>(chunks, 1)) * size_t(E) * sizeof(int32_t);
+}
+
+void launch_dispatch_plan(const int32_t* idx, int64_t N, int k, int E, int64_t* offsets,
+                          int32_t* token, int32_t* slot, int32_t* row_of_pair, void* scratch,
+                          int32_t* error_flag, CUstream_st* stream) {
+  const int64_t chunks = (N + kDispatchChunkTokens - 1) / kDispatchChunkTokens;
+  int32_t* chunk_counts = static_cast<int32_t*>(scratch);
+  const size_t expert_smem = size_t(E) * sizeof(int);
+  if (chunks > 0) {
+    dispatch_count_kernel<<<unsigned(chunks), 256, expert_smem, stream>>>(idx, N, k, E,
+                                                                          chunk_counts, error_flag);
+    check_last_error("dispatch_count_kernel");
+  } else {
+    DM_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (size_t(E) + 1) * sizeof(int64_t), stream));
+  }
+  dispatch_chunk_scan_kernel<<<ceil_div(E, 128), 128, 0, stream>>>(chunk_counts, chunks, E,
+                                                                   offsets);
+  check_last_error("dispatch_chunk_scan_kernel");
+  dispatch_offsets_scan_kernel<<<1, kScanThreads, 0, stream>>>(offsets, E);
+  check_last_error("dispatch_offsets_scan_kernel");
+  if (chunks > 0) {
+    dispatch_assign_kernel<<<unsigned(chunks), 32, expert_smem, stream>>>(
+        idx, N, k, E, offsets, chunk_counts, token, slot, row_of_pair);
+    check_last_error("dispatch_assign_kernel");
+  }
+}
+
+void launch_permute_rows(const uint16_t* x, const int32_t* token, int64_t rows, int64_t D,
+                         uint16_t* sorted, CUstream_st* stream) {
+  if (rows == 0 || D == 0) return;
+  permute_rows_kernel<<<grid_for(rows * (D / 8), 256), 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x), token, rows, D / 8, reinterpret_cast<uint4*>(sorted));
+  check_last_error("permute_rows_kernel");
+}
+
+void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, const float* w,
+                           int64_t N, int k, int64_t D, void* y, bool y_f32,
+                           CUstream_st* stream) {
+  if (N == 0 || D == 0) return;
+  unpermute_rows_kernel<<<grid_for(N * (D / 8), 256), 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(sorted), row_of_pair, w, N, k, D / 8, y, y_f32);
+  check_last_error("unpermute_rows_kernel");
+}
+
+size_t expert_pointer_array_bytes(int E) { return size_t(9) * size_t(E) * sizeof(void*); }
+
+size_t expert_grouped_host_bytes(int E) {
+  return size_t(2) * size_t(E) * (2 * sizeof(cublasOperation_t) + 7 * sizeof(int) + 2 * sizeof(float));
+}
+
+void run_expert_gemms_grouped(void* cublas_handle, const ExpertGemmBuffers& b,
+                              const int64_t* host_offsets, const int64_t* device_offsets,
+                              int phase, void* host_scratch, CUstream_st* stream) {
+  const int E = b.E;
+  int G = 0;
+  for (int e = 0; e < E; ++e) G += host_offsets[e + 1] > host_offsets[e];
+  if (G == 0) return;
+  if (phase == 0) {
+    expert_pointer_kernel<<<1, kScanThreads, 0, stream>>>(device_offsets, b, G);
+    check_last_error("expert_pointer_kernel");
+  }
+  // Host descriptor arrays, one entry per group.
+  const int groups = phase == 0 ? 2 * G : G;
+  char* cursor = static_cast<char*>(host_scratch);
+  auto take = [&](size_t bytes) {
+    void* p = cursor;
+    cursor += bytes;
+    return p;
+  };
+  auto* op_a = static_cast<cublasOperation_t*>(take(2 * E * sizeof(cublasOperation_t)));
+  auto* op_b = static_cast<cublasOperation_t*>(take(2 * E * sizeof(cublasOperation_t)));
+  int* m = static_cast<int*>(take(2 * E * sizeof(int)));
+  int* n = static_cast<int*>(take(2 * E * sizeof(int)));
+  int* kdim = static_cast<int*>(take(2 * E * sizeof(int)));
+  int* lda = static_cast<int*>(take(2 * E * sizeof(int)));
+  int* ldb = static_cast<int*>(take(2 * E * sizeof(int)));
+  int* ldc = static_cast<int*>(take(2 * E * sizeof(int)));
+  int* group_size = static_cast<int*>(take(2 * E * sizeof(int)));
+  float* alpha = static_cast<float*>(take(2 * E * sizeof(float)));
+  float* beta = static_cast<float*>(take(2 * E * sizeof(float)));
+  // Column-major view (see gemm.cu): out_rowmajor[rows, N] = in[rows, K]·W[N, K]ᵀ is
+  // Cᵀ[N, rows] = op_T(W as [K, N]) · in as [K, rows].
+  const int64_t out_dim = phase == 0 ? b.F : b.Din, in_dim = phase == 0 ? b.Din : b.F;
+  int g = 0;
+  for (int e = 0; e < E; ++e) {
+    const int64_t rows = host_offsets[e + 1] - host_offsets[e];
+    if (rows == 0) continue;
+    for (int copy = 0; copy < (phase == 0 ? 2 : 1); ++copy) {
+      const int i = g + copy * G;
+      op_a[i] = CUBLAS_OP_T;
+      op_b[i] = CUBLAS_OP_N;
+      m[i] = int(out_dim);
+      n[i] = int(rows);
+      kdim[i] = int(in_dim);
+      lda[i] = int(in_dim);
+      ldb[i] = int(in_dim);
+      ldc[i] = int(out_dim);
+      group_size[i] = 1;
+      alpha[i] = 1.0f;
+      beta[i] = 0.0f;
+    }
+    ++g;
+  }
+  const void* const* A = b.pointer_arrays + (phase == 0 ? 0 : 6 * E);
+  const void* const* B = A + (phase == 0 ? 2 * E : E);
+  void* const* C = const_cast<void* const*>(B + (phase == 0 ? 2 * E : E));
+  cublasHandle_t handle = static_cast<cublasHandle_t>(cublas_handle);
+  const cublasStatus_t set_status = cublasSetStream(handle, stream);
+  DM_CHECK(set_status == CUBLAS_STATUS_SUCCESS, "cublasSetStream failed: ", int(set_status));
+  const cublasStatus_t status = cublasGemmGroupedBatchedEx(
+      handle, op_a, op_b, m, n, kdim, alpha, A, CUDA_R_16BF, lda, B, CUDA_R_16BF, ldb, beta, C,
+      CUDA_R_16BF, ldc, groups, group_size, CUBLAS_COMPUTE_32F);
+  DM_CHECK(status == CUBLAS_STATUS_SUCCESS, "cublasGemmGroupedBatchedEx (phase ", phase,
+           ", ", groups, " groups) failed: cuBLAS status ", int(status));
+}
+
+void copy_to_host_and_wait(void* dst0, const void* src0, size_t bytes0, void* dst1,
+                           const void* src1, size_t bytes1, CUstream_st* stream) {
+  if (bytes0) DM_CUDA_CHECK(cudaMemcpyAsync(dst0, src0, bytes0, cudaMemcpyDeviceToHost, stream));
+  if (bytes1) DM_CUDA_CHECK(cudaMemcpyAsync(dst1, src1, bytes1, cudaMemcpyDeviceToHost, stream));
+  DM_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
+  if (bytes) DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+}
+
+void memset_async(void* dst, int value, size_t bytes, CUstream_st* stream) {
+  if (bytes) DM_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream));
+}
+
+}  // namespace dm::cuda::moe_detail

@@ -1,0 +1,114 @@
+// Mixture-of-experts on the GPU (SPEC §1.5, §1.6): the twins of ops/cpu/moe.h (router, dispatch
+// plan, grouped experts) and of the QB histogram statistics of train/balance.h. Plain C++ (no
+// CUDA headers); entry points in moe.cpp, kernels in moe.cu.
+//
+// Every pointer is a DEVICE pointer unless its comment says host; bf16 is its uint16_t bit
+// pattern. Flow of one MoE forward (dropless):
+//   moe_route            logits [N,E] fp32 → scores, idx [N,k], w [N,k], cutoff [N]
+//   moe_dispatch_plan_build   idx → rows sorted by expert (offsets, token, slot, row_of_pair);
+//                        copies the E+1 offsets to the host (one stream synchronisation: the
+//                        grouped GEMM launches need the per-expert row counts there)
+//   moe_experts_forward  gather x rows → grouped gate/up GEMMs → GLU → grouped down GEMM →
+//                        weighted combine per token into y
+// QB after the step: qb_histogram_accumulate + qb_raw_bias_from_histogram (or the one-call
+// quantile_balance_update_device).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cuda/gemm.h"
+
+struct CUstream_st;
+
+namespace dm {
+struct RouterParams;      // ops/cpu/moe.h
+struct GluActivation;     // ops/cpu/ffn.h
+struct QbHistogramRange;  // train/balance.h
+struct BalanceOptions;
+struct BalanceLayerState;
+}  // namespace dm
+
+namespace dm::cuda {
+
+class DeviceArena;
+
+// ---- Router (ops/cpu/moe.h moe_route): sigmoid scores, DeepSeek groups, top-(k+1) on s + bias,
+// idx ascending, w = s / Σ_T s × scaling, cutoff = the (k+1)-th biased score (−inf if none).
+// Ties go to the lower expert index. logits, bias (nullable) [E], scores [N,E], w, cutoff
+// (nullable) fp32; idx int32. k ≤ 63, n_group ≤ 256.
+void moe_route(const float* logits, const float* bias, int64_t N, const RouterParams& p,
+               float* scores, int32_t* idx, float* w, float* cutoff,
+               CUstream_st* stream = nullptr);
+
+// ---- QB statistics (train/balance.h), bit-compatible with the CPU histogram estimator -------
+// counts [E, range.bins] int64 += histogram of r_ij = cutoff_i − s_ij (rows with a non-finite
+// cutoff skipped). Counts of several micro-batches / ranks add.
+void qb_histogram_accumulate(const float* scores, const float* cutoff, int64_t N, int E,
+                             const QbHistogramRange& range, int64_t* counts,
+                             CUstream_st* stream = nullptr);
+// raw_bias [E] fp64 = the (q+1)-th smallest r of each expert estimated from counts (untouched
+// when the histogram is empty).
+void qb_raw_bias_from_histogram(const int64_t* counts, int E, int k,
+                                const QbHistogramRange& range, double* raw_bias,
+                                CUstream_st* stream = nullptr);
+// Device scratch of quantile_balance_update_device: counts [E, bins] and raw_bias [E].
+size_t quantile_balance_workspace_bytes(int E, int bins);
+// One-call QB update with the histogram estimator (train/balance.h quantile_balance_update):
+// bias [E] fp32 (device) must be the bias the forward routed with; it is SET to the new bias.
+// Synchronises the stream (the range comes from the bias, the mean subtraction and the optional
+// EMA run on the host with the CPU code). Leaves bias unchanged when no cutoff is finite.
+void quantile_balance_update_device(const float* scores, const float* cutoff, int64_t N, int E,
+                                    int k, const BalanceOptions& options,
+                                    BalanceLayerState* state, float* bias, void* workspace,
+                                    CUstream_st* stream = nullptr);
+
+// ---- Dispatch plan (ops/cpu/moe.h MoePlan): the N·k (token, slot) pairs sorted by expert,
+// stable (rows of one expert in token order), identical to moe_plan_build.
+struct MoeDispatchPlan {
+  int64_t N = 0;
+  int k = 0, E = 0;
+  int64_t* offsets = nullptr;           // [E+1]: rows of expert e are [offsets[e], offsets[e+1])
+  int32_t* token = nullptr;             // [N·k]
+  int32_t* slot = nullptr;              // [N·k]
+  int32_t* row_of_pair = nullptr;       // [N·k]: sorted row of (token t, slot s) at t·k + s
+  const int64_t* host_offsets = nullptr;  // HOST copy of offsets (the caller's buffer)
+};
+// Device bytes moe_dispatch_plan_build takes from its arena (plan arrays + scratch).
+size_t moe_dispatch_plan_bytes(int64_t N, int k, int E);
+// idx [N,k] int32 → plan (arrays from `arena`, valid while the caller keeps them). host_offsets:
+// caller's HOST buffer of E+1 int64. Synchronises the stream; throws dm::Error on an expert id
+// outside [0, E). E ≤ 8192.
+void moe_dispatch_plan_build(const int32_t* idx, int64_t N, int k, int E, MoeDispatchPlan* plan,
+                             DeviceArena& arena, int64_t* host_offsets,
+                             CUstream_st* stream = nullptr);
+// sorted[r, :] = x[token[r], :]   x [N, D], sorted [N·k, D] bf16, D % 8 == 0.
+void moe_permute_rows(const uint16_t* x, const MoeDispatchPlan& plan, int64_t D, uint16_t* sorted,
+                      CUstream_st* stream = nullptr);
+// y[t, :] = Σ_s w[t,s]·sorted[row_of_pair[t,s], :] (fp32 sums in slot order; the inverse of the
+// permutation weighted by the routing weights). w [N,k] fp32; y [N, D] fp32 or bf16 (written).
+void moe_unpermute_rows(const uint16_t* sorted, const MoeDispatchPlan& plan, const float* w,
+                        int64_t D, void* y, GemmOutType y_type, CUstream_st* stream = nullptr);
+
+// ---- Grouped experts (ops/cpu/moe.h moe_experts_forward), bf16 weights stacked per expert:
+// gate, up [E, F, Din]; down [E, Din, F].
+struct ExpertWeightsBf16 {
+  const uint16_t* gate = nullptr;
+  const uint16_t* up = nullptr;
+  const uint16_t* down = nullptr;
+  int64_t E = 0, Din = 0, F = 0;
+};
+// Grouped: two cublasGemmGroupedBatchedEx calls (gate+up, down) over the non-empty experts.
+// Loop: one cuBLASLt GEMM per non-empty expert and projection (the reference path).
+// Never a dense masked product. Intermediates are bf16 (fp32 accumulate inside each GEMM).
+enum class MoeGemmPath : uint8_t { Grouped, Loop };
+// Device scratch: gathered x [N·k, Din], gate/h and up [N·k, F], expert outputs [N·k, Din] (bf16)
+// and the grouped GEMM pointer arrays.
+size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew);
+// y[N, Din] = Σ_{j∈T(t)} w[t,slot]·E_j(x[t]) (written, fp32 or bf16); x [N, Din] bf16;
+// w [N,k] fp32 in the slot order of the plan's idx. `gemm` supplies the cuBLAS handles.
+void moe_experts_forward(GemmContext& gemm, const uint16_t* x, const MoeDispatchPlan& plan,
+                         const float* w, const ExpertWeightsBf16& ew, const GluActivation& act,
+                         void* y, GemmOutType y_type, void* workspace,
+                         MoeGemmPath path = MoeGemmPath::Grouped, CUstream_st* stream = nullptr);
+
+}  // namespace dm::cuda

@@ -1,0 +1,80 @@
+// Internal interface between the checked MoE entry points (moe.cpp, C++20, sees the CPU structs)
+// and the kernel launchers in moe.cu (nvcc, C++17). Plain C++17; not for use outside
+// src/ops/cuda/moe*. All pointers are device pointers unless marked host.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace dm::cuda::moe_detail {
+
+struct RouteProblem {
+  int64_t N = 0;
+  int E = 0, k = 0, n_group = 1, topk_group = 1;
+  bool renormalize = true;
+  float scaling = 1.0f;
+};
+// Largest k + 1 / group count the route kernel holds per warp in shared memory.
+constexpr int kRouteMaxPicks = 64, kRouteMaxGroups = 256;
+void launch_route(const RouteProblem& p, const float* logits, const float* bias, float* scores,
+                  int32_t* idx, float* w, float* cutoff, CUstream_st* stream);
+
+// counts[E, bins] += histogram of r = cutoff_i − s_ij (double), bin = floor((r − low)·inv_width)
+// clamped to the edges; rows with a non-finite cutoff skipped (train/balance.h).
+void launch_qb_histogram(const float* scores, const float* cutoff, int64_t N, int E, double low,
+                         double inverse_width, int bins, int64_t* counts, CUstream_st* stream);
+// raw_bias[j] = interpolated value at 0-based position q = n·k/E of expert j's histogram
+// (qb_raw_bias_from_histogram); untouched when the histogram is empty.
+void launch_qb_raw_bias(const int64_t* counts, int E, int k, int bins, double low, double width,
+                        double* raw_bias, CUstream_st* stream);
+
+// Dispatch plan: stable counting sort of the N·k (token, slot) pairs by expert.
+constexpr int kDispatchChunkTokens = 256;
+constexpr int kDispatchMaxExperts = 8192;
+size_t dispatch_scratch_bytes(int64_t N, int E);
+// Writes offsets [E+1], token / slot / row_of_pair [N·k]; sets *error_flag (device int32, zeroed
+// by the caller) when an expert id is outside [0, E).
+void launch_dispatch_plan(const int32_t* idx, int64_t N, int k, int E, int64_t* offsets,
+                          int32_t* token, int32_t* slot, int32_t* row_of_pair, void* scratch,
+                          int32_t* error_flag, CUstream_st* stream);
+// rows[r, :] = x[token[r], :] (bf16, D % 8 == 0).
+void launch_permute_rows(const uint16_t* x, const int32_t* token, int64_t rows, int64_t D,
+                         uint16_t* sorted, CUstream_st* stream);
+// y[t, :] = Σ_s w[t, s]·sorted[row_of_pair[t·k + s], :] (fp32 sums in slot order); y fp32 or bf16.
+void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, const float* w,
+                           int64_t N, int k, int64_t D, void* y, bool y_f32,
+                           CUstream_st* stream);
+
+// Grouped expert GEMMs over the non-empty experts (host_offsets [E+1] is the host copy of the
+// plan's offsets, device_offsets the device one), bf16 in and out, fp32 accumulate:
+//   gate_out[r] = x_sorted[r]·gate_eᵀ, up_out[r] = x_sorted[r]·up_eᵀ   (rows r of expert e) ...
+//   ... then (after the caller's GLU into gate_out) expert_out[r] = gate_out[r]·down_eᵀ.
+struct ExpertGemmBuffers {
+  const uint16_t* gate_w;    // [E, F, Din]
+  const uint16_t* up_w;      // [E, F, Din]
+  const uint16_t* down_w;    // [E, Din, F]
+  const uint16_t* x_sorted;  // [R, Din]
+  uint16_t* gate_out;        // [R, F] (also h after the GLU)
+  uint16_t* up_out;          // [R, F]
+  uint16_t* expert_out;      // [R, Din]
+  const void** pointer_arrays;  // device, 9·E entries (cuBLAS grouped A/B/C arrays)
+  int E;
+  int64_t Din, F;
+};
+size_t expert_pointer_array_bytes(int E);
+// Phase 0: gate and up projections; phase 1: down projection. cublas_handle: cublasHandle_t;
+// host_scratch: ≥ expert_grouped_host_bytes(E) bytes of host memory.
+size_t expert_grouped_host_bytes(int E);
+void run_expert_gemms_grouped(void* cublas_handle, const ExpertGemmBuffers& b,
+                              const int64_t* host_offsets, const int64_t* device_offsets,
+                              int phase, void* host_scratch, CUstream_st* stream);
+
+// Stream-ordered helpers: async copy device → host of each (dst, src, bytes) pair, then one
+// stream synchronisation; async memset.
+void copy_to_host_and_wait(void* dst0, const void* src0, size_t bytes0, void* dst1,
+                           const void* src1, size_t bytes1, CUstream_st* stream);
+void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
+void memset_async(void* dst, int value, size_t bytes, CUstream_st* stream);
+
+}  // namespace dm::cuda::moe_detail

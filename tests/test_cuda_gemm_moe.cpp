@@ -1,0 +1,384 @@
+// GPU dense GEMM (ops/cuda/gemm.h) and MoE ops (ops/cuda/moe.h) against the CPU: cuBLASLt GEMM
+// vs core/gemm.h on the same bf16 values (odd sizes, every transpose, bf16/fp32 out, beta);
+// router indices identical to moe_route (ties aside) with weights/cutoffs within fp32 tolerance;
+// dispatch plan identical to moe_plan_build and a permute/unpermute round trip; grouped experts
+// (cuBLAS grouped and per-expert loop) vs moe_experts_reference; QB histogram counts identical to
+// the CPU's and the bias within one bin width of the exact quantile. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/error.h"
+#include "core/gemm.h"
+#include "cuda_mla_test_util.h"
+#include "ops/cpu/ffn.h"
+#include "ops/cpu/moe.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/moe.h"
+#include "test_util.h"
+#include "train/balance.h"
+
+namespace dm {
+namespace {
+
+using test::mla::Bf16Host;
+using test::mla::download;
+using test::mla::random_bf16;
+using test::mla::upload;
+
+// ---- GEMM ------------------------------------------------------------------------------------
+
+TEST(CudaGemm, MatchesCpuGemmOnOddShapes) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  cuda::GemmContext context;
+  struct Shape {
+    int64_t M, N, K;
+  };
+  uint32_t seed = 1;
+  for (Shape shape : {Shape{1, 1, 1}, Shape{17, 33, 65}, Shape{128, 256, 64},
+                      Shape{63, 1000, 129}, Shape{300, 7, 512}}) {
+    for (int transposes = 0; transposes < 4; ++transposes) {
+      for (auto out : {cuda::GemmOutType::F32, cuda::GemmOutType::Bf16}) {
+        for (float beta : {0.0f, 0.5f}) {
+          const bool ta = transposes & 1, tb = transposes & 2;
+          const int64_t M = shape.M, N = shape.N, K = shape.K;
+          SCOPED_TRACE(str_cat("M=", M, " N=", N, " K=", K, " ta=", ta, " tb=", tb,
+                               " f32=", out == cuda::GemmOutType::F32, " beta=", beta));
+          // Padded leading dimensions (+3) so lda ≠ the logical width is exercised.
+          const int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 3, ldc = N + 3;
+          const Bf16Host A = random_bf16(size_t((ta ? K : M) * lda), seed++);
+          const Bf16Host B = random_bf16(size_t((tb ? N : K) * ldb), seed++);
+          const Bf16Host C0 = random_bf16(size_t(M * ldc), seed++);
+          cuda::DeviceArena arena(size_t(16) << 20);
+          const uint16_t* A_dev = upload(arena, A.bits);
+          const uint16_t* B_dev = upload(arena, B.bits);
+          void* C_dev;
+          if (out == cuda::GemmOutType::F32)
+            C_dev = upload(arena, C0.values);
+          else
+            C_dev = upload(arena, C0.bits);
+          context.gemm_bf16(ta, tb, M, N, K, 1.25f, A_dev, lda, B_dev, ldb, beta, C_dev, out, ldc);
+          cuda::synchronize();
+          std::vector<float> C = C0.values;
+          gemm(ta, tb, M, N, K, 1.25f, A.values.data(), lda, B.values.data(), ldb, beta, C.data(),
+               ldc);
+          std::vector<float> gpu;
+          if (out == cuda::GemmOutType::F32)
+            gpu = download(static_cast<float*>(C_dev), C.size());
+          else
+            gpu = test::mla::bf16_bits_to_floats(download(static_cast<uint16_t*>(C_dev), C.size()));
+          ASSERT_TRUE(test::mla::all_finite(gpu));
+          EXPECT_LE(test::rel_rms(gpu.data(), C.data(), C.size()),
+                    out == cuda::GemmOutType::F32 ? 1e-5 : 1e-2);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaGemm, CachesAlgorithmsAndHandlesEmptyK) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  cuda::GemmContext context;
+  cuda::DeviceArena arena(1 << 20);
+  const Bf16Host A = random_bf16(64 * 64, 7), B = random_bf16(64 * 64, 8);
+  const uint16_t* A_dev = upload(arena, A.bits);
+  const uint16_t* B_dev = upload(arena, B.bits);
+  float* C_dev = arena.alloc<float>(64 * 64);
+  for (int i = 0; i < 5; ++i)
+    context.gemm_bf16(false, false, 64, 64, 64, 1.0f, A_dev, 64, B_dev, 64, 0.0f, C_dev,
+                      cuda::GemmOutType::F32, 64);
+  EXPECT_EQ(context.cached_algorithms(), 1);  // steady state: no new heuristic queries
+  // K = 0: C ← beta·C.
+  const std::vector<float> ones(64 * 64, 1.0f);
+  cuda::copy_to_device(C_dev, ones.data(), ones.size() * 4);
+  context.gemm_bf16(false, false, 64, 64, 0, 1.0f, A_dev, 64, B_dev, 64, 3.0f, C_dev,
+                    cuda::GemmOutType::F32, 64);
+  cuda::synchronize();
+  const std::vector<float> C = download(C_dev, 64 * 64);
+  EXPECT_EQ(C[0], 3.0f);
+  EXPECT_EQ(C[64 * 64 - 1], 3.0f);
+  EXPECT_THROW(context.gemm_bf16(false, false, 4, 8, 4, 1.0f, A_dev, 4, B_dev, 8, 0.0f, C_dev,
+                                 cuda::GemmOutType::F32, 7),
+               Error);  // ldc < N
+}
+
+// ---- router ------------------------------------------------------------------------------------
+
+struct RouteCase {
+  int E, k, n_group, topk_group;
+  float scaling;
+};
+
+TEST(CudaMoeRoute, MatchesCpuRouter) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t N = 777;
+  uint32_t seed = 40;
+  for (RouteCase c : {RouteCase{64, 6, 1, 1, 2.5f}, RouteCase{64, 6, 8, 3, 1.0f},
+                      RouteCase{256, 8, 1, 1, 2.446f}, RouteCase{7, 7, 1, 1, 1.0f}}) {
+    SCOPED_TRACE(str_cat("E=", c.E, " k=", c.k, " groups=", c.n_group, "/", c.topk_group));
+    RouterParams p;
+    p.num_experts = c.E;
+    p.top_k = c.k;
+    p.n_group = c.n_group;
+    p.topk_group = c.topk_group;
+    p.scaling = c.scaling;
+    std::mt19937 rng(seed++);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> logits(static_cast<size_t>(N * c.E)), bias(static_cast<size_t>(c.E));
+    for (auto& x : logits) x = normal(rng);
+    for (auto& x : bias) x = 0.1f * normal(rng);
+    std::vector<float> scores(logits.size()), w(static_cast<size_t>(N * c.k)), cutoff(static_cast<size_t>(N));
+    std::vector<int32_t> idx(static_cast<size_t>(N * c.k));
+    moe_route<float>(logits.data(), bias.data(), N, p, scores.data(), idx.data(), w.data(),
+                     cutoff.data());
+
+    cuda::DeviceArena arena(size_t(8) << 20);
+    float* scores_dev = test::mla::alloc_poisoned<float>(arena, scores.size());
+    float* w_dev = test::mla::alloc_poisoned<float>(arena, w.size());
+    float* cutoff_dev = test::mla::alloc_poisoned<float>(arena, cutoff.size());
+    int32_t* idx_dev = test::mla::alloc_poisoned<int32_t>(arena, idx.size());
+    cuda::moe_route(upload(arena, logits), upload(arena, bias), N, p, scores_dev, idx_dev, w_dev,
+                    cutoff_dev);
+    cuda::synchronize();
+    const std::vector<float> scores_gpu = download(scores_dev, scores.size());
+    const std::vector<float> w_gpu = download(w_dev, w.size());
+    const std::vector<float> cutoff_gpu = download(cutoff_dev, cutoff.size());
+    const std::vector<int32_t> idx_gpu = download(idx_dev, idx.size());
+    EXPECT_LE(test::rel_rms(scores_gpu.data(), scores.data(), scores.size()), 1e-6);
+
+    int64_t compared = 0;
+    for (int64_t t = 0; t < N; ++t) {
+      // Ties aside: skip tokens whose biased scores have two values closer than the sigmoid
+      // implementations can disagree by (1e-5) among their top k+2.
+      std::vector<float> biased(static_cast<size_t>(c.E));
+      for (int e = 0; e < c.E; ++e) biased[size_t(e)] = scores[size_t(t * c.E + e)] + bias[size_t(e)];
+      std::sort(biased.begin(), biased.end(), std::greater<float>());
+      bool near_tie = false;
+      for (int i = 0; i + 1 < std::min(c.E, c.k + 2); ++i)
+        near_tie |= biased[size_t(i)] - biased[size_t(i + 1)] < 1e-5f;
+      if (c.n_group > 1) {  // group scores (sum of the two best biased values) near a tie
+        const int group_size = c.E / c.n_group;
+        std::vector<float> group_scores;
+        for (int g = 0; g < c.n_group; ++g) {
+          std::vector<float> members;
+          for (int e = g * group_size; e < (g + 1) * group_size; ++e)
+            members.push_back(scores[size_t(t * c.E + e)] + bias[size_t(e)]);
+          std::sort(members.begin(), members.end(), std::greater<float>());
+          group_scores.push_back(members[0] + members[1]);
+        }
+        std::sort(group_scores.begin(), group_scores.end(), std::greater<float>());
+        for (int i = 0; i + 1 < std::min(c.n_group, c.topk_group + 1); ++i)
+          near_tie |= group_scores[size_t(i)] - group_scores[size_t(i + 1)] < 1e-5f;
+      }
+      if (near_tie) continue;
+      ++compared;
+      for (int s = 0; s < c.k; ++s) {
+        const size_t i = size_t(t * c.k + s);
+        ASSERT_EQ(idx_gpu[i], idx[i]) << "token " << t << " slot " << s;
+        EXPECT_NEAR(w_gpu[i], w[i], 1e-5f * std::max(1.0f, std::fabs(w[i])));
+      }
+      if (std::isinf(cutoff[size_t(t)]))
+        EXPECT_TRUE(std::isinf(cutoff_gpu[size_t(t)]) && cutoff_gpu[size_t(t)] < 0);
+      else
+        EXPECT_NEAR(cutoff_gpu[size_t(t)], cutoff[size_t(t)], 1e-5f);
+    }
+    EXPECT_GT(compared, N / 2);
+  }
+}
+
+// Parameter checks run before any device work (no GPU needed).
+TEST(CudaMoeRoute, RejectsBadParameters) {
+  auto* fake = reinterpret_cast<float*>(uintptr_t(1) << 12);
+  auto* fake_idx = reinterpret_cast<int32_t*>(uintptr_t(1) << 12);
+  RouterParams p;
+  p.num_experts = 8;
+  p.top_k = 9;  // more than the experts
+  EXPECT_THROW(cuda::moe_route(fake, nullptr, 4, p, fake, fake_idx, fake, nullptr), Error);
+  p.top_k = 2;
+  p.n_group = 3;  // 8 experts do not split into 3 groups
+  p.topk_group = 1;
+  EXPECT_THROW(cuda::moe_route(fake, nullptr, 4, p, fake, fake_idx, fake, nullptr), Error);
+  p.n_group = 4;
+  p.topk_group = 5;  // more groups kept than exist
+  EXPECT_THROW(cuda::moe_route(fake, nullptr, 4, p, fake, fake_idx, fake, nullptr), Error);
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+// idx [N,k]: k distinct experts per token drawn from the first `used_experts` of E (so some
+// experts stay empty), each row ascending like moe_route's.
+std::vector<int32_t> random_routing(int64_t N, int k, int E, int used_experts, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> experts(static_cast<size_t>(used_experts)), idx(static_cast<size_t>(N * k));
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int64_t t = 0; t < N; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::sort(experts.begin(), experts.begin() + k);
+    std::copy(experts.begin(), experts.begin() + k, idx.begin() + t * k);
+  }
+  (void)E;
+  return idx;
+}
+
+TEST(CudaMoeDispatch, PlanMatchesCpuAndRoundTrips) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  for (auto [N, k, E, used] : {std::tuple<int64_t, int, int, int>{1, 1, 4, 4}, {700, 6, 64, 50},
+                               {3000, 8, 256, 256}}) {
+    SCOPED_TRACE(str_cat("N=", N, " k=", k, " E=", E));
+    const std::vector<int32_t> idx = random_routing(N, k, E, used, uint32_t(N + k));
+    Arena host_arena(moe_plan_bytes(N, k, E));
+    MoePlan cpu;
+    moe_plan_build(idx.data(), N, k, E, &cpu, host_arena);
+
+    cuda::DeviceArena arena(size_t(32) << 20);
+    const int32_t* idx_dev = upload(arena, idx);
+    std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
+    cuda::MoeDispatchPlan plan;
+    cuda::moe_dispatch_plan_build(idx_dev, N, k, E, &plan, arena, host_offsets.data());
+    EXPECT_TRUE(std::equal(host_offsets.begin(), host_offsets.end(), cpu.offsets));
+    const std::vector<int32_t> token = download(plan.token, size_t(N * k));
+    const std::vector<int32_t> slot = download(plan.slot, size_t(N * k));
+    EXPECT_TRUE(std::equal(token.begin(), token.end(), cpu.token));
+    EXPECT_TRUE(std::equal(slot.begin(), slot.end(), cpu.slot));
+
+    // Round trip: permute rows, unpermute with weights 1/k → the original rows.
+    const int64_t D = 40;
+    const Bf16Host x = random_bf16(size_t(N * D), 5);
+    uint16_t* sorted = test::mla::alloc_poisoned<uint16_t>(arena, size_t(N * k * D));
+    cuda::moe_permute_rows(upload(arena, x.bits), plan, D, sorted);
+    const std::vector<float> w(static_cast<size_t>(N * k), 1.0f / float(k));
+    float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * D));
+    cuda::moe_unpermute_rows(sorted, plan, upload(arena, w), D, y, cuda::GemmOutType::F32);
+    cuda::synchronize();
+    const std::vector<float> back = download(y, size_t(N * D));
+    EXPECT_LE(test::rel_rms(back.data(), x.values.data(), back.size()), 1e-6);
+  }
+  // An expert id outside [0, E) is reported.
+  cuda::DeviceArena arena(1 << 20);
+  const std::vector<int32_t> bad = {0, 1, 2, 4};
+  std::vector<int64_t> host_offsets(5);
+  cuda::MoeDispatchPlan plan;
+  EXPECT_THROW(cuda::moe_dispatch_plan_build(upload(arena, bad), 2, 2, 4, &plan, arena,
+                                             host_offsets.data()),
+               Error);
+}
+
+// ---- grouped experts ---------------------------------------------------------------------------
+
+TEST(CudaMoeExperts, GroupedMatchesReference) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t N = 200, E = 16, Din = 64, F = 48;
+  const int k = 4;
+  for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
+    for (auto path : {cuda::MoeGemmPath::Grouped, cuda::MoeGemmPath::Loop}) {
+      SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " grouped=",
+                           path == cuda::MoeGemmPath::Grouped));
+      GluActivation act;
+      act.kind = kind;
+      // Experts 12..15 receive no token (grouped GEMM must skip them).
+      const std::vector<int32_t> idx = random_routing(N, k, int(E), 12, 77);
+      const Bf16Host x = random_bf16(size_t(N * Din), 78);
+      const Bf16Host gate = random_bf16(size_t(E * F * Din), 79, 1.0f / std::sqrt(float(Din)));
+      const Bf16Host up = random_bf16(size_t(E * F * Din), 80, 1.0f / std::sqrt(float(Din)));
+      const Bf16Host down = random_bf16(size_t(E * Din * F), 81, 1.0f / std::sqrt(float(F)));
+      std::mt19937 rng(82);
+      std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
+      std::vector<float> w(static_cast<size_t>(N * k));
+      for (auto& value : w) value = uniform(rng);
+
+      std::vector<float> y_ref(static_cast<size_t>(N * Din));
+      ExpertWeights ew_cpu{gate.values.data(), up.values.data(), down.values.data(), E, Din, F};
+      moe_experts_reference(x.values.data(), idx.data(), w.data(), N, k, ew_cpu, act,
+                            y_ref.data());
+
+      cuda::GemmContext context;
+      cuda::DeviceArena arena(size_t(32) << 20);
+      std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
+      cuda::MoeDispatchPlan plan;
+      cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
+                                    host_offsets.data());
+      cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
+                                 upload(arena, down.bits), E, Din, F};
+      void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
+      float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * Din));
+      cuda::moe_experts_forward(context, upload(arena, x.bits), plan, upload(arena, w), ew, act,
+                                y, cuda::GemmOutType::F32, workspace, path);
+      cuda::synchronize();
+      const std::vector<float> y_gpu = download(y, size_t(N * Din));
+      ASSERT_TRUE(test::mla::all_finite(y_gpu));
+      EXPECT_LE(test::rel_rms(y_gpu.data(), y_ref.data(), y_ref.size()), 1e-2);
+    }
+  }
+}
+
+// ---- QB statistics -----------------------------------------------------------------------------
+
+TEST(CudaMoeBalance, HistogramMatchesCpuAndExactQuantile) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t N = 3000;
+  const int E = 32, k = 4, bins = 1000;
+  RouterParams p;
+  p.num_experts = E;
+  p.top_k = k;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> logits(static_cast<size_t>(N * E)), bias(static_cast<size_t>(E));
+  for (auto& x : logits) x = normal(rng);
+  for (auto& x : bias) x = 0.2f * normal(rng);
+  std::vector<float> scores(logits.size()), w(static_cast<size_t>(N * k)), cutoff(static_cast<size_t>(N));
+  std::vector<int32_t> idx(static_cast<size_t>(N * k));
+  moe_route<float>(logits.data(), bias.data(), N, p, scores.data(), idx.data(), w.data(),
+                   cutoff.data());
+  cutoff[5] = -INFINITY;  // a token without a finite cutoff is skipped by both
+
+  const QbHistogramRange range = qb_histogram_range(bias.data(), E, bins);
+  std::vector<int64_t> counts_cpu(static_cast<size_t>(E) * bins, 0);
+  qb_histogram_accumulate(scores.data(), cutoff.data(), N, E, range, counts_cpu.data());
+  std::vector<double> raw_hist_cpu(static_cast<size_t>(E)), raw_exact(static_cast<size_t>(E));
+  qb_raw_bias_from_histogram(counts_cpu.data(), E, k, range, raw_hist_cpu.data());
+  qb_raw_bias_exact(scores.data(), cutoff.data(), N, E, k, raw_exact.data());
+
+  cuda::DeviceArena arena(size_t(8) << 20);
+  const float* scores_dev = upload(arena, scores);
+  const float* cutoff_dev = upload(arena, cutoff);
+  int64_t* counts_dev = test::mla::alloc_zeroed<int64_t>(arena, counts_cpu.size());
+  double* raw_dev = arena.alloc<double>(size_t(E));
+  cuda::qb_histogram_accumulate(scores_dev, cutoff_dev, N, E, range, counts_dev);
+  cuda::qb_raw_bias_from_histogram(counts_dev, E, k, range, raw_dev);
+  cuda::synchronize();
+  EXPECT_EQ(download(counts_dev, counts_cpu.size()), counts_cpu);
+  const std::vector<double> raw_gpu = download(raw_dev, size_t(E));
+  for (int j = 0; j < E; ++j) {
+    EXPECT_NEAR(raw_gpu[size_t(j)], raw_hist_cpu[size_t(j)], 1e-12) << "expert " << j;
+    EXPECT_LE(std::fabs(raw_gpu[size_t(j)] - raw_exact[size_t(j)]), range.bin_width())
+        << "expert " << j;
+  }
+
+  // The one-call update equals the CPU update with the histogram estimator.
+  BalanceOptions options;
+  options.estimator = QuantileEstimator::Histogram;
+  options.histogram_bins = bins;
+  std::vector<float> bias_cpu = bias;
+  quantile_balance_update(scores.data(), cutoff.data(), N, E, k, options, nullptr,
+                          bias_cpu.data());
+  float* bias_dev = upload(arena, bias);
+  void* workspace = arena.alloc_bytes(cuda::quantile_balance_workspace_bytes(E, bins));
+  cuda::quantile_balance_update_device(scores_dev, cutoff_dev, N, E, k, options, nullptr,
+                                       bias_dev, workspace);
+  const std::vector<float> bias_gpu = download(bias_dev, size_t(E));
+  for (int j = 0; j < E; ++j) EXPECT_NEAR(bias_gpu[size_t(j)], bias_cpu[size_t(j)], 1e-6);
+}
+
+}  // namespace
+}  // namespace dm
+#else
+TEST(CudaGemm, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif

@@ -1,0 +1,396 @@
+// CUDA KDA (ops/cuda/kda.h) against the CPU operator (ops/cpu/kda.h) in double: the recurrent
+// kernel (many-token runs and in-place decode steps), the chunked forward (fp32 CUDA-core path
+// and bf16 path) and the chunked backward, on ragged shapes (T around chunk boundaries, T = 1,
+// odd K and V), gates down to −27 per step, packed documents (doc_start) and null / in-place
+// states. fp32: relative RMS ≤ 1e-5 for outputs and states, ≤ 1e-4 for gradients (the CPU fp32
+// backward's own bound against double, tests/test_kda.cpp); bf16 inputs: ≤ 1e-2 against double
+// on the bf16-rounded inputs. Without a GPU every test skips.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/cpu/kda.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace {
+
+namespace cu = dm::cuda;
+using dm::KdaShape;
+using dm::test::all_finite;
+using dm::test::DeviceScratch;
+using dm::test::from_bf16;
+using dm::test::to_bf16;
+
+// Operator inputs in double (the reference's type); the GPU gets them as float or bf16.
+struct KdaInputs {
+  KdaShape shape;
+  std::vector<double> q, k, v, g, beta, s0;
+  std::vector<int32_t> doc_start;  // empty: one document per row
+};
+
+// g per channel: −exp(U(lo, hi)); (−6, 3.3) spans ~0 to −27 per step.
+KdaInputs random_inputs(KdaShape s, uint64_t seed, double log_decay_lo = -6.0,
+                        double log_decay_hi = 3.3) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> unit(0.0, 1.0), log_decay(log_decay_lo, log_decay_hi);
+  KdaInputs p;
+  p.shape = s;
+  const size_t n_qk = size_t(s.B * s.T * s.H * s.K), n_v = size_t(s.B * s.T * s.H * s.V);
+  auto fill = [&](std::vector<double>& x, size_t n, auto&& draw) {
+    x.resize(n);
+    for (double& e : x) e = draw();
+  };
+  fill(p.q, n_qk, [&] { return normal(rng); });
+  fill(p.k, n_qk, [&] { return normal(rng); });
+  fill(p.v, n_v, [&] { return normal(rng); });
+  fill(p.g, n_qk, [&] { return -std::exp(log_decay(rng)); });
+  fill(p.beta, size_t(s.B * s.T * s.H), [&] { return unit(rng); });
+  fill(p.s0, size_t(s.B * s.H * s.K * s.V), [&] { return 0.5 * normal(rng); });
+  return p;
+}
+
+// Documents starting at the given in-row positions (and 0), for every row.
+std::vector<int32_t> make_doc_start(const KdaShape& s, const std::vector<int64_t>& starts) {
+  std::vector<int32_t> doc(size_t(s.B * s.T));
+  for (int64_t b = 0; b < s.B; ++b) {
+    int32_t current = 0;
+    for (int64_t t = 0; t < s.T; ++t) {
+      for (int64_t start : starts)
+        if (start == t) current = int32_t(t);
+      doc[size_t(b * s.T + t)] = current;
+    }
+  }
+  return doc;
+}
+
+// Rounds every input through bf16 (so the double reference sees what a bf16 kernel sees).
+void round_inputs_bf16(KdaInputs& p) {
+  for (auto* x : {&p.q, &p.k, &p.v, &p.g, &p.beta})
+    for (double& e : *x) e = double(cu::bf16_to_float(cu::float_to_bf16(float(e))));
+}
+
+std::vector<float> to_float(const std::vector<double>& x) { return {x.begin(), x.end()}; }
+
+double rel_rms(const std::vector<float>& got, const std::vector<double>& want) {
+  const std::vector<float> want32 = to_float(want);
+  EXPECT_EQ(got.size(), want32.size());
+  return dm::test::rel_rms(got.data(), want32.data(), want32.size());
+}
+
+double default_scale(const KdaShape& s) { return 1.0 / std::sqrt(double(s.K)); }
+
+struct KdaForwardResult {
+  std::vector<double> o, sT;
+};
+
+KdaForwardResult cpu_forward(const KdaInputs& p, bool with_s0) {
+  const KdaShape& s = p.shape;
+  KdaForwardResult r;
+  r.o.assign(size_t(s.B * s.T * s.H * s.V), 0.0);
+  r.sT.assign(size_t(s.B * s.H * s.K * s.V), 0.0);
+  dm::kda_recurrent_forward<double>(p.q.data(), p.k.data(), p.v.data(), p.g.data(),
+                                    p.beta.data(), with_s0 ? p.s0.data() : nullptr, r.o.data(),
+                                    r.sT.data(), s, default_scale(s),
+                                    p.doc_start.empty() ? nullptr : p.doc_start.data());
+  return r;
+}
+
+enum class KdaGpuForm { Recurrent, Chunked };
+
+// Runs the GPU forward with float (bf16 = false) or bf16 storage; returns o and sT as float.
+std::pair<std::vector<float>, std::vector<float>> gpu_forward(const KdaInputs& p, KdaGpuForm form,
+                                                              bool bf16, bool with_s0) {
+  const KdaShape& s = p.shape;
+  const size_t n_o = size_t(s.B * s.T * s.H * s.V), n_state = size_t(s.B * s.H * s.K * s.V);
+  const size_t ws_bytes = form == KdaGpuForm::Chunked ? cu::kda_chunk_forward_workspace_bytes(s) : 0;
+  DeviceScratch dev(8 * (p.q.size() + p.k.size() + p.v.size() + p.g.size() + p.beta.size()) +
+                    8 * n_o + 8 * n_state + 4 * p.doc_start.size() + ws_bytes + (1 << 20));
+  const float* s0 = with_s0 ? dev.upload(to_float(p.s0)) : nullptr;
+  float* sT = dev.zeros<float>(n_state);
+  const int32_t* doc = p.doc_start.empty() ? nullptr : dev.upload(p.doc_start);
+  void* ws = ws_bytes ? dev.raw(ws_bytes) : nullptr;
+  const float scale = float(default_scale(s));
+  std::vector<float> o;
+  if (bf16) {
+    auto up = [&](const std::vector<double>& x) { return dev.upload(to_bf16(to_float(x))); };
+    const uint16_t *q = up(p.q), *k = up(p.k), *v = up(p.v), *g = up(p.g), *beta = up(p.beta);
+    uint16_t* o_d = dev.zeros<uint16_t>(n_o);
+    if (form == KdaGpuForm::Chunked)
+      cu::kda_chunk_forward(q, k, v, g, beta, s0, o_d, sT, s, scale, ws, doc);
+    else
+      cu::kda_recurrent_forward(q, k, v, g, beta, s0, o_d, sT, s, scale, doc);
+    o = from_bf16(DeviceScratch::download(o_d, n_o));
+  } else {
+    auto up = [&](const std::vector<double>& x) { return dev.upload(to_float(x)); };
+    const float *q = up(p.q), *k = up(p.k), *v = up(p.v), *g = up(p.g), *beta = up(p.beta);
+    float* o_d = dev.zeros<float>(n_o);
+    if (form == KdaGpuForm::Chunked)
+      cu::kda_chunk_forward(q, k, v, g, beta, s0, o_d, sT, s, scale, ws, doc);
+    else
+      cu::kda_recurrent_forward(q, k, v, g, beta, s0, o_d, sT, s, scale, doc);
+    o = DeviceScratch::download(o_d, n_o);
+  }
+  return {o, DeviceScratch::download(sT, n_state)};
+}
+
+void check_forward(const KdaInputs& p, KdaGpuForm form, bool bf16, bool with_s0,
+                   const std::string& what) {
+  const KdaForwardResult ref = cpu_forward(p, with_s0);
+  const auto [o, sT] = gpu_forward(p, form, bf16, with_s0);
+  const double tolerance = bf16 ? 1e-2 : 1e-5;
+  EXPECT_TRUE(all_finite(o) && all_finite(sT)) << what;
+  if (!ref.o.empty()) {
+    EXPECT_LE(rel_rms(o, ref.o), tolerance) << what << " (o)";
+  }
+  EXPECT_LE(rel_rms(sT, ref.sT), tolerance) << what << " (sT)";
+}
+
+std::string describe(const KdaShape& s, const char* extra) {
+  return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " H=" + std::to_string(s.H) +
+         " K=" + std::to_string(s.K) + " V=" + std::to_string(s.V) + " " + extra;
+}
+
+// Ragged shapes: T around chunk boundaries and T = 1; odd K, V; full-size heads.
+const KdaShape kForwardShapes[] = {{2, 1, 3, 16, 12},  {2, 17, 3, 16, 12}, {1, 63, 2, 7, 5},
+                                   {2, 64, 3, 16, 12}, {1, 65, 2, 33, 17}, {2, 130, 3, 16, 12},
+                                   {1, 200, 2, 128, 128}};
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(CudaKdaRecurrent, MatchesCpuF32AndBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  uint64_t seed = 100;
+  for (const KdaShape& s : kForwardShapes) {
+    KdaInputs p = random_inputs(s, ++seed);
+    check_forward(p, KdaGpuForm::Recurrent, false, true, describe(s, "recurrent f32"));
+    check_forward(p, KdaGpuForm::Recurrent, false, false, describe(s, "recurrent f32 no s0"));
+    round_inputs_bf16(p);
+    check_forward(p, KdaGpuForm::Recurrent, true, true, describe(s, "recurrent bf16"));
+  }
+  // K beyond the chunked limit is fine for the recurrent kernel.
+  check_forward(random_inputs({1, 5, 2, 200, 40}, 7), KdaGpuForm::Recurrent, false, true,
+                "recurrent K=200");
+}
+
+// Decode: T = 1 steps with the state carried in place (s0 == sT) equal one call over all tokens.
+TEST(CudaKdaRecurrent, InPlaceDecodeStepsMatchOneShot) {
+  DM_SKIP_WITHOUT_GPU();
+  const KdaShape whole{3, 9, 4, 128, 128};
+  const KdaInputs p = random_inputs(whole, 5);
+  const KdaForwardResult ref = cpu_forward(p, true);
+  const KdaShape step{whole.B, 1, whole.H, whole.K, whole.V};
+  const int64_t row_k = whole.H * whole.K, row_v = whole.H * whole.V;
+  DeviceScratch dev(size_t(1) << 24);
+  float* state = dev.upload(to_float(p.s0));
+  float* q = dev.zeros<float>(size_t(whole.B * row_k));
+  float* k = dev.zeros<float>(size_t(whole.B * row_k));
+  float* g = dev.zeros<float>(size_t(whole.B * row_k));
+  float* v = dev.zeros<float>(size_t(whole.B * row_v));
+  float* beta = dev.zeros<float>(size_t(whole.B * whole.H));
+  float* o = dev.zeros<float>(size_t(whole.B * row_v));
+  std::vector<float> o_all(ref.o.size());
+  const float scale = float(default_scale(whole));
+  for (int64_t t = 0; t < whole.T; ++t) {
+    // Gather token t of every sequence into a [B, 1, H, ·] batch.
+    std::vector<float> qs, ks, gs, vs, betas;
+    for (int64_t b = 0; b < whole.B; ++b) {
+      const size_t at_k = size_t((b * whole.T + t) * row_k), at_v = size_t((b * whole.T + t) * row_v);
+      qs.insert(qs.end(), p.q.begin() + long(at_k), p.q.begin() + long(at_k + size_t(row_k)));
+      ks.insert(ks.end(), p.k.begin() + long(at_k), p.k.begin() + long(at_k + size_t(row_k)));
+      gs.insert(gs.end(), p.g.begin() + long(at_k), p.g.begin() + long(at_k + size_t(row_k)));
+      vs.insert(vs.end(), p.v.begin() + long(at_v), p.v.begin() + long(at_v + size_t(row_v)));
+      for (int64_t h = 0; h < whole.H; ++h) betas.push_back(float(p.beta[size_t((b * whole.T + t) * whole.H + h)]));
+    }
+    cu::copy_to_device(q, qs.data(), qs.size() * 4);
+    cu::copy_to_device(k, ks.data(), ks.size() * 4);
+    cu::copy_to_device(g, gs.data(), gs.size() * 4);
+    cu::copy_to_device(v, vs.data(), vs.size() * 4);
+    cu::copy_to_device(beta, betas.data(), betas.size() * 4);
+    cu::kda_recurrent_forward(q, k, v, g, beta, state, o, state, step, scale);
+    const std::vector<float> o_step = DeviceScratch::download(o, size_t(whole.B * row_v));
+    for (int64_t b = 0; b < whole.B; ++b)
+      for (int64_t i = 0; i < row_v; ++i)
+        o_all[size_t((b * whole.T + t) * row_v + i)] = o_step[size_t(b * row_v + i)];
+  }
+  EXPECT_LE(rel_rms(o_all, ref.o), 1e-5);
+  EXPECT_LE(rel_rms(DeviceScratch::download(state, ref.sT.size()), ref.sT), 1e-5);
+}
+
+TEST(CudaKdaChunk, ForwardMatchesCpuF32) {
+  DM_SKIP_WITHOUT_GPU();
+  uint64_t seed = 200;
+  for (const KdaShape& s : kForwardShapes) {
+    const KdaInputs p = random_inputs(s, ++seed);
+    check_forward(p, KdaGpuForm::Chunked, false, true, describe(s, "chunked f32"));
+    check_forward(p, KdaGpuForm::Chunked, false, false, describe(s, "chunked f32 no s0"));
+  }
+  // T = 0: no output, sT = s0.
+  check_forward(random_inputs({2, 0, 3, 16, 12}, 9), KdaGpuForm::Chunked, false, true, "T=0");
+}
+
+TEST(CudaKdaChunk, ForwardMatchesCpuBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  uint64_t seed = 300;
+  for (const KdaShape& s : kForwardShapes) {
+    KdaInputs p = random_inputs(s, ++seed);
+    round_inputs_bf16(p);
+    check_forward(p, KdaGpuForm::Chunked, true, true, describe(s, "chunked bf16"));
+  }
+}
+
+// Every channel decays by e^{−20}…e^{−27} per step: e^{−Γ} would overflow within 4 tokens.
+TEST(CudaKdaChunk, StrongDecayStaysFinite) {
+  DM_SKIP_WITHOUT_GPU();
+  const KdaInputs p = random_inputs({1, 130, 2, 32, 16}, 7, 3.0, 3.3);
+  check_forward(p, KdaGpuForm::Chunked, false, true, "strong decay chunked");
+  check_forward(p, KdaGpuForm::Recurrent, false, true, "strong decay recurrent");
+}
+
+// Packed documents: starts inside chunks, exactly at a chunk start, and on adjacent tokens.
+TEST(CudaKdaChunk, DocStartMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  const KdaShape s{2, 150, 2, 16, 12};
+  KdaInputs p = random_inputs(s, 11, -4.0, 1.0);
+  p.doc_start = make_doc_start(s, {5, 6, 64, 100, 149});
+  check_forward(p, KdaGpuForm::Chunked, false, true, "doc_start chunked");
+  check_forward(p, KdaGpuForm::Recurrent, false, true, "doc_start recurrent");
+}
+
+TEST(CudaKdaChunk, RejectsBadInput) {
+  DM_SKIP_WITHOUT_GPU();
+  const float* none = nullptr;
+  EXPECT_THROW(cu::kda_chunk_forward_workspace_bytes({1, 64, 1, 129, 16}), dm::Error);  // K > 128
+  EXPECT_THROW(cu::kda_chunk_forward(none, none, none, none, none, nullptr, nullptr, nullptr,
+                                     {1, 64, 1, 16, 16}, 0.25f, nullptr),
+               dm::Error);  // missing workspace
+  EXPECT_THROW(cu::kda_recurrent_forward(none, none, none, none, none, nullptr, nullptr, nullptr,
+                                         {1, 4, 1, 300, 16}, 0.25f),
+               dm::Error);  // K > 256
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: GPU chunked backward vs CPU BPTT in double. Gradient buffers start from random
+// values, so accumulation (+=) is checked too.
+
+struct KdaGradients {
+  std::vector<double> dq, dk, dv, dg, dbeta, ds0;
+};
+
+// nonzero_initial: gradient buffers start from random values (checks +=); off where gradients are
+// tiny (strong decay: dg ~ e^{−20}) and the float subtraction of the initial values would swamp them.
+void check_backward(const KdaInputs& p, bool bf16, const std::string& what,
+                    bool nonzero_initial = true) {
+  const KdaShape& s = p.shape;
+  const size_t n_qk = p.q.size(), n_v = p.v.size(), n_beta = p.beta.size(), n_state = p.s0.size();
+  const std::vector<double> d_o = [&] {
+    std::vector<double> x(n_v);
+    std::mt19937_64 rng(77);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (double& e : x) e = bf16 ? double(cu::bf16_to_float(cu::float_to_bf16(float(normal(rng))))) : normal(rng);
+    return x;
+  }();
+  std::vector<double> dsT(n_state);
+  {
+    std::mt19937_64 rng(78);
+    std::normal_distribution<double> normal(0.0, 0.3);
+    for (double& e : dsT) e = normal(rng);
+  }
+  // Initial gradient contents (the op accumulates into them).
+  auto initial = [&](size_t n, uint64_t seed) {
+    return nonzero_initial ? dm::test::random_normal(n, seed) : std::vector<float>(n, 0.0f);
+  };
+  const std::vector<float> dq0 = initial(n_qk, 81), dk0 = initial(n_qk, 82), dv0 = initial(n_v, 83);
+  const std::vector<float> dg0 = initial(n_qk, 84), dbeta0 = initial(n_beta, 85);
+  const std::vector<float> ds00 = initial(n_state, 86);
+
+  KdaGradients ref{std::vector<double>(n_qk), std::vector<double>(n_qk), std::vector<double>(n_v),
+                   std::vector<double>(n_qk), std::vector<double>(n_beta), std::vector<double>(n_state)};
+  const int32_t* doc_host = p.doc_start.empty() ? nullptr : p.doc_start.data();
+  dm::kda_recurrent_backward<double>(p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(),
+                                     p.s0.data(), d_o.data(), dsT.data(), ref.dq.data(),
+                                     ref.dk.data(), ref.dv.data(), ref.dg.data(), ref.dbeta.data(),
+                                     ref.ds0.data(), s, default_scale(s), doc_host);
+
+  const size_t ws_bytes = cu::kda_chunk_backward_workspace_bytes(s);
+  DeviceScratch dev(16 * (3 * n_qk + 2 * n_v + n_beta + 2 * n_state) + 4 * p.doc_start.size() +
+                    ws_bytes + (1 << 20));
+  const float* s0 = dev.upload(to_float(p.s0));
+  const float* dsT_d = dev.upload(to_float(dsT));
+  float* dq = dev.upload(dq0);
+  float* dk = dev.upload(dk0);
+  float* dv = dev.upload(dv0);
+  float* dg = dev.upload(dg0);
+  float* dbeta = dev.upload(dbeta0);
+  float* ds0 = dev.upload(ds00);
+  const int32_t* doc = p.doc_start.empty() ? nullptr : dev.upload(p.doc_start);
+  void* ws = ws_bytes ? dev.raw(ws_bytes) : nullptr;
+  const float scale = float(default_scale(s));
+  if (bf16) {
+    auto up = [&](const std::vector<double>& x) { return dev.upload(to_bf16(to_float(x))); };
+    cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
+                           dk, dv, dg, dbeta, ds0, s, scale, ws, doc);
+  } else {
+    auto up = [&](const std::vector<double>& x) { return dev.upload(to_float(x)); };
+    cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
+                           dk, dv, dg, dbeta, ds0, s, scale, ws, doc);
+  }
+  const double tolerance = bf16 ? 1e-2 : 1e-4;
+  // What the op added = downloaded − initial contents; compared with the pure reference gradient
+  // (an op that overwrote instead of accumulating would be off by the initial contents).
+  struct Check {
+    const char* name;
+    const float* device;
+    const std::vector<float>* initial;
+    const std::vector<double>* want;
+  };
+  const Check checks[] = {{"dq", dq, &dq0, &ref.dq},         {"dk", dk, &dk0, &ref.dk},
+                          {"dv", dv, &dv0, &ref.dv},         {"dg", dg, &dg0, &ref.dg},
+                          {"dbeta", dbeta, &dbeta0, &ref.dbeta}, {"ds0", ds0, &ds00, &ref.ds0}};
+  for (const Check& c : checks) {
+    std::vector<float> added = DeviceScratch::download(c.device, c.want->size());
+    EXPECT_TRUE(all_finite(added)) << what << " " << c.name;
+    for (size_t i = 0; i < added.size(); ++i) added[i] -= (*c.initial)[i];
+    EXPECT_LE(rel_rms(added, *c.want), tolerance) << what << " " << c.name;
+  }
+}
+
+TEST(CudaKdaBackward, MatchesCpuF32) {
+  DM_SKIP_WITHOUT_GPU();
+  uint64_t seed = 400;
+  for (const KdaShape& s : {KdaShape{2, 1, 3, 16, 12}, KdaShape{1, 63, 2, 7, 5},
+                            KdaShape{2, 65, 3, 16, 12}, KdaShape{1, 130, 2, 33, 17},
+                            KdaShape{1, 70, 1, 128, 128}})
+    check_backward(random_inputs(s, ++seed, -5.0, 1.0), false, describe(s, "backward f32"));
+}
+
+TEST(CudaKdaBackward, StrongDecayAndDocStartF32) {
+  DM_SKIP_WITHOUT_GPU();
+  check_backward(random_inputs({1, 130, 2, 32, 16}, 8, 3.0, 3.3), false, "backward strong decay",
+                 /*nonzero_initial=*/false);
+  const KdaShape s{2, 150, 2, 16, 12};
+  KdaInputs p = random_inputs(s, 12, -4.0, 1.0);
+  p.doc_start = make_doc_start(s, {5, 6, 64, 100, 149});
+  check_backward(p, false, "backward doc_start");
+}
+
+TEST(CudaKdaBackward, MatchesCpuBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  KdaInputs p = random_inputs({2, 100, 2, 64, 64}, 13, -5.0, 1.0);
+  round_inputs_bf16(p);
+  check_backward(p, true, "backward bf16");
+}
+
+}  // namespace
+#else
+TEST(CudaKda, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif

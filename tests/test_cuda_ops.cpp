@@ -1,0 +1,350 @@
+// CUDA element/norm/loss/optimizer ops (ops/cuda/elementwise.h) against the CPU references
+// (ops/cpu/rmsnorm.h, ffn.h, loss.h, the AdamW rule of train/optimizer.cpp), fp32 and bf16
+// storage, on ragged shapes. fp32 paths: relative RMS error ≤ 1e-5; bf16 paths: the CPU op run in
+// fp32 on the bf16-rounded inputs, compared with the GPU's bf16 outputs, ≤ 1e-2. Without a GPU
+// every test skips (GTEST_SKIP), so CI only checks that this compiles.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/cpu/ffn.h"
+#include "ops/cpu/loss.h"
+#include "ops/cpu/rmsnorm.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace {
+
+namespace cu = dm::cuda;
+
+using dm::test::all_finite;
+using dm::test::DeviceScratch;
+using dm::test::from_bf16;
+using dm::test::random_normal;
+using dm::test::round_bf16;
+using dm::test::to_bf16;
+
+double rel_rms(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  return dm::test::rel_rms(a.data(), b.data(), a.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+struct RmsnormCase {
+  int64_t N, D;
+};
+const RmsnormCase kRmsnormCases[] = {{1, 1}, {3, 7}, {5, 300}, {65, 1000}, {300, 4099}};
+
+TEST(CudaOpsRmsnorm, ForwardBackwardF32MatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const RmsnormCase& c : kRmsnormCases) {
+    const size_t nd = size_t(c.N * c.D);
+    const std::vector<float> x = random_normal(nd, 1 + uint64_t(c.D)), dy = random_normal(nd, 2);
+    std::vector<float> w = random_normal(size_t(c.D), 3, 0.5f);
+    for (float& e : w) e += 1.0f;
+    const std::vector<float> dx0 = random_normal(nd, 4), dw0 = random_normal(size_t(c.D), 5);
+    const double eps = 1e-5;
+
+    std::vector<float> y_ref(nd), dx_ref = dx0, dw_ref = dw0;
+    dm::rmsnorm_forward(x.data(), w.data(), y_ref.data(), c.N, c.D, eps);
+    dm::rmsnorm_backward(x.data(), w.data(), dy.data(), dx_ref.data(), dw_ref.data(), c.N, c.D, eps);
+
+    DeviceScratch dev(8 * nd * 4 + 64 * size_t(c.D) * 4 + cu::rmsnorm_backward_workspace_bytes(c.N, c.D) + (1 << 16));
+    float* x_d = dev.upload(x);
+    float* w_d = dev.upload(w);
+    float* dy_d = dev.upload(dy);
+    float* y_d = dev.zeros<float>(nd);
+    float* dx_d = dev.upload(dx0);
+    float* dw_d = dev.upload(dw0);
+    void* ws = dev.raw(cu::rmsnorm_backward_workspace_bytes(c.N, c.D));
+    cu::rmsnorm_forward(x_d, w_d, y_d, c.N, c.D, eps);
+    cu::rmsnorm_backward(x_d, w_d, dy_d, dx_d, dw_d, c.N, c.D, eps, ws);
+    const auto y = DeviceScratch::download(y_d, nd);
+    const auto dx = DeviceScratch::download(dx_d, nd);
+    const auto dw = DeviceScratch::download(dw_d, size_t(c.D));
+    EXPECT_TRUE(all_finite(y) && all_finite(dx) && all_finite(dw));
+    EXPECT_LE(rel_rms(y, y_ref), 1e-5) << "N=" << c.N << " D=" << c.D;
+    EXPECT_LE(rel_rms(dx, dx_ref), 1e-5) << "N=" << c.N << " D=" << c.D;
+    EXPECT_LE(rel_rms(dw, dw_ref), 1e-5) << "N=" << c.N << " D=" << c.D;
+
+    // In place (y aliases x).
+    cu::rmsnorm_forward(x_d, w_d, x_d, c.N, c.D, eps);
+    EXPECT_LE(rel_rms(DeviceScratch::download(x_d, nd), y_ref), 1e-5);
+  }
+}
+
+TEST(CudaOpsRmsnorm, ForwardBackwardBf16MatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const RmsnormCase& c : kRmsnormCases) {
+    const size_t nd = size_t(c.N * c.D);
+    const std::vector<float> x = round_bf16(random_normal(nd, 11 + uint64_t(c.D)));
+    const std::vector<float> dy = round_bf16(random_normal(nd, 12));
+    std::vector<float> w = random_normal(size_t(c.D), 13, 0.5f);
+    for (float& e : w) e += 1.0f;
+    w = round_bf16(w);
+    const std::vector<float> dx0 = round_bf16(random_normal(nd, 14));
+    const std::vector<float> dw0 = random_normal(size_t(c.D), 15);
+    const double eps = 1e-6;
+
+    std::vector<float> y_ref(nd), dx_ref = dx0, dw_ref = dw0;
+    dm::rmsnorm_forward(x.data(), w.data(), y_ref.data(), c.N, c.D, eps);
+    dm::rmsnorm_backward(x.data(), w.data(), dy.data(), dx_ref.data(), dw_ref.data(), c.N, c.D, eps);
+
+    DeviceScratch dev(8 * nd * 2 + 4 * size_t(c.D) * 4 + cu::rmsnorm_backward_workspace_bytes(c.N, c.D) + (1 << 16));
+    uint16_t* x_d = dev.upload(to_bf16(x));
+    uint16_t* w_d = dev.upload(to_bf16(w));
+    uint16_t* dy_d = dev.upload(to_bf16(dy));
+    uint16_t* y_d = dev.zeros<uint16_t>(nd);
+    uint16_t* dx_d = dev.upload(to_bf16(dx0));
+    float* dw_d = dev.upload(dw0);
+    void* ws = dev.raw(cu::rmsnorm_backward_workspace_bytes(c.N, c.D));
+    cu::rmsnorm_forward(x_d, w_d, y_d, c.N, c.D, eps);
+    cu::rmsnorm_backward(x_d, w_d, dy_d, dx_d, dw_d, c.N, c.D, eps, ws);
+    const auto y = from_bf16(DeviceScratch::download(y_d, nd));
+    const auto dx = from_bf16(DeviceScratch::download(dx_d, nd));
+    const auto dw = DeviceScratch::download(dw_d, size_t(c.D));
+    EXPECT_TRUE(all_finite(y) && all_finite(dx) && all_finite(dw));
+    EXPECT_LE(rel_rms(y, y_ref), 1e-2) << "N=" << c.N << " D=" << c.D;
+    EXPECT_LE(rel_rms(dx, dx_ref), 1e-2) << "N=" << c.N << " D=" << c.D;
+    EXPECT_LE(rel_rms(dw, dw_ref), 1e-4) << "N=" << c.N << " D=" << c.D;  // fp32 output
+  }
+}
+
+TEST(CudaOpsRmsnorm, RejectsBadShape) {
+  DM_SKIP_WITHOUT_GPU();
+  EXPECT_THROW(cu::rmsnorm_forward(static_cast<const float*>(nullptr), nullptr, nullptr, 4, 0, 1e-5),
+               dm::Error);
+  EXPECT_THROW(cu::rmsnorm_backward(static_cast<const float*>(nullptr), nullptr, nullptr, nullptr,
+                                    nullptr, 4, 8, 1e-5, nullptr),
+               dm::Error);  // missing workspace
+}
+
+// ---------------------------------------------------------------------------------------------
+// GLU
+
+std::vector<dm::GluActivation> glu_kinds() {
+  dm::GluActivation swiglu, situ;
+  swiglu.kind = dm::Activation::SwiGLU;
+  situ.kind = dm::Activation::SiTU;
+  return {swiglu, situ};
+}
+
+TEST(CudaOpsGlu, ForwardBackwardMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t(1), int64_t(1000), int64_t(300001)}) {
+    // Wide inputs so SiTU's tanh saturation and σ's tails are exercised.
+    const std::vector<float> g = random_normal(size_t(n), 21, 6.0f);
+    const std::vector<float> u = random_normal(size_t(n), 22, 30.0f);
+    const std::vector<float> dh = random_normal(size_t(n), 23);
+    for (const dm::GluActivation& a : glu_kinds()) {
+      const char* name = a.kind == dm::Activation::SiTU ? "SiTU" : "SwiGLU";
+      // fp32
+      const size_t count = static_cast<size_t>(n);
+      std::vector<float> h_ref(count), dg_ref(count), du_ref(count);
+      dm::glu_forward(g.data(), u.data(), h_ref.data(), n, a);
+      dm::glu_backward(g.data(), u.data(), dh.data(), dg_ref.data(), du_ref.data(), n, a);
+      DeviceScratch dev(size_t(n) * 4 * 12 + (1 << 16));
+      float* g_d = dev.upload(g);
+      float* u_d = dev.upload(u);
+      float* dh_d = dev.upload(dh);
+      float* h_d = dev.zeros<float>(size_t(n));
+      float* dg_d = dev.zeros<float>(size_t(n));
+      float* du_d = dev.zeros<float>(size_t(n));
+      cu::glu_forward(g_d, u_d, h_d, n, a);
+      cu::glu_backward(g_d, u_d, dh_d, dg_d, du_d, n, a);
+      const auto h = DeviceScratch::download(h_d, size_t(n));
+      const auto dg = DeviceScratch::download(dg_d, size_t(n));
+      const auto du = DeviceScratch::download(du_d, size_t(n));
+      EXPECT_TRUE(all_finite(h) && all_finite(dg) && all_finite(du)) << name;
+      EXPECT_LE(rel_rms(h, h_ref), 1e-5) << name << " n=" << n;
+      EXPECT_LE(rel_rms(dg, dg_ref), 1e-5) << name << " n=" << n;
+      EXPECT_LE(rel_rms(du, du_ref), 1e-5) << name << " n=" << n;
+
+      // bf16 storage, CPU reference on the rounded inputs.
+      const std::vector<float> g16 = round_bf16(g), u16 = round_bf16(u), dh16 = round_bf16(dh);
+      dm::glu_forward(g16.data(), u16.data(), h_ref.data(), n, a);
+      dm::glu_backward(g16.data(), u16.data(), dh16.data(), dg_ref.data(), du_ref.data(), n, a);
+      uint16_t* g_b = dev.upload(to_bf16(g16));
+      uint16_t* u_b = dev.upload(to_bf16(u16));
+      uint16_t* dh_b = dev.upload(to_bf16(dh16));
+      uint16_t* h_b = dev.zeros<uint16_t>(size_t(n));
+      uint16_t* dg_b = dev.zeros<uint16_t>(size_t(n));
+      uint16_t* du_b = dev.zeros<uint16_t>(size_t(n));
+      cu::glu_forward(g_b, u_b, h_b, n, a);
+      cu::glu_backward(g_b, u_b, dh_b, dg_b, du_b, n, a);
+      EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(h_b, size_t(n))), h_ref), 1e-2) << name;
+      EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(dg_b, size_t(n))), dg_ref), 1e-2) << name;
+      EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(du_b, size_t(n))), du_ref), 1e-2) << name;
+
+      // In place: dg overwrites dh, du overwrites u (allowed by the contract).
+      cu::glu_backward(g_d, u_d, dh_d, dh_d, u_d, n, a);
+      dm::glu_backward(g.data(), u.data(), dh.data(), dg_ref.data(), du_ref.data(), n, a);
+      EXPECT_LE(rel_rms(DeviceScratch::download(dh_d, size_t(n)), dg_ref), 1e-5) << name;
+      EXPECT_LE(rel_rms(DeviceScratch::download(u_d, size_t(n)), du_ref), 1e-5) << name;
+    }
+  }
+}
+
+TEST(CudaOpsGlu, RejectsBadSituBeta) {
+  DM_SKIP_WITHOUT_GPU();
+  dm::GluActivation a;
+  a.kind = dm::Activation::SiTU;
+  a.beta1 = 0.0f;
+  EXPECT_THROW(cu::glu_forward(static_cast<const float*>(nullptr), nullptr, nullptr, 4, a),
+               dm::Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy
+
+template <typename Storage>
+void check_cross_entropy(int64_t N, int64_t V, uint64_t seed, bool bf16) {
+  std::vector<float> logits = random_normal(size_t(N * V), seed, 3.0f);
+  if (bf16) logits = round_bf16(logits);
+  std::mt19937_64 rng(seed + 1);
+  std::vector<int64_t> targets(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    const uint64_t r = rng() % 10;
+    // Mostly valid targets; some −1 (masked) and some ≥ V (treated as masked, like the CPU op).
+    targets[size_t(n)] = r == 0 ? -1 : r == 1 && n > 0 ? V + 3 : int64_t(rng() % uint64_t(V));
+  }
+  // Make one row's target its argmax so `correct` is non-zero.
+  if (N > 0 && targets[0] >= 0) {
+    logits[size_t(targets[0])] = 50.0f;
+  }
+  const double scale = 1.0 / double(N);
+  std::vector<float> dlogits_ref(size_t(N * V));
+  const dm::CrossEntropyResult ref = dm::cross_entropy_forward_backward(
+      logits.data(), targets.data(), dlogits_ref.data(), N, V, scale);
+
+  DeviceScratch dev(size_t(N * V) * 8 + size_t(N) * 8 + cu::cross_entropy_workspace_bytes(N) + (1 << 16));
+  Storage* logits_d;
+  if constexpr (sizeof(Storage) == 2) logits_d = dev.upload(to_bf16(logits));
+  else logits_d = dev.upload(logits);
+  Storage* dlogits_d = dev.zeros<Storage>(size_t(N * V));
+  const int64_t* targets_d = dev.upload(targets);
+  auto* result_d = static_cast<cu::CrossEntropyDeviceResult*>(dev.raw(sizeof(cu::CrossEntropyDeviceResult)));
+  void* ws = dev.raw(cu::cross_entropy_workspace_bytes(N) + 8);
+  cu::cross_entropy_forward_backward(logits_d, targets_d, dlogits_d, N, V, scale, result_d, ws);
+  const auto result = DeviceScratch::download(result_d, 1)[0];
+  std::vector<float> dlogits;
+  if constexpr (sizeof(Storage) == 2) dlogits = from_bf16(DeviceScratch::download(dlogits_d, size_t(N * V)));
+  else dlogits = DeviceScratch::download(dlogits_d, size_t(N * V));
+
+  EXPECT_EQ(result.count, ref.count) << "N=" << N << " V=" << V;
+  EXPECT_EQ(result.correct, ref.correct) << "N=" << N << " V=" << V;
+  EXPECT_NEAR(result.loss_sum, ref.loss_sum, 1e-5 * std::max(1.0, std::fabs(ref.loss_sum)));
+  EXPECT_TRUE(all_finite(dlogits));
+  EXPECT_LE(rel_rms(dlogits, dlogits_ref), bf16 ? 1e-2 : 1e-5) << "N=" << N << " V=" << V;
+}
+
+TEST(CudaOpsCrossEntropy, MatchesCpuF32) {
+  DM_SKIP_WITHOUT_GPU();
+  check_cross_entropy<float>(1, 1, 31, false);
+  check_cross_entropy<float>(7, 33, 32, false);
+  check_cross_entropy<float>(64, 5003, 33, false);
+  check_cross_entropy<float>(3, 163840, 34, false);
+}
+
+TEST(CudaOpsCrossEntropy, MatchesCpuBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  check_cross_entropy<uint16_t>(7, 33, 42, true);
+  check_cross_entropy<uint16_t>(64, 5003, 43, true);
+}
+
+TEST(CudaOpsCrossEntropy, AllRowsMaskedGivesZero) {
+  DM_SKIP_WITHOUT_GPU();
+  const int64_t N = 5, V = 9;
+  DeviceScratch dev(1 << 16);
+  const float* logits_d = dev.upload(random_normal(size_t(N * V), 50));
+  const int64_t* targets_d = dev.upload(std::vector<int64_t>(size_t(N), -1));
+  float* dlogits_d = dev.upload(std::vector<float>(size_t(N * V), 7.0f));
+  auto* result_d = static_cast<cu::CrossEntropyDeviceResult*>(dev.raw(sizeof(cu::CrossEntropyDeviceResult)));
+  cu::cross_entropy_forward_backward(logits_d, targets_d, dlogits_d, N, V, 1.0, result_d,
+                                     dev.raw(cu::cross_entropy_workspace_bytes(N)));
+  const auto result = DeviceScratch::download(result_d, 1)[0];
+  EXPECT_EQ(result.count, 0);
+  EXPECT_EQ(result.loss_sum, 0.0);
+  for (float e : DeviceScratch::download(dlogits_d, size_t(N * V))) EXPECT_EQ(e, 0.0f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW
+
+// The rule of Optimizer::adamw_update (train/optimizer.cpp), on host.
+void adamw_reference(std::vector<float>& p, const std::vector<float>& g, std::vector<float>& m,
+                     std::vector<float>& v, const cu::AdamWStep& s) {
+  const float c1 = 1.0f - float(std::pow(double(s.beta1), double(s.step)));
+  const float c2 = 1.0f - float(std::pow(double(s.beta2), double(s.step)));
+  const float wd = s.decay ? s.lr * s.weight_decay : 0.0f;
+  for (size_t i = 0; i < p.size(); ++i) {
+    m[i] = s.beta1 * m[i] + (1 - s.beta1) * g[i];
+    v[i] = s.beta2 * v[i] + (1 - s.beta2) * g[i] * g[i];
+    const float mh = m[i] / c1, vh = v[i] / c2;
+    p[i] -= s.lr * mh / (std::sqrt(vh) + s.eps) + wd * p[i];
+  }
+}
+
+TEST(CudaOpsAdamW, MatchesCpuRuleOverSteps) {
+  DM_SKIP_WITHOUT_GPU();
+  const int64_t n = 100003;
+  for (bool bf16_grad : {false, true}) {
+    for (bool decay : {true, false}) {
+      std::vector<float> p = random_normal(size_t(n), 60), m(size_t(n), 0.0f), v(size_t(n), 0.0f);
+      DeviceScratch dev(size_t(n) * 4 * 8 + (1 << 16));
+      float* p_d = dev.upload(p);
+      float* m_d = dev.upload(m);
+      float* v_d = dev.upload(v);
+      float* g_d = dev.zeros<float>(size_t(n));
+      uint16_t* g16_d = dev.zeros<uint16_t>(size_t(n));
+      uint16_t* p16_d = dev.zeros<uint16_t>(size_t(n));
+      cu::AdamWStep s;
+      s.lr = 1e-2f;
+      s.decay = decay;
+      for (int64_t step = 1; step <= 3; ++step) {
+        s.step = step;
+        std::vector<float> g = random_normal(size_t(n), 70 + uint64_t(step), 0.1f);
+        if (bf16_grad) {
+          g = round_bf16(g);
+          cu::copy_to_device(g16_d, to_bf16(g).data(), size_t(n) * 2);
+          cu::adamw_update(p_d, g16_d, m_d, v_d, p16_d, n, s);
+        } else {
+          cu::copy_to_device(g_d, g.data(), size_t(n) * 4);
+          cu::adamw_update(p_d, g_d, m_d, v_d, p16_d, n, s);
+        }
+        adamw_reference(p, g, m, v, s);
+      }
+      const auto p_gpu = DeviceScratch::download(p_d, size_t(n));
+      EXPECT_LE(rel_rms(p_gpu, p), 1e-6);
+      EXPECT_LE(rel_rms(DeviceScratch::download(m_d, size_t(n)), m), 1e-6);
+      EXPECT_LE(rel_rms(DeviceScratch::download(v_d, size_t(n)), v), 1e-6);
+      // The bf16 copy is exactly the rounding of the fp32 master weights.
+      const auto p16 = DeviceScratch::download(p16_d, size_t(n));
+      int64_t mismatches = 0;
+      for (int64_t i = 0; i < n; ++i) mismatches += p16[size_t(i)] != cu::float_to_bf16(p_gpu[size_t(i)]);
+      EXPECT_EQ(mismatches, 0);
+    }
+  }
+}
+
+TEST(CudaOpsAdamW, RejectsStepZero) {
+  DM_SKIP_WITHOUT_GPU();
+  cu::AdamWStep s;
+  s.step = 0;
+  EXPECT_THROW(cu::adamw_update(nullptr, static_cast<const float*>(nullptr), nullptr, nullptr,
+                                nullptr, 4, s),
+               dm::Error);
+}
+
+}  // namespace
+#else
+TEST(CudaOps, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif
