@@ -100,26 +100,93 @@ size_t kda_layer_saved_bytes(const ModelConfig& cfg, int64_t B, int64_t T, size_
 
 namespace {
 
-// What a prefill additionally wants from the forward: the operator's final state and the last
-// Kc−1 raw (pre-conv) inputs of each conv, so decode can continue where the prompt ended.
+// What a prefill/extend additionally wants from the forward (B = 1, no doc_start): the operator
+// state and the last Kc−1 raw (pre-conv) inputs of each conv, read before the first token (unless
+// `fresh`) and left after the last, so decode (or the next extend) continues where this ended;
+// and copies of both after each checkpoint's token count.
 template <typename Real>
 struct KdaPrefillOutputs {
-  Real* final_state = nullptr;                                        // [B, H, K, V]
-  Real *conv_tail_q = nullptr, *conv_tail_k = nullptr, *conv_tail_v = nullptr;  // [B, Kc−1, H·K]
+  Real* final_state = nullptr;                                                  // [H, K, V]
+  Real *conv_tail_q = nullptr, *conv_tail_k = nullptr, *conv_tail_v = nullptr;  // [Kc−1, H·K]
+  bool fresh = true;  // zero initial state and tails (a new sequence)
+  const KdaCheckpoint* checkpoints = nullptr;
+  int64_t num_checkpoints = 0;
 };
 
-// tail[b] = the last Kc−1 rows of raw[b] (zeros in front when the row is shorter): exactly what
-// short_conv_silu_forward's `tail` expects for the token after the row.
+// The conv tail of branch 0/1/2 (q/k/v) in a prefill output or a checkpoint copy.
 template <typename Real>
-void kda_copy_conv_tail(const Real* raw, Real* tail, int64_t B, int64_t T, int64_t C, int Kc) {
+Real* kda_branch_tail(const KdaPrefillOutputs<Real>& p, int branch) {
+  return branch == 0 ? p.conv_tail_q : branch == 1 ? p.conv_tail_k : p.conv_tail_v;
+}
+inline float* kda_branch_tail(const KdaPrefillCache& c, int branch) {
+  return branch == 0 ? c.conv_tail_q : branch == 1 ? c.conv_tail_k : c.conv_tail_v;
+}
+
+// What the conv reads before token 0 of a prefill/extend: the carried tail, or zeros.
+template <typename Real>
+const Real* kda_prefill_tail_in(const KdaPrefillOutputs<Real>* p, int branch) {
+  return (p && !p->fresh) ? kda_branch_tail(*p, branch) : nullptr;
+}
+
+// dst [W, C] = the W raw rows before token `tokens` of the sequence [old_tail ; raw], old_tail
+// [W, C] (nullptr = zeros) and raw [T, C]. dst may be old_tail (rows move forward only).
+template <typename Real, typename Dst>
+void kda_tail_after(const Real* old_tail, const Real* raw, int64_t C, int64_t W, int64_t tokens,
+                    Dst* dst) {
+  for (int64_t j = 0; j < W; ++j) {
+    const int64_t e = tokens + j;  // row index in [old_tail ; raw]
+    Dst* out = dst + j * C;
+    if (e >= W) std::copy(raw + (e - W) * C, raw + (e - W + 1) * C, out);
+    else if (old_tail == nullptr) std::fill(out, out + C, Dst(0));
+    else if (static_cast<const void*>(old_tail + e * C) != static_cast<const void*>(out))
+      std::copy(old_tail + e * C, old_tail + (e + 1) * C, out);
+  }
+}
+
+// After a branch's conv: its tail at every checkpoint, then (in place) after the last token.
+template <typename Real>
+void kda_prefill_keep_tails(const KdaPrefillOutputs<Real>& p, int branch, const Real* raw,
+                            int64_t T, int64_t C, int Kc) {
   const int64_t W = Kc - 1;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < W; ++j) {
-      const int64_t t = T - W + j;
-      Real* dst = tail + (b * W + j) * C;
-      if (t < 0) std::fill(dst, dst + C, Real(0));
-      else std::copy(raw + (b * T + t) * C, raw + (b * T + t + 1) * C, dst);
+  if (W <= 0) return;
+  Real* tail = kda_branch_tail(p, branch);
+  const Real* old_tail = p.fresh ? nullptr : tail;
+  for (int64_t i = 0; i < p.num_checkpoints; ++i)
+    kda_tail_after(old_tail, raw, C, W, p.checkpoints[i].tokens,
+                   kda_branch_tail(p.checkpoints[i].copy, branch));
+  kda_tail_after(old_tail, raw, C, W, T, tail);
+}
+
+// The operator over the T tokens of a prefill/extend, in pieces between checkpoints (a piece
+// starts from the state the previous one left; the state is copied at every checkpoint).
+template <typename Real>
+void kda_prefill_operator(const Real* q, const Real* k, const Real* v, const Real* g,
+                          const Real* beta, Real* o, const KdaPrefillOutputs<Real>& p,
+                          const KdaShape& s, Real scale, int chunk, Arena& ws) {
+  const int64_t HK = s.H * s.K, KV = s.H * s.K * s.V;
+  const Real* s0 = p.fresh ? nullptr : p.final_state;
+  int64_t begin = 0;
+  for (int64_t i = 0; i <= p.num_checkpoints; ++i) {
+    const int64_t end = i < p.num_checkpoints ? p.checkpoints[i].tokens : s.T;
+    if (end > begin) {
+      const KdaShape piece{1, end - begin, s.H, s.K, s.V};
+      if (chunk > 0)
+        kda_chunk_forward<Real>(q + begin * HK, k + begin * HK, v + begin * HK, g + begin * HK,
+                                beta + begin * s.H, s0, o + begin * HK, p.final_state, piece,
+                                scale, chunk, ws);
+      else
+        kda_recurrent_forward<Real>(q + begin * HK, k + begin * HK, v + begin * HK,
+                                    g + begin * HK, beta + begin * s.H, s0, o + begin * HK,
+                                    p.final_state, piece, scale);
+      s0 = p.final_state;
     }
+    if (i < p.num_checkpoints) {
+      float* copy = p.checkpoints[i].copy.state;
+      if (s0) std::copy(s0, s0 + KV, copy);
+      else std::fill(copy, copy + KV, 0.0f);
+    }
+    begin = end;
+  }
 }
 
 template <typename Real>
@@ -146,14 +213,17 @@ void kda_layer_forward_impl(const ModelConfig& cfg, const KdaWeightsT<Real>& w, 
 
   // q, k, v = SiLU(ShortConv(W x)) — [B, T, H·K], i.e. the operator's [B, T, H, K] layout.
   kda_linear(act.q_raw, x, w.q_proj, N, d, HK);
-  short_conv_silu_forward<Real>(act.q_raw, w.q_conv, nullptr, q, B, T, HK, Kc, doc_start);
-  if (prefill_out) kda_copy_conv_tail(act.q_raw, prefill_out->conv_tail_q, B, T, HK, Kc);
+  short_conv_silu_forward<Real>(act.q_raw, w.q_conv, kda_prefill_tail_in(prefill_out, 0),
+                                q, B, T, HK, Kc, doc_start);
+  if (prefill_out) kda_prefill_keep_tails(*prefill_out, 0, act.q_raw, T, HK, Kc);
   kda_linear(act.k_raw, x, w.k_proj, N, d, HK);
-  short_conv_silu_forward<Real>(act.k_raw, w.k_conv, nullptr, k, B, T, HK, Kc, doc_start);
-  if (prefill_out) kda_copy_conv_tail(act.k_raw, prefill_out->conv_tail_k, B, T, HK, Kc);
+  short_conv_silu_forward<Real>(act.k_raw, w.k_conv, kda_prefill_tail_in(prefill_out, 1),
+                                k, B, T, HK, Kc, doc_start);
+  if (prefill_out) kda_prefill_keep_tails(*prefill_out, 1, act.k_raw, T, HK, Kc);
   kda_linear(act.v_raw, x, w.v_proj, N, d, HK);
-  short_conv_silu_forward<Real>(act.v_raw, w.v_conv, nullptr, v, B, T, HK, Kc, doc_start);
-  if (prefill_out) kda_copy_conv_tail(act.v_raw, prefill_out->conv_tail_v, B, T, HK, Kc);
+  short_conv_silu_forward<Real>(act.v_raw, w.v_conv, kda_prefill_tail_in(prefill_out, 2),
+                                v, B, T, HK, Kc, doc_start);
+  if (prefill_out) kda_prefill_keep_tails(*prefill_out, 2, act.v_raw, T, HK, Kc);
 
   // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
   kda_linear(act.gate_low, x, w.f_a, N, d, K);
@@ -165,12 +235,14 @@ void kda_layer_forward_impl(const ModelConfig& cfg, const KdaWeightsT<Real>& w, 
 
   const KdaShape s{B, T, H, K, K};
   const Real scale = Real(1) / std::sqrt(Real(K));
-  Real* final_state = prefill_out ? prefill_out->final_state : nullptr;
-  if (opt.chunk > 0)
-    kda_chunk_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, final_state, s, scale,
-                            opt.chunk, ws, doc_start);
+  if (prefill_out)
+    kda_prefill_operator<Real>(q, k, v, g, act.beta, act.o, *prefill_out, s, scale, opt.chunk,
+                               ws);
+  else if (opt.chunk > 0)
+    kda_chunk_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, nullptr, s, scale, opt.chunk,
+                            ws, doc_start);
   else
-    kda_recurrent_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, final_state, s, scale,
+    kda_recurrent_forward<Real>(q, k, v, g, act.beta, nullptr, act.o, nullptr, s, scale,
                                 doc_start);
 
   // Output gate (low-rank or full-rank), per-head RMSNorm ⊙ sigmoid(gate), then W_o. Without
@@ -340,14 +412,29 @@ void kda_layer_backward(const ModelConfig& cfg, const KdaWeightsT<Real>& w,
 // Cached inference: prefill (the chunked forward, keeping the final state and conv tails) and one
 // decode step (the recurrent operator on the stored state). Float only: the engine's scalar.
 
+void kda_layer_extend(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
+                      float* y, int64_t T, Arena& ws, const KdaPrefillCache& cache, bool fresh,
+                      const KdaCheckpoint* checkpoints, int64_t num_checkpoints, int chunk) {
+  DM_CHECK(cache.state && cache.conv_tail_q && cache.conv_tail_k && cache.conv_tail_v,
+           "kda_layer_extend: the state and the three conv tails are required");
+  for (int64_t i = 0; i < num_checkpoints; ++i) {
+    const KdaCheckpoint& c = checkpoints[i];
+    DM_CHECK(c.tokens >= 1 && c.tokens <= T && (i == 0 || c.tokens > checkpoints[i - 1].tokens),
+             "kda_layer_extend: checkpoint ", i, " after ", c.tokens,
+             " tokens is not increasing within 1..", T);
+    DM_CHECK(c.copy.state && c.copy.conv_tail_q && c.copy.conv_tail_k && c.copy.conv_tail_v,
+             "kda_layer_extend: checkpoint ", i, " has no buffers");
+  }
+  const KdaPrefillOutputs<float> io{cache.state,    cache.conv_tail_q, cache.conv_tail_k,
+                                    cache.conv_tail_v, fresh,        checkpoints,
+                                    num_checkpoints};
+  kda_layer_forward_impl<float>(cfg, w, x, y, /*B=*/1, T, ws, KdaRunOptions{chunk}, nullptr,
+                                nullptr, nullptr, &io);
+}
+
 void kda_layer_prefill(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
                        float* y, int64_t T, Arena& ws, const KdaPrefillCache& out, int chunk) {
-  DM_CHECK(out.state && out.conv_tail_q && out.conv_tail_k && out.conv_tail_v,
-           "kda_layer_prefill: the state and the three conv tails are required");
-  const KdaPrefillOutputs<float> prefill_out{out.state, out.conv_tail_q, out.conv_tail_k,
-                                             out.conv_tail_v};
-  kda_layer_forward_impl<float>(cfg, w, x, y, /*B=*/1, T, ws, KdaRunOptions{chunk}, nullptr,
-                                nullptr, nullptr, &prefill_out);
+  kda_layer_extend(cfg, w, x, y, T, ws, out, /*fresh=*/true, nullptr, 0, chunk);
 }
 
 size_t kda_layer_decode_workspace_bytes(const ModelConfig& cfg, int64_t n) {
@@ -413,10 +500,15 @@ void kda_layer_decode(const ModelConfig& cfg, const KdaWeightsT<float>& w, const
   kda_linear(beta, x, w.b_proj, n, d, H);
   for (int64_t i = 0; i < n * H; ++i) beta[i] = kda_sigmoid(beta[i]);
 
-  // The recurrent operator, state updated in place (s0 == sT), one sequence at a time (each
-  // sequence's state lives at its own slot).
+  // The recurrent operator, state updated in place (s0 == sT), one call per sequence (each
+  // sequence's state lives at its own slot). A batch with enough state to update runs its rows
+  // on the engine's threads: one fork/join per layer, where a single row would parallelise
+  // only over its heads (and not at all below the operator's own work threshold).
   const KdaShape one_token{1, 1, H, K, K};
   const float scale = 1.0f / std::sqrt(float(K));
+  constexpr int64_t kKdaDecodeRowsParallelMinWork = int64_t(1) << 18;  // state floats updated
+  const bool rows_parallel = n > 1 && n * H * K * K >= kKdaDecodeRowsParallelMinWork;
+#pragma omp parallel for schedule(static) if (rows_parallel)
   for (int64_t r = 0; r < n; ++r) {
     float* state = cache.state + slots[r] * H * K * K;  // [H, K, V]
     kda_recurrent_forward<float>(q + r * HK, k + r * HK, v + r * HK, log_decay + r * HK,

@@ -63,17 +63,33 @@ size_t kda_layer_backward_workspace_bytes(const ModelConfig& cfg, int64_t B, int
                                           int chunk = 64, size_t elem_size = sizeof(float));
 
 // ---- Cached inference (float engine) ----
-// One sequence's (prefill) or the whole batch's (decode) KDA cache: state [S, H, K, V] and the
-// raw (pre-conv) inputs of the last Kc−1 tokens per conv [S, Kc−1, H·K]. Prefill writes S = 1
-// (pointers at the sequence's slot); decode indexes it by slot.
+// One sequence's (prefill/extend) or the whole batch's (decode) KDA cache: state [S, H, K, V] and
+// the raw (pre-conv) inputs of the last Kc−1 tokens per conv [S, Kc−1, H·K]. Prefill/extend use
+// S = 1 (pointers at the sequence's slot); decode indexes it by slot.
 struct KdaPrefillCache {
   float* state = nullptr;
   float *conv_tail_q = nullptr, *conv_tail_k = nullptr, *conv_tail_v = nullptr;
 };
 
-// The chunked forward of one sequence x [T, d] → y [T, d] (same code path as
-// kda_layer_forward with B = 1 and a zero initial state) that also leaves the final state and
-// conv tails in `out`. Scratch: kda_layer_workspace_bytes(cfg, 1, T, chunk).
+// Where kda_layer_extend also copies the state and conv tails: after the first `tokens` tokens of
+// the extend (1..T). The prefix cache checkpoints a prompt on its token grid with these.
+struct KdaCheckpoint {
+  int64_t tokens = 0;
+  KdaPrefillCache copy;
+};
+
+// The chunked forward of x [T, d] → y [T, d] appended to a sequence whose state and conv tails
+// are in `cache` (fresh = true: a new sequence, zero state and zero tails; the cache is only
+// written). Leaves the state and tails after the last token in `cache`, and after
+// checkpoints[i].tokens tokens (strictly increasing) in checkpoints[i].copy. Same code path as
+// kda_layer_forward (B = 1); the operator runs piecewise between checkpoints.
+// Scratch: kda_layer_workspace_bytes(cfg, 1, T, chunk).
+void kda_layer_extend(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
+                      float* y, int64_t T, Arena& ws, const KdaPrefillCache& cache, bool fresh,
+                      const KdaCheckpoint* checkpoints = nullptr, int64_t num_checkpoints = 0,
+                      int chunk = 64);
+
+// kda_layer_extend of a new sequence (fresh, no checkpoints).
 void kda_layer_prefill(const ModelConfig& cfg, const KdaWeightsT<float>& w, const float* x,
                        float* y, int64_t T, Arena& ws, const KdaPrefillCache& out, int chunk = 64);
 

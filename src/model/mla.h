@@ -64,32 +64,46 @@ size_t mla_layer_backward_workspace_bytes(const ModelConfig& cfg, int64_t B, int
 // double value).
 float mla_softmax_scale(const MlaConfig& m);
 
-// ---- Cached inference (float engine; SPEC §1.2 "Decode uses weight absorption") ----
+// ---- Cached inference (float engine; SPEC §1.2 "Decode uses weight absorption", §5) ----
 // The expanded forward of one sequence x [T, d] → y [T, d] (B = 1, positions 0..T−1) that also
-// writes the decode cache of its T tokens: latent_cache [T, kvl] (c after its RMSNorm) and
+// writes the decode cache rows of its T tokens: latent_cache [T, kvl] (c after its RMSNorm) and
 // rope_key_cache [T, rope] (kr, rotated when RoPE is on). Scratch: mla_layer_workspace_bytes.
 void mla_layer_prefill(const ModelConfig& cfg, const MlaWeightsT<float>& w, const float* x,
                        float* y, int64_t T, Arena& ws, float* latent_cache,
                        float* rope_key_cache);
 
-// The latent cache of a batch of sequences (slots), and the RoPE tables for its positions.
+// One MLA layer's paged latent cache (SPEC §5). Position t of slot s is row t % page_tokens of
+// page page_table[s·pages_per_slot + t / page_tokens]. A row is [c ; kr] (kvl + rope floats),
+// so the absorbed attention reads its (kvl + rope)-wide key and its kvl-wide value (the first
+// kvl floats) from the same row.
 struct MlaDecodeCache {
-  int64_t max_length = 0;          // Lmax
-  float* latent = nullptr;         // [S, Lmax, kvl]
-  float* rope_key = nullptr;       // [S, Lmax, rope]
-  const float* rope_cos = nullptr; // [Lmax, rope/2] (RoPE on only; mla_rope_tables)
+  int64_t page_tokens = 0;
+  int64_t pages_per_slot = 0;
+  float* pages = nullptr;               // [num_pages, page_tokens, kvl + rope]
+  const int32_t* page_table = nullptr;  // [S, pages_per_slot] page ids
+  const float* rope_cos = nullptr;      // [positions, rope/2] (RoPE on only; mla_rope_tables)
   const float* rope_sin = nullptr;
 };
 // cos/sin [positions, rope/2] for the decode cache (no-op when RoPE is off).
 void mla_rope_tables(const MlaConfig& m, int64_t positions, float* cos, float* sin);
 
+// Extends slot `slot` by n tokens x [n, d] at positions start..start+n−1 → y [n, d]: their cache
+// rows are written, then token i attends causally over positions 0..start+i of the slot.
+// start == 0 runs the expanded form (mla_layer_prefill: fewer FLOPs per score at full size);
+// start > 0 the absorbed form over the pages (the cached prefix is never up-projected). The
+// pages of positions [0, start + n) must be in the slot's page table.
+void mla_layer_extend(const ModelConfig& cfg, const MlaWeightsT<float>& w, const float* x,
+                      float* y, int64_t n, int64_t slot, int64_t start,
+                      const MlaDecodeCache& cache, Arena& ws);
+size_t mla_layer_extend_workspace_bytes(const ModelConfig& cfg, int64_t n, int64_t page_tokens);
+
 // One token for each of n sequences, absorbed: x [n, d] → y [n, d]. Row r is sequence slot
-// slots[r] at position positions[r]; its c and kr are appended to the cache there, then it
+// slots[r] at position positions[r]; its c and kr are written to the cache there, then it
 // attends over positions 0..positions[r] of its slot (MQA on the kvl + rope wide latent key,
 // kvl wide latent value; W_kvb's value rows applied after attention, then the gate and W_o).
 void mla_layer_decode(const ModelConfig& cfg, const MlaWeightsT<float>& w, const float* x,
                       float* y, int64_t n, const int64_t* slots, const int64_t* positions,
                       const MlaDecodeCache& cache, Arena& ws);
-size_t mla_layer_decode_workspace_bytes(const ModelConfig& cfg, int64_t n, int64_t max_length);
+size_t mla_layer_decode_workspace_bytes(const ModelConfig& cfg, int64_t n, int64_t page_tokens);
 
 }  // namespace dm
