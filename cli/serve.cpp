@@ -21,6 +21,7 @@ extern "C" void serve_on_signal(int sig) { g_serve_stop_signal = sig; }
 dm::cli::Registrar reg("serve", "Serve a model over an OpenAI-compatible HTTP API", [](CLI::App* app) {
   static std::string model_dir, tokenizer_path;
   static dm::ServerOptions so;
+  static int64_t prefix_cache_mib = 256;
   static double grace_s = 10;
   so.model_name.clear();  // default: the model directory's name
   app->add_option("--model", model_dir, "Model directory (config.json + safetensors)")->required();
@@ -36,6 +37,9 @@ dm::cli::Registrar reg("serve", "Serve a model over an OpenAI-compatible HTTP AP
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30));
   app->add_option("--max-queue", so.max_queue, "Requests waiting for a slot before 503")
       ->default_val(64)->check(CLI::Range(int64_t(0), int64_t(1) << 20));
+  app->add_option("--prefix-cache-mib", prefix_cache_mib,
+                  "Prefix cache budget in MiB: prompts sharing a cached prefix prefill only the rest (0 = off)")
+      ->default_val(256)->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   app->add_option("--max-body-bytes", so.max_body_bytes, "Largest request body (413 above)")
       ->default_val(size_t(4) << 20);
   app->add_option("--timeout-s", so.timeout_s, "Per-request timeout, queueing included (0 = none)")
@@ -43,6 +47,7 @@ dm::cli::Registrar reg("serve", "Serve a model over an OpenAI-compatible HTTP AP
   app->add_option("--grace-s", grace_s, "On SIGINT/SIGTERM, let running requests finish this long")
       ->default_val(10)->check(CLI::Range(0.0, 1e6));
   app->callback([] {
+    so.prefix_cache_bytes = size_t(prefix_cache_mib) << 20;
 #if DELTAMOE_HAVE_HTTPLIB
     namespace fs = std::filesystem;
     auto model = dm::Model::load(model_dir);

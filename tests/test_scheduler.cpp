@@ -143,6 +143,41 @@ TEST(Scheduler, SixteenGreedyRequestsTogetherEqualGenerateAlone) {
   expect_batched_greedy_equals_alone(16);
 }
 
+// Prompts sharing a long prefix: with the prefix cache on, later ones reuse the cached grid
+// prefix (cached_tokens > 0) and still give exactly the tokens of a cold `generate`.
+TEST(Scheduler, PrefixCacheHitsGiveColdTokens) {
+  auto reference = test::serve_test_model();
+  const int64_t V = reference->config().vocab_size;
+  std::mt19937 rng(77);
+  const std::vector<int32_t> shared = random_prompt(rng, 70, V);  // one 64-token grid prefix
+  std::vector<std::vector<int32_t>> prompts, expected;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> p = shared;
+    const auto tail = random_prompt(rng, 3 + i, V);
+    p.insert(p.end(), tail.begin(), tail.end());
+    prompts.push_back(p);
+    GenerateOptions go;
+    go.max_new_tokens = 8;
+    go.sampling.temperature = 0;
+    expected.push_back(generate(*reference, p, go));
+  }
+  SchedulerOptions so;
+  so.max_concurrent = 2;
+  so.max_context = 128;
+  so.prefix_cache_bytes = size_t(8) << 20;
+  Scheduler sched(test::serve_test_model(), so);
+  SchedulerTestCollector col(prompts.size());
+  int64_t cached = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {  // one after another: each can hit the last
+    sched.submit(col.make(i, prompts[i], 8));
+    ASSERT_TRUE(col.wait_done(i));
+    EXPECT_EQ(col.results[i].tokens, expected[i]) << "request " << i;
+    if (i == 0) EXPECT_EQ(col.results[i].outcome.cached_tokens, 0);
+    cached += col.results[i].outcome.cached_tokens;
+  }
+  EXPECT_EQ(cached, 3 * 64);  // requests 1..3 reuse the 64-token grid prefix
+}
+
 TEST(Scheduler, MoreRequestsThanSlotsQueueAndReuseSlots) {
   expect_batched_greedy_equals_alone(5);
 }

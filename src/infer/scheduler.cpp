@@ -60,8 +60,23 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 // struct, so re-pointing the scheduler at another cache touches only this section.
 //   cache: S slots × max_length tokens; logits rows are [V] per slot.
 struct SchedulerDecodeBackend {
-  SchedulerDecodeBackend(const ModelConfig& cfg, int64_t slots, int64_t max_length)
-      : state(cfg, slots, max_length) {}
+  SchedulerDecodeBackend(const ModelConfig& cfg, int64_t slots, int64_t max_length,
+                         size_t prefix_cache_bytes)
+      : state(cfg, slots, max_length, pool_options(cfg, slots, max_length, prefix_cache_bytes)) {
+    if (prefix_cache_bytes > 0) state.enable_prefix_cache(prefix_cache_bytes);
+  }
+  // Pages for every slot at full length, plus room for the prefix cache's pinned pages.
+  static DecodeStateOptions pool_options(const ModelConfig& cfg, int64_t slots, int64_t max_length,
+                                         size_t prefix_cache_bytes) {
+    DecodeStateOptions o;
+    if (prefix_cache_bytes == 0) return o;
+    const size_t page = DecodeState::page_bytes(cfg, o.page_tokens);
+    if (page == 0) return o;  // no MLA layer: nothing paged
+    const int64_t per_slot = (max_length + o.page_tokens - 1) / o.page_tokens;
+    o.page_pool_bytes = size_t(slots * per_slot) * page + prefix_cache_bytes;
+    return o;
+  }
+  int64_t cached_tokens(int64_t slot) const { return state.cached_tokens[size_t(slot)]; }
   // Prompt ids [n] into `slot` (replacing what it held); the last position's logits → row [V].
   void prefill_slot(Model& model, int64_t slot, std::span<const int32_t> prompt, float* row) {
     prefill(model, state, slot, prompt.data(), int64_t(prompt.size()), row);
@@ -92,6 +107,7 @@ struct RunningSequence {
   std::optional<Sampler> sampler;
   std::vector<int32_t> context;  // prompt + generated (for the repetition penalty)
   int64_t generated = 0;
+  int64_t cached_tokens = 0;  // prompt tokens the prefill took from the prefix cache
   int32_t next_token = 0;  // sampled, fed by the next decode step
   Clock::time_point submitted, deadline, first_token;
   bool has_deadline = false;
@@ -162,7 +178,7 @@ Scheduler::Engine::Engine(std::unique_ptr<Model> m, const SchedulerOptions& o)
   Lmax = opt.max_context > 0 ? opt.max_context : c.max_context;
   V = c.vocab_size;
   threads = num_threads();
-  backend = std::make_unique<SchedulerDecodeBackend>(c, S, Lmax);
+  backend = std::make_unique<SchedulerDecodeBackend>(c, S, Lmax, opt.prefix_cache_bytes);
   logits.assign(size_t(S * V), 0.0f);
   logprob_scratch.assign(size_t(V), 0.0f);
   top_scratch.assign(size_t(V), TokenLogprob{});
@@ -238,6 +254,7 @@ void Scheduler::Engine::retire(int64_t slot, FinishReason reason, std::string wh
   out.finish_reason = reason;
   out.error = std::move(why);
   out.prompt_tokens = int64_t(s.request.prompt.size());
+  out.cached_tokens = s.cached_tokens;
   out.completion_tokens = s.generated;
   const Clock::time_point now = Clock::now();
   out.total_s = seconds_between(s.submitted, now);
@@ -275,6 +292,7 @@ void Scheduler::Engine::start_sequence(int64_t slot, WaitingRequest&& w) {
   float* row = logits.data() + slot * V;
   try {
     backend->prefill_slot(*model, slot, s.request.prompt, row);
+    s.cached_tokens = backend->cached_tokens(slot);
   } catch (const std::exception& e) {
     retire(slot, FinishReason::Error, str_cat("prefill failed: ", e.what()));
     return;

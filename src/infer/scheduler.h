@@ -48,6 +48,7 @@ struct RequestOutcome {
   FinishReason finish_reason = FinishReason::Stop;
   std::string error;  // why, for Error / Timeout / Cancelled
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix cache
   int64_t completion_tokens = 0;
   double time_to_first_token_s = -1;  // −1: no token was generated
   double total_s = 0;                 // submit → finish
@@ -80,6 +81,10 @@ struct SchedulerOptions {
   int64_t max_context = 0;              // tokens per sequence, prompt + max_tokens; 0 = model's
   int64_t max_queue = 256;              // waiting requests beyond the slots; more → QueueFull
   int64_t prefill_token_budget = 4096;  // prompt tokens prefilled per iteration (≥ 1 request)
+  // Hybrid prefix cache (infer/prefix_cache.h): bytes for KDA checkpoints + the latent pages
+  // they pin, on top of the slots' pages; 0 = off. Prompts sharing a cached prefix prefill only
+  // the rest (RequestOutcome::cached_tokens).
+  size_t prefix_cache_bytes = 0;
 };
 
 // Fixed-bucket latency histogram in seconds (Prometheus `le` buckets; the last is +Inf).

@@ -152,6 +152,7 @@ Server::Impl::Impl(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> t, S
   so.max_context = opt.max_context > 0 ? opt.max_context : std::min<int64_t>(c.max_context, 32768);
   so.max_queue = opt.max_queue;
   so.prefill_token_budget = opt.prefill_token_budget;
+  so.prefix_cache_bytes = opt.prefix_cache_bytes;
   limits.model_name = opt.model_name;
   limits.max_context = so.max_context;
   limits.vocab_size = c.vocab_size;
