@@ -181,35 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
 
-    // Online softmax per row (log2 domain). A row that has seen no visible key yet keeps max
-    // −inf; it then uses 0 as the reference so no exp2(−inf − (−inf)) = NaN is formed.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-        tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-      tile_max = quad_max(tile_max);
-      const float new_max = fmaxf(row_max[half], tile_max);
-      const float reference = new_max == -INFINITY ? 0.0f : new_max;
-      const float correction = fast_exp2(row_max[half] - reference);
-      row_max[half] = new_max;
-      float tile_sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        const float p0 = fast_exp2(s[n][2 * half] - reference);
-        const float p1 = fast_exp2(s[n][2 * half + 1] - reference);
-        s[n][2 * half] = p0;
-        s[n][2 * half + 1] = p1;
-        tile_sum += p0 + p1;
-      }
-      row_sum[half] = row_sum[half] * correction + tile_sum;
-#pragma unroll
-      for (int n = 0; n < kDv / 8; ++n) {
-        o_acc[n][2 * half] *= correction;
-        o_acc[n][2 * half + 1] *= correction;
-      }
-    }
+    online_softmax_step(s, o_acc, row_max, row_sum);
 
     // O += P·V with P straight from the S registers.
 #pragma unroll

@@ -153,33 +153,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
         s[n][2 * half + 1] = v.y;
       }
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kTokens / 8; ++n)
-        tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-      tile_max = quad_max(tile_max);
-      const float new_max = fmaxf(row_max[half], tile_max);
-      const float reference = new_max == -INFINITY ? 0.0f : new_max;
-      const float correction = fast_exp2(row_max[half] - reference);
-      row_max[half] = new_max;
-      float tile_sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < kTokens / 8; ++n) {
-        const float p0 = fast_exp2(s[n][2 * half] - reference);
-        const float p1 = fast_exp2(s[n][2 * half + 1] - reference);
-        s[n][2 * half] = p0;
-        s[n][2 * half + 1] = p1;
-        tile_sum += p0 + p1;
-      }
-      row_sum[half] = row_sum[half] * correction + tile_sum;
-#pragma unroll
-      for (int n = 0; n < kDvPerWarp / 8; ++n) {
-        o_acc[n][2 * half] *= correction;
-        o_acc[n][2 * half + 1] *= correction;
-      }
-    }
+    online_softmax_step(s, o_acc, row_max, row_sum);
 
     // O[:, this warp's columns] += P·V, V = the first Dv columns of the same tile.
 #pragma unroll

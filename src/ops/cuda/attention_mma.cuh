@@ -126,6 +126,44 @@ __device__ __forceinline__ void cp_async_wait() {
 // Copies rows [row_begin, row_begin + kRows) of one (batch, head) slice into a padded smem tile
 // [kRows][kD + kSmemRowPad] asynchronously. Global row t starts at base + t·row_stride (elements)
 // and holds `D` valid values (D % 8 == 0); rows t ≥ T and columns ≥ D are zero-filled.
+// One step of the online softmax over an S tile held as mma C fragments: s [kScoreTiles][4]
+// holds this thread's entries of rows g (half 0) and g+8 (half 1), log2-scaled. Updates the
+// running row max/sum, rescales the output accumulator o_acc [kOutTiles][4] and turns s into
+// P = exp2(s − max). A row that has seen no visible key yet keeps max −inf; it then uses 0 as
+// the reference so no exp2(−inf − (−inf)) = NaN is formed.
+template <int kScoreTiles, int kOutTiles>
+__device__ __forceinline__ void online_softmax_step(float (&s)[kScoreTiles][4],
+                                                    float (&o_acc)[kOutTiles][4],
+                                                    float (&row_max)[2], float (&row_sum)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kScoreTiles; ++n)
+      tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    tile_max = quad_max(tile_max);
+    const float new_max = fmaxf(row_max[half], tile_max);
+    const float reference = new_max == -INFINITY ? 0.0f : new_max;
+    const float correction = fast_exp2(row_max[half] - reference);
+    row_max[half] = new_max;
+    float tile_sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < kScoreTiles; ++n) {
+      const float p0 = fast_exp2(s[n][2 * half] - reference);
+      const float p1 = fast_exp2(s[n][2 * half + 1] - reference);
+      s[n][2 * half] = p0;
+      s[n][2 * half + 1] = p1;
+      tile_sum += p0 + p1;
+    }
+    row_sum[half] = row_sum[half] * correction + tile_sum;
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n) {
+      o_acc[n][2 * half] *= correction;
+      o_acc[n][2 * half + 1] *= correction;
+    }
+  }
+}
+
 template <int kRows, int kD, int kThreads>
 __device__ __forceinline__ void load_rows_async(__nv_bfloat16* smem, const __nv_bfloat16* base,
                                                 int64_t row_stride, int row_begin, int T, int D) {
