@@ -52,6 +52,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   static int64_t steps = 0, batch = 0, accum = 0, ckpt_every = -1, warmup = -1;
   static float lr = 0;
   static double balance_ema = -1;
+  static int balance_refine = -1;
   static bool resume = false, no_recompute = false, quiet = false;
   static uint64_t seed = 0;
   app->add_option("--config", model, "Model config.json, or a checkpoint folder to continue from")->required();
@@ -69,6 +70,9 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   app->add_option("--balance", balance, "qb, qb-hist, sign or none")->check(CLI::IsMember({"qb", "qb-hist", "sign", "none"}));
   app->add_option("--balance-ema", balance_ema, "QB: EMA of the expert quantiles across steps, in [0,1) (0 = off)")
       ->check(CLI::Range(0.0, 0.999));
+  app->add_option("--balance-refine", balance_refine,
+                  "QB: fixed-point refinements of the bias on each batch (0 = the one-shot rule; default 8)")
+      ->check(CLI::Range(0, 64));
   app->add_option("--checkpoint-every", ckpt_every, "Checkpoint every N steps (always at the end)");
   app->add_option("--seed", seed, "Seed (init, data order)");
   app->add_flag("--resume", resume, "Continue from OUT/checkpoint (bit-exact)");
@@ -98,6 +102,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
     if (!balance.empty()) c.balance = balance;
     if (ckpt_every >= 0) c.checkpoint_every = ckpt_every;
     if (balance_ema >= 0) c.balance_ema = balance_ema;
+    if (balance_refine >= 0) c.balance_refine = balance_refine;
     if (seed) c.seed = seed;
     if (no_recompute) c.recompute = false;
     c.progress = !quiet;
@@ -109,8 +114,10 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
     std::printf("\n");
     if (s.recall_acc >= 0)
       std::printf("recall accuracy at the last stage's distance: %.3f (chance %.3f)\n", s.recall_acc, s.recall_chance);
-    std::printf("MaxVio %.3f; memory: weights %.1f MB, optimizer %.1f MB, activations peak %.1f MB\n",
-                s.last_maxvio, s.weights_bytes / 1e6, s.optimizer_bytes / 1e6, s.peak_activation_bytes / 1e6);
+    std::printf("MaxVio: last batch %.3f", s.last_maxvio);
+    if (s.last_maxvio_global >= 0) std::printf(", held-out (global) %.3f", s.last_maxvio_global);
+    std::printf("; memory: weights %.1f MB, optimizer %.1f MB, activations peak %.1f MB\n",
+                s.weights_bytes / 1e6, s.optimizer_bytes / 1e6, s.peak_activation_bytes / 1e6);
     std::printf("metrics: %s/metrics.jsonl, checkpoint: %s/checkpoint (plot: deltamoe plot %s)\n",
                 out.c_str(), out.c_str(), out.c_str());
   });

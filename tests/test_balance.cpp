@@ -200,6 +200,43 @@ TEST(BalanceTest, RepeatedUpdatesDriveMaxVioBelowTenPercent) {
   }
 }
 
+// One QB update uses the cutoffs α of the bias the batch was routed with; the new bias moves
+// them, so on a skewed batch one update leaves the SAME batch unbalanced. The fixed-point
+// refinement (α re-derived under the candidate bias, then re-estimated) balances it exactly up
+// to ties; qb_cutoffs must agree with the router's cutoffs.
+TEST(BalanceTest, RefinementBalancesTheSameBatch) {
+  const int64_t N = 2048;
+  const int E = 16, k = 2;
+  RouterParams p;
+  p.num_experts = E;
+  p.top_k = k;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  std::vector<float> logits(N * E);
+  for (int64_t t = 0; t < N; ++t)
+    for (int e = 0; e < E; ++e)
+      logits[t * E + e] = noise(rng) + 2.0f * (1.0f - 2.0f * float(e) / float(E - 1));
+  const std::vector<float> zero(E, 0.0f);
+  const Routed before = route_with_bias(logits, zero, N, p);
+  std::vector<float> alpha(N);
+  qb_cutoffs(before.scores.data(), zero.data(), N, E, k, alpha.data());
+  EXPECT_EQ(alpha, before.cutoff);
+  double one_shot = 0, refined = 0;
+  for (int iterations : {0, 8}) {
+    BalanceOptions options;
+    options.refine_iterations = iterations;
+    std::vector<float> bias(E, 0.0f);
+    quantile_balance_update(before.scores.data(), before.cutoff.data(), N, E, k, options, nullptr,
+                            bias.data());
+    const Routed after = route_with_bias(logits, bias, N, p);
+    (iterations == 0 ? one_shot : refined) = balance_metrics(after.loads.data(), E).max_violation;
+  }
+  std::printf("[          ] same-batch MaxVio after one update: one-shot %.4f, refined %.4f\n",
+              one_shot, refined);
+  EXPECT_GT(one_shot, 0.05);
+  EXPECT_LT(refined, 0.03);
+}
+
 TEST(BalanceTest, QuantileEmaSmoothsAcrossUpdates) {
   // Two updates with raw biases a then c: the EMA (0.5) sets b from 0.5·a + 0.5·c.
   const std::vector<double> a = {0.4, 0.0, -0.2, 0.2}, c = {0.0, 0.4, 0.2, -0.2};

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -146,20 +147,56 @@ void qb_set_bias(const double* raw_bias, int E, const BalanceOptions& options,
   for (int j = 0; j < E; ++j) bias[j] = float(smoothed[j] - mean);
 }
 
+void qb_cutoffs(const float* scores, const float* bias, int64_t N, int E, int k, float* cutoff) {
+  check_balance_shape(N, E, k);
+  DM_CHECK(k < E, "qb_cutoffs: top-(k+1) needs k < E");
+#pragma omp parallel if (N * E >= (1 << 16))
+  {
+    std::vector<float> row(static_cast<size_t>(E));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      for (int j = 0; j < E; ++j) row[size_t(j)] = scores[i * E + j] + bias[j];
+      // The (k+1)-th largest biased score = element k of the descending order.
+      std::nth_element(row.begin(), row.begin() + k, row.end(), std::greater<float>());
+      cutoff[i] = row[size_t(k)];
+    }
+  }
+}
+
+namespace {
+// raw bias of one estimate (Exact or Histogram) from scores and cutoffs; returns tokens used.
+int64_t qb_estimate(const float* scores, const float* cutoff, int64_t N, int E, int k,
+                    const BalanceOptions& options, const float* routed_bias, double* raw_bias) {
+  if (options.estimator == QuantileEstimator::Exact)
+    return qb_raw_bias_exact(scores, cutoff, N, E, k, raw_bias);
+  const QbHistogramRange range = qb_histogram_range(routed_bias, E, options.histogram_bins);
+  std::vector<int64_t> counts(size_t(E) * size_t(range.bins), 0);
+  qb_histogram_accumulate(scores, cutoff, N, E, range, counts.data());
+  return qb_raw_bias_from_histogram(counts.data(), E, k, range, raw_bias);
+}
+}  // namespace
+
 void quantile_balance_update(const float* scores, const float* cutoff, int64_t N, int E, int k,
                              const BalanceOptions& options, BalanceLayerState* state, float* bias) {
   check_balance_shape(N, E, k);
   std::vector<double> raw_bias(size_t(E), 0.0);
-  int64_t used = 0;
-  if (options.estimator == QuantileEstimator::Exact) {
-    used = qb_raw_bias_exact(scores, cutoff, N, E, k, raw_bias.data());
-  } else {
-    const QbHistogramRange range = qb_histogram_range(bias, E, options.histogram_bins);
-    std::vector<int64_t> counts(size_t(E) * size_t(range.bins), 0);
-    qb_histogram_accumulate(scores, cutoff, N, E, range, counts.data());
-    used = qb_raw_bias_from_histogram(counts.data(), E, k, range, raw_bias.data());
-  }
+  const int64_t used = qb_estimate(scores, cutoff, N, E, k, options, bias, raw_bias.data());
   if (used == 0) return;
+  // Fixed-point refinement: the cutoffs α came from the bias the forward routed with; under the
+  // new bias they move, so one update balances the batch only approximately. Re-deriving α from
+  // the candidate bias and re-estimating converges to the self-consistent bias.
+  if (options.refine_iterations > 0 && k < E) {
+    std::vector<float> candidate(static_cast<size_t>(E)), alpha(static_cast<size_t>(N));
+    std::vector<double> next(static_cast<size_t>(E));
+    for (int it = 0; it < options.refine_iterations; ++it) {
+      const double mean = std::accumulate(raw_bias.begin(), raw_bias.end(), 0.0) / E;
+      for (int j = 0; j < E; ++j) candidate[size_t(j)] = float(raw_bias[size_t(j)] - mean);
+      qb_cutoffs(scores, candidate.data(), N, E, k, alpha.data());
+      if (qb_estimate(scores, alpha.data(), N, E, k, options, candidate.data(), next.data()) == 0)
+        break;
+      raw_bias = next;
+    }
+  }
   qb_set_bias(raw_bias.data(), E, options, state, bias);
 }
 

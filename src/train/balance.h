@@ -42,6 +42,10 @@ struct BalanceOptions {
   // from it (the first update takes the estimate as is).
   double quantile_ema = 0.0;
   double sign_rate = 1e-3;  // γ of the sign update
+  // Fixed-point refinements of the QB estimate on the same batch (0 = the one-shot rule): α is
+  // re-derived as the (k+1)-th largest s_i + b under the candidate bias, then b re-estimated.
+  // Assumes ungrouped routing (every expert eligible for every token).
+  int refine_iterations = 0;
 };
 
 // Per MoE layer state carried between steps (only the quantile EMA needs any).
@@ -76,6 +80,9 @@ int64_t qb_raw_bias_from_histogram(const int64_t* counts, int E, int k,
 // subtraction.
 void qb_set_bias(const double* raw_bias, int E, const BalanceOptions& options,
                  BalanceLayerState* state, float* bias);
+
+// cutoff[i] = the (k+1)-th largest scores[i,:] + bias (ungrouped routing; k < E).
+void qb_cutoffs(const float* scores, const float* bias, int64_t N, int E, int k, float* cutoff);
 
 // --- One-call updates (single process) --------------------------------------------------------
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -205,7 +206,8 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
                                   "stages", "balance", "sign_rate", "recompute", "kda_chunk",
                                   "checkpoint_every", "eval_every", "eval_tasks", "seed",
                                   "recall_fraction", "recall_pairs", "recall_queries",
-                                  "recall_span", "balance_ema"};
+                                  "recall_span", "balance_ema", "balance_refine",
+                                  "eval_balance_rows"};
     DM_CHECK(std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) !=
                  std::end(known),
              origin, ": unknown field '", it.key(), "'");
@@ -239,6 +241,11 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
   DM_CHECK(c.recall_span > 0 && c.recall_span <= 1, origin, ": field 'recall_span' must be in (0, 1]");
   num(j, "balance_ema", c.balance_ema, "");
   DM_CHECK(c.balance_ema >= 0 && c.balance_ema < 1, origin, ": field 'balance_ema' must be in [0, 1)");
+  num(j, "balance_refine", c.balance_refine, "");
+  DM_CHECK(c.balance_refine >= 0 && c.balance_refine <= 64, origin,
+           ": field 'balance_refine' must be in [0, 64]");
+  num(j, "eval_balance_rows", c.eval_balance_rows, "");
+  DM_CHECK(c.eval_balance_rows >= 0, origin, ": field 'eval_balance_rows' must be >= 0");
   if (j.contains("recompute")) {
     DM_CHECK(j["recompute"].is_boolean(), origin, ": field 'recompute' must be true/false");
     c.recompute = j["recompute"].get<bool>();
@@ -353,6 +360,9 @@ TrainSummary train(const TrainerConfig& tc) {
   bo.rule = tc.balance == "sign" ? BalanceRule::Sign : BalanceRule::Quantile;
   bo.sign_rate = tc.sign_rate;
   bo.quantile_ema = tc.balance_ema;
+  // The refinement re-derives cutoffs over all experts: only for ungrouped routing.
+  const bool grouped_routing = mc.moe.n_group > 1 && mc.moe.topk_group < mc.moe.n_group;
+  bo.refine_iterations = grouped_routing ? 0 : tc.balance_refine;
   std::vector<BalanceLayerState> bstate(size_t(mc.num_layers));
   BalanceCollector collector(mc);
 
@@ -434,6 +444,42 @@ TrainSummary train(const TrainerConfig& tc) {
       return arg;
     };
     return recall_accuracy(predict, tasks).accuracy();
+  };
+
+  // MaxVio_global: expert loads summed over held-out rows of stage s's mix (a sampler with its own
+  // seed), routed with the current bias. A batch's MaxVio also carries that batch's composition
+  // (which documents it happens to hold); this isolates how well the bias balances the data.
+  auto eval_balance = [&](int s) -> double {
+    if (tc.eval_balance_rows <= 0 || tc.balance == "none" || mc.num_moe_layers() == 0) return -1;
+    PackedSamplerOptions o;
+    o.batch_size = tc.eval_balance_rows;
+    o.seq_len = stages[s].seq_len;
+    o.seed = tc.seed * 7919 + uint64_t(s) + 0xba1a;
+    PackedSampler held_out(td.stages[s].sources, o);
+    PackedBatch b;
+    held_out.next_batch(b);
+    struct LoadCounter : ForwardObserver {
+      std::vector<std::vector<int64_t>> loads;
+      void on_router(int layer, const int32_t* idx, const float*, int64_t N, int k) override {
+        auto& l = loads[size_t(layer)];
+        for (int64_t i = 0; i < N * k; ++i) ++l[size_t(idx[i])];
+      }
+    } counter;
+    counter.loads.assign(size_t(mc.num_layers), std::vector<int64_t>(size_t(mc.moe.num_experts), 0));
+    ForwardOptions fo;
+    fo.kda_chunk = tc.kda_chunk;
+    const int64_t T = b.seq_len, rows_per_call = 4;
+    std::vector<float> logits(size_t(rows_per_call * T * mc.vocab_size));
+    for (int64_t r0 = 0; r0 < b.batch_size; r0 += rows_per_call) {
+      const int64_t rows = std::min(rows_per_call, b.batch_size - r0);
+      model->forward(b.tokens.data() + r0 * T, rows, T, logits.data(), &counter, fo,
+                     b.doc_start.data() + r0 * T);
+    }
+    double worst = 0;
+    for (int i = 0; i < mc.num_layers; ++i)
+      if (mc.ffns[i] == FfnKind::MoE)
+        worst = std::max(worst, balance_metrics(counter.loads[size_t(i)].data(), mc.moe.num_experts).max_violation);
+    return worst;
   };
 
   TrainSummary sum;
@@ -529,6 +575,11 @@ TrainSummary train(const TrainerConfig& tc) {
         m["recall_distance"] = td.stages[s].recall.filler_length;
         sum.recall_acc = acc;
         sum.recall_chance = 1.0 / td.stages[s].recall.num_values;
+      }
+      const double mvg = eval_balance(s);
+      if (mvg >= 0) {
+        m["maxvio_global"] = mvg;
+        sum.last_maxvio_global = mvg;
       }
     }
     metrics << m.dump() << "\n";

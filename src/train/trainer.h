@@ -39,11 +39,15 @@ struct TrainerConfig {
   std::string balance = "qb";   // qb | qb-hist | sign | none
   float sign_rate = 1e-3f;
   double balance_ema = 0.0;     // QB: EMA of the per-expert quantiles across steps (0 = off)
+  int balance_refine = 8;       // QB: fixed-point refinements of the bias on the batch (0 = one-shot)
   bool recompute = true;
   int kda_chunk = 64;
   int64_t checkpoint_every = 0; // steps (0 = only at the end)
   int64_t eval_every = 50;      // recall evaluation (builtin data)
   int64_t eval_tasks = 32;
+  // Held-out rows of the stage's data mix on which MaxVio_global (summed loads, current bias) is
+  // measured at every evaluation (0 = off).
+  int64_t eval_balance_rows = 32;
   uint64_t seed = 0;
   // Builtin data: share of rows that are recall tasks (stratified per batch), pairs and queries
   // per task, and the span of one task as a fraction of the stage's sequence length (the
@@ -63,7 +67,8 @@ struct TrainSummary {
   double first_loss = 0, last_loss = 0;    // mean over the first / last 10 steps
   double unigram_entropy = 0;              // of the training data (nats/token; builtin data)
   double recall_acc = -1, recall_chance = 0;
-  double last_maxvio = 0;
+  double last_maxvio = 0;                  // per-batch MaxVio of the last step (max over layers)
+  double last_maxvio_global = -1;          // on held-out rows at the last evaluation (−1 = none)
   double tokens_per_s = 0;
   size_t peak_activation_bytes = 0, weights_bytes = 0, optimizer_bytes = 0;
 };
