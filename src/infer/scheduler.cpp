@@ -383,6 +383,9 @@ void Scheduler::Engine::run() {
           --free_slots;
         }
       }
+      // Admitted requests hold their slots from here on: submit() must not see them as free
+      // between leaving the queue and their prefill.
+      stats.active = busy_count() + int64_t(admitted.size());
       stats.queued = int64_t(waiting.size());
     }
     const Clock::time_point now = Clock::now();
