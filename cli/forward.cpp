@@ -5,8 +5,46 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "model/model.h"
+#if DELTAMOE_HAVE_CUDA
+#include "model/cuda/model_gpu.h"
+#include "ops/cuda/device.h"
+#endif
 
 namespace {
+
+// --device cuda: the GPU forward (bf16 compute); writes logits (and router choices with --all).
+void run_forward_cuda(const std::string& model_dir, const std::string& input,
+                      const std::string& output, bool all) {
+#if DELTAMOE_HAVE_CUDA
+  DM_CHECK(dm::cuda::device_available(), "--device cuda: ", dm::cuda::device_description());
+  auto model = dm::Model::load(model_dir);
+  const dm::ModelConfig& c = model->config();
+  const auto in = dm::SafetensorsReader::open(input);
+  const dm::Tensor& ids = in.get("input_ids");
+  DM_CHECK(ids.dtype == dm::DType::I64 && ids.shape.ndim == 2, input,
+           ": tensor 'input_ids' must be I64 [B,T], got ", dm::dtype_name(ids.dtype), " ",
+           ids.shape.str());
+  const int64_t B = ids.shape[0], T = ids.shape[1], V = c.vocab_size;
+  DM_CHECK(B > 0 && T > 0, input, ": tensor 'input_ids' is empty");
+  dm::cuda::GpuModel gpu(model->weights());
+  std::vector<float> logits(size_t(B * T * V));
+  std::vector<dm::cuda::GpuForwardRouting> routing;
+  gpu.forward(ids.as<int64_t>(), B, T, logits.data(), nullptr, all ? &routing : nullptr);
+  dm::SafetensorsWriter w;
+  w.add_f32("logits", logits.data(), {B, T, V});
+  std::vector<std::vector<int64_t>> idx64;
+  idx64.reserve(routing.size());
+  for (const auto& r : routing) {
+    idx64.emplace_back(r.idx.begin(), r.idx.end());
+    w.add("router_idx_" + std::to_string(r.layer),
+          dm::Tensor{idx64.back().data(), dm::DType::I64, {B * T, int64_t(c.moe.top_k)}});
+  }
+  w.write(output);
+#else
+  (void)model_dir, (void)input, (void)output, (void)all;
+  throw dm::Error("--device cuda: this build has no CUDA backend (configure with -DDELTAMOE_CUDA=ON)");
+#endif
+}
 
 void run_forward(const std::string& model_dir, const std::string& input, const std::string& output,
                  bool all, int chunk) {
@@ -54,13 +92,21 @@ dm::cli::Registrar reg("forward", "Run one forward pass: input_ids [B,T] -> logi
   static std::string model, input, output;
   static bool all = false;
   static int chunk = 64;
+  static std::string device = "cpu";
   app->add_option("--model", model, "Model directory (config.json + safetensors)")->required();
   app->add_option("--input", input, "safetensors file with input_ids [B,T] int64")->required();
   app->add_option("--output", output, "Output safetensors (logits, hidden_0..hidden_L)")->required();
   app->add_flag("--all", all, "Also write every sub-layer input/output and router choices");
   app->add_option("--kda-chunk", chunk, "KDA chunk size (16/32/64; 0 = recurrent)")
       ->check(CLI::IsMember({0, 16, 32, 64}));
-  app->callback([] { run_forward(model, input, output, all, chunk); });
+  app->add_option("--device", device,
+                  "cpu (fp32; writes hidden states) or cuda (bf16 compute on the GPU; writes logits, "
+                  "router choices with --all)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->callback([] {
+    if (device == "cuda") run_forward_cuda(model, input, output, all);
+    else run_forward(model, input, output, all, chunk);
+  });
 });
 
 }  // namespace

@@ -33,15 +33,42 @@ cmake --build build-gpu -j"$JOBS" --target "${targets[@]}" >"$LOG/build.log" 2>&
   grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; }
 echo "built: ${targets[*]}"
 
-step "GPU op tests vs the CPU reference"
-./build-gpu/bin/deltamoe_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tee "$LOG/tests.log" | \
+# Goldens: ../shared/goldens beside a checkout, or a copy carried in .goldens (the device tool
+# sends only the repository).
+if [ -z "${DM_GOLDENS:-}" ] && [ -d .goldens ]; then export DM_GOLDENS=$PWD/.goldens; fi
+
+step "GPU op, layer and model tests vs the CPU reference (+ goldens on the GPU)"
+./build-gpu/bin/deltamoe_tests --gtest_filter='Cuda*:*/Cuda*' --gtest_brief=1 2>&1 | tee "$LOG/tests.log" | \
   grep -vE "^\[ +(RUN|OK) +\]" | tail -60
+
+step "deltamoe forward --device cuda vs --device cpu (golden K3 tiny)"
+if [ -n "${DM_GOLDENS:-}" ] && [ -d "$DM_GOLDENS/kimi_k3_tiny" ]; then
+  ./build-gpu/bin/deltamoe forward --model "$DM_GOLDENS/kimi_k3_tiny" \
+    --input "$DM_GOLDENS/kimi_k3_tiny/golden.safetensors" --output "$LOG/fwd_gpu.safetensors" --device cuda &&
+  ./build-gpu/bin/deltamoe forward --model "$DM_GOLDENS/kimi_k3_tiny" \
+    --input "$DM_GOLDENS/kimi_k3_tiny/golden.safetensors" --output "$LOG/fwd_cpu.safetensors" &&
+  ls -la "$LOG"/fwd_*.safetensors
+fi
 
 if [ "$BENCH" = 1 ]; then
   for b in build-gpu/bin/bench_cuda_*; do
+    [ "$(basename "$b")" = bench_cuda_model ] && continue
     step "$(basename "$b")"
     timeout 240 "$b" 2>&1 | tee "$LOG/$(basename "$b").log"
   done
+  # Whole model, prefill + decode, against the PyTorch eager peer on the same GPU (bf16).
+  MODEL_CFG=${MODEL_CFG:-configs/gpu_1b.json}
+  step "bench_cuda_model $MODEL_CFG"
+  timeout 300 build-gpu/bin/bench_cuda_model --config "$MODEL_CFG" --tokens 2048,8192 \
+    --slots 1,64 --context 1024 2>&1 | tee "$LOG/bench_cuda_model.log"
+  if [ "$PEERS" = 1 ]; then
+    step "peer: PyTorch eager forward, same config, cuda bf16"
+    for T in 2048 8192; do
+      timeout 240 python3 bench/peers/deltamoe_torch.py forward-bench --config "$MODEL_CFG" \
+        --seq "$T" --steps 3 --warmup 1 --device cuda --dtype bfloat16 2>&1 | tail -2 |
+        tee -a "$LOG/peer_torch_model.log"
+    done
+  fi
 fi
 
 if [ "$PEERS" = 1 ]; then

@@ -11,6 +11,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "io/config.h"
@@ -25,10 +26,33 @@ inline int residual_num_blocks(const ModelConfig& c) {
   return (c.num_layers + c.attn_res_block - 1) / c.attn_res_block + 1;  // sealed sums incl. embedding
 }
 
-template <typename Real, typename MixerFn, typename FfnFn, typename EmitFn>
-Real* residual_stack_forward(const ModelConfig& c, const ModelWeightsT<Real>& W, int64_t N, Real* p,
-                             Real* x, Real* xn, Real* out, Real* blocks, MixerFn&& mixer, FfnFn&& ffn,
-                             EmitFn&& emit) {
+// The stream's own operations on the CPU (the GPU walk supplies device twins with the same
+// members, model/cuda/model_gpu.cpp). Weight arguments are always the HOST views of W; `Normed`
+// is the element type of the normed rows the sub-layers take.
+template <typename Real>
+struct CpuResidualOps {
+  using Normed = Real;
+  void copy(Real* dst, const Real* src, int64_t n) const { std::copy(src, src + n, dst); }
+  void add(Real* dst, const Real* src, int64_t n) const {
+    for (int64_t k = 0; k < n; ++k) dst[k] += src[k];
+  }
+  void attnres(const Real* const* src, int S, const Real* query, const Real* norm, Real* out,
+               int64_t N, int64_t d, float eps) const {
+    attnres_forward<Real>(src, S, query, norm, out, nullptr, N, d, eps);
+  }
+  void rmsnorm(const Real* x, const Real* w, Normed* y, int64_t N, int64_t d, float eps) const {
+    rmsnorm_forward<Real>(x, w, y, N, d, eps);
+  }
+};
+
+template <typename Real, typename WReal, typename MixerFn, typename FfnFn, typename EmitFn,
+          typename Ops = CpuResidualOps<Real>>
+typename Ops::Normed* residual_stack_forward(const ModelConfig& c, const ModelWeightsT<WReal>& W,
+                                             int64_t N, Real* p, Real* x,
+                                             typename Ops::Normed* xn, Real* out, Real* blocks,
+                                             MixerFn&& mixer, FfnFn&& ffn, EmitFn&& emit,
+                                             const Ops& ops = {}) {
+  using Normed = typename Ops::Normed;
   const int64_t d = c.hidden;
   const bool attnres = c.residual == ResidualKind::AttnRes;
   std::vector<const Real*> sources;
@@ -36,16 +60,15 @@ Real* residual_stack_forward(const ModelConfig& c, const ModelWeightsT<Real>& W,
   int sealed = 0;       // number of sealed block sums
   bool p_empty = false;  // p restarted after a seal and not yet written
   // AttnRes([blocks…, p]; site) → dst.
-  auto mix = [&](const AttnResSiteWeightsT<Real>& site, Real* dst) {
+  auto mix = [&](const AttnResSiteWeightsT<WReal>& site, Real* dst) {
     sources.clear();
     for (int j = 0; j < sealed; ++j) sources.push_back(blocks + int64_t(j) * N * d);
     if (!p_empty) sources.push_back(p);
-    attnres_forward<Real>(sources.data(), int(sources.size()), site.query, site.norm, dst, nullptr,
-                          N, d, c.rms_eps);
+    ops.attnres(sources.data(), int(sources.size()), site.query, site.norm, dst, N, d, c.rms_eps);
   };
   emit("embeddings", -1, p);
   for (int i = 0; i < c.num_layers; ++i) {
-    const LayerWeightsT<Real>& L = W.layers[i];
+    const LayerWeightsT<WReal>& L = W.layers[i];
     // --- token mixer ---
     const Real* attn_in = p;
     if (attnres) {
@@ -54,24 +77,24 @@ Real* residual_stack_forward(const ModelConfig& c, const ModelWeightsT<Real>& W,
         attn_in = x;
       }
       if (i % c.attn_res_block == 0) {  // seal the running block (layer 0 seals the embedding)
-        std::copy(p, p + N * d, blocks + int64_t(sealed) * N * d);
+        ops.copy(blocks + int64_t(sealed) * N * d, p, N * d);
         ++sealed;
         p_empty = true;
         if (attn_in == p) {  // the mixer input must survive p being restarted
-          std::copy(p, p + N * d, x);
+          ops.copy(x, p, N * d);
           attn_in = x;
         }
       }
     }
     emit("attn_in_", i, attn_in);
-    rmsnorm_forward<Real>(attn_in, L.input_norm, xn, N, d, c.rms_eps);
-    mixer(i, static_cast<const Real*>(xn), out);
+    ops.rmsnorm(attn_in, L.input_norm, xn, N, d, c.rms_eps);
+    mixer(i, static_cast<const Normed*>(xn), out);
     emit("attn_out_", i, out);
     if (p_empty) {
-      std::copy(out, out + N * d, p);
+      ops.copy(p, out, N * d);
       p_empty = false;
     } else {
-      for (int64_t k = 0; k < N * d; ++k) p[k] += out[k];
+      ops.add(p, out, N * d);
     }
     // --- channel mixer ---
     const Real* mlp_in = p;
@@ -80,10 +103,10 @@ Real* residual_stack_forward(const ModelConfig& c, const ModelWeightsT<Real>& W,
       mlp_in = x;
     }
     emit("mlp_in_", i, mlp_in);
-    rmsnorm_forward<Real>(mlp_in, L.post_norm, xn, N, d, c.rms_eps);
-    ffn(i, static_cast<const Real*>(xn), out);
+    ops.rmsnorm(mlp_in, L.post_norm, xn, N, d, c.rms_eps);
+    ffn(i, static_cast<const Normed*>(xn), out);
     emit("mlp_out_", i, out);
-    for (int64_t k = 0; k < N * d; ++k) p[k] += out[k];
+    ops.add(p, out, N * d);
     emit("layer_out_", i, p);
   }
   const Real* final_in = p;
@@ -92,8 +115,8 @@ Real* residual_stack_forward(const ModelConfig& c, const ModelWeightsT<Real>& W,
     final_in = x;
   }
   emit("final_norm_in", -1, final_in);
-  rmsnorm_forward<Real>(final_in, W.final_norm, xn, N, d, c.rms_eps);
-  emit("final_hidden", -1, xn);
+  ops.rmsnorm(final_in, W.final_norm, xn, N, d, c.rms_eps);
+  if constexpr (std::is_same_v<Normed, Real>) emit("final_hidden", -1, xn);
   return xn;
 }
 

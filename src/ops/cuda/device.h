@@ -44,12 +44,27 @@ class DeviceArena {
     return static_cast<T*>(alloc_bytes(count * sizeof(T)));
   }
   void reset() { used_ = 0; }
+  // Back to an earlier used() mark (DeviceArenaScope): everything carved since is dead.
+  void rewind(size_t mark) { used_ = mark < used_ ? mark : used_; }
   size_t used() const { return used_; }
   size_t capacity() const { return capacity_; }
 
  private:
   char* base_ = nullptr;
   size_t capacity_ = 0, used_ = 0;
+};
+
+// Scratch carved inside a scope is released at its end (layers use the run's scratch arena).
+class DeviceArenaScope {
+ public:
+  explicit DeviceArenaScope(DeviceArena& a) : arena_(a), mark_(a.used()) {}
+  ~DeviceArenaScope() { arena_.rewind(mark_); }
+  DeviceArenaScope(const DeviceArenaScope&) = delete;
+  DeviceArenaScope& operator=(const DeviceArenaScope&) = delete;
+
+ private:
+  DeviceArena& arena_;
+  size_t mark_;
 };
 
 }  // namespace dm::cuda

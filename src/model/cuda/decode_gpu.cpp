@@ -1,0 +1,536 @@
+// GpuDecoder: the decode step of infer/decode.cpp on the device (layout in decode_gpu.h).
+//
+// Per step, n active rows (slot slots[r] at position positions[r]):
+//   KDA (model/kda.cpp kda_layer_decode):
+//     raw_{q,k,v} = W_{q,k,v} x                                   [n, H·K] bf16
+//     q, k, v = SiLU(conv(tail_slot ; raw)), tail_slot advances     (decode_kda_conv_step)
+//     g = gate(W_f↑ W_f↓ x), β = sigmoid(W_β x)
+//     o = KDA recurrent step, T = 1, state in place (s0 == sT)     [n, H, K] bf16, fp32 state
+//     y = W_o [RMSNorm(o_h)·o_norm ⊙ sigmoid(G x)_h]
+//   MLA (model/mla_decode.cpp mla_layer_decode), Wd = kvl + rope:
+//     q = W_qb RMSNorm(W_qa x) (or W_q x)                         [n, H, nope + rope] bf16
+//     [c ; kr] = W_kva x → row [RMSNorm(c) ; RoPE(kr, pos)] written to the slot's page
+//     q_abs[r, h] = [q_nope[r, h]·W_k,h | RoPE(q_rope[r, h], pos)]  [n, H, Wd] bf16
+//     latent = softmax(scale·q_abs·rowsᵀ)·rows[:, :kvl] over positions 0..pos  (paged kernel)
+//     o_h = W_v,h latent_h; o ← o ⊙ sigmoid(W_gate x); y = W_o o
+//   FFN: layers.h moe_layer_forward_gpu / dense_ffn_forward_gpu on the n rows.
+#include "model/cuda/decode_gpu.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "model/cuda/layers.h"
+#include "model/cuda/residual_gpu.h"
+#include "model/mla.h"
+#include "model/residual.h"
+#include "ops/cuda/attention.h"
+#include "ops/cuda/decode_ops.h"
+#include "ops/cuda/residual_ops.h"
+#include "ops/cuda/kda.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int64_t kPageTokens = kMlaDecodePageTokens;  // the paged decode kernel's page size
+
+// Carves views from an arena, or (arena == nullptr) only counts: sizes and layouts come from the
+// same code, so they cannot disagree. Views round to the arena's 256-byte alignment; `bytes`
+// starts with 256 of slack for an unaligned starting mark.
+struct Carver {
+  DeviceArena* arena = nullptr;
+  size_t bytes = 256;
+  void* take_bytes(size_t b) {
+    b = std::max<size_t>(b, 1);
+    bytes += (b + 255) / 256 * 256;
+    return arena ? arena->alloc_bytes(b) : nullptr;
+  }
+  template <typename T>
+  T* take(int64_t count) {
+    return static_cast<T*>(take_bytes(size_t(std::max<int64_t>(count, 0)) * sizeof(T)));
+  }
+};
+
+bool rope_on(const MlaConfig& m) { return m.use_rope && m.qk_rope_dim > 0; }
+
+// One step's own buffers (before the sub-layers carve theirs).
+struct StepBuffers {
+  int32_t* meta = nullptr;       // [2n] ids | slots (uploaded)
+  int32_t* positions = nullptr;  // [n]
+  int32_t* seq_len = nullptr;    // [n]
+  int32_t* row_table = nullptr;  // [n, P]
+  float *p = nullptr, *x = nullptr, *out = nullptr;  // [n, d] residual stream
+  uint16_t* xn = nullptr;                            // [n, d] normed rows
+  float* blocks = nullptr;                           // [nb, n, d] AttnRes block sums
+  float* logits = nullptr;                           // [n, V]
+};
+
+StepBuffers carve_step(Carver& cv, const ModelConfig& c, int64_t n, int64_t P) {
+  const int64_t d = c.hidden;
+  StepBuffers b;
+  b.meta = cv.take<int32_t>(2 * n);
+  b.positions = cv.take<int32_t>(n);
+  b.seq_len = cv.take<int32_t>(n);
+  b.row_table = cv.take<int32_t>(n * P);
+  b.p = cv.take<float>(n * d);
+  b.x = cv.take<float>(n * d);
+  b.out = cv.take<float>(n * d);
+  b.xn = cv.take<uint16_t>(n * d);
+  b.blocks = cv.take<float>(n * d * std::max(1, residual_num_blocks(c)));
+  b.logits = cv.take<float>(n * int64_t(c.vocab_size));
+  return b;
+}
+
+// KDA step temporaries. raw[0] later holds the gate input f and then g (in place); raw[1] the
+// output gate; `low` f_a x, then g_a x.
+struct KdaStepBuffers {
+  uint16_t* raw[3] = {};  // [n, H·K] W_{q,k,v} x
+  uint16_t* qkv[3] = {};  // [n, H·K] SiLU(conv)
+  uint16_t* low = nullptr;          // [n, K]
+  float* beta_logits = nullptr;     // [n, H]
+  uint16_t* beta = nullptr;         // [n, H]
+  uint16_t* o = nullptr;            // [n, H·K]
+};
+
+KdaStepBuffers carve_kda(Carver& cv, const ModelConfig& c, int64_t n) {
+  const int64_t H = c.kda.num_heads, K = c.kda.head_dim, HK = H * K;
+  KdaStepBuffers b;
+  for (auto*& r : b.raw) r = cv.take<uint16_t>(n * HK);
+  for (auto*& q : b.qkv) q = cv.take<uint16_t>(n * HK);
+  b.low = cv.take<uint16_t>(n * K);
+  b.beta_logits = cv.take<float>(n * H);
+  b.beta = cv.take<uint16_t>(n * H);
+  b.o = cv.take<uint16_t>(n * HK);
+  return b;
+}
+
+struct MlaStepBuffers {
+  float* q_a = nullptr;          // [n, ql] fp32 (q LoRA only)
+  uint16_t* q_a_normed = nullptr;  // [n, ql]
+  uint16_t* q = nullptr;         // [n, H, dq]
+  float* kv_a = nullptr;         // [n, Wd] fp32
+  uint16_t* q_abs = nullptr;     // [n, H, Wd]
+  uint16_t* latent = nullptr;    // [n, H, kvl]
+  void* attention_ws = nullptr;  // split partials of the paged kernel
+  uint16_t* o = nullptr;         // [n, H, dv]
+  uint16_t* gate = nullptr;      // [n, H, dv] (output gate only)
+};
+
+MlaStepBuffers carve_mla(Carver& cv, const ModelConfig& c, int64_t n, size_t attention_ws) {
+  const MlaConfig& m = c.mla;
+  const int64_t H = m.num_heads, dq = m.qk_nope_dim + m.qk_rope_dim, dv = m.v_head_dim;
+  const int64_t kvl = m.kv_lora_rank, Wd = kvl + m.qk_rope_dim;
+  MlaStepBuffers b;
+  if (m.q_lora_rank > 0) {
+    b.q_a = cv.take<float>(n * m.q_lora_rank);
+    b.q_a_normed = cv.take<uint16_t>(n * m.q_lora_rank);
+  }
+  b.q = cv.take<uint16_t>(n * H * dq);
+  b.kv_a = cv.take<float>(n * Wd);
+  b.q_abs = cv.take<uint16_t>(n * H * Wd);
+  b.latent = cv.take<uint16_t>(n * H * kvl);
+  b.attention_ws = cv.take_bytes(attention_ws);
+  b.o = cv.take<uint16_t>(n * H * dv);
+  if (m.output_gate) b.gate = cv.take<uint16_t>(n * H * dv);
+  return b;
+}
+
+MlaDecodePlan plan_for(const ModelConfig& c, int64_t n, int64_t P, int num_sms) {
+  return mla_decode_plan(int(n), c.mla.num_heads, int(P), num_sms);
+}
+
+size_t attention_ws_bytes(const ModelConfig& c, int64_t n, int64_t P, int num_sms) {
+  return mla_decode_workspace_bytes(plan_for(c, n, P, num_sms), int(n), c.mla.num_heads,
+                                    c.mla.kv_lora_rank);
+}
+
+// Cache views in one fixed order (counted, then carved).
+struct CacheViews {
+  std::vector<float*> state;
+  std::vector<uint16_t*> tail_q, tail_k, tail_v, pages;
+  int32_t* page_table = nullptr;
+  int32_t* lengths = nullptr;
+  float *cos = nullptr, *sin = nullptr;
+};
+
+CacheViews carve_cache(Carver& cv, const ModelConfig& c, int64_t S, int64_t Lmax, int64_t P) {
+  const size_t L = size_t(c.num_layers);
+  CacheViews v;
+  v.state.assign(L, nullptr);
+  for (auto* t : {&v.tail_q, &v.tail_k, &v.tail_v, &v.pages}) t->assign(L, nullptr);
+  const int64_t H = c.kda.num_heads, K = c.kda.head_dim, HK = H * K;
+  const int64_t tail_rows = std::max(c.kda.conv_kernel - 1, 0);
+  const int64_t Wd = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  bool any_mla = false;
+  for (size_t i = 0; i < L; ++i) {
+    if (c.mixers[i] == MixerKind::KDA) {
+      v.state[i] = cv.take<float>(S * H * K * K);
+      for (auto* t : {&v.tail_q, &v.tail_k, &v.tail_v}) (*t)[i] = cv.take<uint16_t>(S * tail_rows * HK);
+    } else {
+      any_mla = true;
+      v.pages[i] = cv.take<uint16_t>(S * P * kPageTokens * Wd);
+    }
+  }
+  v.page_table = cv.take<int32_t>(S * P);
+  v.lengths = cv.take<int32_t>(S);
+  if (any_mla && rope_on(c.mla)) {
+    v.cos = cv.take<float>(Lmax * (c.mla.qk_rope_dim / 2));
+    v.sin = cv.take<float>(Lmax * (c.mla.qk_rope_dim / 2));
+  }
+  return v;
+}
+
+void check_decode_config(const ModelConfig& c, int64_t S, int64_t Lmax) {
+  DM_CHECK(S > 0 && Lmax > 0, "GpuDecoder: need ≥ 1 slot and max length ≥ 1 (got ", S, ", ", Lmax,
+           ")");
+  DM_CHECK(Lmax <= c.max_context, "GpuDecoder: max length ", Lmax, " exceeds the context limit ",
+           c.max_context);
+  DM_CHECK(S <= 65535, "GpuDecoder: at most 65535 slots, got ", S);
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.mixers[i] == MixerKind::KDA) {
+      DM_CHECK(c.kda.head_dim > 0 && c.kda.head_dim <= kKdaCudaRecurrentMaxK && c.kda.conv_kernel >= 1,
+               "GpuDecoder: KDA head_dim ", c.kda.head_dim, " (≤ ", kKdaCudaRecurrentMaxK,
+               ") / conv kernel ", c.kda.conv_kernel, " not supported");
+    } else {
+      const MlaConfig& m = c.mla;
+      const int64_t Wd = m.kv_lora_rank + m.qk_rope_dim;
+      DM_CHECK(m.kv_lora_rank % 8 == 0 && Wd % 8 == 0,
+               "GpuDecoder: the paged MLA decode needs kv_lora and kv_lora + qk_rope to be "
+               "multiples of 8 (got ", m.kv_lora_rank, ", ", Wd, ")");
+      DM_CHECK(!rope_on(m) || m.qk_rope_dim % 2 == 0, "GpuDecoder: qk_rope_dim must be even");
+    }
+  }
+}
+
+}  // namespace
+
+struct GpuDecoder::Rows {
+  int64_t n = 0;
+  const int32_t* slots = nullptr;      // device [n]
+  const int32_t* positions = nullptr;  // device [n]
+  const int32_t* seq_len = nullptr;    // device [n]
+  const int32_t* row_table = nullptr;  // device [n, P]
+  // Maximal runs of rows whose slots are consecutive: the recurrent KDA operator takes a
+  // contiguous [B, H, K, V] state, so each run is one launch (all slots active: one launch).
+  struct Run {
+    int64_t row, slot, count;
+  };
+  std::vector<Run> runs;
+};
+
+GpuDecoder::GpuDecoder(const ModelWeights& host, int64_t num_slots, int64_t max_length)
+    : owned_(std::make_unique<DeviceWeights>(host)), dw_(owned_.get()), S_(num_slots),
+      max_length_(max_length) {
+  init();
+}
+
+GpuDecoder::GpuDecoder(const DeviceWeights& dw, int64_t num_slots, int64_t max_length)
+    : dw_(&dw), S_(num_slots), max_length_(max_length) {
+  init();
+}
+
+GpuDecoder::~GpuDecoder() = default;
+
+void GpuDecoder::init() {
+  const ModelConfig& c = config();
+  check_decode_config(c, S_, max_length_);
+  pages_per_slot_ = (max_length_ + kPageTokens - 1) / kPageTokens;
+  num_sms_ = decode_device_multiprocessors();
+  const int64_t S = S_, P = pages_per_slot_;
+
+  Carver counter;
+  carve_cache(counter, c, S, max_length_, P);
+  cache_ = std::make_unique<DeviceArena>(counter.bytes);
+  // Zero states, tails, pages and lengths at once: a fresh arena's empty view is its base.
+  fill_zero(cache_->alloc_bytes(0), cache_->capacity());
+  Carver carver{cache_.get()};
+  CacheViews v = carve_cache(carver, c, S, max_length_, P);
+  kda_state_ = std::move(v.state);
+  kda_tail_q_ = std::move(v.tail_q);
+  kda_tail_k_ = std::move(v.tail_k);
+  kda_tail_v_ = std::move(v.tail_v);
+  mla_pages_ = std::move(v.pages);
+  page_table_ = v.page_table;
+  lengths_ = v.lengths;
+  rope_cos_ = v.cos;
+  rope_sin_ = v.sin;
+  // The static page table: slot s owns pages [s·P, (s+1)·P).
+  std::vector<int32_t> table(size_t(S * P));
+  for (int64_t i = 0; i < S * P; ++i) table[size_t(i)] = int32_t(i);
+  copy_to_device(page_table_, table.data(), table.size() * sizeof(int32_t));
+  if (rope_cos_) {
+    // The CPU decode's own tables (fp32, YaRN amplitude folded in), uploaded once.
+    const size_t count = size_t(max_length_ * (c.mla.qk_rope_dim / 2));
+    std::vector<float> cos(count), sin(count);
+    mla_rope_tables(c.mla, max_length_, cos.data(), sin.data());
+    copy_to_device(rope_cos_, cos.data(), count * sizeof(float));
+    copy_to_device(rope_sin_, sin.data(), count * sizeof(float));
+  }
+
+  // Scratch: the step's own buffers for S rows plus the largest sub-layer's.
+  Carver step;
+  carve_step(step, c, S, P);
+  size_t layer = 0;
+  for (int i = 0; i < c.num_layers; ++i) {
+    Carver mixer;
+    if (c.mixers[i] == MixerKind::KDA) {
+      carve_kda(mixer, c, S);
+    } else {
+      size_t ws = 0;
+      for (int64_t n = 1; n <= S; ++n) ws = std::max(ws, attention_ws_bytes(c, n, P, num_sms_));
+      carve_mla(mixer, c, S, ws);
+    }
+    layer = std::max({layer, mixer.bytes,
+                      c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, S)
+                                                : dense_ffn_forward_gpu_bytes(c, S)});
+  }
+  run_ = std::make_unique<GpuRun>(step.bytes + layer + (size_t(1) << 20));
+  host_lengths_.assign(size_t(S), 0);
+  staging_.resize(size_t(2 * S));
+  row_logits_.resize(size_t(S) * size_t(c.vocab_size));
+}
+
+int64_t GpuDecoder::length(int64_t slot) const {
+  DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder: slot ", slot, " outside [0, ", S_, ")");
+  return host_lengths_[size_t(slot)];
+}
+
+size_t GpuDecoder::cache_bytes() const { return cache_->capacity(); }
+size_t GpuDecoder::scratch_bytes() const { return run_->scratch.capacity(); }
+
+void GpuDecoder::release(int64_t slot) {
+  DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder::release: slot ", slot, " outside [0, ", S_, ")");
+  const ModelConfig& c = config();
+  const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim;
+  const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.mixers[i] != MixerKind::KDA) continue;
+    const size_t l = size_t(i);
+    fill_zero(kda_state_[l] + slot * HK * c.kda.head_dim,
+              size_t(HK * c.kda.head_dim) * sizeof(float));
+    if (tail > 0)
+      for (uint16_t* t : {kda_tail_q_[l], kda_tail_k_[l], kda_tail_v_[l]})
+        fill_zero(t + slot * tail, size_t(tail) * sizeof(uint16_t));
+  }
+  fill_zero(lengths_ + slot, sizeof(int32_t));
+  host_lengths_[size_t(slot)] = 0;
+}
+
+void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
+  const int64_t V = config().vocab_size;
+  std::vector<int32_t> ids, slots;
+  ids.reserve(size_t(S_));
+  slots.reserve(size_t(S_));
+  for (int64_t s = 0; s < S_; ++s) {
+    if (active && !active[s]) continue;
+    DM_CHECK(host_lengths_[size_t(s)] < max_length_, "GpuDecoder::step: slot ", s, " is full (",
+             max_length_, " tokens)");
+    DM_CHECK(tokens[s] >= 0 && tokens[s] < V, "GpuDecoder::step: token id ", tokens[s],
+             " of slot ", s, " outside the vocabulary [0, ", V, ")");
+    ids.push_back(tokens[s]);
+    slots.push_back(int32_t(s));
+  }
+  const int64_t n = int64_t(slots.size());
+  if (n == 0) return;
+  run_rows(ids.data(), slots.data(), n, logits ? row_logits_.data() : nullptr);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t s = slots[size_t(r)];
+    ++host_lengths_[size_t(s)];
+    if (logits)
+      std::copy(row_logits_.begin() + r * V, row_logits_.begin() + (r + 1) * V, logits + s * V);
+  }
+}
+
+void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+  DM_CHECK(n > 0 && n <= max_length_, "GpuDecoder::prefill: prompt of ", n,
+           " tokens does not fit the decoder (max length ", max_length_, ")");
+  release(slot);
+  const int64_t V = config().vocab_size;
+  for (int64_t t = 0; t < n; ++t)
+    DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::prefill: token id ", ids[t],
+             " at position ", t, " outside the vocabulary [0, ", V, ")");
+  // One token per step (a chunked prefill comes later); only the last step needs the LM head.
+  const int32_t row_slot = int32_t(slot);
+  for (int64_t t = 0; t < n; ++t) {
+    run_rows(ids + t, &row_slot, 1, t + 1 == n ? last_logits : nullptr);
+    ++host_lengths_[size_t(slot)];
+  }
+}
+
+void GpuDecoder::run_rows(const int32_t* ids, const int32_t* slots, int64_t n,
+                          float* row_logits) {
+  const ModelConfig& c = config();
+  const ModelWeights& W = dw_->host();
+  GpuRun& run = *run_;
+  CUstream_st* stream = run.stream;
+  const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
+  run.scratch.reset();
+  Carver cv{&run.scratch};
+  const StepBuffers b = carve_step(cv, c, n, P);
+
+  std::copy(ids, ids + n, staging_.begin());
+  std::copy(slots, slots + n, staging_.begin() + n);
+  copy_to_device(b.meta, staging_.data(), size_t(2 * n) * sizeof(int32_t));
+  decode_prepare_rows(b.meta + n, n, lengths_, page_table_, P, b.positions, b.seq_len,
+                      b.row_table, stream);
+  embedding_gather(dw_->bf16(W.embed), b.meta, n, d, b.p, stream);
+
+  Rows rows;
+  rows.n = n;
+  rows.slots = b.meta + n;
+  rows.positions = b.positions;
+  rows.seq_len = b.seq_len;
+  rows.row_table = b.row_table;
+  for (int64_t r = 0; r < n; ++r) {
+    if (!rows.runs.empty() && rows.runs.back().slot + rows.runs.back().count == slots[r])
+      ++rows.runs.back().count;
+    else
+      rows.runs.push_back({r, slots[r], 1});
+  }
+
+  auto mixer = [&](int i, const uint16_t* in, float* o) {
+    if (c.mixers[i] == MixerKind::KDA) kda_step(i, in, o, rows);
+    else mla_step(i, in, o, rows);
+  };
+  auto ffn = [&](int i, const uint16_t* in, float* o) {
+    if (c.ffns[i] == FfnKind::MoE) moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n);
+    else dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
+  };
+  const GpuResidualOps ops{dw_, stream};
+  const uint16_t* final_hidden = residual_stack_forward<float>(
+      c, W, n, b.p, b.x, b.xn, b.out, b.blocks, mixer, ffn, [](const char*, int, const float*) {},
+      ops);
+  if (row_logits)
+    linear(run, final_hidden, dw_->bf16(W.lm_head), n, d, V, b.logits, GemmOutType::F32);
+  synchronize();
+  check_last_error("GpuDecoder step");
+  if (row_logits) copy_to_host(row_logits, b.logits, size_t(n * V) * sizeof(float));
+}
+
+void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows) {
+  const ModelConfig& c = config();
+  const KdaWeights& w = dw_->host().layers[size_t(layer)].kda;
+  const DeviceWeights& dw = *dw_;
+  GpuRun& run = *run_;
+  CUstream_st* stream = run.stream;
+  const int64_t n = rows.n, d = c.hidden, H = c.kda.num_heads, K = c.kda.head_dim, HK = H * K;
+  DeviceArenaScope scope(run.scratch);
+  Carver cv{&run.scratch};
+  const KdaStepBuffers b = carve_kda(cv, c, n);
+
+  // q, k, v = SiLU(conv(tail ; W x)), the tails advancing by this token's raw projections.
+  const float* proj[3] = {w.q_proj, w.k_proj, w.v_proj};
+  const float* conv[3] = {w.q_conv, w.k_conv, w.v_conv};
+  uint16_t* tails[3] = {kda_tail_q_[size_t(layer)], kda_tail_k_[size_t(layer)],
+                        kda_tail_v_[size_t(layer)]};
+  KdaConvStepArgs args;
+  for (int br = 0; br < 3; ++br) {
+    linear(run, xn, dw.bf16(proj[br]), n, d, HK, b.raw[br], GemmOutType::Bf16);
+    args.raw[br] = b.raw[br];
+    args.weight[br] = dw.f32(conv[br]);
+    args.tail[br] = tails[br];
+    args.out[br] = b.qkv[br];
+  }
+  decode_kda_conv_step(args, rows.slots, n, HK, c.kda.conv_kernel, stream);
+
+  // g = gate(W_f↑ W_f↓ x) in place in raw[0]; β = sigmoid(W_β x) from fp32 logits.
+  uint16_t* g = b.raw[0];
+  linear(run, xn, dw.bf16(w.f_a), n, d, K, b.low, GemmOutType::Bf16);
+  linear(run, b.low, dw.bf16(w.f_b), n, K, HK, g, GemmOutType::Bf16);
+  decode_kda_gate(g, dw.f32(w.A_log), dw.f32(w.dt_bias), g, n, H, K,
+                  c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
+  linear(run, xn, dw.bf16(w.b_proj), n, d, H, b.beta_logits, GemmOutType::F32);
+  decode_sigmoid_to_bf16(b.beta_logits, b.beta, n * H, stream);
+
+  // The recurrent operator, T = 1, each run of consecutive slots against its contiguous states.
+  const float scale = 1.0f / std::sqrt(float(K));
+  float* state = kda_state_[size_t(layer)];
+  for (const Rows::Run& r : rows.runs) {
+    const int64_t at = r.row * HK;
+    float* s = state + r.slot * H * K * K;
+    kda_recurrent_forward(b.qkv[0] + at, b.qkv[1] + at, b.qkv[2] + at, g + at,
+                          b.beta + r.row * H, s, b.o + at, s, KdaShape{r.count, 1, H, K, K},
+                          scale, nullptr, stream);
+  }
+
+  // Output gate into raw[1], per-head RMSNorm ⊙ sigmoid(gate) in place, then W_o (fp32 out).
+  uint16_t* out_gate = b.raw[1];
+  if (c.kda.full_rank_output_gate) {
+    linear(run, xn, dw.bf16(w.g_full), n, d, HK, out_gate, GemmOutType::Bf16);
+  } else {
+    linear(run, xn, dw.bf16(w.g_a), n, d, K, b.low, GemmOutType::Bf16);
+    linear(run, b.low, dw.bf16(w.g_b), n, K, HK, out_gate, GemmOutType::Bf16);
+  }
+  decode_rmsnorm_gated(b.o, dw.f32(w.o_norm), out_gate, b.o, n * H, K, c.rms_eps, stream);
+  linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
+}
+
+void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& rows) {
+  const ModelConfig& c = config();
+  const MlaConfig& m = c.mla;
+  const MlaWeights& w = dw_->host().layers[size_t(layer)].mla;
+  const DeviceWeights& dw = *dw_;
+  GpuRun& run = *run_;
+  CUstream_st* stream = run.stream;
+  const int64_t n = rows.n, d = c.hidden, H = m.num_heads, nope = m.qk_nope_dim;
+  const int64_t rope = m.qk_rope_dim, dq = nope + rope, dv = m.v_head_dim;
+  const int64_t kvl = m.kv_lora_rank, ql = m.q_lora_rank, Wd = kvl + rope, P = pages_per_slot_;
+  const int64_t kvb_rows_per_head = nope + dv;  // W_kvb [H·(nope + dv), kvl]
+  const MlaDecodePlan plan = plan_for(c, n, P, num_sms_);
+  DeviceArenaScope scope(run.scratch);
+  Carver cv{&run.scratch};
+  const MlaStepBuffers b =
+      carve_mla(cv, c, n, mla_decode_workspace_bytes(plan, int(n), int(H), int(kvl)));
+  const float* cos = rope_on(m) ? rope_cos_ : nullptr;
+  const float* sin = rope_on(m) ? rope_sin_ : nullptr;
+
+  // q [n, H, dq]: the q LoRA's GEMM writes fp32 so its norm sees unrounded values.
+  if (ql > 0) {
+    linear(run, xn, dw.bf16(w.q_a), n, d, ql, b.q_a, GemmOutType::F32);
+    decode_rmsnorm_rows_to_bf16(b.q_a, ql, dw.f32(w.q_a_norm), b.q_a_normed, n, ql,
+                                m.latent_norm_eps, stream);
+    linear(run, b.q_a_normed, dw.bf16(w.q_b), n, ql, H * dq, b.q, GemmOutType::Bf16);
+  } else {
+    linear(run, xn, dw.bf16(w.q_proj), n, d, H * dq, b.q, GemmOutType::Bf16);
+  }
+  // [c ; kr] = W_kva x (fp32) → the slot's cache row [RMSNorm(c) ; RoPE(kr)] at its position.
+  linear(run, xn, dw.bf16(w.kv_a), n, d, Wd, b.kv_a, GemmOutType::F32);
+  decode_mla_write_latent(b.kv_a, dw.f32(w.kv_a_norm), n, kvl, rope, m.latent_norm_eps, cos, sin,
+                          rows.positions, rows.row_table, P, kPageTokens,
+                          mla_pages_[size_t(layer)], stream);
+
+  // Absorbed queries: q_abs[:, h, :kvl] = q_nope_h · W_k,h (W_k,h = W_kvb's key rows of head h,
+  // [nope, kvl]); q_abs[:, h, kvl:] = RoPE(q_rope_h).
+  const uint16_t* kv_b = dw.bf16(w.kv_b);
+  for (int64_t h = 0; h < H; ++h)
+    run.gemm.gemm_bf16(false, false, n, kvl, nope, 1.0f, b.q + h * dq, H * dq,
+                       kv_b + h * kvb_rows_per_head * kvl, kvl, 0.0f, b.q_abs + h * Wd,
+                       GemmOutType::Bf16, H * Wd, stream);
+  decode_mla_query_rope(b.q, n, H, nope, rope, kvl, cos, sin, rows.positions, b.q_abs, stream);
+
+  MlaDecodeArgs args;
+  args.q = b.q_abs;
+  args.cache = mla_pages_[size_t(layer)];
+  args.page_table = rows.row_table;
+  args.seq_len = rows.seq_len;
+  args.out = b.latent;
+  args.S = int(n);
+  args.H = int(H);
+  args.Dk = int(Wd);
+  args.Dv = int(kvl);
+  args.scale = double(mla_softmax_scale(m));  // the CPU decode's float scale (× mscale² YaRN)
+  mla_decode_absorbed(args, plan, b.attention_ws, stream);
+
+  // o_h = W_v,h · latent_h (W_v,h = W_kvb's value rows of head h, [dv, kvl]), output gate, W_o.
+  for (int64_t h = 0; h < H; ++h)
+    run.gemm.gemm_bf16(false, true, n, dv, kvl, 1.0f, b.latent + h * kvl, H * kvl,
+                       kv_b + (h * kvb_rows_per_head + nope) * kvl, kvl, 0.0f, b.o + h * dv,
+                       GemmOutType::Bf16, H * dv, stream);
+  if (m.output_gate) {
+    linear(run, xn, dw.bf16(w.gate), n, d, H * dv, b.gate, GemmOutType::Bf16);
+    decode_gate_multiply(b.o, b.gate, n * H * dv, stream);
+  }
+  linear(run, b.o, dw.bf16(w.o_proj), n, H * dv, d, y, GemmOutType::F32);
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,50 @@
+// The sub-layers of SPEC §1 on the GPU, forward (inference / prefill): the twins of
+// model/kda.h kda_layer_forward, model/mla.h mla_layer_forward, model/moe.h moe_layer_forward and
+// dense_ffn_forward. Implemented in kda_gpu.cpp, mla_gpu.cpp, moe_gpu.cpp, ffn_gpu.cpp.
+//
+// Contract shared by all of them:
+//   xn  [N = B·T, d] bf16 (device): the RMS-normed rows the CPU layer takes as x.
+//   y   [N, d] fp32 (device): WRITTEN with the sub-layer output (what the residual stream adds).
+//   w   the HOST weight views of model/weights.h; their device twins are dw.bf16(p) / dw.f32(p).
+//   doc_start [B·T] int32 (device, nullable): packed documents as on the CPU (docs/backward.md).
+// Temporaries come from run.scratch inside a DeviceArenaScope (released on return); the
+// *_bytes functions say how much scratch one call needs, so the model sizes run.scratch once.
+// Precision: bf16 GEMM operands and activations between ops, fp32 accumulation, fp32 KDA state,
+// softmax statistics and router scores; fp32 element-wise math.
+// Nothing here synchronises the stream unless its comment says so.
+#pragma once
+#include <cstdint>
+
+#include "model/cuda/gpu_run.h"
+
+namespace dm::cuda {
+
+size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
+                           const uint16_t* xn, float* y, int64_t B, int64_t T,
+                           const int32_t* doc_start = nullptr);
+
+size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
+                           const uint16_t* xn, float* y, int64_t B, int64_t T,
+                           const int32_t* doc_start = nullptr);
+
+size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N);
+void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w,
+                           const uint16_t* xn, float* y, int64_t N);
+
+// Routing of one MoE forward, for QB and balance metrics (device pointers into run.scratch that
+// stay valid until the caller's enclosing scope ends; nullptr = not wanted).
+struct MoeRoutingDevice {
+  float* scores = nullptr;   // [N, E] sigmoid router scores
+  float* cutoff = nullptr;   // [N]   (k+1)-th biased score
+  int32_t* idx = nullptr;    // [N, k]
+};
+// The MoE forward synchronises the stream once (the dispatch plan's per-expert row counts go to
+// the host for the grouped GEMM launches).
+size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N);
+void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
+                           const uint16_t* xn, float* y, int64_t N,
+                           MoeRoutingDevice* routing = nullptr);
+
+}  // namespace dm::cuda

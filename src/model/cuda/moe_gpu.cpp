@@ -1,0 +1,202 @@
+// Stable Latent MoE layer forward on the GPU (layers.h moe_layer_forward_gpu): the twin of
+// model/moe.cpp moe_layer_forward, op for op:
+//
+//   logits [N,E] fp32 = xn·W_rᵀ                       (bf16 operands, fp32 out: router in fp32)
+//   moe_route: s = σ(logits), idx = top_k(s + b), w = renorm(s_idx)·scaling, cutoff
+//   dispatch plan (one stream synchronisation: per-expert row counts to the host)
+//   latent:  z [N,ℓ] bf16 = xn·W↓ᵀ;  u [N,ℓ] = Σ_j w_j·E_j(z);  RMSNorm(u) (fp32, latent_norm);
+//            y [N,d] fp32 = bf16(u)·W↑ᵀ
+//   plain:   y [N,d] fp32 = Σ_j w_j·E_j(xn)
+//   shared:  y += (act(xn·W_gᵀ, xn·W_uᵀ))·W_dᵀ   (fused shared experts, width num_shared·shared_ffn;
+//            the down GEMM accumulates into y with beta = 1, the CPU's y += shared_out)
+//
+// Scratch layout inside run.scratch (the routing outputs the caller asked for sit below the
+// layer's scope so they outlive it):
+//   [routing: scores, cutoff, idx] | scope: logits, weight, plan, z, u |
+//       then either the experts' workspace, or (after it is released) bf16(u) and the shared
+//       experts' gate/up buffers.
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+#include "model/cuda/layers.h"
+#include "model/moe.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe.h"
+#include "ops/cuda/moe_layer_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+// Shapes of one MoE layer, as model/moe.cpp moe_shape.
+struct MoeGpuShape {
+  int64_t E, k, d, latent, F, shared_F;
+  bool has_latent, has_latent_norm, has_shared;
+};
+
+MoeGpuShape moe_gpu_shape(const ModelConfig& cfg) {
+  const MoeConfig& m = cfg.moe;
+  MoeGpuShape s;
+  s.E = m.num_experts;
+  s.k = m.top_k;
+  s.d = cfg.hidden;
+  s.has_latent = m.latent_dim > 0;
+  s.latent = s.has_latent ? m.latent_dim : s.d;
+  s.has_latent_norm = s.has_latent && m.latent_norm;
+  s.F = m.expert_ffn;
+  s.shared_F = int64_t(m.num_shared) * m.shared_ffn;
+  s.has_shared = m.num_shared > 0;
+  return s;
+}
+
+// DeviceArena starts every view on a 256-byte boundary.
+size_t aligned(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+size_t n_bytes(int64_t n, size_t elem) { return aligned(size_t(std::max<int64_t>(n, 1)) * elem); }
+
+// Bytes of the routing outputs (scores [N,E] fp32, cutoff [N] fp32, idx [N,k] int32).
+size_t routing_bytes(const MoeGpuShape& s, int64_t N) {
+  return n_bytes(N * s.E, 4) + n_bytes(N, 4) + n_bytes(N * s.k, 4);
+}
+
+// Bytes live across the whole layer scope: logits, routing weights, plan, z, u.
+size_t scope_base_bytes(const MoeGpuShape& s, int64_t N) {
+  size_t b = n_bytes(N * s.E, 4) + n_bytes(N * s.k, 4) +
+             moe_dispatch_plan_bytes(N, int(s.k), int(s.E));
+  if (s.has_latent) {
+    b += n_bytes(N * s.latent, 2);                             // z bf16
+    b += n_bytes(N * s.latent, s.has_latent_norm ? 4 : 2);     // u: fp32 for the norm, else bf16
+  }
+  return b;
+}
+
+ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeights* w,
+                                 const MoeGpuShape& s) {
+  ExpertWeightsBf16 ew;
+  // Host layout (model/weights.cpp): gate, up [E, F, ℓ]; down [E, ℓ, F] = what moe.h expects.
+  if (dw && w) {
+    ew.gate = dw->bf16(w->expert_gate);
+    ew.up = dw->bf16(w->expert_up);
+    ew.down = dw->bf16(w->expert_down);
+  }
+  ew.E = s.E;
+  ew.Din = s.latent;
+  ew.F = s.F;
+  return ew;
+}
+
+// Peak of what follows the scope base: the experts' workspace, then (released) bf16(u) plus the
+// shared experts' gate and up [N, Fs] bf16 (h is written over gate).
+size_t scope_peak_bytes(const MoeGpuShape& s, int64_t N) {
+  const size_t experts =
+      aligned(moe_experts_forward_workspace_bytes(N, int(s.k), expert_weights(nullptr, nullptr, s)));
+  size_t after = 0;
+  if (s.has_latent_norm) after += n_bytes(N * s.latent, 2);
+  if (s.has_shared) after += 2 * n_bytes(N * s.shared_F, 2);
+  return std::max(experts, after);
+}
+
+// Host copy of the plan's E+1 offsets: grows only, so steady-state calls do not allocate.
+int64_t* host_offsets_buffer(int64_t E) {
+  thread_local std::vector<int64_t> buffer;
+  if (buffer.size() < size_t(E) + 1) buffer.resize(size_t(E) + 1);
+  return buffer.data();
+}
+
+}  // namespace
+
+size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
+  const MoeGpuShape s = moe_gpu_shape(c);
+  // +256: the caller's arena mark may sit mid-way through a 256-byte block.
+  return routing_bytes(s, N) + scope_base_bytes(s, N) + scope_peak_bytes(s, N) + 256;
+}
+
+void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
+                           const uint16_t* xn, float* y, int64_t N, MoeRoutingDevice* routing) {
+  const ModelConfig& cfg = dw.config();
+  const MoeGpuShape s = moe_gpu_shape(cfg);
+  const int64_t E = s.E, k = s.k, d = s.d, l = s.latent;
+  DM_CHECK(N >= 0, "moe_layer_forward_gpu: negative token count ", N);
+  DM_CHECK(w.router && w.expert_gate && w.expert_up && w.expert_down,
+           "moe_layer_forward_gpu: MoE weights missing (not an MoE layer?)");
+  DM_CHECK(!s.has_latent || (w.latent_down && w.latent_up), "moe_layer_forward_gpu: latent "
+           "projections missing");
+  DM_CHECK(!s.has_latent_norm || w.latent_norm, "moe_layer_forward_gpu: latent norm missing");
+  DM_CHECK(!s.has_shared || (w.shared.gate && w.shared.up && w.shared.down),
+           "moe_layer_forward_gpu: shared experts missing");
+  CUstream_st* stream = run.stream;
+  DeviceArena& arena = run.scratch;
+
+  // Routing outputs the caller keeps: carved below the scope so they survive the call.
+  MoeRoutingDevice r;
+  if (routing) {
+    r.scores = arena.alloc<float>(size_t(std::max<int64_t>(N * E, 1)));
+    r.cutoff = arena.alloc<float>(size_t(std::max<int64_t>(N, 1)));
+    r.idx = arena.alloc<int32_t>(size_t(std::max<int64_t>(N * k, 1)));
+    *routing = r;
+  }
+  if (N == 0) return;
+  DeviceArenaScope scope(arena);
+  if (!routing) {
+    r.scores = arena.alloc<float>(size_t(N * E));
+    r.idx = arena.alloc<int32_t>(size_t(N * k));
+    // cutoff stays nullptr: moe_route skips it (the CPU computes it for QB only).
+  }
+
+  // Router on the full-width normed x, fp32 logits; the bias only steers selection.
+  float* logits = arena.alloc<float>(size_t(N * E));
+  float* weight = arena.alloc<float>(size_t(N * k));
+  linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
+  const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
+  moe_route(logits, bias, N, router_params(cfg), r.scores, r.idx, weight, r.cutoff, stream);
+  MoeDispatchPlan plan;
+  moe_dispatch_plan_build(r.idx, N, int(k), int(E), &plan, arena, host_offsets_buffer(E), stream);
+
+  // Routed path in the latent space z = xn·W↓ᵀ [N,ℓ] (or xn itself for plain MoE).
+  const uint16_t* z = xn;
+  if (s.has_latent) {
+    uint16_t* latent_in = arena.alloc<uint16_t>(size_t(N * l));
+    linear(run, xn, dw.bf16(w.latent_down), N, d, l, latent_in, GemmOutType::Bf16);
+    z = latent_in;
+  }
+  // Combined expert output u [N,ℓ]: plain MoE writes y directly; latent MoE keeps u fp32 when
+  // the norm follows (norm statistics in fp32), else bf16 (the up-projection's operand).
+  void* u = y;
+  GemmOutType u_type = GemmOutType::F32;
+  if (s.has_latent) {
+    u_type = s.has_latent_norm ? GemmOutType::F32 : GemmOutType::Bf16;
+    u = arena.alloc_bytes(size_t(N * l) * (s.has_latent_norm ? 4 : 2));
+  }
+  {
+    DeviceArenaScope experts_scope(arena);
+    const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
+    void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
+    moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type, workspace,
+                        MoeGemmPath::Grouped, stream);
+  }
+
+  if (s.has_latent) {
+    const uint16_t* up_in = static_cast<const uint16_t*>(u);
+    if (s.has_latent_norm) {
+      // RMSNorm(u) in fp32, in place (inference: u is not needed afterwards), then bf16.
+      float* u32 = static_cast<float*>(u);
+      rmsnorm_forward(u32, dw.f32(w.latent_norm), u32, N, l, double(cfg.rms_eps), stream);
+      uint16_t* normed = arena.alloc<uint16_t>(size_t(N * l));
+      convert_f32_to_bf16(u32, normed, N * l, stream);
+      up_in = normed;
+    }
+    linear(run, up_in, dw.bf16(w.latent_up), N, l, d, y, GemmOutType::F32);
+  }
+
+  if (s.has_shared) {
+    // Fused shared experts at full width: h = act(g, u) over [N, Fs], y += h·W_dᵀ.
+    const int64_t Fs = s.shared_F;
+    uint16_t* gate = arena.alloc<uint16_t>(size_t(N * Fs));
+    uint16_t* up = arena.alloc<uint16_t>(size_t(N * Fs));
+    linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
+    linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
+    glu_forward(gate, up, gate, N * Fs, glu_activation(cfg), stream);
+    linear(run, gate, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
+  }
+}
+
+}  // namespace dm::cuda

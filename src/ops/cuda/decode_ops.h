@@ -1,0 +1,91 @@
+// Row kernels of the cached GPU decode step (model/cuda/decode_gpu.cpp): one new token per active
+// slot, n rows. They are the decode-shaped twins of the CPU code in model/kda.cpp
+// (kda_layer_decode: conv step against the carried tail, gate, β, gated RMSNorm) and
+// model/mla_decode.cpp (latent row → paged cache, RoPE at the slot's position, absorbed query
+// assembly, output gate). Plain C++17 header (no CUDA includes) for nvcc and the host compiler.
+//
+// Every pointer is a DEVICE pointer; bf16 tensors are their uint16_t bit patterns; parameters
+// (conv weights, A_log, dt_bias, norm weights) are fp32; all math is fp32. Row r of a step is
+// slot slots[r] at position positions[r]. `stream` is a cudaStream_t (nullptr = default stream);
+// nothing here synchronises.
+#pragma once
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace dm::cuda {
+
+using DecodeStream = CUstream_st*;
+
+// Multiprocessors of the current device (for mla_decode_plan, read once by the decoder).
+int decode_device_multiprocessors();
+
+// Per-step row bookkeeping, one block per row r (slot = slots[r]):
+//   positions[r] = lengths[slot];  seq_len[r] = positions[r] + 1;  lengths[slot] += 1;
+//   row_table[r, :] = page_table[slot, :]            (page tables [·, P] int32)
+// so the attention kernel sees per-row page tables of the compacted batch. Each slot must
+// appear at most once in slots.
+void decode_prepare_rows(const int32_t* slots, int64_t n, int32_t* lengths,
+                         const int32_t* page_table, int64_t P, int32_t* positions,
+                         int32_t* seq_len, int32_t* row_table, DecodeStream stream = nullptr);
+
+// ---- KDA ----------------------------------------------------------------------------------
+// The short conv (kernel Kc, no bias) + SiLU of ONE token per row, for the q, k and v branches
+// at once, against each slot's carried raw inputs, then the tail advances by one row:
+//   out[r, c] = SiLU(Σ_{j<Kc−1} w[c, j]·tail[slot, j, c] + w[c, Kc−1]·raw[r, c])
+//   tail[slot, 0:Kc−2] ← tail[slot, 1:Kc−1];  tail[slot, Kc−2] ← raw[r]
+// raw, out [n, C] bf16; w [C, Kc] fp32; tail [S, Kc−1, C] bf16 (unused when Kc == 1).
+struct KdaConvStepArgs {
+  const uint16_t* raw[3] = {};
+  const float* weight[3] = {};
+  uint16_t* tail[3] = {};
+  uint16_t* out[3] = {};
+};
+void decode_kda_conv_step(const KdaConvStepArgs& a, const int32_t* slots, int64_t n, int64_t C,
+                          int Kc, DecodeStream stream = nullptr);
+
+// Log-decay g [n, H·K] from f [n, H·K] (both bf16, g may alias f); A_log [H], dt_bias [H·K]:
+//   softplus gate: g = −exp(A_log[h])·softplus(f + dt_bias)   (softplus linear above 20)
+//   safe gate:     g = lower_bound·sigmoid(exp(A_log[h])·(f + dt_bias))
+void decode_kda_gate(const uint16_t* f, const float* A_log, const float* dt_bias, uint16_t* g,
+                     int64_t n, int64_t H, int64_t K, bool safe_gate, float lower_bound,
+                     DecodeStream stream = nullptr);
+
+// y[i] = bf16(sigmoid(z[i])), z fp32 (β from the b_proj logits).
+void decode_sigmoid_to_bf16(const float* z, uint16_t* y, int64_t count,
+                            DecodeStream stream = nullptr);
+
+// Per row of D (one head of one token): y = x·rsqrt(mean(x²) + eps)·w ⊙ sigmoid(gate).
+// x, gate, y [rows, D] bf16 (y may alias x); w [D] fp32.
+void decode_rmsnorm_gated(const uint16_t* x, const float* w, const uint16_t* gate, uint16_t* y,
+                          int64_t rows, int64_t D, float eps, DecodeStream stream = nullptr);
+
+// ---- MLA ----------------------------------------------------------------------------------
+// y[r, :] = bf16(x[r, 0:D]·r_r·w), r_r = rsqrt(mean(x[r, 0:D]²) + eps); x fp32 with leading
+// dim ldx ≥ D, y [n, D] bf16 (the q LoRA norm).
+void decode_rmsnorm_rows_to_bf16(const float* x, int64_t ldx, const float* w, uint16_t* y,
+                                 int64_t n, int64_t D, float eps, DecodeStream stream = nullptr);
+
+// Writes each row's latent cache row [RMSNorm(c)·w ; RoPE(kr)] (kvl + rope wide, bf16) into its
+// slot's page: page row_table[r, pos / page_tokens], row pos % page_tokens of
+// pages [num_pages, page_tokens, kvl + rope]. kv_a [n, kvl + rope] fp32 (the W_kva GEMM);
+// cos/sin [positions, rope/2] fp32 tables (nullptr: RoPE off, kr copied as is). Interleaved
+// pairs: (x0, x1) → (x0·cos − x1·sin, x1·cos + x0·sin), as ops/cpu/rope.cpp.
+void decode_mla_write_latent(const float* kv_a, const float* norm_w, int64_t n, int64_t kvl,
+                             int64_t rope, float eps, const float* cos, const float* sin,
+                             const int32_t* positions, const int32_t* row_table, int64_t P,
+                             int64_t page_tokens, uint16_t* pages, DecodeStream stream = nullptr);
+
+// The rope half of the absorbed queries: q_abs[r, h, kvl + i] = RoPE(q[r, h, nope + i]) at
+// positions[r] (unrotated when cos == nullptr). q [n, H, nope + rope] bf16,
+// q_abs [n, H, kvl + rope] bf16 (its first kvl columns are the absorbed key part, not touched).
+void decode_mla_query_rope(const uint16_t* q, int64_t n, int64_t H, int64_t nope, int64_t rope,
+                           int64_t kvl, const float* cos, const float* sin,
+                           const int32_t* positions, uint16_t* q_abs,
+                           DecodeStream stream = nullptr);
+
+// o[i] ← o[i]·sigmoid(g[i]) for i < count (bf16, fp32 math): the MLA output gate.
+void decode_gate_multiply(uint16_t* o, const uint16_t* g, int64_t count,
+                          DecodeStream stream = nullptr);
+
+}  // namespace dm::cuda

@@ -1,0 +1,143 @@
+// CUDA short conv + SiLU, KDA decay gate, β sigmoid and gated per-head RMSNorm (formulas in
+// kda_layer_ops.h; CPU twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp).
+//
+// All memory-bound: element kernels run one thread per output element over a grid-stride loop,
+// with consecutive threads on consecutive channels so every load and store is coalesced; the
+// norm runs one warp per row (a row is one head, K ≤ a few hundred elements, too short to give a
+// whole block work). Sums are taken in the CPU's order where it is cheap (the conv taps).
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/kda_layer_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kNormRowsPerBlock = kThreads / 32;  // one warp per row
+
+// Blocks of a grid-stride element launch: enough to fill the GPU, never 0.
+int grid_blocks(int64_t n) {
+  const int64_t wanted = (n + kThreads - 1) / kThreads;
+  return int(std::max<int64_t>(1, std::min<int64_t>(wanted, 65536)));
+}
+
+__device__ __forceinline__ float silu_f32(float x) { return x * sigmoid_f32(x); }
+
+// log(1 + e^z), linear above PyTorch's threshold 20 (as kda_softplus on the CPU).
+__device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+
+// x, y [B, T, C]; w [C, Kc]. Element i = (b·T + t)·C + c.
+__global__ void short_conv_silu_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w,
+                                       uint16_t* __restrict__ y, int64_t T, int64_t C, int Kc,
+                                       const int32_t* __restrict__ doc_start, int64_t total) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % C, bt = i / C, t = bt % T;
+    const int64_t row_start = bt - t;  // b·T: token 0 of this row
+    // The conv of token t reads nothing before its document's first token (nor before 0).
+    const int64_t start = doc_start ? int64_t(doc_start[bt]) : 0;
+    const int64_t first = start > 0 ? start : 0;
+    float acc = 0.0f;
+    for (int j = 0; j < Kc; ++j) {  // taps in the CPU's order
+      const int64_t src = t - (Kc - 1) + j;
+      if (src < first) continue;
+      acc += w[c * Kc + j] * load_as_float(x, (row_start + src) * C + c);
+    }
+    store_from_float(y, i, silu_f32(acc));
+  }
+}
+
+// f, g [N, H·K]; A_log [H]; dt_bias [H·K].
+__global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_log,
+                                const float* __restrict__ dt_bias, uint16_t* g, int64_t HK,
+                                int64_t K, bool safe_gate, float lower_bound, int64_t total) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % HK;
+    const float a = expf(A_log[c / K]);
+    const float z = load_as_float(f, i) + dt_bias[c];
+    const float value = safe_gate ? lower_bound * sigmoid_f32(a * z) : -a * softplus_f32(z);
+    store_from_float(g, i, value);
+  }
+}
+
+__global__ void beta_sigmoid_kernel(const float* __restrict__ z, uint16_t* __restrict__ beta,
+                                    int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_from_float(beta, i, sigmoid_f32(z[i]));
+}
+
+// One warp per row of D: x, gate, y [rows, D]; w [D]. Each lane rewrites only the elements it
+// read, so y may alias x.
+__global__ void rmsnorm_gated_kernel(const uint16_t* x, const float* __restrict__ w,
+                                     const uint16_t* __restrict__ gate, uint16_t* y, int64_t rows,
+                                     int64_t D, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kNormRowsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
+  const int64_t offset = row * D;
+  float sum_squares = 0.0f;
+  for (int64_t i = lane; i < D; i += 32) {
+    const float value = load_as_float(x, offset + i);
+    sum_squares += value * value;
+  }
+  sum_squares = warp_sum(sum_squares);
+  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
+  for (int64_t i = lane; i < D; i += 32) {
+    const float value = load_as_float(x, offset + i) * inverse_rms * w[i] *
+                        sigmoid_f32(load_as_float(gate, offset + i));
+    store_from_float(y, offset + i, value);
+  }
+}
+
+}  // namespace
+
+void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y, int64_t B,
+                                 int64_t T, int64_t C, int Kc, const int32_t* doc_start,
+                                 KdaLayerStream stream) {
+  DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0, "cuda kda_short_conv_silu_forward: bad shape B=",
+           B, " T=", T, " C=", C, " Kc=", Kc);
+  const int64_t total = B * T * C;
+  if (total == 0) return;
+  short_conv_silu_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(x, w, y, T, C, Kc,
+                                                                      doc_start, total);
+  check_last_error("cuda kda_short_conv_silu_forward");
+}
+
+void kda_gate_forward(const uint16_t* f, const float* A_log, const float* dt_bias, uint16_t* g,
+                      int64_t N, int64_t H, int64_t K, bool safe_gate, float lower_bound,
+                      KdaLayerStream stream) {
+  DM_CHECK(N >= 0 && H > 0 && K > 0, "cuda kda_gate_forward: bad shape N=", N, " H=", H,
+           " K=", K);
+  const int64_t total = N * H * K;
+  if (total == 0) return;
+  kda_gate_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(f, A_log, dt_bias, g, H * K, K,
+                                                               safe_gate, lower_bound, total);
+  check_last_error("cuda kda_gate_forward");
+}
+
+void kda_beta_sigmoid_forward(const float* z, uint16_t* beta, int64_t n, KdaLayerStream stream) {
+  DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_forward: bad size ", n);
+  if (n == 0) return;
+  beta_sigmoid_kernel<<<grid_blocks(n), kThreads, 0, stream>>>(z, beta, n);
+  check_last_error("cuda kda_beta_sigmoid_forward");
+}
+
+void kda_rmsnorm_gated_forward(const uint16_t* x, const float* w, const uint16_t* gate,
+                               uint16_t* y, int64_t rows, int64_t D, float eps,
+                               KdaLayerStream stream) {
+  DM_CHECK(rows >= 0 && D > 0, "cuda kda_rmsnorm_gated_forward: bad shape rows=", rows, " D=", D);
+  if (rows == 0) return;
+  const int64_t blocks = (rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock;
+  DM_CHECK(blocks <= 0x7fffffff, "cuda kda_rmsnorm_gated_forward: too many rows ", rows);
+  rmsnorm_gated_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(x, w, gate, y, rows, D, eps);
+  check_last_error("cuda kda_rmsnorm_gated_forward");
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,174 @@
+// Kernels of the gated MLA layer forward (see mla_layer_ops.h for shapes and formulas).
+//
+// All memory-bound: one thread per output element (or rotary pair) with consecutive threads on
+// consecutive elements, so loads and stores coalesce; the latent RMSNorm is one block per row.
+// Math in fp32 (the RoPE table angle in fp64, as the CPU builds it).
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/mla_layer_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kThreads = 256;     // element kernels
+constexpr int kRowThreads = 256;  // row kernels (a multiple of 32)
+
+// Blocks of a grid-stride launch over n items: enough to fill the GPU, never 0.
+int grid_for(int64_t n) {
+  return int(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)));
+}
+
+// Position of token n = b·T + t (RoPE restarts at each document start).
+__device__ __forceinline__ int64_t token_position(int64_t n, int64_t T, const int32_t* doc_start) {
+  const int64_t t = n % T;
+  return doc_start ? t - doc_start[n] : t;
+}
+
+// cos, sin [T, half]: one thread per (t, i).
+__global__ void rope_table_kernel(MlaRopeFrequencies f, int64_t T, float* cos_out,
+                                  float* sin_out) {
+  const int64_t total = T * f.half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / f.half;
+    const int i = int(idx % f.half);
+    // Angle in double from the fp32 frequency, like rope_build_tables.
+    const double angle = double(t) * double(f.freq[i]);
+    cos_out[idx] = float(::cos(angle) * f.amplitude);
+    sin_out[idx] = float(::sin(angle) * f.amplitude);
+  }
+}
+
+// One block per row: y[row, 0:D] = x[row, 0:D] · r · w (x fp32 with leading dim ldx, y bf16).
+__global__ void rmsnorm_rows_kernel(const float* x, int64_t ldx, const float* w, uint16_t* y,
+                                    int64_t D, float eps) {
+  __shared__ float reduce_scratch[32];
+  const float* x_row = x + int64_t(blockIdx.x) * ldx;
+  uint16_t* y_row = y + int64_t(blockIdx.x) * D;
+  float sum_squares = 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) sum_squares += x_row[i] * x_row[i];
+  sum_squares = block_sum(sum_squares, reduce_scratch);
+  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+    store_from_float(y_row, i, x_row[i] * inverse_rms * w[i]);
+}
+
+// q [N, H, dq] in place: one thread per (token, head, pair).
+__global__ void rope_queries_kernel(uint16_t* q, int64_t N, int64_t T, int64_t H, int64_t dq,
+                                    int64_t nope, int64_t half, const float* cos,
+                                    const float* sin, const int32_t* doc_start) {
+  const int64_t total = N * H * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % half, row = idx / half;  // row = n·H + h
+    const int64_t n = row / H;
+    const int64_t table = token_position(n, T, doc_start) * half + i;
+    const float c = cos[table], s = sin[table];
+    uint16_t* pair = q + row * dq + nope + 2 * i;
+    const float x0 = load_as_float(pair, 0), x1 = load_as_float(pair, 1);
+    store_from_float(pair, 0, x0 * c - x1 * s);
+    store_from_float(pair, 1, x1 * c + x0 * s);
+  }
+}
+
+// k [N, H, dq] then v [N, H, dv]: one thread per output element of either (index space
+// [0, N·H·dq) for k, the rest for v). The rotated kr is recomputed per head (H small reads of
+// the same row; cheaper than a second pass).
+__global__ void assemble_kv_kernel(const uint16_t* kv, const float* kv_a, int64_t N, int64_t T,
+                                   int64_t H, int64_t nope, int64_t rope, int64_t dv, int64_t kvl,
+                                   const float* cos, const float* sin, const int32_t* doc_start,
+                                   uint16_t* k, uint16_t* v) {
+  const int64_t dq = nope + rope, kv_width = nope + dv;
+  const int64_t k_total = N * H * dq, total = k_total + N * H * dv;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    if (idx < k_total) {
+      const int64_t j = idx % dq, row = idx / dq;  // row = n·H + h
+      if (j < nope) {
+        k[idx] = kv[row * kv_width + j];
+        continue;
+      }
+      const int64_t n = row / H, r = j - nope;
+      const float* kr = kv_a + n * (kvl + rope) + kvl;  // [rope] shared by every head
+      float value;
+      if (cos) {
+        const int64_t half = rope / 2, p = r / 2;
+        const int64_t table = token_position(n, T, doc_start) * half + p;
+        const float c = cos[table], s = sin[table];
+        const float x0 = kr[2 * p], x1 = kr[2 * p + 1];
+        value = (r % 2 == 0) ? x0 * c - x1 * s : x1 * c + x0 * s;
+      } else {
+        value = kr[r];
+      }
+      store_from_float(k, idx, value);
+    } else {
+      const int64_t e = idx - k_total;
+      const int64_t j = e % dv, row = e / dv;
+      v[e] = kv[row * kv_width + nope + j];
+    }
+  }
+}
+
+__global__ void gate_multiply_kernel(uint16_t* o, const uint16_t* g, int64_t n) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * blockDim.x)
+    store_from_float(o, idx, load_as_float(o, idx) * sigmoid_f32(load_as_float(g, idx)));
+}
+
+}  // namespace
+
+void mla_rope_tables_device(const MlaRopeFrequencies& f, int64_t T, float* cos, float* sin,
+                            CUstream_st* stream) {
+  DM_CHECK(f.half > 0 && f.half <= kMlaMaxRopeHalf && T >= 0,
+           "mla_rope_tables_device: bad rotary half dim ", f.half, " or T ", T);
+  if (T == 0) return;
+  rope_table_kernel<<<grid_for(T * f.half), kThreads, 0, stream>>>(f, T, cos, sin);
+  check_last_error("mla_rope_tables_device");
+}
+
+void mla_rmsnorm_rows(const float* x, int64_t ldx, const float* w, uint16_t* y, int64_t N,
+                      int64_t D, double eps, CUstream_st* stream) {
+  DM_CHECK(D > 0 && ldx >= D && N >= 0 && N <= int64_t(INT32_MAX), "mla_rmsnorm_rows: bad shape N=",
+           N, " D=", D, " ldx=", ldx);
+  if (N == 0) return;
+  rmsnorm_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(x, ldx, w, y, D, float(eps));
+  check_last_error("mla_rmsnorm_rows");
+}
+
+void mla_rope_queries(uint16_t* q, int64_t B, int64_t T, int64_t H, int64_t nope, int64_t rope,
+                      const float* cos, const float* sin, const int32_t* doc_start,
+                      CUstream_st* stream) {
+  DM_CHECK(rope > 0 && rope % 2 == 0 && cos && sin, "mla_rope_queries: rotary dim ", rope,
+           " must be even and positive, with tables");
+  const int64_t N = B * T, total = N * H * (rope / 2);
+  if (total == 0) return;
+  rope_queries_kernel<<<grid_for(total), kThreads, 0, stream>>>(q, N, T, H, nope + rope, nope,
+                                                                rope / 2, cos, sin, doc_start);
+  check_last_error("mla_rope_queries");
+}
+
+void mla_assemble_kv(const uint16_t* kv, const float* kv_a, int64_t B, int64_t T, int64_t H,
+                     int64_t nope, int64_t rope, int64_t dv, int64_t kvl, const float* cos,
+                     const float* sin, const int32_t* doc_start, uint16_t* k, uint16_t* v,
+                     CUstream_st* stream) {
+  DM_CHECK(nope >= 0 && rope >= 0 && dv > 0 && kvl > 0 && (!cos || (sin && rope % 2 == 0)),
+           "mla_assemble_kv: bad dims nope=", nope, " rope=", rope, " dv=", dv, " kvl=", kvl);
+  const int64_t N = B * T, total = N * H * (nope + rope + dv);
+  if (total == 0) return;
+  assemble_kv_kernel<<<grid_for(total), kThreads, 0, stream>>>(kv, kv_a, N, T, H, nope, rope, dv,
+                                                               kvl, cos, sin, doc_start, k, v);
+  check_last_error("mla_assemble_kv");
+}
+
+void mla_gate_multiply(uint16_t* o, const uint16_t* g, int64_t n, CUstream_st* stream) {
+  if (n <= 0) return;
+  gate_multiply_kernel<<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
+  check_last_error("mla_gate_multiply");
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,57 @@
+// Element/row kernels of the gated MLA layer forward on the GPU (model/cuda/mla_gpu.cpp, the twin
+// of model/mla.cpp): the latent RMSNorms, the RoPE tables and rotation, the assembly of the
+// expanded keys/values and the output gate. Plain C++17 header (no CUDA includes) for nvcc and
+// the host compiler alike; kernels in mla_layer_ops.cu.
+//
+// Every pointer is a DEVICE pointer; bf16 tensors are their uint16_t bit patterns. Shapes use
+// N = B·T tokens, H heads, nope/rope/dv the per-head dims, dq = nope + rope, kvl = kv_lora.
+// doc_start [B, T] int32 (nullable): RoPE positions restart at every document,
+// pos(b, t) = t − doc_start[b·T + t] (ops/cpu rope_positions_from_doc_start); nullptr → pos = t.
+// `stream` is a cudaStream_t (nullptr = default stream); nothing here synchronises.
+#pragma once
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace dm::cuda {
+
+// Interleaved-pair RoPE frequencies as the CPU tables use them (ops/cpu/rope.cpp): pair i
+// rotates by pos·freq[i] and both cos and sin carry the YaRN amplitude (1 without YaRN).
+inline constexpr int kMlaMaxRopeHalf = 256;
+struct MlaRopeFrequencies {
+  int half = 0;                     // rotary dim / 2 (≤ kMlaMaxRopeHalf)
+  double amplitude = 1.0;
+  float freq[kMlaMaxRopeHalf] = {};  // fp32 frequencies, as the checkpoint saw them
+};
+
+// cos, sin [T, half] fp32: cos[t, i] = float(cos(t·freq[i]) · amplitude), angle in double like
+// rope_build_tables.
+void mla_rope_tables_device(const MlaRopeFrequencies& f, int64_t T, float* cos, float* sin,
+                            CUstream_st* stream = nullptr);
+
+// y[n, 0:D] = x[n, 0:D] · r_n · w,  r_n = 1/sqrt(mean(x[n, 0:D]²) + eps), one block per row.
+// x fp32 rows of leading dim ldx ≥ D (so the latent c is read straight out of kv_a
+// [N, kvl + rope]); w [D] fp32; y [N, D] bf16, contiguous.
+void mla_rmsnorm_rows(const float* x, int64_t ldx, const float* w, uint16_t* y, int64_t N,
+                      int64_t D, double eps, CUstream_st* stream = nullptr);
+
+// In place on q [N, H, dq] bf16: the slice [nope, nope + rope) of every (token, head) row is
+// rotated by its token's position (pairs (2i, 2i+1), fp32 math). cos/sin: the [T, rope/2] tables.
+void mla_rope_queries(uint16_t* q, int64_t B, int64_t T, int64_t H, int64_t nope, int64_t rope,
+                      const float* cos, const float* sin, const int32_t* doc_start,
+                      CUstream_st* stream = nullptr);
+
+// Expanded keys and values from kv = W_kvb c [N, H, nope + dv] bf16 and kv_a [N, kvl + rope]
+// fp32 (the shared rope key kr is kv_a[n, kvl:]):
+//   k[n, h, :] = [kv[n, h, 0:nope] | R(pos_n)·kr_n]   [N, H, dq]  bf16
+//   v[n, h, :] =  kv[n, h, nope:]                     [N, H, dv]  bf16
+// cos == nullptr: RoPE off (kr copied unrotated, the NoPE layer's shared key slice).
+void mla_assemble_kv(const uint16_t* kv, const float* kv_a, int64_t B, int64_t T, int64_t H,
+                     int64_t nope, int64_t rope, int64_t dv, int64_t kvl, const float* cos,
+                     const float* sin, const int32_t* doc_start, uint16_t* k, uint16_t* v,
+                     CUstream_st* stream = nullptr);
+
+// Output gate, in place: o[i] = o[i] · sigmoid(g[i]) for i < n (o, g bf16; fp32 math).
+void mla_gate_multiply(uint16_t* o, const uint16_t* g, int64_t n, CUstream_st* stream = nullptr);
+
+}  // namespace dm::cuda

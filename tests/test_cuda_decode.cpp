@@ -1,0 +1,290 @@
+// Cached decoding on the GPU (model/cuda/decode_gpu.h, generate_gpu.h) against the CPU model:
+// random weights rounded to bf16 on the host (both sides see the same model); three slots with
+// prompts of different lengths decoded in lockstep (slots drop out as they finish, so steps see
+// all, some and non-adjacent slots; the longest crosses the 64-token page boundary), each step's
+// logits compared with the CPU full forward at that position; a released slot reused; greedy
+// generation compared with the CPU's, teacher-forced per step. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "cuda_golden_util.h"
+#include "cuda_test_util.h"
+#include "infer/generate.h"
+#include "io/config.h"
+#include "io/safetensors.h"
+#include "model/cuda/decode_gpu.h"
+#include "model/cuda/generate_gpu.h"
+#include "model/model.h"
+#include "ops/cuda/device.h"
+#include "test_util.h"
+
+using namespace dm;
+
+namespace {
+
+std::unique_ptr<Model> bf16_model(const ModelConfig& c, uint64_t seed) {
+  auto W = weights_allocate<float>(c);
+  weights_init(*W, seed);
+  for (auto& e : W->params)
+    for (int64_t i = 0; i < e.numel(); ++i)
+      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  return std::make_unique<Model>(std::move(W));
+}
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& t : ids) t = int32_t(rng() % uint64_t(V));
+  return ids;
+}
+
+// CPU full forward of one sequence: logits [T, V].
+std::vector<float> cpu_logits(Model& m, const std::vector<int32_t>& seq) {
+  const std::vector<int64_t> ids(seq.begin(), seq.end());
+  std::vector<float> logits(seq.size() * size_t(m.config().vocab_size));
+  m.forward(ids.data(), 1, int64_t(seq.size()), logits.data());
+  return logits;
+}
+
+int64_t argmax(const float* x, int64_t V) { return std::max_element(x, x + V) - x; }
+
+// Per-row comparison statistics of GPU rows against CPU rows.
+struct RowStats {
+  double worst = 0, sum = 0;
+  int64_t rows = 0, agree = 0;
+  void add(const float* gpu, const float* cpu, int64_t V) {
+    const double e = test::rel_rms(gpu, cpu, size_t(V));
+    worst = std::max(worst, std::isfinite(e) ? e : 1e30);
+    sum += e;
+    ++rows;
+    agree += argmax(gpu, V) == argmax(cpu, V);
+  }
+  double agreement() const { return rows ? double(agree) / double(rows) : 0.0; }
+};
+
+void check_lockstep(const ModelConfig& c, const char* what) {
+  auto model = bf16_model(c, 11);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, S = 3, extra = 10;
+  // The middle slot finishes first, so later steps see slots {0, 2} (two KDA state runs).
+  const int64_t prompt[S] = {40, 5, 70};
+  std::vector<std::vector<int32_t>> seq(S);
+  std::vector<std::vector<float>> ref(S);
+  int64_t longest = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    seq[size_t(s)] = random_tokens(prompt[s] + extra, V, 100 + uint64_t(s));
+    ref[size_t(s)] = cpu_logits(*model, seq[size_t(s)]);
+    longest = std::max<int64_t>(longest, int64_t(seq[size_t(s)].size()));
+  }
+  cuda::GpuDecoder dec(dw, S, longest);
+  std::vector<float> logits(size_t(S * V));
+  std::vector<int32_t> tokens(static_cast<size_t>(S));
+  std::vector<int> active(static_cast<size_t>(S));
+  RowStats all;
+  std::vector<RowStats> per_slot(static_cast<size_t>(S));
+  for (int64_t t = 0; t < longest; ++t) {
+    for (int64_t s = 0; s < S; ++s) {
+      active[size_t(s)] = t < int64_t(seq[size_t(s)].size());
+      tokens[size_t(s)] = active[size_t(s)] ? seq[size_t(s)][size_t(t)] : -1;  // unread
+    }
+    dec.step(tokens.data(), logits.data(), active.data());
+    for (int64_t s = 0; s < S; ++s) {
+      if (!active[size_t(s)]) continue;
+      const float* gpu = logits.data() + s * V;
+      const float* cpu = ref[size_t(s)].data() + t * V;
+      ASSERT_TRUE(std::all_of(gpu, gpu + V, [](float x) { return std::isfinite(x); }))
+          << what << ": slot " << s << " position " << t;
+      all.add(gpu, cpu, V);
+      per_slot[size_t(s)].add(gpu, cpu, V);
+      EXPECT_LE(test::rel_rms(gpu, cpu, size_t(V)), 2e-2)
+          << what << ": slot " << s << " position " << t;
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    EXPECT_EQ(dec.length(s), int64_t(seq[size_t(s)].size()));
+    const RowStats& r = per_slot[size_t(s)];
+    std::printf("[          ] %s slot %lld (%lld tokens): rel RMS mean %.2e max %.2e, argmax %.4f\n",
+                what, (long long)s, (long long)r.rows, r.sum / double(r.rows), r.worst,
+                r.agreement());
+  }
+  std::printf("[          ] %s all %lld steps×slots: rel RMS max %.2e, argmax agreement %.4f\n",
+              what, (long long)all.rows, all.worst, all.agreement());
+  EXPECT_GE(all.agreement(), 0.95) << what;
+
+  // Reuse: slot 1 released (state, tails, length) and prefilled with a new 30-token sequence
+  // while the other slots keep their caches.
+  const std::vector<int32_t> fresh = random_tokens(30, V, 999);
+  const std::vector<float> fresh_ref = cpu_logits(*model, fresh);
+  std::vector<float> last(static_cast<size_t>(V));
+  dec.prefill(1, fresh.data(), int64_t(fresh.size()), last.data());
+  const double e = test::rel_rms(last.data(), fresh_ref.data() + (fresh.size() - 1) * size_t(V),
+                                 size_t(V));
+  std::printf("[          ] %s reused slot, prefill of 30: last logits rel RMS %.2e\n", what, e);
+  EXPECT_LE(e, 2e-2) << what;
+  EXPECT_EQ(dec.length(1), 30);
+}
+
+// The ids of `{"output_ids": [a, b, …]}` in CLI output.
+std::vector<int32_t> parse_output_ids(const std::string& out) {
+  std::vector<int32_t> ids;
+  const size_t open = out.find('['), close = out.find(']', open);
+  if (open == std::string::npos || close == std::string::npos) return ids;
+  std::string item;
+  for (size_t i = open + 1; i <= close; ++i) {
+    if (out[i] == ',' || out[i] == ']') {
+      if (!item.empty()) ids.push_back(int32_t(std::stol(item)));
+      item.clear();
+    } else if (out[i] != ' ') {
+      item += out[i];
+    }
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST(CudaDecode, LockstepMatchesCpuForwardOnTestConfig) {
+  DM_SKIP_WITHOUT_GPU();
+  check_lockstep(load_config(test::source_dir() + "/configs/test.json"), "test config");
+}
+
+// RoPE with YaRN (amplitude ≠ 1, mscale² in the softmax scale), no q LoRA, two MLA layers,
+// low-rank softplus KDA gate, plain residual.
+TEST(CudaDecode, LockstepMatchesCpuForwardWithRopeYarnVariant) {
+  DM_SKIP_WITHOUT_GPU();
+  ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  c.mixers = {MixerKind::KDA, MixerKind::MLA, MixerKind::KDA, MixerKind::MLA};
+  c.mla.use_rope = true;
+  c.mla.q_lora_rank = 0;
+  c.mla.yarn.enabled = true;
+  c.mla.yarn.factor = 4.0;
+  c.mla.yarn.original_max_position = 32;
+  c.mla.yarn.mscale = 0.707;
+  c.mla.yarn.mscale_all_dim = 1.0;
+  c.kda.full_rank_output_gate = false;
+  c.kda.gate = KdaGateKind::Softplus;
+  c.residual = ResidualKind::Plain;
+  c.attn_res_block = 0;
+  validate_config(c, "rope/yarn variant");
+  check_lockstep(c, "rope/yarn variant");
+}
+
+TEST(CudaDecode, GreedyGenerateMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  auto model = bf16_model(c, 23);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, steps = 20;
+  const std::vector<int32_t> prompt = random_tokens(12, V, 7);
+  GenerateOptions opt;
+  opt.max_new_tokens = steps;
+  opt.sampling.temperature = 0.0f;
+  const std::vector<int32_t> cpu = dm::generate(*model, prompt, opt);
+  std::vector<int32_t> streamed;
+  const std::vector<int32_t> gpu =
+      cuda::generate_gpu(dw, prompt, opt, [&](int32_t t) { streamed.push_back(t); });
+  ASSERT_EQ(int64_t(cpu.size()), steps);
+  ASSERT_EQ(int64_t(gpu.size()), steps);
+  EXPECT_EQ(streamed, gpu);
+
+  // Teacher-forced: the GPU's greedy choice after each prefix of the CPU's continuation.
+  cuda::GpuDecoder dec(dw, 1, int64_t(prompt.size()) + steps);
+  std::vector<float> logits(static_cast<size_t>(V));
+  dec.prefill(0, prompt.data(), int64_t(prompt.size()), logits.data());
+  std::vector<int32_t> forced(static_cast<size_t>(steps));
+  int64_t agree = 0;
+  for (int64_t i = 0; i < steps; ++i) {
+    forced[size_t(i)] = int32_t(argmax(logits.data(), V));
+    agree += forced[size_t(i)] == cpu[size_t(i)];
+    if (i + 1 < steps) dec.step(&cpu[size_t(i)], logits.data());
+  }
+  int64_t same_prefix = 0;
+  while (same_prefix < steps && gpu[size_t(same_prefix)] == cpu[size_t(same_prefix)]) ++same_prefix;
+  std::printf("[          ] greedy %lld tokens: teacher-forced agreement %lld/%lld, GPU generate "
+              "equals CPU for the first %lld\n",
+              (long long)steps, (long long)agree, (long long)steps, (long long)same_prefix);
+  EXPECT_GE(double(agree) / double(steps), 0.9);
+  // Until (and including) its first departure from the CPU's tokens, free-running generate
+  // computed exactly what the teacher-forced run did.
+  for (int64_t i = 0; i <= std::min(same_prefix, steps - 1); ++i)
+    EXPECT_EQ(gpu[size_t(i)], forced[size_t(i)]) << "step " << i;
+}
+
+// The reference goldens' greedy continuations, teacher-forced through the GPU decoder (prompt
+// fed token by token), and `deltamoe generate --device cuda` equal to generate_gpu in-process.
+class CudaDecodeGoldens : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaDecodeGoldens, GreedyReproducesAndCliMatches) {
+  DM_SKIP_WITHOUT_GPU();
+  if (!test::goldens_available()) GTEST_SKIP() << "goldens not found";
+  const std::string dir = test::goldens_dir() + "/" + GetParam();
+  auto model = Model::load(dir);
+  const int64_t V = model->config().vocab_size;
+  const cuda::DeviceWeights dw(model->weights());
+  const SafetensorsReader golden = SafetensorsReader::open(dir + "/golden.safetensors");
+  const Tensor& prompt = golden.get("greedy_prompt");
+  const Tensor& want = golden.get("greedy_output");
+  const int64_t rows = prompt.shape[0], P = prompt.shape[1], O = want.shape[1];
+  int64_t matched = 0, total = 0;
+  std::vector<float> logits(static_cast<size_t>(V));
+  for (int64_t b = 0; b < rows; ++b) {
+    const std::vector<int32_t> ids(prompt.as<int64_t>() + b * P, prompt.as<int64_t>() + (b + 1) * P);
+    cuda::GpuDecoder dec(dw, 1, O);
+    dec.prefill(0, ids.data(), P, logits.data());
+    for (int64_t s = P; s < O; ++s) {
+      const int32_t expected = int32_t(want.as<int64_t>()[b * O + s]);
+      matched += argmax(logits.data(), V) == expected;
+      ++total;
+      if (s + 1 < O) dec.step(&expected, logits.data());  // teacher-forced
+    }
+  }
+  const test::Bf16GoldenReference cpu = test::bf16_golden_reference(dir);
+  std::printf("[          ] %s decode on the GPU: greedy (teacher-forced) tokens matched %lld / %lld "
+              "(CPU with bf16 weights: %lld)\n", GetParam(), (long long)matched, (long long)total,
+              (long long)cpu.greedy_matched);
+  EXPECT_GE(double(matched),
+            std::min(0.9 * double(total), double(cpu.greedy_matched) - 0.15 * double(total)));
+
+  const std::vector<int32_t> ids(prompt.as<int64_t>(), prompt.as<int64_t>() + P);
+  GenerateOptions opt;
+  opt.max_new_tokens = O - P;
+  opt.sampling.temperature = 0.0f;
+  const std::vector<int32_t> in_process = cuda::generate_gpu(dw, ids, opt);
+  std::string csv;
+  for (size_t i = 0; i < ids.size(); ++i) csv += (i ? "," : "") + std::to_string(ids[i]);
+  const test::CliResult r =
+      test::run_cli("generate --model " + dir + " --prompt-ids " + csv + " --max-new-tokens " +
+                    std::to_string(O - P) + " --temperature 0 --json --device cuda");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(parse_output_ids(r.output), in_process) << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(CudaDecode, CudaDecodeGoldens,
+                         ::testing::Values("kimi_linear_tiny", "deepseek_v3_tiny", "kimi_k3_tiny"));
+
+TEST(CudaDecode, RejectsBadInput) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  auto model = bf16_model(c, 3);
+  cuda::GpuDecoder dec(model->weights(), 2, 4);
+  const int32_t bad[2] = {int32_t(c.vocab_size), 0};
+  EXPECT_THROW(dec.step(bad, nullptr), Error);
+  const int32_t ok[2] = {1, 2};
+  for (int i = 0; i < 4; ++i) dec.step(ok, nullptr);
+  EXPECT_EQ(dec.length(0), 4);
+  EXPECT_THROW(dec.step(ok, nullptr), Error);  // full
+  dec.release(0);
+  const int only_first[2] = {1, 0};
+  dec.step(ok, nullptr, only_first);
+  EXPECT_EQ(dec.length(0), 1);
+  EXPECT_EQ(dec.length(1), 4);
+}
+
+#else
+TEST(CudaDecode, SkippedWithoutCuda) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif

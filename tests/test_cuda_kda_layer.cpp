@@ -1,0 +1,240 @@
+// KDA layer and dense FFN forward on the GPU (model/cuda/layers.h kda_layer_forward_gpu,
+// dense_ffn_forward_gpu) against the CPU layers (model/kda.h kda_layer_forward, chunked;
+// model/moe.h dense_ffn_forward; float) on the same bf16-rounded weights and inputs.
+// KDA: configs/test.json (safe gate, full-rank output gate) and edited copies covering the
+// softplus gate and the low-rank output gate, plus wider heads with a shorter conv; B = 2 with
+// T = 100 (a partial chunk) and T = 300 (state carried over chunks); packed documents whose
+// starts fall inside the conv window and on chunk edges. FFN: SiTU (test.json) and SwiGLU.
+// Each case also checks that the *_bytes scratch suffices and is released. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "io/config.h"
+#include "model/cuda/layers.h"
+#include "model/kda.h"
+#include "model/moe.h"
+#include "model/weights.h"
+#include "ops/cuda/device.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace dm {
+namespace {
+
+// Larger than the default 0.02 so the gates, β and the decay vary across tokens and channels
+// (with 0.02 every projection is nearly zero and g ≈ its bias).
+constexpr float kTestInitStd = 0.1f;
+
+ModelConfig base_config() { return load_config(test::source_dir() + "/configs/test.json"); }
+
+int first_layer(const ModelConfig& cfg, MixerKind kind) {
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (cfg.mixers[size_t(l)] == kind) return l;
+  return -1;
+}
+int first_dense_layer(const ModelConfig& cfg) {
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (cfg.ffns[size_t(l)] == FfnKind::Dense) return l;
+  return -1;
+}
+
+// Initialised weights, the KDA norm weights perturbed around 1 (else o_norm = 1 hides a wrong
+// index), then every parameter rounded through bf16 so the CPU and the GPU see the same values.
+std::unique_ptr<ModelWeights> rounded_weights(const ModelConfig& cfg, uint64_t seed) {
+  auto w = weights_allocate<float>(cfg);
+  weights_init(*w, seed);
+  std::mt19937_64 rng(seed + 1);
+  std::normal_distribution<float> normal(0.0f, 0.2f);
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (cfg.mixers[size_t(l)] == MixerKind::KDA)
+      for (int64_t i = 0; i < cfg.kda.head_dim; ++i)
+        w->layers[size_t(l)].kda.o_norm[i] = 1.0f + normal(rng);
+  for (const auto& e : w->params)
+    for (int64_t i = 0; i < e.numel(); ++i)
+      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  return w;
+}
+
+// doc_start [B·T]: row b's documents start at 0 and at each position of starts[b].
+std::vector<int32_t> packed_documents(int64_t B, int64_t T,
+                                      const std::vector<std::vector<int32_t>>& starts) {
+  std::vector<int32_t> doc_start(size_t(B * T));
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t current = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int32_t s : starts[size_t(b)])
+        if (s == t) current = s;
+      doc_start[size_t(b * T + t)] = current;
+    }
+  }
+  return doc_start;
+}
+
+struct KdaCase {
+  const char* name;
+  std::function<void(ModelConfig&)> edit;  // applied to configs/test.json
+};
+
+void run_kda_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
+  ModelConfig cfg = base_config();
+  c.edit(cfg);
+  cfg.init_std = kTestInitStd;
+  validate_config(cfg, c.name);
+  const int layer = first_layer(cfg, MixerKind::KDA);
+  ASSERT_GE(layer, 0);
+  const auto w = rounded_weights(cfg, 17);
+  const KdaWeights& kw = w->layers[size_t(layer)].kda;
+  const int64_t N = B * T, d = cfg.hidden;
+
+  const std::vector<float> x = test::round_bf16(test::random_normal(size_t(N * d), 23));
+  // Row 0: starts at 1 and 3 (inside the first conv window), 64 and 65 (a chunk edge and just
+  // past it); row 1: one document start in the middle and one at the last token.
+  const std::vector<int32_t> doc_start =
+      packed ? packed_documents(B, T, {{1, 3, 64, 65}, {int32_t(T / 2), int32_t(T - 1)}})
+             : std::vector<int32_t>{};
+  const int32_t* doc_host = packed ? doc_start.data() : nullptr;
+
+  // CPU reference: the chunked layer in float on the rounded values.
+  std::vector<float> y_cpu(size_t(N * d));
+  Arena ws(kda_layer_workspace_bytes(cfg, B, T));
+  kda_layer_forward<float>(cfg, kw, x.data(), y_cpu.data(), B, T, ws, KdaRunOptions{64},
+                           doc_host);
+
+  // GPU with exactly the scratch the layer asks for.
+  cuda::DeviceWeights dw(*w);
+  cuda::GpuRun run(cuda::kda_layer_forward_gpu_bytes(cfg, B, T));
+  test::DeviceScratch io(size_t(N * d) * (sizeof(uint16_t) + sizeof(float)) +
+                         size_t(N) * sizeof(int32_t) + 4096);
+  const uint16_t* x_dev = io.upload(test::to_bf16(x));
+  const int32_t* doc_dev = packed ? io.upload(doc_start) : nullptr;
+  float* y_dev = io.zeros<float>(size_t(N * d));
+  cuda::kda_layer_forward_gpu(run, dw, kw, x_dev, y_dev, B, T, doc_dev);
+  const std::vector<float> y_gpu = test::DeviceScratch::download(y_dev, size_t(N * d));
+  EXPECT_EQ(run.scratch.used(), 0u) << "scratch not released";
+
+  ASSERT_TRUE(test::all_finite(y_gpu));
+  const double err = test::rel_rms(y_gpu.data(), y_cpu.data(), y_gpu.size());
+  std::printf("[CudaKdaLayer] %-16s B=%lld T=%-3lld docs=%d  rel RMS err %.3e\n", c.name,
+              (long long)B, (long long)T, int(packed), err);
+  EXPECT_LE(err, 1e-2) << c.name << " B=" << B << " T=" << T << " packed=" << packed;
+}
+
+// configs/test.json as is: safe gate (lower bound −5), full-rank output gate, H = 2, K = 32.
+const KdaCase kSafeFull{"SafeFullRank", [](ModelConfig&) {}};
+const KdaCase kSafeLow{"SafeLowRank", [](ModelConfig& cfg) {
+                         cfg.kda.full_rank_output_gate = false;
+                         cfg.kda.gate_lower_bound = -2.5f;
+                       }};
+const KdaCase kSoftplusFull{"SoftplusFullRank", [](ModelConfig& cfg) {
+                              cfg.kda.gate = KdaGateKind::Softplus;
+                            }};
+const KdaCase kSoftplusLow{"SoftplusLowRank", [](ModelConfig& cfg) {
+                             cfg.kda.gate = KdaGateKind::Softplus;
+                             cfg.kda.full_rank_output_gate = false;
+                           }};
+// H·K = 192 (not a power of two), K = 64, conv kernel 3.
+const KdaCase kWide{"WideHeadsConv3", [](ModelConfig& cfg) {
+                      cfg.kda.num_heads = 3;
+                      cfg.kda.head_dim = 64;
+                      cfg.kda.conv_kernel = 3;
+                      cfg.kda.full_rank_output_gate = false;
+                    }};
+
+TEST(CudaKdaLayer, SafeGateFullRankOutputGate) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kSafeFull, 2, 100, false);
+}
+
+TEST(CudaKdaLayer, SafeGateLowRankOutputGate) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kSafeLow, 2, 100, false);
+}
+
+TEST(CudaKdaLayer, SoftplusGateFullRankOutputGate) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kSoftplusFull, 2, 100, false);
+}
+
+TEST(CudaKdaLayer, SoftplusGateLowRankOutputGate) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kSoftplusLow, 2, 100, false);
+}
+
+TEST(CudaKdaLayer, LongerSequencesCarryStateAcrossChunks) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kSafeFull, 2, 300, false);
+  run_kda_case(kSoftplusLow, 2, 300, false);
+}
+
+TEST(CudaKdaLayer, WideHeadsShortConv) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kWide, 2, 100, false);
+}
+
+TEST(CudaKdaLayer, PackedDocuments) {
+  DM_SKIP_WITHOUT_GPU();
+  run_kda_case(kSafeFull, 2, 100, true);
+  run_kda_case(kSoftplusLow, 2, 100, true);
+  run_kda_case(kWide, 2, 300, true);
+}
+
+// ---- Dense FFN -------------------------------------------------------------------------------
+
+void run_ffn_case(const char* name, Activation activation, int64_t N) {
+  ModelConfig cfg = base_config();
+  cfg.activation = activation;
+  cfg.init_std = kTestInitStd;
+  validate_config(cfg, name);
+  const int layer = first_dense_layer(cfg);
+  ASSERT_GE(layer, 0);
+  const auto w = rounded_weights(cfg, 29);
+  const FfnWeights& fw = w->layers[size_t(layer)].dense;
+  const int64_t d = cfg.hidden;
+
+  // Inputs scaled up so SiTU's tanh saturations (β1 = 4, β2 = 25) are reached on some channels.
+  const std::vector<float> x = test::round_bf16(test::random_normal(size_t(N * d), 31, 3.0f));
+  std::vector<float> y_cpu(size_t(N * d));
+  Arena ws(dense_ffn_workspace_bytes(cfg, N));
+  dense_ffn_forward<float>(cfg, fw, x.data(), y_cpu.data(), N, ws);
+
+  cuda::DeviceWeights dw(*w);
+  cuda::GpuRun run(cuda::dense_ffn_forward_gpu_bytes(cfg, N));
+  test::DeviceScratch io(size_t(N * d) * (sizeof(uint16_t) + sizeof(float)) + 4096);
+  const uint16_t* x_dev = io.upload(test::to_bf16(x));
+  float* y_dev = io.zeros<float>(size_t(N * d));
+  cuda::dense_ffn_forward_gpu(run, dw, fw, x_dev, y_dev, N);
+  const std::vector<float> y_gpu = test::DeviceScratch::download(y_dev, size_t(N * d));
+  EXPECT_EQ(run.scratch.used(), 0u) << "scratch not released";
+
+  ASSERT_TRUE(test::all_finite(y_gpu));
+  const double err = test::rel_rms(y_gpu.data(), y_cpu.data(), y_gpu.size());
+  std::printf("[CudaDenseFfn] %-6s N=%-4lld  rel RMS err %.3e\n", name, (long long)N, err);
+  EXPECT_LE(err, 1e-2) << name << " N=" << N;
+}
+
+TEST(CudaDenseFfn, SituMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_ffn_case("SiTU", Activation::SiTU, 200);
+  run_ffn_case("SiTU", Activation::SiTU, 37);
+}
+
+TEST(CudaDenseFfn, SwigluMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_ffn_case("SwiGLU", Activation::SwiGLU, 200);
+  run_ffn_case("SwiGLU", Activation::SwiGLU, 37);
+}
+
+}  // namespace
+}  // namespace dm
+#else
+TEST(CudaKdaLayer, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+TEST(CudaDenseFfn, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif
