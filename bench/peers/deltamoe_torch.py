@@ -335,7 +335,9 @@ def kda_chunked(q, k, v, g, beta, scale, chunk=64, sub=16, initial_state=None):
     IL = eye + beta * kk                                              # I + L, unit lower triangular
     eG = G.exp()
     rhs = torch.cat([beta * k * eG, beta * v], -1)
-    WU = torch.linalg.solve_triangular(IL, rhs, upper=False, unitriangular=True)
+    # fp32 solve: no bf16 triangular solve in torch (and fp32 is what chunked kernels use here)
+    WU = torch.linalg.solve_triangular(IL.float(), rhs.float(), upper=False,
+                                       unitriangular=True).to(rhs.dtype)
     Wm, Um = WU[..., :K], WU[..., K:]                                 # W = A·β·(K⊙e^Γ), U = A·β·V
     P = qk * scale
     qg = q * eG * scale
@@ -790,19 +792,29 @@ def cmd_bench(args, train):
     cfg = load_config(args.config)
     model = DeltaMoE(cfg, chunk=args.chunk)
     model.init_random(args.seed)
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = model.to(device=device, dtype=dtype)
     B, T = args.batch, args.seq
     ids = torch.randint(0, cfg.vocab, (B, T), generator=torch.Generator().manual_seed(args.seed + 1))
+    ids = ids.to(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     times = []
     if train:
         model.train()
         opt = torch.optim.AdamW(model.param_groups(0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
         losses = []
         for step in range(args.warmup + args.steps):
+            sync()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = model.loss(ids)
             loss.backward()
             opt.step()
+            sync()
             dt = time.perf_counter() - t0
             losses.append(float(loss.detach()))
             if step >= args.warmup:
@@ -811,14 +823,17 @@ def cmd_bench(args, train):
         model.eval()
         with torch.inference_mode():
             for step in range(args.warmup + args.steps):
+                sync()
                 t0 = time.perf_counter()
-                model(ids)
+                model(ids).float().cpu()  # logits back on the host, as bench_cuda_model does
                 dt = time.perf_counter() - t0
                 if step >= args.warmup:
                     times.append(dt)
     med = statistics.median(times)
     res = {
         "peer": "pytorch-eager",
+        "device": str(device),
+        "dtype": args.dtype,
         "torch": torch.__version__,
         "threads": args.threads,
         "batch": B,
@@ -864,6 +879,8 @@ def main(argv=None):
         b.add_argument("--chunk", type=int, default=64)
         b.add_argument("--seed", type=int, default=1)
         b.add_argument("--lr", type=float, default=1e-3)
+        b.add_argument("--device", default="cpu", help="cpu or cuda")
+        b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args(argv)
     if args.cmd == "check":
         return cmd_check(args)
