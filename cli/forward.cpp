@@ -12,6 +12,15 @@
 
 namespace {
 
+// input_ids [B,T] int64 of the --input file (checked).
+const dm::Tensor& input_ids(const dm::SafetensorsReader& in, const std::string& path) {
+  const dm::Tensor& ids = in.get("input_ids");
+  DM_CHECK(ids.dtype == dm::DType::I64 && ids.shape.ndim == 2, path,
+           ": tensor 'input_ids' must be I64 [B,T], got ", dm::dtype_name(ids.dtype), " ",
+           ids.shape.str());
+  return ids;
+}
+
 // --device cuda: the GPU forward (bf16 compute); writes logits (and router choices with --all).
 void run_forward_cuda(const std::string& model_dir, const std::string& input,
                       const std::string& output, bool all) {
@@ -20,10 +29,7 @@ void run_forward_cuda(const std::string& model_dir, const std::string& input,
   auto model = dm::Model::load(model_dir);
   const dm::ModelConfig& c = model->config();
   const auto in = dm::SafetensorsReader::open(input);
-  const dm::Tensor& ids = in.get("input_ids");
-  DM_CHECK(ids.dtype == dm::DType::I64 && ids.shape.ndim == 2, input,
-           ": tensor 'input_ids' must be I64 [B,T], got ", dm::dtype_name(ids.dtype), " ",
-           ids.shape.str());
+  const dm::Tensor& ids = input_ids(in, input);
   const int64_t B = ids.shape[0], T = ids.shape[1], V = c.vocab_size;
   DM_CHECK(B > 0 && T > 0, input, ": tensor 'input_ids' is empty");
   dm::cuda::GpuModel gpu(model->weights());
@@ -51,10 +57,7 @@ void run_forward(const std::string& model_dir, const std::string& input, const s
   auto model = dm::Model::load(model_dir);
   const dm::ModelConfig& c = model->config();
   const auto in = dm::SafetensorsReader::open(input);
-  const dm::Tensor& ids = in.get("input_ids");
-  DM_CHECK(ids.dtype == dm::DType::I64 && ids.shape.ndim == 2, input,
-           ": tensor 'input_ids' must be I64 [B,T], got ", dm::dtype_name(ids.dtype), " ",
-           ids.shape.str());
+  const dm::Tensor& ids = input_ids(in, input);
   const int64_t B = ids.shape[0], T = ids.shape[1], N = B * T, d = c.hidden, V = c.vocab_size;
   DM_CHECK(B > 0 && T > 0, input, ": tensor 'input_ids' is empty");
   std::vector<float> logits(size_t(N * V));

@@ -25,9 +25,7 @@
 
 namespace dm {
 
-namespace {
-
-RopeParams rope_params(const MlaConfig& m) {
+RopeParams mla_rope_params(const MlaConfig& m) {
   RopeParams p;
   p.dim = m.qk_rope_dim;
   p.theta = m.rope_theta;
@@ -41,13 +39,16 @@ RopeParams rope_params(const MlaConfig& m) {
   return p;
 }
 
+namespace {
+
+
 constexpr int kMlaAttentionBlock = 64;
 
 // The softmax scale as a double; the float engine rounds it to float exactly like the old
 // float-only layer did, so float results are unchanged.
 double mla_softmax_scale_exact(const MlaConfig& m) {
   const double base = 1.0 / std::sqrt(double(m.qk_nope_dim + m.qk_rope_dim));
-  return base * (m.use_rope ? rope_softmax_scale_factor(rope_params(m)) : 1.0);
+  return base * (m.use_rope ? rope_softmax_scale_factor(mla_rope_params(m)) : 1.0);
 }
 
 template <typename Real>
@@ -90,7 +91,7 @@ struct MlaRopeTables {
     sin = ws.alloc<Real>(size_t(T * half));
     token_positions = ws.alloc<int64_t>(size_t(N));
     head_positions = ws.alloc<int64_t>(size_t(N * H));
-    rope_build_tables(rope_params(m), T, cos, sin);
+    rope_build_tables(mla_rope_params(m), T, cos, sin);
     rope_positions_from_doc_start(doc_start, B, T, token_positions);
     for (int64_t row = 0; row < N * H; ++row) head_positions[row] = token_positions[row / H];
   }
@@ -398,7 +399,7 @@ void mla_layer_prefill(const ModelConfig& cfg, const MlaWeightsT<float>& w, cons
 }
 
 void mla_rope_tables(const MlaConfig& m, int64_t positions, float* cos, float* sin) {
-  if (mla_rope_active(m)) rope_build_tables(rope_params(m), positions, cos, sin);
+  if (mla_rope_active(m)) rope_build_tables(mla_rope_params(m), positions, cos, sin);
 }
 
 // mla_layer_extend and mla_layer_decode (absorbed, paged): model/mla_decode.cpp.

@@ -13,6 +13,7 @@
 #include "core/arena.h"
 #include "io/config.h"
 #include "model/weights.h"
+#include "ops/cpu/attention.h"
 
 namespace dm {
 
@@ -86,6 +87,8 @@ struct MlaDecodeCache {
 };
 // cos/sin [positions, rope/2] for the decode cache (no-op when RoPE is off).
 void mla_rope_tables(const MlaConfig& m, int64_t positions, float* cos, float* sin);
+// The RoPE / YaRN parameters of an MLA config (ops/cpu/attention.h), for the GPU twins too.
+RopeParams mla_rope_params(const MlaConfig& m);
 
 // Extends slot `slot` by n tokens x [n, d] at positions start..start+n−1 → y [n, d]: their cache
 // rows are written, then token i attends causally over positions 0..start+i of the slot.

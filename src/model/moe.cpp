@@ -9,6 +9,21 @@
 #include "ops/cpu/rmsnorm.h"
 
 namespace dm {
+
+MoeShape moe_shape(const ModelConfig& cfg) {
+  const MoeConfig& m = cfg.moe;
+  MoeShape s;
+  s.E = m.num_experts;
+  s.k = m.top_k;
+  s.d = cfg.hidden;
+  s.has_latent = m.latent_dim > 0;
+  s.latent = s.has_latent ? m.latent_dim : s.d;
+  s.has_latent_norm = s.has_latent && m.latent_norm;
+  s.F = m.expert_ffn;
+  s.shared_F = int64_t(m.num_shared) * m.shared_ffn;
+  s.has_shared = m.num_shared > 0;
+  return s;
+}
 namespace {
 
 // y[N,out] = x[N,in]·W[out,in]ᵀ for either scalar.
@@ -27,25 +42,6 @@ struct ElementCounter {
   void add(int64_t n) { bytes += Arena::round_up(size_t(std::max<int64_t>(n, 0)) * sizeof(T)); }
 };
 
-struct MoeShape {
-  int64_t E, k, d, latent, F, shared_F;
-  bool has_latent, has_latent_norm, has_shared;
-};
-
-MoeShape moe_shape(const ModelConfig& cfg) {
-  const MoeConfig& m = cfg.moe;
-  MoeShape s;
-  s.E = m.num_experts;
-  s.k = m.top_k;
-  s.d = cfg.hidden;
-  s.has_latent = m.latent_dim > 0;
-  s.latent = s.has_latent ? m.latent_dim : s.d;
-  s.has_latent_norm = s.has_latent && m.latent_norm;
-  s.F = m.expert_ffn;
-  s.shared_F = int64_t(m.num_shared) * m.shared_ffn;
-  s.has_shared = m.num_shared > 0;
-  return s;
-}
 
 }  // namespace
 

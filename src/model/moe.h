@@ -20,6 +20,15 @@
 namespace dm {
 
 GluActivation glu_activation(const ModelConfig& cfg);
+
+// Sizes of one MoE layer (shared by the CPU layer and its GPU twin, model/cuda/moe_gpu.cpp):
+// E experts, top-k, width d, latent width ℓ (= d without a latent), expert hidden F, shared
+// experts' total hidden.
+struct MoeShape {
+  int64_t E, k, d, latent, F, shared_F;
+  bool has_latent, has_latent_norm, has_shared;
+};
+MoeShape moe_shape(const ModelConfig& cfg);
 RouterParams router_params(const ModelConfig& cfg);
 
 // Router decisions of one MoE layer for N tokens (views into the caller's arena).

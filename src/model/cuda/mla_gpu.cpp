@@ -90,16 +90,7 @@ void check_dims(const MlaDims& s) {
 // exact to ~1e-16, so rounding to float recovers the fp32 frequency bit for bit.
 // (f_0 = 1 and the others are smaller for YaRN factors ≥ 1, so atan2 is unambiguous.)
 MlaRopeFrequencies rope_frequencies(const MlaConfig& m) {
-  RopeParams p;  // the mapping of model/mla.cpp rope_params
-  p.dim = m.qk_rope_dim;
-  p.theta = m.rope_theta;
-  p.yarn = m.yarn.enabled;
-  p.factor = m.yarn.factor;
-  p.original_max_position = m.yarn.original_max_position;
-  p.beta_fast = m.yarn.beta_fast;
-  p.beta_slow = m.yarn.beta_slow;
-  p.mscale = m.yarn.mscale;
-  p.mscale_all_dim = m.yarn.mscale_all_dim;
+  const RopeParams p = mla_rope_params(m);
 
   MlaRopeFrequencies f;
   f.half = m.qk_rope_dim / 2;

@@ -28,38 +28,18 @@
 namespace dm::cuda {
 namespace {
 
-// Shapes of one MoE layer, as model/moe.cpp moe_shape.
-struct MoeGpuShape {
-  int64_t E, k, d, latent, F, shared_F;
-  bool has_latent, has_latent_norm, has_shared;
-};
-
-MoeGpuShape moe_gpu_shape(const ModelConfig& cfg) {
-  const MoeConfig& m = cfg.moe;
-  MoeGpuShape s;
-  s.E = m.num_experts;
-  s.k = m.top_k;
-  s.d = cfg.hidden;
-  s.has_latent = m.latent_dim > 0;
-  s.latent = s.has_latent ? m.latent_dim : s.d;
-  s.has_latent_norm = s.has_latent && m.latent_norm;
-  s.F = m.expert_ffn;
-  s.shared_F = int64_t(m.num_shared) * m.shared_ffn;
-  s.has_shared = m.num_shared > 0;
-  return s;
-}
 
 // DeviceArena starts every view on a 256-byte boundary.
 size_t aligned(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 size_t n_bytes(int64_t n, size_t elem) { return aligned(size_t(std::max<int64_t>(n, 1)) * elem); }
 
 // Bytes of the routing outputs (scores [N,E] fp32, cutoff [N] fp32, idx [N,k] int32).
-size_t routing_bytes(const MoeGpuShape& s, int64_t N) {
+size_t routing_bytes(const MoeShape& s, int64_t N) {
   return n_bytes(N * s.E, 4) + n_bytes(N, 4) + n_bytes(N * s.k, 4);
 }
 
 // Bytes live across the whole layer scope: logits, routing weights, plan, z, u.
-size_t scope_base_bytes(const MoeGpuShape& s, int64_t N) {
+size_t scope_base_bytes(const MoeShape& s, int64_t N) {
   size_t b = n_bytes(N * s.E, 4) + n_bytes(N * s.k, 4) +
              moe_dispatch_plan_bytes(N, int(s.k), int(s.E));
   if (s.has_latent) {
@@ -70,7 +50,7 @@ size_t scope_base_bytes(const MoeGpuShape& s, int64_t N) {
 }
 
 ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeights* w,
-                                 const MoeGpuShape& s) {
+                                 const MoeShape& s) {
   ExpertWeightsBf16 ew;
   // Host layout (model/weights.cpp): gate, up [E, F, ℓ]; down [E, ℓ, F] = what moe.h expects.
   if (dw && w) {
@@ -86,7 +66,7 @@ ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeights* w,
 
 // Peak of what follows the scope base: the experts' workspace, then (released) bf16(u) plus the
 // shared experts' gate and up [N, Fs] bf16 (h is written over gate).
-size_t scope_peak_bytes(const MoeGpuShape& s, int64_t N) {
+size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
   const size_t experts =
       aligned(moe_experts_forward_workspace_bytes(N, int(s.k), expert_weights(nullptr, nullptr, s)));
   size_t after = 0;
@@ -105,7 +85,7 @@ int64_t* host_offsets_buffer(int64_t E) {
 }  // namespace
 
 size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
-  const MoeGpuShape s = moe_gpu_shape(c);
+  const MoeShape s = moe_shape(c);
   // +256: the caller's arena mark may sit mid-way through a 256-byte block.
   return routing_bytes(s, N) + scope_base_bytes(s, N) + scope_peak_bytes(s, N) + 256;
 }
@@ -113,7 +93,7 @@ size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N, MoeRoutingDevice* routing) {
   const ModelConfig& cfg = dw.config();
-  const MoeGpuShape s = moe_gpu_shape(cfg);
+  const MoeShape s = moe_shape(cfg);
   const int64_t E = s.E, k = s.k, d = s.d, l = s.latent;
   DM_CHECK(N >= 0, "moe_layer_forward_gpu: negative token count ", N);
   DM_CHECK(w.router && w.expert_gate && w.expert_up && w.expert_down,
