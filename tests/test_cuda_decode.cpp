@@ -215,8 +215,61 @@ TEST(CudaDecode, GreedyGenerateMatchesCpu) {
     EXPECT_EQ(gpu[size_t(i)], forced[size_t(i)]) << "step " << i;
 }
 
+// The chunked prefill (one forward pass over the prompt, leaving KDA states, conv tails and the
+// latent pages behind) against feeding the same prompt one decode step at a time, and both
+// against the CPU forward: the prompt's last logits and the next 8 decode steps. Prompt lengths
+// cover one token short of the conv tail, a page boundary and several KDA chunks.
+namespace {
+void check_chunked_prefill(const ModelConfig& c, const char* what) {
+  auto model = bf16_model(c, 21);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, extra = 8;
+  for (int64_t n : {int64_t(2), int64_t(65), int64_t(200)}) {
+    const std::vector<int32_t> prompt = random_tokens(n, V, uint64_t(n));
+    const std::vector<int32_t> cont = random_tokens(extra, V, uint64_t(n) + 7);
+    std::vector<int32_t> seq = prompt;
+    seq.insert(seq.end(), cont.begin(), cont.end());
+    const std::vector<float> cpu = cpu_logits(*model, seq);
+    cuda::GpuDecoder chunked(dw, 1, n + extra), stepped(dw, 1, n + extra);
+    std::vector<float> a(static_cast<size_t>(V)), b(static_cast<size_t>(V));
+    chunked.prefill(0, prompt.data(), n, a.data());
+    stepped.prefill(0, prompt.data(), n, b.data(), /*token_by_token=*/true);
+    EXPECT_EQ(chunked.length(0), n);
+    RowStats vs_stepped, vs_cpu;
+    vs_stepped.add(a.data(), b.data(), V);
+    vs_cpu.add(a.data(), cpu.data() + (n - 1) * V, V);
+    for (int64_t s = 0; s < extra; ++s) {
+      chunked.step(&cont[size_t(s)], a.data());
+      stepped.step(&cont[size_t(s)], b.data());
+      vs_stepped.add(a.data(), b.data(), V);
+      vs_cpu.add(a.data(), cpu.data() + (n + s) * V, V);
+    }
+    std::printf("[          ] %s chunked prefill of %lld: vs token-by-token rel RMS max %.2e, vs CPU "
+                "max %.2e, argmax agreement %.3f / %.3f\n", what, (long long)n, vs_stepped.worst,
+                vs_cpu.worst, vs_stepped.agreement(), vs_cpu.agreement());
+    EXPECT_LE(vs_stepped.worst, 2e-2) << what << " n=" << n;
+    EXPECT_LE(vs_cpu.worst, 2.5e-2) << what << " n=" << n;
+    EXPECT_GE(vs_cpu.agreement(), 0.85) << what << " n=" << n;
+  }
+}
+
+}  // namespace
+
+TEST(CudaDecode, ChunkedPrefillMatchesTokenByTokenAndCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  check_chunked_prefill(c, "test config");
+  c.mla.use_rope = true;
+  c.mla.yarn.enabled = true;
+  c.mla.yarn.factor = 4;
+  c.mla.yarn.original_max_position = 32;
+  validate_config(c, "chunked prefill rope variant");
+  check_chunked_prefill(c, "rope/yarn variant");
+}
+
 // The reference goldens' greedy continuations, teacher-forced through the GPU decoder (prompt
-// fed token by token), and `deltamoe generate --device cuda` equal to generate_gpu in-process.
+// fed by the chunked prefill), and `deltamoe generate --device cuda` equal to generate_gpu
+// in-process.
 class CudaDecodeGoldens : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(CudaDecodeGoldens, GreedyReproducesAndCliMatches) {

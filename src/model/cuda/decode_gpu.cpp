@@ -341,7 +341,8 @@ void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
   }
 }
 
-void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
+                         bool token_by_token) {
   DM_CHECK(n > 0 && n <= max_length_, "GpuDecoder::prefill: prompt of ", n,
            " tokens does not fit the decoder (max length ", max_length_, ")");
   release(slot);
@@ -349,12 +350,114 @@ void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* las
   for (int64_t t = 0; t < n; ++t)
     DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::prefill: token id ", ids[t],
              " at position ", t, " outside the vocabulary [0, ", V, ")");
-  // One token per step (a chunked prefill comes later); only the last step needs the LM head.
+  if (!token_by_token && n > 1) {
+    prefill_chunked(slot, ids, n, last_logits);
+    return;
+  }
   const int32_t row_slot = int32_t(slot);
   for (int64_t t = 0; t < n; ++t) {
     run_rows(ids + t, &row_slot, 1, t + 1 == n ? last_logits : nullptr);
     ++host_lengths_[size_t(slot)];
   }
+}
+
+void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+  const ModelConfig& c = config();
+  const ModelWeights& W = dw_->host();
+  const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
+  const MlaConfig& m = c.mla;
+  const int64_t Wd = m.kv_lora_rank + m.qk_rope_dim;
+  const int nb = std::max(1, residual_num_blocks(c));
+  // Stream buffers p, x, out [n, d] fp32, xn [n, d] bf16, AttnRes blocks, ids, positions, the
+  // per-row page tables [n, P], one kv_a row block [n, Wd] fp32, the last row's logits [V].
+  auto act_bytes = [&](int64_t rows) {
+    const size_t a = 256;
+    auto r = [&](size_t b) { return (b + a - 1) / a * a; };
+    return 3 * r(size_t(rows * d) * 4) + r(size_t(rows * d) * 2) + r(size_t(rows * d * nb) * 4) +
+           r(size_t(rows) * 8) + r(size_t(rows) * 4) + r(size_t(rows * P) * 4) +
+           r(size_t(rows * Wd) * 4) + r(size_t(V) * 4) + 4096;
+  };
+  if (n > prefill_capacity_) {
+    size_t layer = 0;
+    for (int i = 0; i < c.num_layers; ++i) {
+      layer = std::max(layer, c.mixers[i] == MixerKind::KDA ? kda_layer_forward_gpu_bytes(c, 1, n)
+                                                            : mla_layer_forward_gpu_bytes(c, 1, n));
+      layer = std::max(layer, c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, n)
+                                                         : dense_ffn_forward_gpu_bytes(c, n));
+    }
+    prefill_run_.reset();
+    prefill_act_.reset();
+    prefill_run_ = std::make_unique<GpuRun>(layer + (size_t(1) << 20), run_->stream);
+    prefill_act_ = std::make_unique<DeviceArena>(act_bytes(n));
+    prefill_capacity_ = n;
+  }
+  GpuRun& run = *prefill_run_;
+  DeviceArena& act = *prefill_act_;
+  act.reset();
+  run.scratch.reset();
+  CUstream_st* stream = run.stream;
+  float* p = act.alloc<float>(size_t(n * d));
+  float* x = act.alloc<float>(size_t(n * d));
+  float* out = act.alloc<float>(size_t(n * d));
+  uint16_t* xn = act.alloc<uint16_t>(size_t(n * d));
+  float* blocks = act.alloc<float>(size_t(n * d * nb));
+  int64_t* ids_dev = act.alloc<int64_t>(size_t(n));
+  int32_t* positions = act.alloc<int32_t>(size_t(n));
+  int32_t* row_table = act.alloc<int32_t>(size_t(n * P));
+  float* kv_a = act.alloc<float>(size_t(n * Wd));
+  float* logits = act.alloc<float>(size_t(V));
+  {
+    std::vector<int64_t> ids64(ids, ids + n);
+    copy_to_device(ids_dev, ids64.data(), size_t(n) * sizeof(int64_t));
+    // Positions 0..n−1 of the slot; every row reads the slot's static page table row.
+    std::vector<int32_t> pos(static_cast<size_t>(n)), table(static_cast<size_t>(n * P));
+    for (int64_t t = 0; t < n; ++t) {
+      pos[size_t(t)] = int32_t(t);
+      for (int64_t j = 0; j < P; ++j) table[size_t(t * P + j)] = int32_t(slot * P + j);
+    }
+    copy_to_device(positions, pos.data(), pos.size() * sizeof(int32_t));
+    copy_to_device(row_table, table.data(), table.size() * sizeof(int32_t));
+  }
+  embedding_gather(dw_->bf16(W.embed), ids_dev, n, d, p, stream);
+  const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim;
+  const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
+  auto mixer = [&](int i, const uint16_t* in, float* o) {
+    const size_t l = size_t(i);
+    if (c.mixers[i] == MixerKind::KDA) {
+      KdaCarryOut carry;
+      carry.state = kda_state_[l] + slot * HK * c.kda.head_dim;
+      carry.tail[0] = kda_tail_q_[l] + slot * tail;
+      carry.tail[1] = kda_tail_k_[l] + slot * tail;
+      carry.tail[2] = kda_tail_v_[l] + slot * tail;
+      kda_layer_forward_gpu(run, *dw_, W.layers[l].kda, in, o, 1, n, nullptr, &carry);
+      return;
+    }
+    const MlaWeights& w = W.layers[l].mla;
+    mla_layer_forward_gpu(run, *dw_, w, in, o, 1, n);
+    // The cache rows [RMSNorm(c) ; RoPE(kr)] of every prompt position, as decode writes them.
+    linear(run, in, dw_->bf16(w.kv_a), n, d, Wd, kv_a, GemmOutType::F32);
+    const bool rope = m.use_rope && m.qk_rope_dim > 0;
+    decode_mla_write_latent(kv_a, dw_->f32(w.kv_a_norm), n, m.kv_lora_rank, m.qk_rope_dim,
+                            m.latent_norm_eps, rope ? rope_cos_ : nullptr,
+                            rope ? rope_sin_ : nullptr, positions, row_table, P, kPageTokens,
+                            mla_pages_[l], stream);
+  };
+  auto ffn = [&](int i, const uint16_t* in, float* o) {
+    if (c.ffns[i] == FfnKind::MoE) moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n);
+    else dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
+  };
+  const GpuResidualOps ops{dw_, stream};
+  const uint16_t* final_hidden = residual_stack_forward<float>(
+      c, W, n, p, x, xn, out, blocks, mixer, ffn, [](const char*, int, const float*) {}, ops);
+  if (last_logits)
+    linear(run, final_hidden + (n - 1) * d, dw_->bf16(W.lm_head), 1, d, V, logits,
+           GemmOutType::F32);
+  const int32_t length = int32_t(n);
+  copy_to_device(lengths_ + slot, &length, sizeof(int32_t));
+  synchronize();
+  check_last_error("GpuDecoder chunked prefill");
+  if (last_logits) copy_to_host(last_logits, logits, size_t(V) * sizeof(float));
+  host_lengths_[size_t(slot)] = n;
 }
 
 void GpuDecoder::run_rows(const int32_t* ids, const int32_t* slots, int64_t n,

@@ -51,9 +51,13 @@ class GpuDecoder {
   // logits == nullptr: the LM head is skipped (prompt tokens whose logits nobody reads).
   void step(const int32_t* tokens, float* logits, const int* active = nullptr);
 
-  // release(slot), then the prompt ids [n] one token per step; writes the last position's
-  // logits [V] (host).
-  void prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
+  // release(slot), then the prompt ids [n] in one pass of the chunked forward (model/cuda/
+  // layers.h: KDA leaves its final state and conv tails in the slot, MLA writes every position's
+  // latent row into the slot's pages); writes the last position's logits [V] (host).
+  // token_by_token: feed the prompt one decode step at a time instead (the reference the chunked
+  // pass is tested against).
+  void prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
+               bool token_by_token = false);
 
   size_t cache_bytes() const;    // the cache arena
   size_t scratch_bytes() const;  // the per-step scratch arena
@@ -62,6 +66,7 @@ class GpuDecoder {
   struct Rows;
   void init();
   void run_rows(const int32_t* ids, const int32_t* slots, int64_t n, float* row_logits);
+  void prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
   void kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
   void mla_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
 
@@ -81,6 +86,10 @@ class GpuDecoder {
   std::vector<int64_t> host_lengths_;
   std::vector<int32_t> staging_;     // [2S] ids | slots uploaded per step
   std::vector<float> row_logits_;    // [S, V] host rows of one step
+  // The chunked prefill's own resources, sized for the longest prompt seen (grown on demand).
+  std::unique_ptr<GpuRun> prefill_run_;
+  std::unique_ptr<DeviceArena> prefill_act_;
+  int64_t prefill_capacity_ = 0;
 };
 
 }  // namespace dm::cuda

@@ -8,6 +8,7 @@
 //   o = KDA(q, k, v, g, β)                             (chunked operator, bf16 in/out, fp32 state)
 //   y = o_proj · [RMSNorm(o_h)·o_norm ⊙ sigmoid(G x)_h] (G = g_b g_a or g_full)
 // Activations between ops are bf16 (GEMM outputs rounded once); element-wise math is fp32.
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -94,9 +95,11 @@ size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
 
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start) {
+                           const int32_t* doc_start, const KdaCarryOut* carry) {
   const ModelConfig& c = dw.config();
   kda_gpu_check(c, B, T);
+  DM_CHECK(carry == nullptr || (B == 1 && doc_start == nullptr),
+           "kda_layer_forward_gpu: the decode carry needs one unpacked sequence (B = 1)");
   const KdaGpuDims dims = kda_gpu_dims(c, B, T);
   const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
   if (N == 0) return;
@@ -112,11 +115,20 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
     const float* conv;
     uint16_t* out;
   };
-  for (const Branch& br : {Branch{w.q_proj, w.q_conv, b.q}, Branch{w.k_proj, w.k_conv, b.k},
-                           Branch{w.v_proj, w.v_conv, b.v}}) {
+  const Branch branches[3] = {Branch{w.q_proj, w.q_conv, b.q}, Branch{w.k_proj, w.k_conv, b.k},
+                              Branch{w.v_proj, w.v_conv, b.v}};
+  for (int i = 0; i < 3; ++i) {
+    const Branch& br = branches[i];
     linear(run, xn, dw.bf16(br.proj), N, d, HK, b.raw, GemmOutType::Bf16);
     kda_short_conv_silu_forward(b.raw, dw.f32(br.conv), br.out, B, T, HK, dims.Kc, doc_start,
                                 stream);
+    if (carry && dims.Kc > 1) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
+      const int64_t rows = dims.Kc - 1, kept = std::min<int64_t>(rows, T);
+      const size_t row_bytes = size_t(HK) * sizeof(uint16_t);
+      if (kept < rows) fill_zero(carry->tail[i], size_t(rows - kept) * row_bytes);
+      copy_device_to_device(carry->tail[i] + (rows - kept) * HK, b.raw + (T - kept) * HK,
+                            size_t(kept) * row_bytes);
+    }
   }
 
   // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
@@ -129,8 +141,9 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
   kda_beta_sigmoid_forward(b.beta_logits, b.beta, N * H, stream);
 
   const float scale = 1.0f / std::sqrt(float(K));
-  kda_chunk_forward(b.q, b.k, b.v, b.g, b.beta, /*s0=*/nullptr, b.o, /*sT=*/nullptr, shape,
-                    scale, b.operator_workspace, doc_start, stream);
+  kda_chunk_forward(b.q, b.k, b.v, b.g, b.beta, /*s0=*/nullptr, b.o,
+                    /*sT=*/carry ? carry->state : nullptr, shape, scale, b.operator_workspace,
+                    doc_start, stream);
 
   // Output gate (full-rank or low-rank) into `raw`, per-head RMSNorm ⊙ sigmoid(gate) in place in
   // o (rows = N·H heads of K), then W_o into the fp32 output.

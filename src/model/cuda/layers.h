@@ -19,10 +19,18 @@
 
 namespace dm::cuda {
 
+// What a prompt's forward leaves for cached decoding (B = 1, decode_gpu.h): the final KDA state
+// and each branch's last Kc−1 raw (pre-conv) projections, oldest first, zero rows standing in for
+// positions before 0 — exactly what the decode step's conv tail holds.
+struct KdaCarryOut {
+  float* state = nullptr;  // [H, K, K] fp32 (written)
+  uint16_t* tail[3] = {};  // q, k, v: [Kc−1, H·K] bf16 (written)
+};
 size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start = nullptr);
+                           const int32_t* doc_start = nullptr,
+                           const KdaCarryOut* carry = nullptr);
 
 size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
