@@ -22,4 +22,13 @@ std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt,
                               const std::function<void(int32_t)>& on_token = nullptr);
 
+// The sampling loop any decoder plugs into (the CPU one above, model/cuda/generate_gpu.h):
+// checks the request against the config, then prefill(logits [V]) once for the prompt and
+// step(token, logits) per new token but the last. Returns the new tokens.
+std::vector<int32_t> generate_loop(const ModelConfig& c, const std::vector<int32_t>& prompt,
+                                   const GenerateOptions& opt,
+                                   const std::function<void(float*)>& prefill,
+                                   const std::function<void(int32_t, float*)>& step,
+                                   const std::function<void(int32_t)>& on_token);
+
 }  // namespace dm

@@ -26,6 +26,8 @@
 #include "model/residual.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/decode_ops.h"
+#include "ops/cuda/kda_layer_ops.h"
+#include "ops/cuda/mla_layer_ops.h"
 #include "ops/cuda/residual_ops.h"
 #include "ops/cuda/kda.h"
 
@@ -540,10 +542,10 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   uint16_t* g = b.raw[0];
   linear(run, xn, dw.bf16(w.f_a), n, d, K, b.low, GemmOutType::Bf16);
   linear(run, b.low, dw.bf16(w.f_b), n, K, HK, g, GemmOutType::Bf16);
-  decode_kda_gate(g, dw.f32(w.A_log), dw.f32(w.dt_bias), g, n, H, K,
+  kda_gate_forward(g, dw.f32(w.A_log), dw.f32(w.dt_bias), g, n, H, K,
                   c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
   linear(run, xn, dw.bf16(w.b_proj), n, d, H, b.beta_logits, GemmOutType::F32);
-  decode_sigmoid_to_bf16(b.beta_logits, b.beta, n * H, stream);
+  kda_beta_sigmoid_forward(b.beta_logits, b.beta, n * H, stream);
 
   // The recurrent operator, T = 1, each run of consecutive slots against its contiguous states.
   const float scale = 1.0f / std::sqrt(float(K));
@@ -564,7 +566,7 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
     linear(run, xn, dw.bf16(w.g_a), n, d, K, b.low, GemmOutType::Bf16);
     linear(run, b.low, dw.bf16(w.g_b), n, K, HK, out_gate, GemmOutType::Bf16);
   }
-  decode_rmsnorm_gated(b.o, dw.f32(w.o_norm), out_gate, b.o, n * H, K, c.rms_eps, stream);
+  kda_rmsnorm_gated_forward(b.o, dw.f32(w.o_norm), out_gate, b.o, n * H, K, c.rms_eps, stream);
   linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
 }
 
@@ -590,7 +592,7 @@ void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& r
   // q [n, H, dq]: the q LoRA's GEMM writes fp32 so its norm sees unrounded values.
   if (ql > 0) {
     linear(run, xn, dw.bf16(w.q_a), n, d, ql, b.q_a, GemmOutType::F32);
-    decode_rmsnorm_rows_to_bf16(b.q_a, ql, dw.f32(w.q_a_norm), b.q_a_normed, n, ql,
+    mla_rmsnorm_rows(b.q_a, ql, dw.f32(w.q_a_norm), b.q_a_normed, n, ql,
                                 m.latent_norm_eps, stream);
     linear(run, b.q_a_normed, dw.bf16(w.q_b), n, ql, H * dq, b.q, GemmOutType::Bf16);
   } else {
@@ -631,7 +633,7 @@ void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& r
                        GemmOutType::Bf16, H * dv, stream);
   if (m.output_gate) {
     linear(run, xn, dw.bf16(w.gate), n, d, H * dv, b.gate, GemmOutType::Bf16);
-    decode_gate_multiply(b.o, b.gate, n * H * dv, stream);
+    mla_gate_multiply(b.o, b.gate, n * H * dv, stream);
   }
   linear(run, b.o, dw.bf16(w.o_proj), n, H * dv, d, y, GemmOutType::F32);
 }

@@ -21,7 +21,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRowThreads = 128;                // one block per long row
-constexpr int kWarpRowsPerBlock = kThreads / 32;  // one warp per short row
 
 int grid_blocks(int64_t count) {
   const int64_t wanted = (count + kThreads - 1) / kThreads;
@@ -32,7 +31,6 @@ __device__ __forceinline__ float silu_f32(float x) { return x * sigmoid_f32(x); 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
   return __bfloat162float(__ushort_as_bfloat16(bits));
 }
-__device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
 
 __global__ void prepare_rows_kernel(const int32_t* __restrict__ slots, int32_t* lengths,
                                     const int32_t* __restrict__ page_table, int64_t P,
@@ -76,59 +74,6 @@ __global__ void conv_step_kernel(const KdaConvStepArgs a, const int32_t* __restr
     store_from_float(a.out[branch], rc, silu_f32(acc));
   }
 }
-
-__global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_log,
-                                const float* __restrict__ dt_bias, uint16_t* g, int64_t HK,
-                                int64_t K, bool safe_gate, float lower_bound, int64_t total) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % HK;
-    const float a = expf(A_log[c / K]);
-    const float z = load_as_float(f, i) + dt_bias[c];
-    store_from_float(g, i, safe_gate ? lower_bound * sigmoid_f32(a * z) : -a * softplus_f32(z));
-  }
-}
-
-__global__ void sigmoid_to_bf16_kernel(const float* __restrict__ z, uint16_t* __restrict__ y,
-                                       int64_t count) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(y, i, sigmoid_f32(z[i]));
-}
-
-// One warp per row; each lane rewrites only what it read, so y may alias x.
-__global__ void rmsnorm_gated_kernel(const uint16_t* x, const float* __restrict__ w,
-                                     const uint16_t* __restrict__ gate, uint16_t* y, int64_t rows,
-                                     int64_t D, float eps) {
-  const int64_t row = int64_t(blockIdx.x) * kWarpRowsPerBlock + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const int64_t base = row * D;
-  float sum_squares = 0.0f;
-  for (int64_t i = lane; i < D; i += 32) {
-    const float v = load_as_float(x, base + i);
-    sum_squares += v * v;
-  }
-  const float inverse_rms = rsqrtf(warp_sum(sum_squares) / float(D) + eps);
-  for (int64_t i = lane; i < D; i += 32)
-    store_from_float(y, base + i,
-                     load_as_float(x, base + i) * inverse_rms * w[i] *
-                         sigmoid_f32(load_as_float(gate, base + i)));
-}
-
-__global__ void rmsnorm_rows_kernel(const float* __restrict__ x, int64_t ldx,
-                                    const float* __restrict__ w, uint16_t* __restrict__ y,
-                                    int64_t D, float eps) {
-  __shared__ float shared[32];
-  const int64_t r = blockIdx.x;
-  const float* row = x + r * ldx;
-  float sum_squares = 0.0f;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) sum_squares += row[i] * row[i];
-  const float inverse_rms = rsqrtf(block_sum(sum_squares, shared) / float(D) + eps);
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
-    store_from_float(y, r * D + i, row[i] * inverse_rms * w[i]);
-}
-
 // One block per row: the latent norm's statistic needs the whole kvl-wide vector.
 __global__ void write_latent_kernel(const float* __restrict__ kv_a, const float* __restrict__ norm_w,
                                     int64_t kvl, int64_t rope, float eps,
@@ -181,13 +126,6 @@ __global__ void query_rope_kernel(const uint16_t* __restrict__ q, int64_t H, int
     store_from_float(q_abs, rh * W + kvl + e, value);
   }
 }
-
-__global__ void gate_multiply_kernel(uint16_t* o, const uint16_t* __restrict__ g, int64_t count) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(o, i, load_as_float(o, i) * sigmoid_f32(load_as_float(g, i)));
-}
-
 }  // namespace
 
 int decode_device_multiprocessors() {
@@ -213,38 +151,6 @@ void decode_kda_conv_step(const KdaConvStepArgs& a, const int32_t* slots, int64_
   conv_step_kernel<<<grid_blocks(3 * n * C), kThreads, 0, stream>>>(a, slots, n, C, Kc);
   check_last_error("decode_kda_conv_step");
 }
-
-void decode_kda_gate(const uint16_t* f, const float* A_log, const float* dt_bias, uint16_t* g,
-                     int64_t n, int64_t H, int64_t K, bool safe_gate, float lower_bound,
-                     DecodeStream stream) {
-  const int64_t total = n * H * K;
-  if (total == 0) return;
-  kda_gate_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(f, A_log, dt_bias, g, H * K, K,
-                                                                safe_gate, lower_bound, total);
-  check_last_error("decode_kda_gate");
-}
-
-void decode_sigmoid_to_bf16(const float* z, uint16_t* y, int64_t count, DecodeStream stream) {
-  if (count == 0) return;
-  sigmoid_to_bf16_kernel<<<grid_blocks(count), kThreads, 0, stream>>>(z, y, count);
-  check_last_error("decode_sigmoid_to_bf16");
-}
-
-void decode_rmsnorm_gated(const uint16_t* x, const float* w, const uint16_t* gate, uint16_t* y,
-                          int64_t rows, int64_t D, float eps, DecodeStream stream) {
-  if (rows == 0) return;
-  const int blocks = ceil_div(rows, kWarpRowsPerBlock);
-  rmsnorm_gated_kernel<<<blocks, kThreads, 0, stream>>>(x, w, gate, y, rows, D, eps);
-  check_last_error("decode_rmsnorm_gated");
-}
-
-void decode_rmsnorm_rows_to_bf16(const float* x, int64_t ldx, const float* w, uint16_t* y,
-                                 int64_t n, int64_t D, float eps, DecodeStream stream) {
-  if (n == 0) return;
-  rmsnorm_rows_kernel<<<unsigned(n), kRowThreads, 0, stream>>>(x, ldx, w, y, D, eps);
-  check_last_error("decode_rmsnorm_rows_to_bf16");
-}
-
 void decode_mla_write_latent(const float* kv_a, const float* norm_w, int64_t n, int64_t kvl,
                              int64_t rope, float eps, const float* cos, const float* sin,
                              const int32_t* positions, const int32_t* row_table, int64_t P,
@@ -264,11 +170,4 @@ void decode_mla_query_rope(const uint16_t* q, int64_t n, int64_t H, int64_t nope
                                                                  positions, q_abs, total);
   check_last_error("decode_mla_query_rope");
 }
-
-void decode_gate_multiply(uint16_t* o, const uint16_t* g, int64_t count, DecodeStream stream) {
-  if (count == 0) return;
-  gate_multiply_kernel<<<grid_blocks(count), kThreads, 0, stream>>>(o, g, count);
-  check_last_error("decode_gate_multiply");
-}
-
 }  // namespace dm::cuda

@@ -1,8 +1,9 @@
 // Row kernels of the cached GPU decode step (model/cuda/decode_gpu.cpp): one new token per active
-// slot, n rows. They are the decode-shaped twins of the CPU code in model/kda.cpp
-// (kda_layer_decode: conv step against the carried tail, gate, β, gated RMSNorm) and
-// model/mla_decode.cpp (latent row → paged cache, RoPE at the slot's position, absorbed query
-// assembly, output gate). Plain C++17 header (no CUDA includes) for nvcc and the host compiler.
+// slot, n rows: what the prefill layer kernels (kda_layer_ops.h, mla_layer_ops.h: gate, β, gated
+// RMSNorm, latent norm, output gate — shared with decode) do not cover: the conv step against
+// the carried tail (model/kda.cpp kda_layer_decode), and from model/mla_decode.cpp the latent
+// row → paged cache at the slot's position and the absorbed query's RoPE half.
+// Plain C++17 header (no CUDA includes) for nvcc and the host compiler.
 //
 // Every pointer is a DEVICE pointer; bf16 tensors are their uint16_t bit patterns; parameters
 // (conv weights, A_log, dt_bias, norm weights) are fp32; all math is fp32. Row r of a step is
@@ -44,28 +45,7 @@ struct KdaConvStepArgs {
 void decode_kda_conv_step(const KdaConvStepArgs& a, const int32_t* slots, int64_t n, int64_t C,
                           int Kc, DecodeStream stream = nullptr);
 
-// Log-decay g [n, H·K] from f [n, H·K] (both bf16, g may alias f); A_log [H], dt_bias [H·K]:
-//   softplus gate: g = −exp(A_log[h])·softplus(f + dt_bias)   (softplus linear above 20)
-//   safe gate:     g = lower_bound·sigmoid(exp(A_log[h])·(f + dt_bias))
-void decode_kda_gate(const uint16_t* f, const float* A_log, const float* dt_bias, uint16_t* g,
-                     int64_t n, int64_t H, int64_t K, bool safe_gate, float lower_bound,
-                     DecodeStream stream = nullptr);
-
-// y[i] = bf16(sigmoid(z[i])), z fp32 (β from the b_proj logits).
-void decode_sigmoid_to_bf16(const float* z, uint16_t* y, int64_t count,
-                            DecodeStream stream = nullptr);
-
-// Per row of D (one head of one token): y = x·rsqrt(mean(x²) + eps)·w ⊙ sigmoid(gate).
-// x, gate, y [rows, D] bf16 (y may alias x); w [D] fp32.
-void decode_rmsnorm_gated(const uint16_t* x, const float* w, const uint16_t* gate, uint16_t* y,
-                          int64_t rows, int64_t D, float eps, DecodeStream stream = nullptr);
-
 // ---- MLA ----------------------------------------------------------------------------------
-// y[r, :] = bf16(x[r, 0:D]·r_r·w), r_r = rsqrt(mean(x[r, 0:D]²) + eps); x fp32 with leading
-// dim ldx ≥ D, y [n, D] bf16 (the q LoRA norm).
-void decode_rmsnorm_rows_to_bf16(const float* x, int64_t ldx, const float* w, uint16_t* y,
-                                 int64_t n, int64_t D, float eps, DecodeStream stream = nullptr);
-
 // Writes each row's latent cache row [RMSNorm(c)·w ; RoPE(kr)] (kvl + rope wide, bf16) into its
 // slot's page: page row_table[r, pos / page_tokens], row pos % page_tokens of
 // pages [num_pages, page_tokens, kvl + rope]. kv_a [n, kvl + rope] fp32 (the W_kva GEMM);
@@ -83,9 +63,5 @@ void decode_mla_query_rope(const uint16_t* q, int64_t n, int64_t H, int64_t nope
                            int64_t kvl, const float* cos, const float* sin,
                            const int32_t* positions, uint16_t* q_abs,
                            DecodeStream stream = nullptr);
-
-// o[i] ← o[i]·sigmoid(g[i]) for i < count (bf16, fp32 math): the MLA output gate.
-void decode_gate_multiply(uint16_t* o, const uint16_t* g, int64_t count,
-                          DecodeStream stream = nullptr);
 
 }  // namespace dm::cuda
