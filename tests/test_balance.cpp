@@ -38,6 +38,18 @@ Routed route_with_bias(const std::vector<float>& logits, const std::vector<float
 
 float logit_of(double s) { return float(std::log(s / (1.0 - s))); }
 
+// Router logits [N, E] of a strongly skewed batch: N(0,1) noise plus a per-expert offset from +2
+// (expert 0, strongly preferred) down to −2 (expert E−1, strongly avoided).
+std::vector<float> skewed_logits(int64_t N, int E, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  std::vector<float> logits(size_t(N * E));
+  for (int64_t t = 0; t < N; ++t)
+    for (int e = 0; e < E; ++e)
+      logits[size_t(t * E + e)] = noise(rng) + 2.0f * (1.0f - 2.0f * float(e) / float(E - 1));
+  return logits;
+}
+
 // SPEC oracle: 8 tokens, 4 experts, k = 1; loads (4,3,1,0) with b = 0 → (2,2,2,2) after one update.
 // Scores (rows = tokens) are built so every token's preference is clear (gaps ≥ 0.1):
 //   tokens 0–3 prefer expert 0, tokens 4–6 expert 1, token 7 expert 2, nobody expert 3.
@@ -168,12 +180,7 @@ TEST(BalanceTest, RepeatedUpdatesDriveMaxVioBelowTenPercent) {
   RouterParams p;
   p.num_experts = E;
   p.top_k = k;
-  std::mt19937 rng(43);
-  std::normal_distribution<float> noise(0.0f, 1.0f);
-  std::vector<float> logits(N * E);
-  for (int64_t t = 0; t < N; ++t)
-    for (int e = 0; e < E; ++e)  // expert 0 strongly preferred, expert 15 strongly avoided
-      logits[t * E + e] = noise(rng) + 2.0f * (1.0f - 2.0f * float(e) / float(E - 1));
+  const std::vector<float> logits = skewed_logits(N, E, 43);
   for (QuantileEstimator estimator : {QuantileEstimator::Exact, QuantileEstimator::Histogram}) {
     SCOPED_TRACE(estimator == QuantileEstimator::Exact ? "exact" : "histogram");
     BalanceOptions options;
@@ -210,12 +217,7 @@ TEST(BalanceTest, RefinementBalancesTheSameBatch) {
   RouterParams p;
   p.num_experts = E;
   p.top_k = k;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> noise(0.0f, 1.0f);
-  std::vector<float> logits(N * E);
-  for (int64_t t = 0; t < N; ++t)
-    for (int e = 0; e < E; ++e)
-      logits[t * E + e] = noise(rng) + 2.0f * (1.0f - 2.0f * float(e) / float(E - 1));
+  const std::vector<float> logits = skewed_logits(N, E, 7);
   const std::vector<float> zero(E, 0.0f);
   const Routed before = route_with_bias(logits, zero, N, p);
   std::vector<float> alpha(N);
