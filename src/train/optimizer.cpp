@@ -11,8 +11,6 @@
 
 namespace dm {
 
-namespace {
-
 bool is_muon_matrix(const ParamEntry& e) {
   if (e.shape.ndim != 2 || !e.trainable) return false;
   const std::string& n = e.name;
@@ -34,6 +32,8 @@ int64_t muon_head_rows(const ParamEntry& e, const ModelConfig& c) {
   if (has("self_attn.kv_b_proj")) return c.mla.qk_nope_dim + c.mla.v_head_dim;
   return 0;
 }
+
+namespace {
 
 // X ← NS5(X): quintic Newton–Schulz iteration towards the nearest semi-orthogonal matrix.
 // X [r, c] row-major with r ≤ c (callers transpose otherwise). scratch: 2·r² + r·c floats.

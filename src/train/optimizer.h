@@ -36,6 +36,10 @@ class Optimizer {
   void save(const std::string& path) const;
   void load(const std::string& path);
   size_t state_bytes() const;
+  // The moments and the step count, for the GPU optimizer's checkpoints (same file format).
+  ModelWeights& first_moment() { return *m_; }
+  ModelWeights& second_moment() { return *v_; }
+  void set_steps(int64_t steps) { step_ = steps; }
 
  private:
   void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, bool decay);
@@ -47,6 +51,12 @@ class Optimizer {
   std::vector<float> ns_scratch_;        // Newton–Schulz workspace, sized once
   ModelConfig cfg_;
 };
+
+// Which rule updates a parameter, shared by the CPU optimizer and its GPU twin
+// (train/cuda/optimizer_gpu.h): Muon takes the trainable hidden 2-D matrices, per head of
+// muon_head_rows rows for Q/K/V blocks (0 = the whole matrix); everything else is AdamW.
+bool is_muon_matrix(const ParamEntry& e);
+int64_t muon_head_rows(const ParamEntry& e, const ModelConfig& c);
 
 // Global L2 norm of all trainable gradients (double accumulation).
 double grad_global_norm(const ModelWeights& grad);

@@ -2,10 +2,15 @@
 // ffn_forward without saved pre-activations):
 //   g = x·W_gateᵀ, u = x·W_upᵀ  [N, F] bf16;  h = act(g, u) in place in g (SwiGLU or SiTU per
 //   glu_activation(cfg));  y = h·W_downᵀ  [N, d] fp32.
+// Backward (dense_ffn_backward): recompute g, u from xn and run the gated FFN backward of
+// ops/cuda/moe_backward.h on bf16(dy) (rounded once): dW_down += dyᵀ·h, dh = dy·W_down, GLU
+// backward, dW_gate += dgᵀ·x, dW_up += duᵀ·x, dxn = dg·W_gate + du·W_up (written).
 #include "core/error.h"
 #include "model/cuda/layers.h"
 #include "model/moe.h"  // glu_activation
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_backward.h"
+#include "ops/cuda/moe_layer_ops.h"  // convert_f32_to_bf16
 
 namespace dm::cuda {
 namespace {
@@ -38,6 +43,36 @@ void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeight
   linear(run, xn, dw.bf16(w.up), N, d, F, up, GemmOutType::Bf16);
   glu_forward(gate, up, gate, N * F, glu_activation(c), run.stream);
   linear(run, gate, dw.bf16(w.down), N, F, d, y, GemmOutType::F32);
+}
+
+size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N) {
+  DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_backward_gpu: bad shape N=", N, " F=",
+           c.dense_ffn);
+  // dy bf16 [N, d] + the gated FFN workspace (g, u, h [N, F] bf16), plus slack for an unaligned
+  // arena mark.
+  const size_t dy_bytes = (size_t(N) * size_t(c.hidden) * sizeof(uint16_t) + 255) / 256 * 256;
+  const size_t ffn_bytes = (glu_ffn_backward_workspace_bytes(N, c.dense_ffn) + 255) / 256 * 256;
+  return dy_bytes + ffn_bytes + 256;
+}
+
+void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
+                            const FfnWeights& w, const uint16_t* xn, const float* dy, float* dxn,
+                            int64_t N) {
+  const ModelConfig& c = dw.config();
+  const int64_t d = c.hidden, F = c.dense_ffn;
+  DM_CHECK(N >= 0 && d > 0 && F > 0, "dense_ffn_backward_gpu: bad shape N=", N, " d=", d,
+           " F=", F);
+  DM_CHECK(w.gate && w.up && w.down, "dense_ffn_backward_gpu: FFN weights missing");
+  if (N == 0) return;
+  DM_CHECK(xn && dy && dxn, "dense_ffn_backward_gpu: null argument");
+  DeviceArenaScope scope(run.scratch);
+  uint16_t* dy_b = run.scratch.alloc<uint16_t>(size_t(N) * size_t(d));  // [N, d]
+  convert_f32_to_bf16(dy, dy_b, N * d, run.stream);
+  void* workspace = run.scratch.alloc_bytes(glu_ffn_backward_workspace_bytes(N, F));
+  // dx_beta = 0: the first input-gradient GEMM writes dxn.
+  glu_ffn_backward(run.gemm, xn, dw.bf16(w.gate), dw.bf16(w.up), dw.bf16(w.down), dy_b, dxn, 0.0f,
+                   grads.at(w.gate), grads.at(w.up), grads.at(w.down), N, d, F, glu_activation(c),
+                   workspace, run.stream);
 }
 
 }  // namespace dm::cuda

@@ -86,6 +86,66 @@ void DeviceWeights::sync_from_host() {
   }
 }
 
+DeviceParamArena::DeviceParamArena(const ModelWeights& host)
+    : host_(host), numel_(arena_numel(host)), arena_(size_t(arena_numel(host)) * sizeof(float) + 256) {
+  data_ = arena_.alloc<float>(size_t(numel_));
+  zero();
+}
+
+float* DeviceParamArena::at(const float* host_view) const {
+  const int64_t o = host_.offset_of(host_view);
+  DM_CHECK(host_view != nullptr && o >= 0 && o < numel_,
+           "DeviceParamArena: pointer outside the weights");
+  return data_ + o;
+}
+
+void DeviceParamArena::zero(CUstream_st* stream) {
+  if (numel_ > 0) fill_zero_async(data_, size_t(numel_) * sizeof(float), stream);
+}
+
+void DeviceParamArena::download(ModelWeights& dst) const {
+  DM_CHECK(arena_numel(dst) == numel_, "DeviceParamArena::download: layout mismatch");
+  synchronize();
+  copy_to_host(const_cast<void*>(dst.arena_base()), data_, size_t(numel_) * sizeof(float));
+}
+
+void DeviceParamArena::upload(const ModelWeights& src) {
+  DM_CHECK(arena_numel(src) == numel_, "DeviceParamArena::upload: layout mismatch");
+  synchronize();
+  copy_to_device(data_, src.arena_base(), size_t(numel_) * sizeof(float));
+}
+
+void DeviceWeights::refresh_f32_from_master(const float* master, CUstream_st* stream) {
+  for (const F32Range& r : f32_ranges_)
+    copy_device_to_device_async(f32_ + r.packed, master + r.begin,
+                                size_t(r.end - r.begin) * sizeof(float), stream);
+}
+
+void DeviceWeights::upload_param(const float* host_view, int64_t n, CUstream_st* stream) {
+  const int64_t o = offset(host_view);
+  DM_CHECK(n >= 0 && o + n <= numel_, "DeviceWeights::upload_param: range outside the weights");
+  stream_synchronize(stream);  // the staging copies below are synchronous
+  std::vector<uint16_t> staging(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) staging[size_t(i)] = float_to_bf16(host_view[i]);
+  copy_to_device(bf16_ + o, staging.data(), size_t(n) * sizeof(uint16_t));
+  for (const F32Range& r : f32_ranges_) {  // the fp32 copy, where the parameter has one
+    const int64_t b = std::max(o, r.begin), e = std::min(o + n, r.end);
+    if (b < e)
+      copy_to_device(f32_ + r.packed + (b - r.begin), host_view + (b - o),
+                     size_t(e - b) * sizeof(float));
+  }
+}
+
+void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
+                     int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
+                     float dx_beta, float* dW) {
+  // dx[N, in] = dy[N, out]·W[out, in];  dW[out, in] += dy[N, out]ᵀ·x[N, in].
+  if (dx) run.gemm.gemm_bf16(false, false, N, in, out, 1.0f, dy, out, W, in, dx_beta, dx, dx_type,
+                             in, run.stream);
+  if (dW) run.gemm.gemm_bf16(true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dW,
+                             GemmOutType::F32, in, run.stream);
+}
+
 void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in, int64_t out,
             void* y, GemmOutType y_type, float beta) {
   run.gemm.gemm_bf16(false, true, N, out, in, 1.0f, x, in, W, in, beta, y, y_type, out,

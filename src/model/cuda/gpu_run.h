@@ -33,6 +33,13 @@ class DeviceWeights {
   const ModelWeights& host() const { return host_; }
   const ModelConfig& config() const { return host_.cfg; }
   void sync_from_host();
+  // Training: the optimizer writes the bf16 mirror in place (same offsets as the host arena) and
+  // then refreshes the packed fp32 copies from the device master weights (host offsets).
+  uint16_t* bf16_data() { return bf16_; }
+  void refresh_f32_from_master(const float* master, CUstream_st* stream = nullptr);
+  // Re-uploads one parameter of n elements from its host view into both mirrors (a routing bias
+  // Quantile Balancing set on the host).
+  void upload_param(const float* host_view, int64_t n, CUstream_st* stream = nullptr);
   size_t bytes() const { return arena_.capacity(); }
 
  private:
@@ -45,6 +52,29 @@ class DeviceWeights {
   uint16_t* bf16_ = nullptr;
   float* f32_ = nullptr;
 };
+
+// An fp32 tensor on the device at the SAME element offsets as the host weight arena: the device
+// twin of a ModelWeights arena. The trainer keeps four: the gradients (DeviceGrads: at(w.q_proj)
+// is ∂L/∂q_proj; layers ACCUMULATE into it and the trainer zeroes it once per step), the fp32
+// master weights and the two optimizer moments. One cudaMalloc each.
+class DeviceParamArena {
+ public:
+  explicit DeviceParamArena(const ModelWeights& host);
+  float* at(const float* host_view) const;
+  float* data() const { return data_; }
+  int64_t numel() const { return numel_; }
+  void zero(CUstream_st* stream = nullptr);
+  // Whole-arena copies to / from a host arena of the same layout (synchronous).
+  void download(ModelWeights& dst) const;
+  void upload(const ModelWeights& src);
+
+ private:
+  const ModelWeights& host_;
+  int64_t numel_ = 0;
+  DeviceArena arena_;
+  float* data_ = nullptr;
+};
+using DeviceGrads = DeviceParamArena;
 
 // Per-run resources: cuBLAS(Lt) handles + workspace, one scratch arena that layers carve their
 // temporaries from inside a DeviceArenaScope, and the stream everything is queued on.
@@ -60,5 +90,13 @@ struct GpuRun {
 // beta = 1 accumulates into an fp32/bf16 y).
 void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in, int64_t out,
             void* y, GemmOutType y_type, float beta = 0.0f);
+
+// Backward of y = x·Wᵀ given dy [N, out] bf16:
+//   dx [N, in] (x_type fp32 or bf16) = dy·W, ACCUMULATED when dx_beta = 1 (else written);
+//   dW [out, in] fp32 += dyᵀ·x (always accumulated; the DeviceGrads slot of W).
+// dx or dW may be nullptr (not wanted).
+void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
+                     int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
+                     float dx_beta, float* dW);
 
 }  // namespace dm::cuda

@@ -8,88 +8,121 @@
 //   o = KDA(q, k, v, g, β)                             (chunked operator, bf16 in/out, fp32 state)
 //   y = o_proj · [RMSNorm(o_h)·o_norm ⊙ sigmoid(G x)_h] (G = g_b g_a or g_full)
 // Activations between ops are bf16 (GEMM outputs rounded once); element-wise math is fp32.
+// The steps before o_proj (kda_gpu::forward_steps) are shared with the backward's recompute
+// (kda_gpu_backward.cpp), which keeps every intermediate instead of sharing buffers.
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
+#include "model/cuda/kda_gpu_internal.h"
 #include "model/cuda/layers.h"
 #include "ops/cuda/kda.h"
 #include "ops/cuda/kda_layer_ops.h"
 
 namespace dm::cuda {
+namespace kda_gpu {
+
+void check(const ModelConfig& c, int64_t B, int64_t T, const char* what) {
+  DM_CHECK(B >= 0 && T >= 0, what, ": bad shape B=", B, " T=", T);
+  DM_CHECK(c.kda.num_heads > 0 && c.kda.head_dim > 0 && c.kda.conv_kernel > 0, what,
+           ": KDA config not set");
+  DM_CHECK(c.kda.head_dim <= kKdaCudaMaxHeadDim, what, ": head_dim ", c.kda.head_dim, " > ",
+           kKdaCudaMaxHeadDim, " (the chunked CUDA operator's limit)");
+}
+
+void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const uint16_t* xn,
+                   int64_t B, int64_t T, const int32_t* doc_start, const KdaCarryOut* carry,
+                   const ForwardViews& v) {
+  const ModelConfig& c = dw.config();
+  const Dims dims = dims_of(c, B, T);
+  const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
+  CUstream_st* stream = run.stream;
+
+  // q, k, v = SiLU(ShortConv(W x)): [B, T, H·K], the operator's [B, T, H, K] layout. Each raw
+  // projection is consumed (conv, decode tail) before the next is written: they may share memory.
+  struct Branch {
+    const float* proj;
+    const float* conv;
+    uint16_t* raw;
+    uint16_t* out;
+  };
+  const Branch branches[3] = {Branch{w.q_proj, w.q_conv, v.q_raw, v.q},
+                              Branch{w.k_proj, w.k_conv, v.k_raw, v.k},
+                              Branch{w.v_proj, w.v_conv, v.v_raw, v.v}};
+  for (int i = 0; i < 3; ++i) {
+    const Branch& br = branches[i];
+    linear(run, xn, dw.bf16(br.proj), N, d, HK, br.raw, GemmOutType::Bf16);
+    kda_short_conv_silu_forward(br.raw, dw.f32(br.conv), br.out, B, T, HK, dims.Kc, doc_start,
+                                stream);
+    if (carry && dims.Kc > 1) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
+      const int64_t rows = dims.Kc - 1, kept = std::min<int64_t>(rows, T);
+      const size_t row_bytes = size_t(HK) * sizeof(uint16_t);
+      if (kept < rows) fill_zero(carry->tail[i], size_t(rows - kept) * row_bytes);
+      copy_device_to_device(carry->tail[i] + (rows - kept) * HK, br.raw + (T - kept) * HK,
+                            size_t(kept) * row_bytes);
+    }
+  }
+
+  // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
+  linear(run, xn, dw.bf16(w.f_a), N, d, K, v.gate_low, GemmOutType::Bf16);
+  linear(run, v.gate_low, dw.bf16(w.f_b), N, K, HK, v.gate_raw, GemmOutType::Bf16);
+  kda_gate_forward(v.gate_raw, dw.f32(w.A_log), dw.f32(w.dt_bias), v.g, N, H, K,
+                   c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
+  // β's logits stay fp32 (N·H values) so the sigmoid rounds once, into the bf16 operator input.
+  linear(run, xn, dw.bf16(w.b_proj), N, d, H, v.beta_logits, GemmOutType::F32);
+  kda_beta_sigmoid_forward(v.beta_logits, v.beta, N * H, stream);
+
+  const KdaShape shape{B, T, H, K, K};
+  const float scale = 1.0f / std::sqrt(float(K));
+  kda_chunk_forward(v.q, v.k, v.v, v.g, v.beta, /*s0=*/nullptr, v.o,
+                    /*sT=*/carry ? carry->state : nullptr, shape, scale, v.operator_workspace,
+                    doc_start, stream);
+
+  // Output gate (full-rank or low-rank), then per-head RMSNorm ⊙ sigmoid(gate) (rows = N·H
+  // heads of K; normed may be o itself).
+  if (c.kda.full_rank_output_gate) {
+    linear(run, xn, dw.bf16(w.g_full), N, d, HK, v.out_gate, GemmOutType::Bf16);
+  } else {
+    linear(run, xn, dw.bf16(w.g_a), N, d, K, v.out_gate_low, GemmOutType::Bf16);
+    linear(run, v.out_gate_low, dw.bf16(w.g_b), N, K, HK, v.out_gate, GemmOutType::Bf16);
+  }
+  kda_rmsnorm_gated_forward(v.o, dw.f32(w.o_norm), v.out_gate, v.normed, N * H, K, c.rms_eps,
+                            stream);
+}
+
+}  // namespace kda_gpu
+
 namespace {
 
-struct KdaGpuDims {
-  int64_t N, d, H, K, HK;
-  int Kc;
-};
-
-KdaGpuDims kda_gpu_dims(const ModelConfig& c, int64_t B, int64_t T) {
-  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
-  return {B * T, int64_t(c.hidden), H, K, H * K, c.kda.conv_kernel};
-}
-
-// Carves from the scratch arena, or (arena == nullptr) only counts: the bytes function runs the
-// same sequence as the layer, so the two cannot disagree. Each view rounds up to the arena's
-// 256-byte alignment; `bytes` starts with 256 of slack for an unaligned arena mark.
-struct KdaScratchPlan {
-  DeviceArena* arena = nullptr;
-  size_t bytes = 256;
-  void* take_bytes(size_t n) {
-    bytes += (n + 255) / 256 * 256;
-    return arena ? arena->alloc_bytes(n) : nullptr;
-  }
-  template <typename T>
-  T* take(int64_t n) {
-    return static_cast<T*>(take_bytes(size_t(n) * sizeof(T)));
-  }
-};
-
-// The layer's temporaries. Buffers whose lives do not overlap share memory (one stream orders
-// every use): `raw` holds W_q x, W_k x, W_v x (each dead once its conv ran), then f_b f_a x (dead
-// after the gate kernel), then the output gate; `low` holds f_a x, then g_a x.
-struct KdaGpuBuffers {
-  uint16_t* raw = nullptr;                                        // [N, H·K]
-  uint16_t *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr;  // [N, H·K] operator inputs
-  uint16_t* low = nullptr;                                        // [N, K]
-  float* beta_logits = nullptr;                                   // [N, H] b_proj x
-  uint16_t* beta = nullptr;                                       // [N, H]
-  uint16_t* o = nullptr;            // [N, H·K] operator output, then (in place) the normed output
-  void* operator_workspace = nullptr;  // kda_chunk_forward_workspace_bytes
-};
-
-KdaGpuBuffers kda_gpu_carve(KdaScratchPlan& plan, const KdaGpuDims& dims,
-                            const KdaShape& shape) {
+// The inference forward's temporaries, sharing memory where lives do not overlap (one stream
+// orders every use): `raw` [N, H·K] holds W_q x, W_k x, W_v x (each dead once its conv ran), then
+// f_b f_a x (dead after the gate kernel), then the output gate; `low` [N, K] holds f_a x, then
+// g_a x; the norm runs in place in o.
+kda_gpu::ForwardViews forward_carve(kda_gpu::ScratchPlan& plan, const kda_gpu::Dims& dims,
+                                    const KdaShape& shape) {
   const int64_t N = dims.N, HK = dims.HK;
-  KdaGpuBuffers b;
-  b.raw = plan.take<uint16_t>(N * HK);
-  b.q = plan.take<uint16_t>(N * HK);
-  b.k = plan.take<uint16_t>(N * HK);
-  b.v = plan.take<uint16_t>(N * HK);
-  b.g = plan.take<uint16_t>(N * HK);
-  b.low = plan.take<uint16_t>(N * dims.K);
-  b.beta_logits = plan.take<float>(N * dims.H);
-  b.beta = plan.take<uint16_t>(N * dims.H);
-  b.o = plan.take<uint16_t>(N * HK);
-  b.operator_workspace = plan.take_bytes(kda_chunk_forward_workspace_bytes(shape));
-  return b;
-}
-
-void kda_gpu_check(const ModelConfig& c, int64_t B, int64_t T) {
-  DM_CHECK(B >= 0 && T >= 0, "kda_layer_forward_gpu: bad shape B=", B, " T=", T);
-  DM_CHECK(c.kda.num_heads > 0 && c.kda.head_dim > 0 && c.kda.conv_kernel > 0,
-           "kda_layer_forward_gpu: KDA config not set");
-  DM_CHECK(c.kda.head_dim <= kKdaCudaMaxHeadDim, "kda_layer_forward_gpu: head_dim ",
-           c.kda.head_dim, " > ", kKdaCudaMaxHeadDim, " (the chunked CUDA operator's limit)");
+  kda_gpu::ForwardViews v{};
+  uint16_t* raw = plan.take<uint16_t>(N * HK);
+  v.q_raw = v.k_raw = v.v_raw = v.gate_raw = v.out_gate = raw;
+  v.q = plan.take<uint16_t>(N * HK);
+  v.k = plan.take<uint16_t>(N * HK);
+  v.v = plan.take<uint16_t>(N * HK);
+  v.g = plan.take<uint16_t>(N * HK);
+  v.gate_low = v.out_gate_low = plan.take<uint16_t>(N * dims.K);
+  v.beta_logits = plan.take<float>(N * dims.H);
+  v.beta = plan.take<uint16_t>(N * dims.H);
+  v.o = v.normed = plan.take<uint16_t>(N * HK);
+  v.operator_workspace = plan.take_bytes(kda_chunk_forward_workspace_bytes(shape));
+  return v;
 }
 
 }  // namespace
 
 size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
-  kda_gpu_check(c, B, T);
-  const KdaGpuDims dims = kda_gpu_dims(c, B, T);
-  KdaScratchPlan counter;
-  kda_gpu_carve(counter, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
+  kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
+  const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
+  kda_gpu::ScratchPlan counter;
+  forward_carve(counter, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
   return counter.bytes;
 }
 
@@ -97,65 +130,17 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
                            const int32_t* doc_start, const KdaCarryOut* carry) {
   const ModelConfig& c = dw.config();
-  kda_gpu_check(c, B, T);
+  kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   DM_CHECK(carry == nullptr || (B == 1 && doc_start == nullptr),
            "kda_layer_forward_gpu: the decode carry needs one unpacked sequence (B = 1)");
-  const KdaGpuDims dims = kda_gpu_dims(c, B, T);
-  const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
-  if (N == 0) return;
-  const KdaShape shape{B, T, H, K, K};
+  const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
+  if (dims.N == 0) return;
   DeviceArenaScope scope(run.scratch);
-  KdaScratchPlan plan{&run.scratch};
-  const KdaGpuBuffers b = kda_gpu_carve(plan, dims, shape);
-  CUstream_st* stream = run.stream;
-
-  // q, k, v = SiLU(ShortConv(W x)): [B, T, H·K], the operator's [B, T, H, K] layout.
-  struct Branch {
-    const float* proj;
-    const float* conv;
-    uint16_t* out;
-  };
-  const Branch branches[3] = {Branch{w.q_proj, w.q_conv, b.q}, Branch{w.k_proj, w.k_conv, b.k},
-                              Branch{w.v_proj, w.v_conv, b.v}};
-  for (int i = 0; i < 3; ++i) {
-    const Branch& br = branches[i];
-    linear(run, xn, dw.bf16(br.proj), N, d, HK, b.raw, GemmOutType::Bf16);
-    kda_short_conv_silu_forward(b.raw, dw.f32(br.conv), br.out, B, T, HK, dims.Kc, doc_start,
-                                stream);
-    if (carry && dims.Kc > 1) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
-      const int64_t rows = dims.Kc - 1, kept = std::min<int64_t>(rows, T);
-      const size_t row_bytes = size_t(HK) * sizeof(uint16_t);
-      if (kept < rows) fill_zero(carry->tail[i], size_t(rows - kept) * row_bytes);
-      copy_device_to_device(carry->tail[i] + (rows - kept) * HK, b.raw + (T - kept) * HK,
-                            size_t(kept) * row_bytes);
-    }
-  }
-
-  // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
-  linear(run, xn, dw.bf16(w.f_a), N, d, K, b.low, GemmOutType::Bf16);
-  linear(run, b.low, dw.bf16(w.f_b), N, K, HK, b.raw, GemmOutType::Bf16);
-  kda_gate_forward(b.raw, dw.f32(w.A_log), dw.f32(w.dt_bias), b.g, N, H, K,
-                   c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
-  // β's logits stay fp32 (N·H values) so the sigmoid rounds once, into the bf16 operator input.
-  linear(run, xn, dw.bf16(w.b_proj), N, d, H, b.beta_logits, GemmOutType::F32);
-  kda_beta_sigmoid_forward(b.beta_logits, b.beta, N * H, stream);
-
-  const float scale = 1.0f / std::sqrt(float(K));
-  kda_chunk_forward(b.q, b.k, b.v, b.g, b.beta, /*s0=*/nullptr, b.o,
-                    /*sT=*/carry ? carry->state : nullptr, shape, scale, b.operator_workspace,
-                    doc_start, stream);
-
-  // Output gate (full-rank or low-rank) into `raw`, per-head RMSNorm ⊙ sigmoid(gate) in place in
-  // o (rows = N·H heads of K), then W_o into the fp32 output.
-  uint16_t* out_gate = b.raw;
-  if (c.kda.full_rank_output_gate) {
-    linear(run, xn, dw.bf16(w.g_full), N, d, HK, out_gate, GemmOutType::Bf16);
-  } else {
-    linear(run, xn, dw.bf16(w.g_a), N, d, K, b.low, GemmOutType::Bf16);
-    linear(run, b.low, dw.bf16(w.g_b), N, K, HK, out_gate, GemmOutType::Bf16);
-  }
-  kda_rmsnorm_gated_forward(b.o, dw.f32(w.o_norm), out_gate, b.o, N * H, K, c.rms_eps, stream);
-  linear(run, b.o, dw.bf16(w.o_proj), N, HK, d, y, GemmOutType::F32);
+  kda_gpu::ScratchPlan plan{&run.scratch};
+  const kda_gpu::ForwardViews v =
+      forward_carve(plan, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
+  kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, carry, v);
+  linear(run, v.normed, dw.bf16(w.o_proj), dims.N, dims.HK, dims.d, y, GemmOutType::F32);
 }
 
 }  // namespace dm::cuda

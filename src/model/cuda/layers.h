@@ -55,4 +55,37 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
                            const uint16_t* xn, float* y, int64_t N,
                            MoeRoutingDevice* routing = nullptr);
 
+// ---- Backward (training) ----------------------------------------------------------------------
+// Each sub-layer backward RECOMPUTES its forward internals from xn (the model keeps only each
+// layer's input between its forward and backward, like the CPU's per-layer recompute), then
+// back-propagates, the twins of model/{kda,mla,moe}.h *_backward:
+//   xn    [N, d] bf16 (device): the same rows the forward took (and the same doc_start).
+//   dy    [N, d] fp32 (device): ∂L/∂y.
+//   dxn   [N, d] fp32 (device): WRITTEN with ∂L/∂xn.
+//   grads ACCUMULATED (+=), fp32, into every trainable parameter of the layer at grads.at(w.<p>)
+//         (the MoE routing bias gets nothing: QB sets it).
+// Scratch from run.scratch inside a DeviceArenaScope; *_backward_gpu_bytes is the most one call
+// takes. GEMM operands are bf16 (dy is rounded once for them), accumulation and the gradients
+// of element-wise parameters fp32. The MoE backward synchronises the stream once (its dispatch
+// plan), the others never.
+size_t kda_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
+                            const KdaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
+                            int64_t B, int64_t T, const int32_t* doc_start = nullptr);
+
+size_t mla_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
+                            const MlaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
+                            int64_t B, int64_t T, const int32_t* doc_start = nullptr);
+
+size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N);
+void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
+                            const FfnWeights& w, const uint16_t* xn, const float* dy, float* dxn,
+                            int64_t N);
+
+size_t moe_layer_backward_gpu_bytes(const ModelConfig& c, int64_t N);
+void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
+                            const MoeWeights& w, const uint16_t* xn, const float* dy, float* dxn,
+                            int64_t N);
+
 }  // namespace dm::cuda

@@ -46,6 +46,19 @@ void copy_device_to_device(void* dst, const void* src, size_t bytes) {
   DM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
 }
 void fill_zero(void* dst, size_t bytes) { DM_CUDA_CHECK(cudaMemset(dst, 0, bytes)); }
+void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream) {
+  DM_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));
+}
+void copy_device_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
+  DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+}
+void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
+  DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+}
+void copy_to_host_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
+  DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
+}
+void stream_synchronize(CUstream_st* stream) { DM_CUDA_CHECK(cudaStreamSynchronize(stream)); }
 
 uint16_t float_to_bf16(float x) {
   uint32_t u;

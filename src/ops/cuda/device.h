@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+struct CUstream_st;  // cudaStream_t without the CUDA headers
+
 namespace dm::cuda {
 
 // True when a CUDA driver and at least one GPU answer (false on CI machines without a GPU;
@@ -25,6 +27,12 @@ void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void copy_device_to_device(void* dst, const void* src, size_t bytes);
 void fill_zero(void* dst, size_t bytes);
+// Stream-ordered twins (stream = cudaStream_t, nullptr = default stream); nothing waits.
+void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream);
+void copy_device_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
+void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
+void copy_to_host_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
+void stream_synchronize(CUstream_st* stream);
 
 // bf16 <-> fp32 on the host (round to nearest even), for uploading weights and checking results.
 uint16_t float_to_bf16(float x);

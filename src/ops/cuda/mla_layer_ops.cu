@@ -1,4 +1,4 @@
-// Kernels of the gated MLA layer forward (see mla_layer_ops.h for shapes and formulas).
+// Kernels of the gated MLA layer, forward and backward (shapes and formulas: mla_layer_ops.h).
 //
 // All memory-bound: one thread per output element (or rotary pair) with consecutive threads on
 // consecutive elements, so loads and stores coalesce; the latent RMSNorm is one block per row.
@@ -58,17 +58,18 @@ __global__ void rmsnorm_rows_kernel(const float* x, int64_t ldx, const float* w,
     store_from_float(y_row, i, x_row[i] * inverse_rms * w[i]);
 }
 
-// q [N, H, dq] in place: one thread per (token, head, pair).
+// q [N, H, dq] in place: one thread per (token, head, pair). sin_sign = −1 rotates by −angle
+// (the backward: the transpose of the forward rotation, amplitude included).
 __global__ void rope_queries_kernel(uint16_t* q, int64_t N, int64_t T, int64_t H, int64_t dq,
                                     int64_t nope, int64_t half, const float* cos,
-                                    const float* sin, const int32_t* doc_start) {
+                                    const float* sin, const int32_t* doc_start, float sin_sign) {
   const int64_t total = N * H * half;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = idx % half, row = idx / half;  // row = n·H + h
     const int64_t n = row / H;
     const int64_t table = token_position(n, T, doc_start) * half + i;
-    const float c = cos[table], s = sin[table];
+    const float c = cos[table], s = sin_sign * sin[table];
     uint16_t* pair = q + row * dq + nope + 2 * i;
     const float x0 = load_as_float(pair, 0), x1 = load_as_float(pair, 1);
     store_from_float(pair, 0, x0 * c - x1 * s);
@@ -120,6 +121,91 @@ __global__ void gate_multiply_kernel(uint16_t* o, const uint16_t* g, int64_t n) 
     store_from_float(o, idx, load_as_float(o, idx) * sigmoid_f32(load_as_float(g, idx)));
 }
 
+// ---- Backward kernels ----------------------------------------------------------------------
+
+__global__ void gate_multiply_into_kernel(const uint16_t* o, const uint16_t* g, uint16_t* out,
+                                          int64_t n) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * blockDim.x)
+    store_from_float(out, idx, load_as_float(o, idx) * sigmoid_f32(load_as_float(g, idx)));
+}
+
+// o_gated = o·σ(g): ∂/∂g = o·σ(1−σ), ∂/∂o = σ (the CPU's d_gate_preactivation and d_out ⊙ σ).
+__global__ void gate_backward_kernel(const float* d_out, const uint16_t* o, const uint16_t* g,
+                                     uint16_t* dg, uint16_t* d_o, int64_t n) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const float s = sigmoid_f32(load_as_float(g, idx));
+    const float up = d_out[idx];
+    store_from_float(dg, idx, up * load_as_float(o, idx) * s * (1.0f - s));
+    store_from_float(d_o, idx, up * s);
+  }
+}
+
+// d_kv [N, H, nope + dv] (index space [0, N·H·(nope+dv))) then the rope-key columns of d_kv_a
+// (index space N·rope after it): one thread per output element. A rope-key thread sums its
+// column over the H heads (and, with RoPE, its pair partner's column, which the transposed
+// rotation mixes in); the partner's sum is recomputed rather than shared (H·2 small reads).
+__global__ void split_kv_grad_kernel(const uint16_t* dk, const uint16_t* dv, int64_t N, int64_t T,
+                                     int64_t H, int64_t nope, int64_t rope, int64_t dv_dim,
+                                     int64_t kvl, const float* cos, const float* sin,
+                                     const int32_t* doc_start, uint16_t* d_kv, uint16_t* d_kv_a) {
+  const int64_t dq = nope + rope, kv_width = nope + dv_dim;
+  const int64_t kv_total = N * H * kv_width, total = kv_total + N * rope;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    if (idx < kv_total) {
+      const int64_t j = idx % kv_width, row = idx / kv_width;  // row = n·H + h
+      d_kv[idx] = j < nope ? dk[row * dq + j] : dv[row * dv_dim + (j - nope)];
+      continue;
+    }
+    const int64_t e = idx - kv_total;
+    const int64_t n = e / rope, r = e % rope;
+    const uint16_t* dk_token = dk + n * H * dq + nope;  // head h's rope slice at + h·dq
+    float value;
+    if (cos) {
+      const int64_t half = rope / 2, p = r / 2;
+      float sum0 = 0.0f, sum1 = 0.0f;  // Σ_h of the pair (2p, 2p+1), head order like the CPU
+      for (int64_t h = 0; h < H; ++h) {
+        sum0 += load_as_float(dk_token, h * dq + 2 * p);
+        sum1 += load_as_float(dk_token, h * dq + 2 * p + 1);
+      }
+      const int64_t table = token_position(n, T, doc_start) * half + p;
+      const float c = cos[table], s = sin[table];
+      // Forward: y0 = x0·c − x1·s, y1 = x1·c + x0·s;  transpose: dx0 = dy0·c + dy1·s,
+      // dx1 = dy1·c − dy0·s.
+      value = (r % 2 == 0) ? sum0 * c + sum1 * s : sum1 * c - sum0 * s;
+    } else {
+      float sum = 0.0f;
+      for (int64_t h = 0; h < H; ++h) sum += load_as_float(dk_token, h * dq + r);
+      value = sum;
+    }
+    store_from_float(d_kv_a, n * (kvl + rope) + kvl + r, value);
+  }
+}
+
+// One thread per element of y [N, D].
+template <typename Out>
+__global__ void copy_rows_kernel(const float* x, int64_t ldx, Out* y, int64_t ldy, int64_t N,
+                                 int64_t D) {
+  const int64_t total = N * D;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = idx / D, j = idx % D;
+    store_from_float(y, n * ldy + j, x[n * ldx + j]);
+  }
+}
+
+template <typename Out>
+void copy_rows_launch(const float* x, int64_t ldx, Out* y, int64_t ldy, int64_t N, int64_t D,
+                      CUstream_st* stream) {
+  DM_CHECK(N >= 0 && D >= 0 && ldx >= D && ldy >= D, "mla_copy_rows: bad shape N=", N, " D=", D,
+           " ldx=", ldx, " ldy=", ldy);
+  if (N * D == 0) return;
+  copy_rows_kernel<Out><<<grid_for(N * D), kThreads, 0, stream>>>(x, ldx, y, ldy, N, D);
+  check_last_error("mla_copy_rows");
+}
+
 }  // namespace
 
 void mla_rope_tables_device(const MlaRopeFrequencies& f, int64_t T, float* cos, float* sin,
@@ -147,8 +233,8 @@ void mla_rope_queries(uint16_t* q, int64_t B, int64_t T, int64_t H, int64_t nope
            " must be even and positive, with tables");
   const int64_t N = B * T, total = N * H * (rope / 2);
   if (total == 0) return;
-  rope_queries_kernel<<<grid_for(total), kThreads, 0, stream>>>(q, N, T, H, nope + rope, nope,
-                                                                rope / 2, cos, sin, doc_start);
+  rope_queries_kernel<<<grid_for(total), kThreads, 0, stream>>>(
+      q, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, 1.0f);
   check_last_error("mla_rope_queries");
 }
 
@@ -169,6 +255,56 @@ void mla_gate_multiply(uint16_t* o, const uint16_t* g, int64_t n, CUstream_st* s
   if (n <= 0) return;
   gate_multiply_kernel<<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
   check_last_error("mla_gate_multiply");
+}
+
+void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out, int64_t n,
+                            CUstream_st* stream) {
+  if (n <= 0) return;
+  gate_multiply_into_kernel<<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
+  check_last_error("mla_gate_multiply_into");
+}
+
+void mla_gate_backward(const float* d_out, const uint16_t* o, const uint16_t* g, uint16_t* dg,
+                       uint16_t* d_o, int64_t n, CUstream_st* stream) {
+  if (n <= 0) return;
+  gate_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
+  check_last_error("mla_gate_backward");
+}
+
+void mla_rope_queries_backward(uint16_t* dq, int64_t B, int64_t T, int64_t H, int64_t nope,
+                               int64_t rope, const float* cos, const float* sin,
+                               const int32_t* doc_start, CUstream_st* stream) {
+  DM_CHECK(rope > 0 && rope % 2 == 0 && cos && sin, "mla_rope_queries_backward: rotary dim ",
+           rope, " must be even and positive, with tables");
+  const int64_t N = B * T, total = N * H * (rope / 2);
+  if (total == 0) return;
+  rope_queries_kernel<<<grid_for(total), kThreads, 0, stream>>>(
+      dq, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, -1.0f);
+  check_last_error("mla_rope_queries_backward");
+}
+
+void mla_split_kv_grad(const uint16_t* dk, const uint16_t* dv, int64_t B, int64_t T, int64_t H,
+                       int64_t nope, int64_t rope, int64_t dv_dim, int64_t kvl, const float* cos,
+                       const float* sin, const int32_t* doc_start, uint16_t* d_kv,
+                       uint16_t* d_kv_a, CUstream_st* stream) {
+  DM_CHECK(nope >= 0 && rope >= 0 && dv_dim > 0 && kvl > 0 && H > 0 &&
+               (!cos || (sin && rope % 2 == 0)),
+           "mla_split_kv_grad: bad dims H=", H, " nope=", nope, " rope=", rope, " dv=", dv_dim,
+           " kvl=", kvl);
+  const int64_t N = B * T, total = N * H * (nope + dv_dim) + N * rope;
+  if (total == 0) return;
+  split_kv_grad_kernel<<<grid_for(total), kThreads, 0, stream>>>(
+      dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
+  check_last_error("mla_split_kv_grad");
+}
+
+void mla_copy_rows(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t N, int64_t D,
+                   CUstream_st* stream) {
+  copy_rows_launch(x, ldx, y, ldy, N, D, stream);
+}
+void mla_copy_rows(const float* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t N, int64_t D,
+                   CUstream_st* stream) {
+  copy_rows_launch(x, ldx, y, ldy, N, D, stream);
 }
 
 }  // namespace dm::cuda

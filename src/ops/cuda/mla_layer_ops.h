@@ -1,6 +1,7 @@
-// Element/row kernels of the gated MLA layer forward on the GPU (model/cuda/mla_gpu.cpp, the twin
-// of model/mla.cpp): the latent RMSNorms, the RoPE tables and rotation, the assembly of the
-// expanded keys/values and the output gate. Plain C++17 header (no CUDA includes) for nvcc and
+// Element/row kernels of the gated MLA layer on the GPU (model/cuda/mla_gpu.cpp forward,
+// mla_gpu_backward.cpp backward; the twins of model/mla.cpp): the latent RMSNorms, the RoPE tables
+// and rotation, the assembly of the expanded keys/values and the output gate, and their
+// backward counterparts. Plain C++17 header (no CUDA includes) for nvcc and
 // the host compiler alike; kernels in mla_layer_ops.cu.
 //
 // Every pointer is a DEVICE pointer; bf16 tensors are their uint16_t bit patterns. Shapes use
@@ -53,5 +54,44 @@ void mla_assemble_kv(const uint16_t* kv, const float* kv_a, int64_t B, int64_t T
 
 // Output gate, in place: o[i] = o[i] · sigmoid(g[i]) for i < n (o, g bf16; fp32 math).
 void mla_gate_multiply(uint16_t* o, const uint16_t* g, int64_t n, CUstream_st* stream = nullptr);
+
+// ---- Backward ----------------------------------------------------------------------------------
+
+// Out of place: out[i] = bf16(o[i] · sigmoid(g[i])) (the training recompute keeps o ungated for
+// the attention backward). o, g, out bf16 [n]; out must not alias o or g.
+void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out, int64_t n,
+                            CUstream_st* stream = nullptr);
+
+// Backward of o_gated = o ⊙ σ(g) given d_out = ∂L/∂o_gated (fp32), WRITTEN, fp32 math:
+//   dg[i] = bf16(d_out[i] · o[i] · σ(g[i]) · (1 − σ(g[i])))   (∂L/∂g, the W_gate GEMM operand)
+//   d_o[i] = bf16(d_out[i] · σ(g[i]))                           (∂L/∂o, the attention's dout)
+// d_out fp32 [n]; o, g, dg, d_o bf16 [n]; dg and d_o must not alias the inputs or each other.
+void mla_gate_backward(const float* d_out, const uint16_t* o, const uint16_t* g, uint16_t* dg,
+                       uint16_t* d_o, int64_t n, CUstream_st* stream = nullptr);
+
+// Transpose of mla_rope_queries, in place on dq [N, H, dq] bf16: the slice [nope, nope + rope)
+// of every row is rotated by −angle with the same tables (the tables carry the YaRN amplitude,
+// so this is the exact transpose of the forward map, as ops/cpu rope_apply_interleaved_inverse).
+void mla_rope_queries_backward(uint16_t* dq, int64_t B, int64_t T, int64_t H, int64_t nope,
+                               int64_t rope, const float* cos, const float* sin,
+                               const int32_t* doc_start, CUstream_st* stream = nullptr);
+
+// Transpose of mla_assemble_kv given dk [N, H, dq] and dv [N, H, dv] (bf16):
+//   d_kv[n, h, :]      = [dk[n, h, 0:nope] | dv[n, h, :]]      [N, H, nope + dv] bf16 (WRITTEN)
+//   d_kv_a[n, kvl + r] = (Rᵀ(pos_n) · Σ_h dk[n, h, nope:])_r    r < rope, bf16 (WRITTEN)
+// The shared rope key kr is read by every head, so its gradient is the sum over heads (fp32, in
+// head order, like the CPU), rotated back when cos != nullptr (RoPE on). d_kv_a has leading dim
+// kvl + rope; its first kvl columns are NOT touched (the latent RMSNorm backward fills them).
+void mla_split_kv_grad(const uint16_t* dk, const uint16_t* dv, int64_t B, int64_t T, int64_t H,
+                       int64_t nope, int64_t rope, int64_t dv_dim, int64_t kvl, const float* cos,
+                       const float* sin, const int32_t* doc_start, uint16_t* d_kv,
+                       uint16_t* d_kv_a, CUstream_st* stream = nullptr);
+
+// Strided row copy: y[n, 0:D] = x[n, 0:D] for n < N, x fp32 with leading dim ldx ≥ D, y fp32 or
+// bf16 (rounded to nearest even) with leading dim ldy ≥ D. Must not alias.
+void mla_copy_rows(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t N, int64_t D,
+                   CUstream_st* stream = nullptr);
+void mla_copy_rows(const float* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t N, int64_t D,
+                   CUstream_st* stream = nullptr);
 
 }  // namespace dm::cuda

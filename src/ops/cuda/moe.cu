@@ -378,7 +378,7 @@ __global__ void expert_pointer_kernel(const int64_t* offsets, const ExpertGemmBu
       C1[g] = b.gate_out + begin * F;
       C1[G + g] = b.up_out + begin * F;
       A2[g] = b.down_w + int64_t(e) * Din * F;
-      B2[g] = b.gate_out + begin * F;
+      B2[g] = (b.down_in ? b.down_in : b.gate_out) + begin * F;
       C2[g] = b.expert_out + begin * Din;
     }
     carry += total;

@@ -61,6 +61,9 @@ struct ExpertGemmBuffers {
   const void** pointer_arrays;  // device, 9·E entries (cuBLAS grouped A/B/C arrays)
   int E;
   int64_t Din, F;
+  // Input [R, F] of the down projection; nullptr = gate_out (the forward's GLU runs in place).
+  // The backward's recompute keeps g intact for the GLU backward and writes h elsewhere.
+  const uint16_t* down_in = nullptr;
 };
 size_t expert_pointer_array_bytes(int E);
 // Phase 0: gate and up projections; phase 1: down projection. cublas_handle: cublasHandle_t;
@@ -69,6 +72,28 @@ size_t expert_grouped_host_bytes(int E);
 void run_expert_gemms_grouped(void* cublas_handle, const ExpertGemmBuffers& b,
                               const int64_t* host_offsets, const int64_t* device_offsets,
                               int phase, void* host_scratch, CUstream_st* stream);
+
+// ---- Backward (moe_backward.cu; checked entry points in moe_backward.cpp) ----------------------
+// dlogits[t, :] = 0 except dlogits[t, idx[t,i]] = c·(dw_i − Σ_j dw_j·s_j/(S+ε))·s_i(1 − s_i) with
+// S = Σ_j s_idx[t,j], c = scaling/(S+ε) (renormalize) else c = scaling and no correction term
+// (WRITTEN, [N, E] fp32). One warp per token.
+void launch_route_backward(const float* scores, const int32_t* idx, const float* dweights,
+                           int64_t N, int E, int k, bool renormalize, float scaling,
+                           float* dlogits, CUstream_st* stream);
+// dweights[t·k + s] = Σ_c dy[t, c]·out[row_of_pair[t·k + s], c]  (WRITTEN; fp32 dy [N, D],
+// bf16 out [N·k, D]). One warp per (token, slot), fixed summation order.
+void launch_expert_weight_grads(const float* dy, const uint16_t* out, const int32_t* row_of_pair,
+                                int64_t N, int k, int64_t D, float* dweights,
+                                CUstream_st* stream);
+// dout[r, :] = bf16(w[token[r]·k + slot[r]]·dy[token[r], :])  (fp32 dy [N, D], bf16 dout
+// [rows, D], D % 4 == 0).
+void launch_scale_permute_rows(const float* dy, const int32_t* token, const int32_t* slot,
+                               const float* w, int64_t rows, int k, int64_t D, uint16_t* dout,
+                               CUstream_st* stream);
+// dx[t, :] (+)= Σ_s sorted[row_of_pair[t·k + s], :] in slot order (fp32 both, D % 4 == 0);
+// accumulate = false writes.
+void launch_unpermute_sum_rows(const float* sorted, const int32_t* row_of_pair, int64_t N, int k,
+                               int64_t D, float* dx, bool accumulate, CUstream_st* stream);
 
 // Stream-ordered helpers: async copy device → host of each (dst, src, bytes) pair, then one
 // stream synchronisation; async memset.

@@ -4,6 +4,7 @@
 // (no CUDA headers); kernels in residual_ops.cu. Every pointer is a DEVICE pointer; the residual
 // stream is fp32 [N, D], bf16 tensors are their uint16_t bit patterns.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 struct CUstream_st;
@@ -32,5 +33,49 @@ void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream = 
 inline constexpr int kAttnResCudaMaxSources = 64;
 void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
                      float* out, int64_t N, int64_t D, float eps, CUstream_st* stream = nullptr);
+
+// ---- Training (backward) side of the residual stream and the global gradient norm ----------
+// Every backward ACCUMULATES into its gradients (docs/backward.md); nothing here synchronises
+// or allocates: scratch comes in through `workspace` (device memory, ≥ the matching
+// *_workspace_bytes, 256-byte aligned as DeviceArena hands it out).
+
+// Backward of attnres_forward (twin of ops/cpu/attnres.h attnres_backward): recomputes the
+// softmax per row, then
+//   dsrc[j][n, :] += a_j·dout[n] + c_j·γ⊙w − c3_j·V_j     (c_j = dlogit_j·r_j, c3_j = dlogit_j·s_j·r_j³/D)
+//   dquery += G⊙γ,  dnorm_w += G⊙w,   G[d] = Σ_n Σ_j c_nj V_njd.
+// src / dsrc: S device pointers in HOST arrays (dsrc[j] == nullptr skips source j); dsrc must
+// not alias any src[k] or dout. dquery / dnorm_w [D] may each be nullptr. Row statistics and
+// the softmax are recomputed in fp64 (as the CPU). G is reduced deterministically: each of
+// min(N, 512) blocks owns a fixed set of rows and an fp64 partial [D] in the workspace, then a
+// second kernel sums the partials in block order (no atomics: bit-identical run to run).
+size_t attnres_backward_workspace_bytes(int64_t N, int64_t D, int S);
+void attnres_backward(const float* const* src, int S, const float* query, const float* norm_w,
+                      const float* dout, float* const* dsrc, float* dquery, float* dnorm_w,
+                      int64_t N, int64_t D, float eps, void* workspace,
+                      CUstream_st* stream = nullptr);
+
+// Backward of embedding_gather into the fp32 table gradient: dtable[tokens[n], :] += dp[n, :]
+// (dtable [V, D], dp [N, D]). Deterministic: the (token, n) pairs are radix-sorted by token
+// (stable, so equal tokens keep n order), then one block per distinct token sums its rows in
+// that order in fp64 and adds once. Ids outside [0, V) are skipped (the forward checked them on
+// the host). N < 2^31, V < 2^31.
+size_t embedding_backward_workspace_bytes(int64_t N, int64_t V);
+void embedding_backward(const int64_t* tokens, const float* dp, int64_t N, int64_t D, int64_t V,
+                        float* dtable, void* workspace, CUstream_st* stream = nullptr);
+// Atomic variant (no V, no workspace): fp32 atomicAdd per element, so the order in which
+// repeated ids add up — hence the low bits of dtable — may change from run to run. Ids are
+// trusted (no range check). Prefer the deterministic overload above.
+void embedding_backward(const int64_t* tokens, const float* dp, int64_t N, int64_t D,
+                        float* dtable, CUstream_st* stream = nullptr);
+
+// *result_device = Σ_i x[i]² (fp32 inputs, fp64 sums; OVERWRITES the result, does not add).
+// Deterministic two-stage reduction: a fixed number of blocks (a function of n only) write fp64
+// partials to the workspace, one block sums them in a fixed tree order. n = 0 gives 0.
+size_t sum_squares_workspace_bytes(int64_t n);
+void sum_squares(const float* x, int64_t n, double* result_device, void* workspace,
+                 CUstream_st* stream = nullptr);
+
+// x[i] *= s (gradient clipping by the global norm).
+void scale_inplace(float* x, int64_t n, float s, CUstream_st* stream = nullptr);
 
 }  // namespace dm::cuda

@@ -1,0 +1,183 @@
+// KDA token mixer on the GPU, backward (training): the twin of model/kda.cpp kda_layer_backward
+// with the chunked operator. The forward is recomputed from xn (kda_gpu::forward_steps, every
+// intermediate kept), then each step is back-propagated in the reverse order of the forward:
+//   y = o_proj·normed                 → d normed [N, H·K] fp32, d o_proj
+//   normed = RMSNorm(o)·o_norm ⊙ σ(G)  → d o (bf16: the operator takes it in its input type),
+//                                        d out_gate (bf16, a GEMM operand), d o_norm
+//   G = g_full x | g_b g_a x           → dxn (WRITTEN here), d g_full | d g_b, d g_a
+//   o = KDA(q, k, v, g, β)             → dq, dk, dv, dg [N, H·K], dβ [N, H] fp32
+//   β = σ(b_proj x)                    → dxn +=, d b_proj
+//   g = gate(f_b f_a x)                → dxn +=, d f_b, d f_a, d A_log, d dt_bias
+//   q, k, v = SiLU(conv(W x))          → dxn +=, d W_{q,k,v}, d conv weights
+// GEMM operands are bf16 (dy rounded once); gradients feeding element-wise math stay fp32.
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "model/cuda/kda_gpu_internal.h"
+#include "model/cuda/layers.h"
+#include "ops/cuda/kda.h"
+#include "ops/cuda/kda_layer_backward_ops.h"
+#include "ops/cuda/moe_layer_ops.h"  // convert_f32_to_bf16
+
+namespace dm::cuda {
+namespace {
+
+// The backward's temporaries beyond the recomputed forward. Buffers share memory where one
+// stream orders a dead use before the next write:
+//   d_o reuses `normed` (read last by the o_proj weight GEMM, before the norm backward);
+//   dg reuses d_normed (read last by the norm backward; zeroed after it);
+//   d_proj [N, H·K] bf16 holds d out_gate, then df (gate), then each branch's d raw in turn;
+//   d_low [N, K] bf16 holds d(g_a x), then d(f_a x);
+//   partial holds the row partial sums of one parameter gradient at a time.
+struct BackwardBuffers {
+  kda_gpu::ForwardViews fwd;
+  uint16_t* dy;         // [N, d] bf16
+  float* d_normed_then_dg;  // [N, H·K] fp32
+  uint16_t* d_o;        // [N, H·K] bf16 (= fwd.normed)
+  uint16_t* d_proj;     // [N, H·K] bf16
+  float *dq, *dk, *dv;  // [N, H·K] fp32 operator gradients, then (in place) d pre-activation
+  float* dbeta;         // [N, H] fp32
+  uint16_t* dz_beta;    // [N, H] bf16 d logits
+  uint16_t* d_low;      // [N, K] bf16
+  float* partial;       // fp32 row partials (the largest of the three ops' needs)
+};
+
+BackwardBuffers backward_carve(kda_gpu::ScratchPlan& plan, const ModelConfig& c,
+                               const kda_gpu::Dims& dims, const KdaShape& shape) {
+  const int64_t N = dims.N, HK = dims.HK, H = dims.H, K = dims.K;
+  BackwardBuffers b{};
+  kda_gpu::ForwardViews& f = b.fwd;
+  for (uint16_t** p : {&f.q_raw, &f.k_raw, &f.v_raw, &f.q, &f.k, &f.v, &f.gate_raw, &f.g, &f.o,
+                       &f.out_gate, &f.normed})
+    *p = plan.take<uint16_t>(N * HK);
+  f.gate_low = plan.take<uint16_t>(N * K);
+  f.out_gate_low = c.kda.full_rank_output_gate ? nullptr : plan.take<uint16_t>(N * K);
+  f.beta_logits = plan.take<float>(N * H);
+  f.beta = plan.take<uint16_t>(N * H);
+  // One workspace for the recomputed forward and the operator backward: the backward's carve
+  // starts with the forward's (kda_chunk_backward.cu), and the max covers both either way.
+  f.operator_workspace = plan.take_bytes(
+      std::max(kda_chunk_forward_workspace_bytes(shape), kda_chunk_backward_workspace_bytes(shape)));
+
+  b.dy = plan.take<uint16_t>(N * dims.d);
+  b.d_normed_then_dg = plan.take<float>(N * HK);
+  b.d_o = f.normed;
+  b.d_proj = plan.take<uint16_t>(N * HK);
+  b.dq = plan.take<float>(N * HK);
+  b.dk = plan.take<float>(N * HK);
+  b.dv = plan.take<float>(N * HK);
+  b.dbeta = plan.take<float>(N * H);
+  b.dz_beta = plan.take<uint16_t>(N * H);
+  b.d_low = plan.take<uint16_t>(N * K);
+  const size_t partial_floats =
+      std::max({kda_rmsnorm_gated_backward_partial_floats(N * H, K),
+                kda_gate_backward_partial_floats(N, H, K),
+                kda_short_conv_silu_backward_partial_floats(N, HK, dims.Kc)});
+  b.partial = plan.take<float>(int64_t(partial_floats));
+  return b;
+}
+
+void backward_check(const ModelConfig& c, int64_t B, int64_t T) {
+  kda_gpu::check(c, B, T, "kda_layer_backward_gpu");
+  DM_CHECK(c.kda.head_dim <= kKdaNormBackwardMaxD, "kda_layer_backward_gpu: head_dim ",
+           c.kda.head_dim, " > ", kKdaNormBackwardMaxD, " (the gated-norm backward's limit)");
+}
+
+}  // namespace
+
+size_t kda_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+  backward_check(c, B, T);
+  const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
+  kda_gpu::ScratchPlan counter;
+  backward_carve(counter, c, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
+  return counter.bytes;
+}
+
+void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
+                            const KdaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
+                            int64_t B, int64_t T, const int32_t* doc_start) {
+  const ModelConfig& c = dw.config();
+  backward_check(c, B, T);
+  const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
+  const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
+  if (N == 0) return;
+  const KdaShape shape{B, T, H, K, K};
+  DeviceArenaScope scope(run.scratch);
+  kda_gpu::ScratchPlan plan{&run.scratch};
+  const BackwardBuffers b = backward_carve(plan, c, dims, shape);
+  const kda_gpu::ForwardViews& f = b.fwd;
+  CUstream_st* stream = run.stream;
+
+  // Recompute the forward up to o_proj's input.
+  kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, /*carry=*/nullptr, f);
+
+  // y = normed · o_projᵀ: d normed [N, H·K] fp32 (it feeds the norm's element-wise backward).
+  convert_f32_to_bf16(dy, b.dy, N * d, stream);
+  linear_backward(run, f.normed, dw.bf16(w.o_proj), b.dy, N, HK, d, b.d_normed_then_dg,
+                  GemmOutType::F32, 0.0f, grads.at(w.o_proj));
+
+  // normed = RMSNorm(o)·o_norm ⊙ σ(out_gate), rows = N·H heads of K. d_o overwrites `normed`,
+  // whose last reader (the d o_proj GEMM) is already queued.
+  uint16_t* d_out_gate = b.d_proj;
+  kda_rmsnorm_gated_backward(f.o, dw.f32(w.o_norm), f.out_gate, b.d_normed_then_dg, b.d_o,
+                             d_out_gate, grads.at(w.o_norm), b.partial, N * H, K, c.rms_eps,
+                             stream);
+
+  // Output gate G x: the first contribution to dxn WRITES it (dx_beta = 0).
+  if (c.kda.full_rank_output_gate) {
+    linear_backward(run, xn, dw.bf16(w.g_full), d_out_gate, N, d, HK, dxn, GemmOutType::F32,
+                    0.0f, grads.at(w.g_full));
+  } else {
+    linear_backward(run, f.out_gate_low, dw.bf16(w.g_b), d_out_gate, N, K, HK, b.d_low,
+                    GemmOutType::Bf16, 0.0f, grads.at(w.g_b));
+    linear_backward(run, xn, dw.bf16(w.g_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 0.0f,
+                    grads.at(w.g_a));
+  }
+
+  // The operator (zero initial state, final state unused); its gradients accumulate, so zero
+  // them first. dg reuses d_normed, dead since the norm backward.
+  float* dg = b.d_normed_then_dg;
+  const size_t nhk_bytes = size_t(N * HK) * sizeof(float);
+  for (float* p : {b.dq, b.dk, b.dv, dg}) fill_zero_async(p, nhk_bytes, stream);
+  fill_zero_async(b.dbeta, size_t(N * H) * sizeof(float), stream);
+  const float scale = 1.0f / std::sqrt(float(K));  // as the forward
+  kda_chunk_backward(f.q, f.k, f.v, f.g, f.beta, /*s0=*/nullptr, b.d_o, /*dsT=*/nullptr, b.dq,
+                     b.dk, b.dv, dg, b.dbeta, /*ds0=*/nullptr, shape, scale,
+                     f.operator_workspace, doc_start, stream);
+
+  // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits.
+  kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, b.dz_beta, N * H, stream);
+  linear_backward(run, xn, dw.bf16(w.b_proj), b.dz_beta, N, d, H, dxn, GemmOutType::F32, 1.0f,
+                  grads.at(w.b_proj));
+
+  // g = gate(f_b (f_a x)): df [N, H·K] bf16 into d_proj (d out_gate is dead).
+  uint16_t* df = b.d_proj;
+  kda_gate_backward(f.gate_raw, dw.f32(w.A_log), dw.f32(w.dt_bias), dg, df, grads.at(w.A_log),
+                    grads.at(w.dt_bias), b.partial, N, H, K, c.kda.gate == KdaGateKind::Safe,
+                    c.kda.gate_lower_bound, stream);
+  linear_backward(run, f.gate_low, dw.bf16(w.f_b), df, N, K, HK, b.d_low, GemmOutType::Bf16,
+                  0.0f, grads.at(w.f_b));
+  linear_backward(run, xn, dw.bf16(w.f_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 1.0f,
+                  grads.at(w.f_a));
+
+  // q, k, v = SiLU(ShortConv(W x)): each branch's d raw [N, H·K] bf16 into d_proj (the previous
+  // branch's GEMMs, already queued, are its last readers).
+  struct Branch {
+    const uint16_t* raw;
+    const float* conv;
+    const float* proj;
+    float* d_act;
+  };
+  uint16_t* d_raw = b.d_proj;
+  for (const Branch& br : {Branch{f.q_raw, w.q_conv, w.q_proj, b.dq},
+                           Branch{f.k_raw, w.k_conv, w.k_proj, b.dk},
+                           Branch{f.v_raw, w.v_conv, w.v_proj, b.dv}}) {
+    kda_short_conv_silu_backward(br.raw, dw.f32(br.conv), br.d_act, d_raw, grads.at(br.conv),
+                                 b.partial, B, T, HK, dims.Kc, doc_start, stream);
+    linear_backward(run, xn, dw.bf16(br.proj), d_raw, N, d, HK, dxn, GemmOutType::F32, 1.0f,
+                    grads.at(br.proj));
+  }
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,65 @@
+// What the GPU KDA layer's forward (kda_gpu.cpp) and backward (kda_gpu_backward.cpp) share: the
+// dimensions, the scratch plan that both carves and counts, and the forward's steps up to the
+// gated norm (the backward recomputes them with every intermediate kept).
+#pragma once
+#include <cstdint>
+
+#include "model/cuda/layers.h"
+#include "ops/cpu/kda.h"  // KdaShape
+
+namespace dm::cuda::kda_gpu {
+
+struct Dims {
+  int64_t N, d, H, K, HK;
+  int Kc;
+};
+
+inline Dims dims_of(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
+  return {B * T, int64_t(c.hidden), H, K, H * K, c.kda.conv_kernel};
+}
+
+// Shape and config checks shared by forward and backward (`what` names the caller).
+void check(const ModelConfig& c, int64_t B, int64_t T, const char* what);
+
+// Carves from the scratch arena, or (arena == nullptr) only counts: the bytes functions run the
+// same sequence as the layer, so the two cannot disagree. Each view rounds up to the arena's
+// 256-byte alignment; `bytes` starts with 256 of slack for an unaligned arena mark.
+struct ScratchPlan {
+  DeviceArena* arena = nullptr;
+  size_t bytes = 256;
+  void* take_bytes(size_t n) {
+    bytes += (n + 255) / 256 * 256;
+    return arena ? arena->alloc_bytes(n) : nullptr;
+  }
+  template <typename T>
+  T* take(int64_t n) {
+    return static_cast<T*>(take_bytes(size_t(n) * sizeof(T)));
+  }
+};
+
+// Where the forward steps leave their results (bf16 unless noted). The inference forward lets
+// buffers whose lives do not overlap share memory (q_raw = k_raw = v_raw = gate_raw = out_gate,
+// gate_low = out_gate_low, normed = o); the backward gives each its own.
+struct ForwardViews {
+  uint16_t *q_raw, *k_raw, *v_raw;  // [N, H·K] W_{q,k,v} x before the short conv
+  uint16_t *q, *k, *v;              // [N, H·K] SiLU(conv(·)): operator inputs
+  uint16_t* gate_low;               // [N, K]   f_a x
+  uint16_t* gate_raw;               // [N, H·K] f_b f_a x, before the gate nonlinearity
+  uint16_t* g;                      // [N, H·K] log decay
+  float* beta_logits;               // [N, H]   b_proj x (fp32)
+  uint16_t* beta;                   // [N, H]   σ(logits)
+  uint16_t* o;                      // [N, H·K] operator output
+  uint16_t* out_gate_low;           // [N, K]   g_a x (low-rank output gate only)
+  uint16_t* out_gate;               // [N, H·K] output gate before the sigmoid
+  uint16_t* normed;                 // [N, H·K] RMSNorm(o_h)·o_norm ⊙ σ(out_gate): o_proj's input
+  void* operator_workspace;         // ≥ kda_chunk_forward_workspace_bytes
+};
+
+// Every step of the layer forward before o_proj, in the order of model/kda.cpp, into `v`
+// (carry: the decode carry of kda_layer_forward_gpu, nullable). N = B·T > 0.
+void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const uint16_t* xn,
+                   int64_t B, int64_t T, const int32_t* doc_start, const KdaCarryOut* carry,
+                   const ForwardViews& v);
+
+}  // namespace dm::cuda::kda_gpu

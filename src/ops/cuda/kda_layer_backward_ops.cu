@@ -1,0 +1,361 @@
+// CUDA backwards of the KDA layer's per-token pieces (formulas in kda_layer_backward_ops.h; CPU
+// twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp).
+//
+// Layouts of the launches:
+//   element kernels (β, conv d-pre-activation, conv dx): one thread per element, grid-stride;
+//   row-reducing kernels (gate, conv dw): blocks of 32 channels × 8 row lanes over a grid of
+//     channel tiles × R row ranges; consecutive threads on consecutive channels (coalesced), the
+//     8 row lanes summed in shared memory in a fixed order, one partial per (range, channel);
+//   norm: one warp per row (a head of K ≤ 256), 8 warps per block over one row range, each lane
+//     keeping the dw partial sums of its D/32 columns;
+//   reduce: one block per parameter element, summing its R partials (times a group of columns
+//     for dA_log) with the fixed-order block_sum.
+// Row ranges: R = clamp(ceil(rows / 64), 1, 256) of ceil(rows / R) rows each, so the partials
+// stay small (R · columns floats) while every block still has rows to sum.
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/kda_layer_backward_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kLanes = 32;                       // channels of a row-reducing block
+constexpr int kRowLanes = kThreads / kLanes;     // row lanes (or warps) of a block: 8
+constexpr int64_t kRowsPerRange = 64;
+constexpr int64_t kMaxRanges = 256;
+constexpr int kNormChunks = int(kKdaNormBackwardMaxD / 32);  // columns per lane
+
+int grid_blocks(int64_t n) {
+  const int64_t wanted = (n + kThreads - 1) / kThreads;
+  return int(std::max<int64_t>(1, std::min<int64_t>(wanted, 65536)));
+}
+
+// Number of row ranges R of a two-stage reduction over `rows`, and the rows per range.
+int64_t row_ranges(int64_t rows) {
+  return std::clamp<int64_t>((rows + kRowsPerRange - 1) / kRowsPerRange, 1, kMaxRanges);
+}
+int64_t rows_per_range(int64_t rows) {
+  const int64_t R = row_ranges(rows);
+  return std::max<int64_t>(1, (rows + R - 1) / R);
+}
+
+__device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+
+// First position the conv of the token at flat row `bt` reads: its document start (or 0).
+__device__ __forceinline__ int64_t conv_first_readable(const int32_t* doc_start, int64_t bt) {
+  const int64_t start = doc_start ? int64_t(doc_start[bt]) : 0;
+  return start > 0 ? start : 0;
+}
+
+// ---- stage 2 of every parameter gradient ------------------------------------------------------
+// out[m] += Σ_{r<R} Σ_{i<group} partial[r·row_stride + m·group + i]; one block per m (grid = M).
+__global__ void reduce_partials_kernel(const float* __restrict__ partial, int64_t R,
+                                       int64_t row_stride, int64_t group,
+                                       float* __restrict__ out) {
+  __shared__ float shared[32];
+  const int64_t m = blockIdx.x, count = R * group;
+  float acc = 0.0f;
+  for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
+    const int64_t r = e / group, i = e % group;
+    acc += partial[r * row_stride + m * group + i];
+  }
+  acc = block_sum(acc, shared);  // fixed shuffle order: deterministic
+  if (threadIdx.x == 0) out[m] += acc;
+}
+
+void reduce_partials(const float* partial, int64_t R, int64_t row_stride, int64_t group,
+                     float* out, int64_t M, cudaStream_t stream, const char* what) {
+  if (M == 0) return;
+  DM_CHECK(M <= 0x7fffffff, what, ": too many parameter elements ", M);
+  reduce_partials_kernel<<<unsigned(M), kThreads, 0, stream>>>(partial, R, row_stride, group,
+                                                               out);
+  check_last_error(what);
+}
+
+// ---- gated RMSNorm ---------------------------------------------------------------------------
+// Grid: R row ranges; block: 8 warps, warp w taking rows r0 + w, r0 + w + 8, … of its range.
+// partial [R, D]: the range's Σ dy·x·r·σ per column.
+__global__ void __launch_bounds__(kThreads)
+    rmsnorm_gated_backward_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w,
+                                  const uint16_t* __restrict__ gate, const float* __restrict__ dy,
+                                  uint16_t* __restrict__ dx, uint16_t* __restrict__ dgate,
+                                  float* __restrict__ partial, int64_t rows, int64_t D, float eps,
+                                  int64_t range_rows) {
+  __shared__ float block_dw[kRowLanes][kKdaNormBackwardMaxD];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = int64_t(blockIdx.x) * range_rows;
+  const int64_t r1 = r0 + range_rows < rows ? r0 + range_rows : rows;
+  float dw_acc[kNormChunks];
+#pragma unroll
+  for (int m = 0; m < kNormChunks; ++m) dw_acc[m] = 0.0f;
+
+  // The row loop depends on the warp only, so the warp_sum shuffles below stay full-warp.
+  for (int64_t row = r0 + warp; row < r1; row += kRowLanes) {
+    const int64_t offset = row * D;
+    float sum_squares = 0.0f;
+    for (int64_t i = lane; i < D; i += 32) {
+      const float value = load_as_float(x, offset + i);
+      sum_squares += value * value;
+    }
+    sum_squares = warp_sum(sum_squares);
+    const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);  // as the forward
+    float dot = 0.0f;  // Σ dn·n with n = x·r, dn = dy·w·σ
+#pragma unroll
+    for (int m = 0; m < kNormChunks; ++m) {
+      const int64_t i = lane + 32 * m;
+      if (i < D) {
+        const float sig = sigmoid_f32(load_as_float(gate, offset + i));
+        const float normed = load_as_float(x, offset + i) * inverse_rms;
+        const float upstream = dy[offset + i];
+        store_from_float(dgate, offset + i, upstream * normed * w[i] * sig * (1.0f - sig));
+        dot += upstream * w[i] * sig * normed;
+        dw_acc[m] += upstream * normed * sig;
+      }
+    }
+    const float mean_dot = warp_sum(dot) / float(D);
+#pragma unroll
+    for (int m = 0; m < kNormChunks; ++m) {
+      const int64_t i = lane + 32 * m;
+      if (i < D) {
+        const float sig = sigmoid_f32(load_as_float(gate, offset + i));
+        const float normed = load_as_float(x, offset + i) * inverse_rms;
+        const float d_normed = dy[offset + i] * w[i] * sig;
+        store_from_float(dx, offset + i, inverse_rms * (d_normed - normed * mean_dot));
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kNormChunks; ++m) {
+    const int64_t i = lane + 32 * m;
+    if (i < D) block_dw[warp][i] = dw_acc[m];
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int wp = 0; wp < kRowLanes; ++wp) sum += block_dw[wp][i];  // fixed order
+    partial[int64_t(blockIdx.x) * D + i] = sum;
+  }
+}
+
+// ---- decay gate ------------------------------------------------------------------------------
+// Grid: ceil(HK/32) × R; block 32 × 8. partial: [R, HK] Σ dz, then [R, HK] Σ ∂/∂A_log.
+__global__ void __launch_bounds__(kThreads)
+    gate_backward_kernel(const uint16_t* __restrict__ f, const float* __restrict__ A_log,
+                         const float* __restrict__ dt_bias, const float* __restrict__ dg,
+                         uint16_t* __restrict__ df, float* __restrict__ partial, int64_t N,
+                         int64_t HK, int64_t K, bool safe_gate, float lower_bound,
+                         int64_t range_rows) {
+  __shared__ float sum_bias[kRowLanes][kLanes], sum_a_log[kRowLanes][kLanes];
+  const int64_t c = int64_t(blockIdx.x) * kLanes + threadIdx.x;
+  const int64_t R = gridDim.y, r0 = int64_t(blockIdx.y) * range_rows;
+  const int64_t r1 = r0 + range_rows < N ? r0 + range_rows : N;
+  float acc_bias = 0.0f, acc_a_log = 0.0f;
+  if (c < HK) {
+    const float a = expf(A_log[c / K]);
+    const float bias = dt_bias[c];
+    for (int64_t n = r0 + threadIdx.y; n < r1; n += kRowLanes) {
+      const int64_t i = n * HK + c;
+      const float z = load_as_float(f, i) + bias;
+      const float upstream = dg[i];
+      float dz, d_a_log;
+      if (safe_gate) {
+        // g = lb·σ(a·z): ∂g/∂z = lb·σ(1−σ)·a, ∂g/∂A_log = lb·σ(1−σ)·a·z (∂a/∂A_log = a).
+        const float sig = sigmoid_f32(a * z);
+        const float slope = lower_bound * sig * (1.0f - sig);
+        dz = upstream * slope * a;
+        d_a_log = upstream * slope * a * z;
+      } else {
+        // g = −a·softplus(z): ∂g/∂z = −a·σ(z) (−a above the threshold 20), ∂g/∂A_log = g.
+        const float slope = z > 20.0f ? 1.0f : sigmoid_f32(z);
+        dz = -upstream * a * slope;
+        d_a_log = -upstream * a * softplus_f32(z);
+      }
+      store_from_float(df, i, dz);
+      acc_bias += dz;
+      acc_a_log += d_a_log;
+    }
+  }
+  sum_bias[threadIdx.y][threadIdx.x] = acc_bias;
+  sum_a_log[threadIdx.y][threadIdx.x] = acc_a_log;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < HK) {
+    float b = 0.0f, s = 0.0f;
+    for (int y = 0; y < kRowLanes; ++y) {  // fixed order
+      b += sum_bias[y][threadIdx.x];
+      s += sum_a_log[y][threadIdx.x];
+    }
+    partial[int64_t(blockIdx.y) * HK + c] = b;
+    partial[(R + int64_t(blockIdx.y)) * HK + c] = s;
+  }
+}
+
+// ---- β -----------------------------------------------------------------------------------------
+__global__ void beta_sigmoid_backward_kernel(const float* __restrict__ z,
+                                             const float* __restrict__ dbeta,
+                                             uint16_t* __restrict__ dz, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float s = sigmoid_f32(z[i]);
+    store_from_float(dz, i, dbeta[i] * s * (1.0f - s));
+  }
+}
+
+// ---- short conv + SiLU -------------------------------------------------------------------------
+// 1. da = dy · SiLU'(a) in place, a recomputed exactly as the forward kernel forms it (same taps,
+//    same order). x, dy_da [B, T, C]; element i = (b·T + t)·C + c.
+__global__ void conv_silu_preactivation_grad_kernel(const uint16_t* __restrict__ x,
+                                                    const float* __restrict__ w,
+                                                    float* __restrict__ dy_da, int64_t T,
+                                                    int64_t C, int Kc,
+                                                    const int32_t* __restrict__ doc_start,
+                                                    int64_t total) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % C, bt = i / C, t = bt % T;
+    const int64_t row_start = bt - t;
+    const int64_t first = conv_first_readable(doc_start, bt);
+    float a = 0.0f;
+    for (int j = 0; j < Kc; ++j) {
+      const int64_t src = t - (Kc - 1) + j;
+      if (src < first) continue;
+      a += w[c * Kc + j] * load_as_float(x, (row_start + src) * C + c);
+    }
+    const float sig = sigmoid_f32(a);
+    dy_da[i] = dy_da[i] * sig * (1.0f + a * (1.0f - sig));  // SiLU'(a) = σ(1 + a(1−σ))
+  }
+}
+
+// 2. dw partials: grid ceil(C/32) × R × Kc (tap j = blockIdx.z), block 32 × 8. partial
+//    [R, C, Kc]: the range's Σ_t da[t,c]·x[t−Kc+1+j, c] over the positions token t reads.
+__global__ void __launch_bounds__(kThreads)
+    conv_weight_grad_kernel(const uint16_t* __restrict__ x, const float* __restrict__ da,
+                            float* __restrict__ partial, int64_t N, int64_t T, int64_t C, int Kc,
+                            const int32_t* __restrict__ doc_start, int64_t range_rows) {
+  __shared__ float sums[kRowLanes][kLanes];
+  const int64_t c = int64_t(blockIdx.x) * kLanes + threadIdx.x;
+  const int j = int(blockIdx.z);
+  const int64_t r0 = int64_t(blockIdx.y) * range_rows;
+  const int64_t r1 = r0 + range_rows < N ? r0 + range_rows : N;
+  float acc = 0.0f;
+  if (c < C) {
+    for (int64_t n = r0 + threadIdx.y; n < r1; n += kRowLanes) {
+      const int64_t t = n % T, src = t - (Kc - 1) + j;
+      if (src < conv_first_readable(doc_start, n)) continue;
+      acc += da[n * C + c] * load_as_float(x, (n - t + src) * C + c);
+    }
+  }
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float s = 0.0f;
+    for (int y = 0; y < kRowLanes; ++y) s += sums[y][threadIdx.x];  // fixed order
+    partial[(int64_t(blockIdx.y) * C + c) * Kc + j] = s;
+  }
+}
+
+// 3. dx[s,c] = Σ_j w[c,j]·da[t = s+Kc−1−j, c] over the tokens t < T of the row whose conv reads
+//    position s (s ≥ their document start): a gather, so every dx element has one writer.
+__global__ void conv_input_grad_kernel(const float* __restrict__ w, const float* __restrict__ da,
+                                       uint16_t* __restrict__ dx, int64_t T, int64_t C, int Kc,
+                                       const int32_t* __restrict__ doc_start, int64_t total) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % C, bs = i / C, s = bs % T;
+    const int64_t row_start = bs - s;
+    float acc = 0.0f;
+    for (int j = 0; j < Kc; ++j) {
+      const int64_t t = s + (Kc - 1) - j;
+      if (t >= T) continue;
+      const int64_t token = row_start + t;
+      if (s < conv_first_readable(doc_start, token)) continue;
+      acc += w[c * Kc + j] * da[token * C + c];
+    }
+    store_from_float(dx, i, acc);
+  }
+}
+
+}  // namespace
+
+size_t kda_rmsnorm_gated_backward_partial_floats(int64_t rows, int64_t D) {
+  return size_t(row_ranges(rows) * D);
+}
+
+void kda_rmsnorm_gated_backward(const uint16_t* x, const float* w, const uint16_t* gate,
+                                const float* dy, uint16_t* dx, uint16_t* dgate, float* dw,
+                                float* partial, int64_t rows, int64_t D, float eps,
+                                CUstream_st* stream) {
+  DM_CHECK(rows >= 0 && D > 0 && D <= kKdaNormBackwardMaxD,
+           "cuda kda_rmsnorm_gated_backward: bad shape rows=", rows, " D=", D, " (D ≤ ",
+           kKdaNormBackwardMaxD, ")");
+  if (rows == 0) return;
+  const int64_t R = row_ranges(rows);
+  rmsnorm_gated_backward_kernel<<<unsigned(R), kThreads, 0, stream>>>(
+      x, w, gate, dy, dx, dgate, partial, rows, D, eps, rows_per_range(rows));
+  check_last_error("cuda kda_rmsnorm_gated_backward");
+  reduce_partials(partial, R, D, 1, dw, D, stream, "cuda kda_rmsnorm_gated_backward (dw)");
+}
+
+size_t kda_gate_backward_partial_floats(int64_t N, int64_t H, int64_t K) {
+  return size_t(2 * row_ranges(N) * H * K);
+}
+
+void kda_gate_backward(const uint16_t* f, const float* A_log, const float* dt_bias,
+                       const float* dg, uint16_t* df, float* dA_log, float* ddt_bias,
+                       float* partial, int64_t N, int64_t H, int64_t K, bool safe_gate,
+                       float lower_bound, CUstream_st* stream) {
+  DM_CHECK(N >= 0 && H > 0 && K > 0, "cuda kda_gate_backward: bad shape N=", N, " H=", H,
+           " K=", K);
+  if (N == 0) return;
+  const int64_t HK = H * K, R = row_ranges(N);
+  const dim3 grid(unsigned(ceil_div(HK, kLanes)), unsigned(R));
+  gate_backward_kernel<<<grid, dim3(kLanes, kRowLanes), 0, stream>>>(
+      f, A_log, dt_bias, dg, df, partial, N, HK, K, safe_gate, lower_bound, rows_per_range(N));
+  check_last_error("cuda kda_gate_backward");
+  // ddt_bias[c]: the R partials of column c; dA_log[h]: those of the K columns of head h.
+  reduce_partials(partial, R, HK, 1, ddt_bias, HK, stream, "cuda kda_gate_backward (dt_bias)");
+  reduce_partials(partial + R * HK, R, HK, K, dA_log, H, stream,
+                  "cuda kda_gate_backward (A_log)");
+}
+
+void kda_beta_sigmoid_backward(const float* z, const float* dbeta, uint16_t* dz, int64_t n,
+                               CUstream_st* stream) {
+  DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_backward: bad size ", n);
+  if (n == 0) return;
+  beta_sigmoid_backward_kernel<<<grid_blocks(n), kThreads, 0, stream>>>(z, dbeta, dz, n);
+  check_last_error("cuda kda_beta_sigmoid_backward");
+}
+
+size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc) {
+  return size_t(row_ranges(N) * C * Kc);
+}
+
+void kda_short_conv_silu_backward(const uint16_t* x, const float* w, float* dy_then_da,
+                                  uint16_t* dx, float* dw, float* partial, int64_t B, int64_t T,
+                                  int64_t C, int Kc, const int32_t* doc_start,
+                                  CUstream_st* stream) {
+  DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0 && Kc <= 65535,
+           "cuda kda_short_conv_silu_backward: bad shape B=", B, " T=", T, " C=", C, " Kc=", Kc);
+  const int64_t N = B * T, total = N * C;
+  if (total == 0) return;
+  conv_silu_preactivation_grad_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(
+      x, w, dy_then_da, T, C, Kc, doc_start, total);
+  check_last_error("cuda kda_short_conv_silu_backward (pre-activation)");
+  const int64_t R = row_ranges(N);
+  const dim3 grid(unsigned(ceil_div(C, kLanes)), unsigned(R), unsigned(Kc));
+  conv_weight_grad_kernel<<<grid, dim3(kLanes, kRowLanes), 0, stream>>>(
+      x, dy_then_da, partial, N, T, C, Kc, doc_start, rows_per_range(N));
+  check_last_error("cuda kda_short_conv_silu_backward (weights)");
+  conv_input_grad_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(w, dy_then_da, dx, T, C,
+                                                                      Kc, doc_start, total);
+  check_last_error("cuda kda_short_conv_silu_backward (input)");
+  reduce_partials(partial, R, C * int64_t(Kc), 1, dw, C * int64_t(Kc), stream,
+                  "cuda kda_short_conv_silu_backward (dw)");
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,262 @@
+// Checked entry points of the GPU MoE / gated-FFN backward ops (moe_backward.h): argument
+// validation with the CPU structs, workspace carving and the order of GEMMs and kernels.
+// Compiled as C++20 by the host compiler (the .cu files are C++17).
+#include "ops/cuda/moe_backward.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "core/error.h"
+#include "ops/cpu/ffn.h"
+#include "ops/cpu/moe.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_kernels.h"
+
+namespace dm::cuda {
+
+namespace {
+
+size_t round_up_256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+
+void check_aligned(const char* who, const void* p, const char* name) {
+  DM_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, who, ": ", name,
+           " must be 16-byte aligned (vector loads)");
+}
+
+void check_plan(const char* who, const MoeDispatchPlan& plan, const ExpertWeightsBf16& ew) {
+  DM_CHECK(plan.offsets && plan.row_of_pair && plan.token && plan.slot && plan.host_offsets, who,
+           ": dispatch plan not built");
+  DM_CHECK(plan.host_offsets[plan.E] == plan.N * plan.k, who, ": plan covers ",
+           plan.host_offsets[plan.E], " rows, expected N·k = ", plan.N * plan.k);
+  DM_CHECK(plan.E == ew.E, who, ": plan has ", plan.E, " experts, weights have ", ew.E);
+  DM_CHECK(ew.Din > 0 && ew.F > 0 && ew.Din % 8 == 0 && ew.F % 8 == 0, who,
+           ": Din and F must be positive multiples of 8, got Din=", ew.Din, " F=", ew.F);
+  DM_CHECK(ew.Din <= std::numeric_limits<int32_t>::max() / 2 &&
+               ew.F <= std::numeric_limits<int32_t>::max() / 2,
+           who, ": expert dims exceed int32");
+  DM_CHECK(ew.gate && ew.up && ew.down, who, ": expert weights missing");
+}
+
+// The workspace of moe_experts_recompute / moe_experts_backward, carved the same way by both
+// (R = N·k rows in the plan's expert-sorted order).
+struct ExpertBuffers {
+  uint16_t* x_sorted;      // [R, Din] gathered inputs
+  uint16_t* gate;          // [R, F]   g (pre-activation)
+  uint16_t* up;            // [R, F]   u (pre-activation) → du after the GLU backward
+  uint16_t* h;             // [R, F]   act(g, u) → dh → dg
+  uint16_t* out;           // [R, Din] E_j(x_t) per row → dout = w·dy rows
+  float* dx_sorted;        // [R, Din] ∂L/∂x per row (fp32: summed per token afterwards)
+  const void** pointers;   // grouped GEMM pointer arrays (9E)
+};
+
+ExpertBuffers carve(void* workspace, int64_t rows, const ExpertWeightsBf16& ew) {
+  char* cursor = static_cast<char*>(workspace);
+  auto take = [&](size_t bytes) {
+    void* p = cursor;
+    cursor += round_up_256(bytes);
+    return p;
+  };
+  const size_t R = size_t(std::max<int64_t>(rows, 1)), Din = size_t(ew.Din), F = size_t(ew.F);
+  ExpertBuffers b;
+  b.x_sorted = static_cast<uint16_t*>(take(R * Din * 2));
+  b.gate = static_cast<uint16_t*>(take(R * F * 2));
+  b.up = static_cast<uint16_t*>(take(R * F * 2));
+  b.h = static_cast<uint16_t*>(take(R * F * 2));
+  b.out = static_cast<uint16_t*>(take(R * Din * 2));
+  b.dx_sorted = static_cast<float*>(take(R * Din * 4));
+  b.pointers = static_cast<const void**>(take(moe_detail::expert_pointer_array_bytes(int(ew.E))));
+  return b;
+}
+
+}  // namespace
+
+size_t moe_experts_backward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew) {
+  const size_t R = size_t(std::max<int64_t>(N * k, 1)), Din = size_t(ew.Din), F = size_t(ew.F);
+  return round_up_256(R * Din * 2) + 3 * round_up_256(R * F * 2) + round_up_256(R * Din * 2) +
+         round_up_256(R * Din * 4) +
+         round_up_256(moe_detail::expert_pointer_array_bytes(int(ew.E)));
+}
+
+void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispatchPlan& plan,
+                           const float* w, const ExpertWeightsBf16& ew, const GluActivation& act,
+                           float* y, void* workspace, MoeGemmPath path, CUstream_st* stream) {
+  const char* who = "moe_experts_recompute (cuda)";
+  check_plan(who, plan, ew);
+  DM_CHECK(x && w && workspace, who, ": null argument");
+  if (plan.N == 0) return;
+  const int64_t rows = plan.N * plan.k, Din = ew.Din, F = ew.F;
+  const ExpertBuffers buf = carve(workspace, rows, ew);
+  moe_permute_rows(x, plan, Din, buf.x_sorted, stream);
+  if (path == MoeGemmPath::Grouped) {
+    // The forward's grouped GEMMs, with h in its own buffer so g survives for the backward.
+    moe_detail::ExpertGemmBuffers b;
+    b.gate_w = ew.gate;
+    b.up_w = ew.up;
+    b.down_w = ew.down;
+    b.x_sorted = buf.x_sorted;
+    b.gate_out = buf.gate;
+    b.up_out = buf.up;
+    b.expert_out = buf.out;
+    b.pointer_arrays = buf.pointers;
+    b.E = int(ew.E);
+    b.Din = Din;
+    b.F = F;
+    b.down_in = buf.h;
+    void* host = gemm.host_scratch(moe_detail::expert_grouped_host_bytes(b.E));
+    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
+                                         0, host, stream);
+    glu_forward(buf.gate, buf.up, buf.h, rows * F, act, stream);
+    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
+                                         1, host, stream);
+  } else {
+    for (int64_t e = 0; e < ew.E; ++e) {
+      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+      if (n == 0) continue;
+      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, buf.x_sorted + begin * Din, Din,
+                     ew.gate + e * F * Din, Din, 0.0f, buf.gate + begin * F, GemmOutType::Bf16,
+                     F, stream);
+      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, buf.x_sorted + begin * Din, Din,
+                     ew.up + e * F * Din, Din, 0.0f, buf.up + begin * F, GemmOutType::Bf16, F,
+                     stream);
+    }
+    glu_forward(buf.gate, buf.up, buf.h, rows * F, act, stream);
+    for (int64_t e = 0; e < ew.E; ++e) {
+      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+      if (n == 0) continue;
+      gemm.gemm_bf16(false, true, n, Din, F, 1.0f, buf.h + begin * F, F, ew.down + e * Din * F,
+                     F, 0.0f, buf.out + begin * Din, GemmOutType::Bf16, Din, stream);
+    }
+  }
+  if (y) moe_unpermute_rows(buf.out, plan, w, Din, y, GemmOutType::F32, stream);
+}
+
+void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const float* w,
+                          const ExpertWeightsBf16& ew, const GluActivation& act, const float* dy,
+                          float* dweights, float* dx, bool dx_accumulate,
+                          const ExpertGradsF32& grads, void* workspace, CUstream_st* stream) {
+  const char* who = "moe_experts_backward (cuda)";
+  check_plan(who, plan, ew);
+  DM_CHECK(w && dy && workspace, who, ": null argument");
+  check_aligned(who, dy, "dy");
+  if (dx) check_aligned(who, dx, "dx");
+  if (plan.N == 0) return;
+  const int64_t N = plan.N, rows = N * plan.k, Din = ew.Din, F = ew.F;
+  const int k = plan.k;
+  const ExpertBuffers buf = carve(workspace, rows, ew);
+
+  // Routing-weight gradients read the expert outputs before `out` is reused for dout.
+  if (dweights)
+    moe_detail::launch_expert_weight_grads(dy, buf.out, plan.row_of_pair, N, k, Din, dweights,
+                                           stream);
+  // dout[r] = w(t, s)·dy[t] [R, Din] bf16: the expert's output enters y scaled by its routing
+  // weight, so the whole expert chain sees w·dy.
+  uint16_t* dout = buf.out;
+  moe_detail::launch_scale_permute_rows(dy, plan.token, plan.slot, w, rows, k, Din, dout, stream);
+
+  // Down projection out = h·W_downᵀ per expert e (rows [begin, begin + n)):
+  //   dW_down[e] [Din, F] += doutᵀ[Din, n]·h[n, F];  dh [n, F] = dout[n, Din]·W_down[e][Din, F]
+  // dh overwrites h (stream order: the dW GEMM that reads h_e is queued first).
+  for (int64_t e = 0; e < ew.E; ++e) {
+    const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+    if (n == 0) continue;
+    if (grads.down)
+      gemm.gemm_bf16(true, false, Din, F, n, 1.0f, dout + begin * Din, Din, buf.h + begin * F, F,
+                     1.0f, grads.down + e * Din * F, GemmOutType::F32, F, stream);
+    gemm.gemm_bf16(false, false, n, F, Din, 1.0f, dout + begin * Din, Din, ew.down + e * Din * F,
+                   F, 0.0f, buf.h + begin * F, GemmOutType::Bf16, F, stream);
+  }
+  // (dg, du) = GLU backward at the recomputed (g, u): dg over dh, du over u.
+  glu_backward(buf.gate, buf.up, buf.h, buf.h, buf.up, rows * F, act, stream);
+  const uint16_t* dg = buf.h;
+  const uint16_t* du = buf.up;
+
+  // Gate/up projections g = x·W_gateᵀ, u = x·W_upᵀ per expert:
+  //   dW_gate[e] [F, Din] += dgᵀ[F, n]·x[n, Din] (dW_up likewise with du);
+  //   dx rows [n, Din] fp32 = dg·W_gate[e] + du·W_up[e].
+  for (int64_t e = 0; e < ew.E; ++e) {
+    const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+    if (n == 0) continue;
+    const uint16_t* x_rows = buf.x_sorted + begin * Din;
+    if (grads.gate)
+      gemm.gemm_bf16(true, false, F, Din, n, 1.0f, dg + begin * F, F, x_rows, Din, 1.0f,
+                     grads.gate + e * F * Din, GemmOutType::F32, Din, stream);
+    if (grads.up)
+      gemm.gemm_bf16(true, false, F, Din, n, 1.0f, du + begin * F, F, x_rows, Din, 1.0f,
+                     grads.up + e * F * Din, GemmOutType::F32, Din, stream);
+    if (dx) {
+      float* dx_rows = buf.dx_sorted + begin * Din;
+      gemm.gemm_bf16(false, false, n, Din, F, 1.0f, dg + begin * F, F, ew.gate + e * F * Din,
+                     Din, 0.0f, dx_rows, GemmOutType::F32, Din, stream);
+      gemm.gemm_bf16(false, false, n, Din, F, 1.0f, du + begin * F, F, ew.up + e * F * Din, Din,
+                     1.0f, dx_rows, GemmOutType::F32, Din, stream);
+    }
+  }
+  // Per-token sums over the token's k rows, in slot order (one writer per token).
+  if (dx)
+    moe_detail::launch_unpermute_sum_rows(buf.dx_sorted, plan.row_of_pair, N, k, Din, dx,
+                                          dx_accumulate, stream);
+}
+
+void moe_route_backward(const float* scores, const int32_t* idx, const float* dweights,
+                        int64_t N, const RouterParams& p, float* dlogits, CUstream_st* stream) {
+  const int E = p.num_experts, k = p.top_k;
+  DM_CHECK(N >= 0 && E > 0 && k >= 1 && k <= E, "moe_route_backward (cuda): bad shape N=", N,
+           " E=", E, " k=", k);
+  if (N == 0) return;
+  DM_CHECK(scores && idx && dweights && dlogits, "moe_route_backward (cuda): null argument");
+  moe_detail::launch_route_backward(scores, idx, dweights, N, E, k, p.renormalize, p.scaling,
+                                    dlogits, stream);
+}
+
+size_t glu_ffn_backward_workspace_bytes(int64_t N, int64_t F) {
+  return 3 * round_up_256(size_t(std::max<int64_t>(N, 1)) * size_t(std::max<int64_t>(F, 1)) * 2);
+}
+
+void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_gate,
+                      const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
+                      float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
+                      int64_t d, int64_t F, const GluActivation& act, void* workspace,
+                      CUstream_st* stream) {
+  DM_CHECK(N >= 0 && d > 0 && F > 0, "glu_ffn_backward (cuda): bad shape N=", N, " d=", d,
+           " F=", F);
+  if (N == 0) return;
+  DM_CHECK(x && w_gate && w_up && w_down && dy && workspace,
+           "glu_ffn_backward (cuda): null argument");
+  char* cursor = static_cast<char*>(workspace);
+  const size_t view = round_up_256(size_t(N) * size_t(F) * 2);
+  uint16_t* gate = reinterpret_cast<uint16_t*>(cursor);         // [N, F] g
+  uint16_t* up = reinterpret_cast<uint16_t*>(cursor + view);    // [N, F] u → du
+  uint16_t* h = reinterpret_cast<uint16_t*>(cursor + 2 * view); // [N, F] h → dh → dg
+  // Recompute the forward's bf16 pre-activations and h = act(g, u).
+  gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_gate, d, 0.0f, gate, GemmOutType::Bf16, F,
+                 stream);
+  gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_up, d, 0.0f, up, GemmOutType::Bf16, F,
+                 stream);
+  glu_forward(gate, up, h, N * F, act, stream);
+  // y = h·W_downᵀ: dW_down [d, F] += dyᵀ[d, N]·h[N, F]; then dh [N, F] = dy[N, d]·W_down[d, F]
+  // over h (queued after the GEMM that reads it).
+  if (dw_down)
+    gemm.gemm_bf16(true, false, d, F, N, 1.0f, dy, d, h, F, 1.0f, dw_down, GemmOutType::F32, F,
+                   stream);
+  gemm.gemm_bf16(false, false, N, F, d, 1.0f, dy, d, w_down, F, 0.0f, h, GemmOutType::Bf16, F,
+                 stream);
+  glu_backward(gate, up, h, h, up, N * F, act, stream);
+  const uint16_t* dg = h;
+  const uint16_t* du = up;
+  // g = x·W_gateᵀ: dW_gate [F, d] += dgᵀ[F, N]·x[N, d]; dx [N, d] (+)= dg·W_gate; same for up.
+  if (dw_gate)
+    gemm.gemm_bf16(true, false, F, d, N, 1.0f, dg, F, x, d, 1.0f, dw_gate, GemmOutType::F32, d,
+                   stream);
+  if (dw_up)
+    gemm.gemm_bf16(true, false, F, d, N, 1.0f, du, F, x, d, 1.0f, dw_up, GemmOutType::F32, d,
+                   stream);
+  if (dx) {
+    gemm.gemm_bf16(false, false, N, d, F, 1.0f, dg, F, w_gate, d, dx_beta, dx, GemmOutType::F32,
+                   d, stream);
+    gemm.gemm_bf16(false, false, N, d, F, 1.0f, du, F, w_up, d, 1.0f, dx, GemmOutType::F32, d,
+                   stream);
+  }
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,90 @@
+// Backward ops of the GPU MoE layer and the gated FFN (SPEC §1.4, §1.5): the twins of
+// ops/cpu/moe.h moe_experts_backward / moe_route_backward and ops/cpu/ffn.h ffn_backward.
+// Plain C++ (no CUDA headers); entry points in moe_backward.cpp, kernels in moe_backward.cu.
+//
+// Every pointer is a DEVICE pointer; bf16 is its uint16_t bit pattern. Conventions of
+// docs/backward.md: weight gradients are fp32 and ACCUMULATED (+=, GEMMs with beta = 1); what an
+// op says it WRITES is overwritten. GEMM operands are bf16 with fp32 accumulation; element-wise
+// and router math is fp32. Nothing here synchronises the stream.
+//
+// Flow of the routed experts in one MoE backward (the plan and routing weights come from the
+// forward's recompute, model/cuda/moe_gpu_backward.cpp):
+//   moe_experts_recompute   x → sorted rows, g, u, h = act(g, u), out_r = E_j(x_t) per row,
+//                           y = Σ w·out (the forward's combine, when the caller needs it)
+//   moe_experts_backward    dy → dweights (= <dy_t, E_j(x_t)>), dout_r = w·dy_t, the down,
+//                           GLU and gate/up backward per expert, dx = Σ_slots dx_r
+// Both take the same workspace: the second reads what the first left there.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/moe.h"
+
+struct CUstream_st;
+
+namespace dm {
+struct RouterParams;   // ops/cpu/moe.h
+struct GluActivation;  // ops/cpu/ffn.h
+}  // namespace dm
+
+namespace dm::cuda {
+
+// fp32 gradients of the stacked expert weights (layout of ExpertWeightsBf16: gate, up
+// [E, F, Din]; down [E, Din, F]); a nullptr member is not computed.
+struct ExpertGradsF32 {
+  float* gate = nullptr;
+  float* up = nullptr;
+  float* down = nullptr;
+};
+
+// Device scratch shared by moe_experts_recompute and moe_experts_backward (R = N·k rows):
+// sorted x [R, Din], g, u, h [R, F] and out [R, Din] bf16, dx rows [R, Din] fp32, the grouped
+// GEMM pointer arrays.
+size_t moe_experts_backward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew);
+
+// The forward's expert computation, keeping its intermediates in `workspace` for the backward:
+// same GEMMs, rounding and GLU as moe_experts_forward, but g survives (h is its own buffer).
+// y [N, Din] fp32 (nullable: not wanted) is WRITTEN with Σ_s w[t,s]·out[row(t,s)].
+void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispatchPlan& plan,
+                           const float* w, const ExpertWeightsBf16& ew, const GluActivation& act,
+                           float* y, void* workspace, MoeGemmPath path = MoeGemmPath::Grouped,
+                           CUstream_st* stream = nullptr);
+
+// Backward of y = Σ_s w[t,s]·E_j(x_t) with the routing fixed, after moe_experts_recompute on the
+// same (plan, w, ew, workspace):
+//   dy [N, Din] fp32 = ∂L/∂y;
+//   dweights [N, k] fp32 WRITTEN = <dy_t, E_j(x_t)> (the bf16 expert outputs the forward
+//     combined), nullable;
+//   dx [N, Din] fp32 = ∂L/∂x, ACCUMULATED when dx_accumulate, else WRITTEN; nullable;
+//   grads.* += ∂L/∂W (fp32).
+// The weight-gradient GEMMs run per non-empty expert (cuBLAS' grouped GEMM has no bf16 → fp32
+// accumulate form), never over a dense mask. Overwrites the workspace's h and out buffers.
+void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const float* w,
+                          const ExpertWeightsBf16& ew, const GluActivation& act, const float* dy,
+                          float* dweights, float* dx, bool dx_accumulate,
+                          const ExpertGradsF32& grads, void* workspace,
+                          CUstream_st* stream = nullptr);
+
+// Router backward with the selection fixed (ops/cpu/moe.h moe_route_backward): scores [N, E],
+// idx [N, k] as moe_route wrote them, dweights [N, k] = ∂L/∂w; dlogits [N, E] fp32 WRITTEN
+// (zero outside each token's selection). The balancing bias gets nothing.
+void moe_route_backward(const float* scores, const int32_t* idx, const float* dweights,
+                        int64_t N, const RouterParams& p, float* dlogits,
+                        CUstream_st* stream = nullptr);
+
+// ---- Gated FFN (dense FFN layer and the MoE's fused shared experts) ---------------------------
+// Recomputes g = x·W_gateᵀ, u = x·W_upᵀ [N, F] (bf16, as the forward) and back-propagates
+// dy [N, d] (bf16, the caller rounds ∂L/∂y once):
+//   dW_down [d, F] += dyᵀ·h;  dh = dy·W_down;  (dg, du) = GLU backward;
+//   dW_gate [F, d] += dgᵀ·x, dW_up += duᵀ·x;  dx [N, d] fp32 = dg·W_gate + du·W_up
+//   (dx_beta = 0 writes dx, 1 accumulates; dx and every dW_* nullable).
+// workspace: glu_ffn_backward_workspace_bytes(N, F) bytes (g, u, h → dh → dg, all [N, F] bf16).
+size_t glu_ffn_backward_workspace_bytes(int64_t N, int64_t F);
+void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_gate,
+                      const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
+                      float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
+                      int64_t d, int64_t F, const GluActivation& act, void* workspace,
+                      CUstream_st* stream = nullptr);
+
+}  // namespace dm::cuda

@@ -1,0 +1,263 @@
+// Gated MLA layer backward on the GPU (model/cuda/layers.h mla_layer_backward_gpu) against the CPU
+// float path (model/mla.h mla_layer_forward with MlaSaved, then mla_layer_backward) on the same
+// bf16-rounded weights, inputs and upstream gradient dy. Checks, per case:
+//   - dxn and every MLA parameter gradient the config uses: finite, rel RMS error ≤ 1e-2;
+//   - dxn is WRITTEN (its buffer starts as NaN), gradients of everything outside the layer stay 0;
+//   - a second call accumulates: the gradients double (dxn stays the same);
+//   - mla_layer_backward_gpu_bytes is enough scratch and the scratch is released.
+// Cases: configs/test.json (q LoRA, NoPE shared key slot, output gate) and edited copies (no
+// q LoRA with RoPE and the gate; RoPE + YaRN without the gate; no q LoRA, NoPE, no gate),
+// B = 2, T = 200 (several 64-row attention tiles), with and without packed documents.
+// Skips without a GPU.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "io/config.h"
+#include "model/cuda/layers.h"
+#include "model/mla.h"
+#include "model/weights.h"
+#include "ops/cuda/device.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace dm {
+namespace {
+
+// As the forward test (test_cuda_mla_layer.cpp): weights large enough that the softmax is far
+// from uniform (score std ≈ 1.5), so masks, positions and the scale matter.
+constexpr float kTestInitStd = 0.2f;
+
+ModelConfig base_config() { return load_config(test::source_dir() + "/configs/test.json"); }
+
+int mla_layer_index(const ModelConfig& cfg) {
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (cfg.mixers[size_t(l)] == MixerKind::MLA) return l;
+  return -1;
+}
+
+// Every parameter rounded through bf16, so the CPU and the GPU see identical weights; the latent
+// norm weights perturbed around 1 so their gradients are not degenerate.
+std::unique_ptr<ModelWeights> rounded_weights(const ModelConfig& cfg, uint64_t seed) {
+  auto w = weights_allocate<float>(cfg);
+  weights_init(*w, seed);
+  const MlaWeights& m = w->layers[size_t(mla_layer_index(cfg))].mla;
+  std::mt19937_64 rng(seed + 1);
+  std::normal_distribution<float> normal(0.0f, 0.2f);
+  if (m.q_a_norm)
+    for (int64_t i = 0; i < cfg.mla.q_lora_rank; ++i) m.q_a_norm[i] = 1.0f + normal(rng);
+  for (int64_t i = 0; i < cfg.mla.kv_lora_rank; ++i) m.kv_a_norm[i] = 1.0f + normal(rng);
+  for (const auto& e : w->params)
+    for (int64_t i = 0; i < e.numel(); ++i)
+      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  return w;
+}
+
+// Two documents per row: row b restarts at split[b] (doc_start[t] = 0 before it, split after).
+std::vector<int32_t> two_documents(int64_t B, int64_t T) {
+  std::vector<int32_t> doc_start(size_t(B * T));
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t split = int32_t(T * (b == 0 ? 37 : 61) / 100);
+    for (int64_t t = 0; t < T; ++t) doc_start[size_t(b * T + t)] = t < split ? 0 : split;
+  }
+  return doc_start;
+}
+
+// The MLA parameters a gradient can land in (null members are skipped: the config lacks them).
+struct MlaTensor {
+  const char* name;
+  float* MlaWeights::*member;
+};
+constexpr MlaTensor kMlaTensors[] = {
+    {"q_a", &MlaWeights::q_a},   {"q_a_norm", &MlaWeights::q_a_norm},
+    {"q_b", &MlaWeights::q_b},   {"q_proj", &MlaWeights::q_proj},
+    {"kv_a", &MlaWeights::kv_a}, {"kv_a_norm", &MlaWeights::kv_a_norm},
+    {"kv_b", &MlaWeights::kv_b}, {"gate", &MlaWeights::gate},
+    {"o_proj", &MlaWeights::o_proj}};
+
+// Element count of the parameter whose view starts at p (0 when p is not a parameter start).
+int64_t param_numel(const ModelWeights& w, const float* p) {
+  for (const auto& e : w.params)
+    if (e.data == p) return e.numel();
+  return 0;
+}
+
+std::vector<float> view(const ModelWeights& grad, const ModelWeights& w, const float* p) {
+  const float* g = static_cast<const float*>(grad.arena_base()) + w.offset_of(p);
+  return std::vector<float>(g, g + param_numel(w, p));
+}
+
+struct LayerCase {
+  const char* name;
+  std::function<void(ModelConfig&)> edit;  // applied to configs/test.json
+};
+
+void run_case(const LayerCase& c, int64_t B, int64_t T, bool packed) {
+  ModelConfig cfg = base_config();
+  c.edit(cfg);
+  cfg.init_std = kTestInitStd;
+  validate_config(cfg, c.name);
+  const int layer = mla_layer_index(cfg);
+  ASSERT_GE(layer, 0);
+  const auto w = rounded_weights(cfg, 11);
+  const MlaWeights& mw = w->layers[size_t(layer)].mla;
+  const int64_t N = B * T, d = cfg.hidden;
+  const std::string tag = std::string(c.name) + (packed ? "/docs" : "");
+
+  const std::vector<float> x = test::round_bf16(test::random_normal(size_t(N * d), 5));
+  // dy rounded like the GPU rounds it for its GEMMs, so only the GPU arithmetic differs.
+  const std::vector<float> dy = test::round_bf16(test::random_normal(size_t(N * d), 7));
+  const std::vector<int32_t> doc_start = packed ? two_documents(B, T) : std::vector<int32_t>{};
+  const int32_t* doc_host = packed ? doc_start.data() : nullptr;
+
+  // CPU reference in float: forward with saved activations, then backward into zeroed grads.
+  Arena ws(std::max(mla_layer_workspace_bytes(cfg, B, T),
+                    mla_layer_backward_workspace_bytes(cfg, B, T)));
+  Arena saved_arena(mla_layer_saved_bytes(cfg, B, T));
+  MlaSaved<float> saved;
+  std::vector<float> y_cpu(size_t(N * d)), dx_cpu(size_t(N * d), 0.0f);
+  mla_layer_forward<float>(cfg, mw, x.data(), y_cpu.data(), B, T, ws, doc_host, &saved,
+                           &saved_arena);
+  auto grad_cpu = weights_allocate<float>(cfg);
+  mla_layer_backward<float>(cfg, mw, grad_cpu->layers[size_t(layer)].mla, x.data(), saved,
+                            dy.data(), dx_cpu.data(), B, T, ws, doc_host);
+
+  // GPU with exactly the scratch the layer asks for; dxn starts as NaN (it must be written).
+  cuda::DeviceWeights dw(*w);
+  cuda::DeviceGrads grads(*w);
+  cuda::GpuRun run(cuda::mla_layer_backward_gpu_bytes(cfg, B, T));
+  test::DeviceScratch io(size_t(N * d) * (sizeof(uint16_t) + 2 * sizeof(float)) + size_t(N) * 4 +
+                         4 * 256);
+  const uint16_t* x_dev = io.upload(test::to_bf16(x));
+  const float* dy_dev = io.upload(dy);
+  const int32_t* doc_dev = packed ? io.upload(doc_start) : nullptr;
+  float* dxn_dev =
+      io.upload(std::vector<float>(size_t(N * d), std::numeric_limits<float>::quiet_NaN()));
+
+  cuda::mla_layer_backward_gpu(run, dw, grads, mw, x_dev, dy_dev, dxn_dev, B, T, doc_dev);
+  const std::vector<float> dxn1 = test::DeviceScratch::download(dxn_dev, size_t(N * d));
+  EXPECT_EQ(run.scratch.used(), 0u) << "scratch not released";
+  auto grad1 = weights_allocate<float>(cfg);
+  grads.download(*grad1);
+
+  auto report = [&](const char* tensor, const std::vector<float>& gpu,
+                    const std::vector<float>& cpu) {
+    ASSERT_EQ(gpu.size(), cpu.size()) << tensor;
+    ASSERT_FALSE(gpu.empty()) << tag << " " << tensor;
+    EXPECT_TRUE(test::all_finite(gpu)) << tag << " " << tensor << " has non-finite values";
+    const double err = test::rel_rms(gpu.data(), cpu.data(), gpu.size());
+    std::printf("[CudaMlaLayerBackward] %-16s %-10s rel RMS err %.3e\n", tag.c_str(), tensor, err);
+    EXPECT_LE(err, 1e-2) << tag << " " << tensor;
+  };
+  report("dxn", dxn1, dx_cpu);
+  int checked = 0;
+  for (const MlaTensor& t : kMlaTensors) {
+    const float* p = mw.*t.member;
+    if (!p) continue;
+    report(t.name, view(*grad1, *w, p), view(*grad_cpu, *w, p));
+    ++checked;
+  }
+  EXPECT_EQ(checked, cfg.mla.q_lora_rank > 0 ? 8 - !cfg.mla.output_gate
+                                             : 6 - !cfg.mla.output_gate)
+      << tag << ": unexpected set of MLA parameters";
+
+  // Nothing outside the layer's parameters receives gradient.
+  {
+    double outside = 0;
+    for (const auto& e : w->params) {
+      bool mine = false;
+      for (const MlaTensor& t : kMlaTensors) mine = mine || (mw.*t.member == e.data);
+      if (mine) continue;
+      for (float g : view(*grad1, *w, e.data)) outside += std::fabs(double(g));
+    }
+    EXPECT_EQ(outside, 0.0) << tag << ": gradient written outside the MLA layer";
+  }
+
+  // A second call accumulates into the grads (they double) and rewrites dxn.
+  cuda::mla_layer_backward_gpu(run, dw, grads, mw, x_dev, dy_dev, dxn_dev, B, T, doc_dev);
+  const std::vector<float> dxn2 = test::DeviceScratch::download(dxn_dev, size_t(N * d));
+  EXPECT_EQ(run.scratch.used(), 0u) << "scratch not released (second call)";
+  auto grad2 = weights_allocate<float>(cfg);
+  grads.download(*grad2);
+  EXPECT_LE(test::rel_rms(dxn2.data(), dxn1.data(), dxn1.size()), 1e-6)
+      << tag << ": dxn must be written, not accumulated";
+  for (const MlaTensor& t : kMlaTensors) {
+    const float* p = mw.*t.member;
+    if (!p) continue;
+    std::vector<float> twice = view(*grad1, *w, p);
+    for (float& g : twice) g *= 2.0f;
+    const std::vector<float> second = view(*grad2, *w, p);
+    EXPECT_LE(test::rel_rms(second.data(), twice.data(), twice.size()), 1e-5)
+        << tag << " " << t.name << ": a second call must add the same gradient again";
+  }
+}
+
+// configs/test.json as is: q LoRA, NoPE (the rope slice of kv_a is a shared unrotated key), gate.
+const LayerCase kK3{"K3", [](ModelConfig&) {}};
+// No q LoRA (q = W_q x), plain RoPE, gate on.
+const LayerCase kNoQLoraRope{"NoQLoraRope", [](ModelConfig& cfg) {
+                               cfg.mla.q_lora_rank = 0;
+                               cfg.mla.use_rope = true;
+                             }};
+// DeepSeek-like: q LoRA, RoPE with YaRN (amplitude ≠ 1, softmax scale × m²), no output gate.
+// original_max_position 64 < T so the interpolated pairs matter.
+const LayerCase kRopeYarn{"RopeYarn", [](ModelConfig& cfg) {
+                            MlaConfig& m = cfg.mla;
+                            m.use_rope = true;
+                            m.output_gate = false;
+                            m.yarn.enabled = true;
+                            m.yarn.factor = 4.0;
+                            m.yarn.original_max_position = 64;
+                            m.yarn.beta_fast = 32;
+                            m.yarn.beta_slow = 1;
+                            m.yarn.mscale = 1.0;
+                            m.yarn.mscale_all_dim = 0.5;
+                          }};
+// No q LoRA, NoPE, no gate: the smallest chain (dxn first written by W_kva's backward).
+const LayerCase kPlain{"NoQLoraNoGate", [](ModelConfig& cfg) {
+                         cfg.mla.q_lora_rank = 0;
+                         cfg.mla.output_gate = false;
+                       }};
+
+TEST(CudaMlaLayerBackward, TestConfigMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_case(kK3, 2, 200, false);
+}
+
+TEST(CudaMlaLayerBackward, NoQLoraRopeMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_case(kNoQLoraRope, 2, 200, false);
+}
+
+TEST(CudaMlaLayerBackward, RopeYarnNoGateMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_case(kRopeYarn, 2, 200, false);
+}
+
+TEST(CudaMlaLayerBackward, NoQLoraNoGateMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_case(kPlain, 2, 200, false);
+}
+
+// Two documents per row: attention stays inside a document and RoPE positions restart.
+TEST(CudaMlaLayerBackward, PackedDocumentsMatchCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  run_case(kK3, 2, 200, true);
+  run_case(kNoQLoraRope, 2, 200, true);
+  run_case(kRopeYarn, 2, 200, true);
+}
+
+}  // namespace
+}  // namespace dm
+#else
+TEST(CudaMlaLayerBackward, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif

@@ -1,0 +1,448 @@
+// GPU ops of the whole-model training step around the layers (ops/cuda/residual_ops.h training
+// side, ops/cuda/muon.h) against their CPU twins:
+//   - attnres_backward vs dm::attnres_backward<float> (ops/cpu/attnres.h): S = 1, 3, 5 (and a
+//     grid-stride case), some dsrc nullptr, accumulation onto non-zero gradients; increments
+//     compared, relative RMS ≤ 1e-5; parameter grads bit-identical on a rerun (determinism);
+//   - embedding_backward vs a host scatter-add with repeated ids (fp64 sums), untouched rows
+//     exact, bit-identical reruns, out-of-range ids skipped; the atomic variant ≤ 1e-5;
+//   - sum_squares vs a host fp64 sum (relative 1e-12), deterministic; scale_inplace exact;
+//   - muon_update vs a host replica of Optimizer::muon_update (same float GEMMs, core/gemm.h) on
+//     wide / tall / per-head shapes over two steps, and vs the real Optimizer (Muon) on every
+//     Muon matrix of configs/test.json; update relative RMS ≤ 1e-5, bf16 copy exact.
+// Without a GPU every test skips (GTEST_SKIP), so CI only checks that this compiles.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/gemm.h"
+#include "io/config.h"
+#include "model/weights.h"
+#include "ops/cpu/attnres.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/muon.h"
+#include "ops/cuda/residual_ops.h"
+#include "train/optimizer.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace {
+
+namespace cu = dm::cuda;
+
+using dm::test::all_finite;
+using dm::test::DeviceScratch;
+using dm::test::random_normal;
+
+double rel_rms(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  return dm::test::rel_rms(a.data(), b.data(), a.size());
+}
+
+// Relative RMS of the increments (got − before) vs (want − before), in fp64: checks that the op
+// accumulated (an overwrite would be off by `before`) without letting `before` hide the change.
+double rel_rms_increment(const std::vector<float>& got, const std::vector<float>& want,
+                         const std::vector<float>& before) {
+  EXPECT_EQ(got.size(), want.size());
+  EXPECT_EQ(got.size(), before.size());
+  std::vector<double> a(got.size()), b(got.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    a[i] = double(got[i]) - double(before[i]);
+    b[i] = double(want[i]) - double(before[i]);
+  }
+  return dm::test::rel_rms(a.data(), b.data(), a.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// AttnRes backward
+
+struct AttnResCase {
+  int S;
+  int64_t N, D;
+};
+
+void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dnorm) {
+  const int S = c.S;
+  const int64_t N = c.N, D = c.D;
+  const size_t nd = size_t(N * D);
+  const float eps = 1e-6f;
+  std::vector<std::vector<float>> src(static_cast<size_t>(S)), dsrc0(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) {
+    // Different scales per source so the r_j path matters.
+    src[size_t(j)] = random_normal(nd, 100 + uint64_t(j), 0.5f + 0.4f * float(j));
+    dsrc0[size_t(j)] = random_normal(nd, 200 + uint64_t(j), 0.1f);
+  }
+  // A non-zero pseudo-query so the softmax is not uniform.
+  const std::vector<float> query = random_normal(size_t(D), 7, 0.3f);
+  std::vector<float> norm_w = random_normal(size_t(D), 8, 0.2f);
+  for (float& e : norm_w) e += 1.0f;
+  const std::vector<float> dout = random_normal(nd, 9);
+  const std::vector<float> dquery0 = random_normal(size_t(D), 10, 0.1f);
+  const std::vector<float> dnorm0 = random_normal(size_t(D), 11, 0.1f);
+  // Sources 1 and 4 (when present) get no gradient.
+  auto skipped = [](int j) { return j == 1 || j == 4; };
+
+  // CPU reference.
+  std::vector<std::vector<float>> dsrc_ref = dsrc0;
+  std::vector<float> dquery_ref = dquery0, dnorm_ref = dnorm0;
+  std::vector<const float*> src_h(static_cast<size_t>(S));
+  std::vector<float*> dsrc_h(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) {
+    src_h[size_t(j)] = src[size_t(j)].data();
+    dsrc_h[size_t(j)] = skipped(j) ? nullptr : dsrc_ref[size_t(j)].data();
+  }
+  dm::Arena ws(dm::attnres_backward_workspace_bytes(D, sizeof(float)) + 4096);
+  dm::attnres_backward<float>(src_h.data(), S, query.data(), norm_w.data(), dout.data(),
+                              dsrc_h.data(), with_dquery ? dquery_ref.data() : nullptr,
+                              with_dnorm ? dnorm_ref.data() : nullptr, N, D, eps, ws);
+
+  // GPU, twice from the same start (determinism).
+  const size_t ws_bytes = cu::attnres_backward_workspace_bytes(N, D, S);
+  DeviceScratch dev(size_t(2 * S + 2) * nd * 4 + 8 * size_t(D) * 4 + 2 * ws_bytes + (1 << 20));
+  std::vector<const float*> src_d(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) src_d[size_t(j)] = dev.upload(src[size_t(j)]);
+  const float* query_d = dev.upload(query);
+  const float* norm_d = dev.upload(norm_w);
+  const float* dout_d = dev.upload(dout);
+  void* ws_d = dev.raw(ws_bytes);
+  std::vector<float> first_dquery, first_dnorm;
+  for (int run = 0; run < 2; ++run) {
+    std::vector<float*> dsrc_d(static_cast<size_t>(S));
+    for (int j = 0; j < S; ++j) dsrc_d[size_t(j)] = skipped(j) ? nullptr : dev.upload(dsrc0[size_t(j)]);
+    float* dquery_d = dev.upload(dquery0);
+    float* dnorm_d = dev.upload(dnorm0);
+    cu::attnres_backward(src_d.data(), S, query_d, norm_d, dout_d, dsrc_d.data(),
+                         with_dquery ? dquery_d : nullptr, with_dnorm ? dnorm_d : nullptr, N, D,
+                         eps, ws_d);
+    const std::string where =
+        "S=" + std::to_string(S) + " N=" + std::to_string(N) + " D=" + std::to_string(D);
+    for (int j = 0; j < S; ++j) {
+      if (skipped(j)) continue;
+      const auto got = DeviceScratch::download(dsrc_d[size_t(j)], nd);
+      EXPECT_TRUE(all_finite(got)) << where;
+      EXPECT_LE(rel_rms_increment(got, dsrc_ref[size_t(j)], dsrc0[size_t(j)]), 1e-5)
+          << where << " dsrc[" << j << "]";
+    }
+    const auto dquery = DeviceScratch::download(dquery_d, size_t(D));
+    const auto dnorm = DeviceScratch::download(dnorm_d, size_t(D));
+    if (with_dquery)
+      EXPECT_LE(rel_rms_increment(dquery, dquery_ref, dquery0), 1e-5) << where << " dquery";
+    else
+      EXPECT_EQ(dquery, dquery0) << where << " dquery must stay untouched";
+    if (with_dnorm)
+      EXPECT_LE(rel_rms_increment(dnorm, dnorm_ref, dnorm0), 1e-5) << where << " dnorm_w";
+    else
+      EXPECT_EQ(dnorm, dnorm0) << where << " dnorm_w must stay untouched";
+    if (run == 0) {
+      first_dquery = dquery;
+      first_dnorm = dnorm;
+    } else {
+      EXPECT_EQ(dquery, first_dquery) << where << " dquery not bit-identical on a rerun";
+      EXPECT_EQ(dnorm, first_dnorm) << where << " dnorm_w not bit-identical on a rerun";
+    }
+  }
+}
+
+TEST(CudaTrainOpsAttnRes, BackwardMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int S : {1, 3, 5})
+    for (int64_t D : {64, 256}) check_attnres_backward({S, 37, D}, true, true);
+}
+
+TEST(CudaTrainOpsAttnRes, BackwardGridStrideRowsAndOptionalParams) {
+  DM_SKIP_WITHOUT_GPU();
+  // N > 512 blocks: each block owns several rows; D not a multiple of the block size.
+  check_attnres_backward({4, 1300, 300}, true, true);
+  check_attnres_backward({3, 37, 64}, false, true);
+  check_attnres_backward({2, 37, 64}, true, false);
+  check_attnres_backward({3, 37, 64}, false, false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding backward
+
+void check_embedding_backward(int64_t N, int64_t D, int64_t V, const std::vector<int64_t>& tokens) {
+  const size_t nd = size_t(N * D), vd = size_t(V * D);
+  const std::vector<float> dp = random_normal(nd, 31);
+  const std::vector<float> table0 = random_normal(vd, 32, 0.1f);
+  // Host reference: per table row, the fp64 sum of its rows in ascending n, added once.
+  std::vector<double> acc(vd, 0.0);
+  std::vector<char> touched(size_t(V), 0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = tokens[size_t(n)];
+    if (t < 0 || t >= V) continue;
+    touched[size_t(t)] = 1;
+    for (int64_t d = 0; d < D; ++d) acc[size_t(t * D + d)] += double(dp[size_t(n * D + d)]);
+  }
+  std::vector<float> ref = table0;
+  for (size_t i = 0; i < vd; ++i) ref[i] = float(double(table0[i]) + acc[i]);
+
+  const size_t ws_bytes = cu::embedding_backward_workspace_bytes(N, V);
+  DeviceScratch dev(nd * 4 + 3 * vd * 4 + size_t(N) * 8 + ws_bytes + (1 << 20));
+  const int64_t* tokens_d = dev.upload(tokens);
+  const float* dp_d = dev.upload(dp);
+  void* ws_d = ws_bytes ? dev.raw(ws_bytes) : nullptr;
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    float* table_d = dev.upload(table0);
+    cu::embedding_backward(tokens_d, dp_d, N, D, V, table_d, ws_d);
+    const auto got = DeviceScratch::download(table_d, vd);
+    EXPECT_LE(rel_rms_increment(got, ref, table0), 1e-6) << "N=" << N << " D=" << D << " V=" << V;
+    for (int64_t t = 0; t < V; ++t) {
+      if (touched[size_t(t)]) continue;
+      for (int64_t d = 0; d < D; ++d)
+        ASSERT_EQ(got[size_t(t * D + d)], table0[size_t(t * D + d)]) << "row " << t << " changed";
+    }
+    if (run == 0) first = got;
+    else EXPECT_EQ(got, first) << "not bit-identical on a rerun";
+  }
+  // The atomic variant (in-range ids only): same sums up to fp32 summation order.
+  bool in_range = true;
+  for (int64_t t : tokens) in_range = in_range && t >= 0 && t < V;
+  if (in_range) {
+    float* table_d = dev.upload(table0);
+    cu::embedding_backward(tokens_d, dp_d, N, D, table_d);
+    EXPECT_LE(rel_rms_increment(DeviceScratch::download(table_d, vd), ref, table0), 1e-5)
+        << "atomic variant, N=" << N << " D=" << D << " V=" << V;
+  }
+}
+
+TEST(CudaTrainOpsEmbedding, BackwardMatchesHostWithRepeatedIds) {
+  DM_SKIP_WITHOUT_GPU();
+  {
+    // 300 tokens over 50 ids (heavy repetition; one id 100 times), D not a multiple of 32.
+    const int64_t N = 300, D = 70, V = 50;
+    std::mt19937_64 rng(5);
+    std::vector<int64_t> tokens(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) tokens[size_t(n)] = n % 3 == 0 ? 17 : int64_t(rng() % 40);
+    check_embedding_backward(N, D, V, tokens);
+  }
+  {
+    // A vocabulary of the full model's size (18 key bits) and a single token; ids at both ends.
+    check_embedding_backward(1, 8, 163840, {163839});
+    check_embedding_backward(3, 8, 163840, {0, 163839, 0});
+  }
+  {
+    // Out-of-range ids are skipped; V a power of two (the invalid key V needs one more bit).
+    check_embedding_backward(6, 16, 64, {3, -1, 64, 3, 63, 1000});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sum of squares, scale
+
+TEST(CudaTrainOpsReduce, SumSquaresMatchesHostDouble) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(1000), int64_t(4097), (int64_t(1) << 20) + 7,
+                    int64_t(5000011)}) {
+    const std::vector<float> x = random_normal(size_t(n), 40 + uint64_t(n), 0.01f);
+    double want = 0;
+    for (float e : x) want += double(e) * double(e);
+    const size_t ws_bytes = cu::sum_squares_workspace_bytes(n);
+    DeviceScratch dev(size_t(n) * 4 + ws_bytes + 4096);
+    const float* x_d = dev.upload(x);
+    void* ws_d = dev.raw(ws_bytes);
+    double* result_d = dev.zeros<double>(2);
+    cu::sum_squares(x_d, n, result_d, ws_d);
+    cu::sum_squares(x_d, n, result_d + 1, ws_d);
+    const auto got = DeviceScratch::download(result_d, 2);
+    if (n == 0) {
+      EXPECT_EQ(got[0], 0.0);
+    } else {
+      EXPECT_LE(std::fabs(got[0] - want) / want, 1e-12) << "n=" << n;
+    }
+    EXPECT_EQ(got[0], got[1]) << "n=" << n << " not deterministic";
+  }
+}
+
+TEST(CudaTrainOpsReduce, ScaleInplaceIsExact) {
+  DM_SKIP_WITHOUT_GPU();
+  const int64_t n = 100003;
+  const float s = 0.37f;
+  std::vector<float> x = random_normal(size_t(n), 50);
+  DeviceScratch dev(size_t(n) * 4 + 4096);
+  float* x_d = dev.upload(x);
+  cu::scale_inplace(x_d, n, s);
+  for (float& e : x) e *= s;
+  EXPECT_EQ(DeviceScratch::download(x_d, size_t(n)), x);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Muon
+
+// Host replica of Optimizer::muon_update + newton_schulz (train/optimizer.cpp), same float
+// arithmetic and the same float GEMMs.
+void newton_schulz_reference(float* X, int64_t r, int64_t c, int steps) {
+  const float a = 3.4445f, b = -4.7750f, cc = 2.0315f;
+  double nrm = 0;
+  for (int64_t i = 0; i < r * c; ++i) nrm += double(X[i]) * X[i];
+  const float inv = float(1.0 / (std::sqrt(nrm) + 1e-7));
+  for (int64_t i = 0; i < r * c; ++i) X[i] *= inv;
+  std::vector<float> A(size_t(r * r)), B(size_t(r * r)), Y(size_t(r * c));
+  for (int s = 0; s < steps; ++s) {
+    dm::gemm(false, true, r, r, c, 1.0f, X, c, X, c, 0.0f, A.data(), r);
+    dm::gemm(false, false, r, r, r, cc, A.data(), r, A.data(), r, 0.0f, B.data(), r);
+    for (int64_t i = 0; i < r * r; ++i) B[size_t(i)] += b * A[size_t(i)];
+    std::memcpy(Y.data(), X, size_t(r * c) * sizeof(float));
+    dm::gemm(false, false, r, c, r, 1.0f, B.data(), r, X, c, a, Y.data(), c);
+    std::memcpy(X, Y.data(), size_t(r * c) * sizeof(float));
+  }
+}
+
+void muon_reference(std::vector<float>& p, const std::vector<float>& g, std::vector<float>& m,
+                    int64_t rows, int64_t cols, int64_t head_rows, float lr, bool decay,
+                    const cu::MuonStep& mp) {
+  const float mu = mp.momentum;
+  for (size_t i = 0; i < p.size(); ++i) m[i] = mu * m[i] + g[i];
+  const int64_t hr = head_rows > 0 && rows % head_rows == 0 ? head_rows : rows;
+  std::vector<float> X(size_t(hr * cols));
+  for (int64_t h0 = 0; h0 < rows; h0 += hr) {
+    const bool transpose = hr > cols;
+    const int64_t r = transpose ? cols : hr, c = transpose ? hr : cols;
+    for (int64_t i = 0; i < hr; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        const size_t k = size_t((h0 + i) * cols + j);
+        const float u = g[k] + mu * m[k];
+        if (transpose) X[size_t(j * hr + i)] = u;
+        else X[size_t(i * cols + j)] = u;
+      }
+    newton_schulz_reference(X.data(), r, c, mp.ns_steps);
+    const float scale = 0.2f * std::sqrt(float(std::max(hr, cols)));
+    const float wd = decay ? lr * mp.weight_decay : 0.0f;
+    for (int64_t i = 0; i < hr; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        float& w = p[size_t((h0 + i) * cols + j)];
+        const float o = transpose ? X[size_t(j * hr + i)] : X[size_t(i * cols + j)];
+        w -= lr * scale * o + wd * w;
+      }
+  }
+}
+
+struct MuonCase {
+  int64_t rows, cols, head_rows;
+};
+
+TEST(CudaTrainOpsMuon, MatchesHostReplicaOfCpuRule) {
+  DM_SKIP_WITHOUT_GPU();
+  const MuonCase cases[] = {
+      {48, 32, 0},     // tall whole matrix (the CPU transposes)
+      {32, 96, 0},     // wide whole matrix
+      {48, 32, 16},    // 3 heads of 16×32 (wide blocks)
+      {144, 32, 48},   // 3 heads of 48×32 (tall blocks, transposed per head)
+      {96, 32, 32},    // 3 square heads
+      {50, 40, 16},    // head_rows does not divide rows: whole matrix
+      {1, 7, 0},       // a single row
+  };
+  cu::GemmContext gemm;
+  const float lr = 0.02f;
+  cu::MuonStep mp;
+  mp.lr = lr;
+  mp.momentum = 0.95f;
+  mp.ns_steps = 5;
+  for (const MuonCase& c : cases) {
+    for (bool decay : {true, false}) {
+      mp.weight_decay = decay ? 0.1f : 0.0f;
+      const size_t n = size_t(c.rows * c.cols);
+      std::vector<float> p = random_normal(n, 60, 0.05f), m(n, 0.0f);
+      const std::vector<float> p_start = p;
+      const size_t ws_bytes = cu::muon_workspace_bytes(c.rows, c.cols, c.head_rows);
+      DeviceScratch dev(n * 4 * 4 + n * 2 + ws_bytes + (1 << 16));
+      float* p_d = dev.upload(p);
+      float* m_d = dev.upload(m);
+      float* g_d = dev.zeros<float>(n);
+      uint16_t* p16_d = dev.zeros<uint16_t>(n);
+      void* ws_d = dev.raw(ws_bytes);
+      for (int step = 0; step < 2; ++step) {
+        const std::vector<float> g = random_normal(n, 70 + uint64_t(step), 0.1f);
+        cu::copy_to_device(g_d, g.data(), n * 4);
+        cu::muon_update(gemm, p_d, g_d, m_d, p16_d, c.rows, c.cols, c.head_rows, mp, ws_d);
+        cu::MuonStep ref = mp;
+        ref.weight_decay = 0.1f;  // the CPU rule: decay ? lr·weight_decay : 0
+        muon_reference(p, g, m, c.rows, c.cols, c.head_rows, lr, decay, ref);
+      }
+      const auto p_gpu = DeviceScratch::download(p_d, n);
+      const std::string where = std::to_string(c.rows) + "x" + std::to_string(c.cols) +
+                                " head_rows=" + std::to_string(c.head_rows) +
+                                (decay ? " decay" : " no decay");
+      EXPECT_TRUE(all_finite(p_gpu)) << where;
+      EXPECT_LE(rel_rms_increment(p_gpu, p, p_start), 1e-5) << where << " update";
+      EXPECT_LE(rel_rms(DeviceScratch::download(m_d, n), m), 1e-6) << where << " momentum";
+      const auto p16 = DeviceScratch::download(p16_d, n);
+      int64_t mismatches = 0;
+      for (size_t i = 0; i < n; ++i) mismatches += p16[i] != cu::float_to_bf16(p_gpu[i]);
+      EXPECT_EQ(mismatches, 0) << where << " bf16 copy";
+    }
+  }
+}
+
+// The real CPU Optimizer (Muon) on configs/test.json: one step, then the GPU update of every
+// matrix the CPU sends to Muon (dm::is_muon_matrix, per-head rows from dm::muon_head_rows),
+// compared per matrix.
+TEST(CudaTrainOpsMuon, MatchesCpuOptimizerOnTestConfig) {
+  DM_SKIP_WITHOUT_GPU();
+  const dm::ModelConfig cfg = dm::load_config(dm::test::source_dir() + "/configs/test.json");
+  auto w = dm::weights_allocate<float>(cfg), g = dm::weights_allocate<float>(cfg);
+  dm::weights_init(*w, 1);
+  auto before = dm::weights_allocate<float>(cfg);
+  dm::weights_copy<float, float>(*w, *before);
+  for (size_t i = 0; i < g->params.size(); ++i) {
+    const auto noise = random_normal(size_t(g->params[i].numel()), 300 + i, 0.01f);
+    std::copy(noise.begin(), noise.end(), g->params[i].data);
+  }
+  dm::OptimizerConfig oc;
+  oc.kind = dm::OptimizerKind::Muon;
+  dm::Optimizer opt(cfg, oc);
+  const float lr = 0.01f;
+  opt.step(*w, *g, lr);
+
+  cu::GemmContext gemm;
+  cu::MuonStep mp;
+  mp.lr = lr;
+  mp.momentum = oc.muon_momentum;
+  mp.ns_steps = oc.muon_ns_steps;
+  int matrices = 0;
+  for (size_t i = 0; i < w->params.size(); ++i) {
+    const dm::ParamEntry& e = w->params[i];
+    if (!dm::is_muon_matrix(e)) continue;
+    ++matrices;
+    const int64_t rows = e.shape[0], cols = e.shape[1], head_rows = dm::muon_head_rows(e, cfg);
+    const size_t n = size_t(rows * cols);
+    const std::vector<float> p0(before->params[i].data, before->params[i].data + n);
+    const std::vector<float> gr(g->params[i].data, g->params[i].data + n);
+    const std::vector<float> p_cpu(e.data, e.data + n);
+    const size_t ws_bytes = cu::muon_workspace_bytes(rows, cols, head_rows);
+    DeviceScratch dev(n * 4 * 3 + ws_bytes + (1 << 16));
+    float* p_d = dev.upload(p0);
+    float* m_d = dev.zeros<float>(n);
+    const float* g_d = dev.upload(gr);
+    mp.weight_decay = e.decay ? oc.weight_decay : 0.0f;
+    cu::muon_update(gemm, p_d, g_d, m_d, nullptr, rows, cols, head_rows, mp, dev.raw(ws_bytes));
+    EXPECT_LE(rel_rms_increment(DeviceScratch::download(p_d, n), p_cpu, p0), 1e-5)
+        << e.name << " [" << rows << ", " << cols << "] head_rows=" << head_rows;
+  }
+  EXPECT_GT(matrices, 0);
+}
+
+TEST(CudaTrainOpsMuon, RejectsBadArguments) {
+  DM_SKIP_WITHOUT_GPU();
+  cu::GemmContext gemm;
+  cu::MuonStep mp;
+  EXPECT_THROW(cu::muon_workspace_bytes(0, 4, 0), dm::Error);
+  mp.ns_steps = -1;
+  EXPECT_THROW(cu::muon_update(gemm, nullptr, nullptr, nullptr, nullptr, 4, 4, 0, mp,
+                               reinterpret_cast<void*>(256)),
+               dm::Error);
+}
+
+}  // namespace
+#else
+TEST(CudaTrainOps, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif
