@@ -47,7 +47,7 @@ std::vector<dm::TrainStage> parse_stages(const std::string& spec) {
 }
 
 dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancing, checkpoints)", [](CLI::App* app) {
-  static std::string model, data = "builtin", out, train_config, stages, optimizer, balance;
+  static std::string model, data = "builtin", out, train_config, stages, optimizer, balance, device;
   static int64_t stop_after = 0;
   static int64_t steps = 0, batch = 0, accum = 0, ckpt_every = -1, warmup = -1;
   static float lr = 0;
@@ -77,6 +77,8 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   app->add_option("--seed", seed, "Seed (init, data order)");
   app->add_flag("--resume", resume, "Continue from OUT/checkpoint (bit-exact)");
   app->add_flag("--no-recompute", no_recompute, "Keep every layer's activations instead of recomputing them");
+  app->add_option("--device", device, "cpu or cuda (forward, backward and optimizer on one GPU; QB and evaluations stay on the host)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_flag("--quiet", quiet, "No progress bar");
   app->callback([] {
     dm::TrainerConfig c;
@@ -105,6 +107,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
     if (balance_refine >= 0) c.balance_refine = balance_refine;
     if (seed) c.seed = seed;
     if (no_recompute) c.recompute = false;
+    if (!device.empty()) c.device = device;
     c.progress = !quiet;
     const dm::TrainSummary s = dm::train(c);
     std::printf("trained %lld steps, %lld tokens (%lld skipped) at %.0f tokens/s\n", (long long)s.steps,

@@ -62,6 +62,10 @@ if [ "$BENCH" = 1 ]; then
   timeout 300 build-gpu/bin/bench_cuda_model --config "$MODEL_CFG" --tokens 2048,8192 \
     --slots 1,64 --context 1024 2>&1 | tee "$LOG/bench_cuda_model.log"
   if [ "$PEERS" = 1 ]; then
+    step "peer: PyTorch eager training step, same config and shape as bench_cuda_train, cuda bf16"
+    timeout 300 python3 bench/peers/deltamoe_torch.py train-bench --config "$MODEL_CFG" \
+      --batch 1 --seq 4096 --steps 3 --warmup 1 --device cuda --dtype bfloat16 2>&1 | tail -2 |
+      tee "$LOG/peer_torch_train.log"
     step "peer: PyTorch eager forward, same config, cuda bf16"
     for T in 2048 8192; do
       timeout 240 python3 bench/peers/deltamoe_torch.py forward-bench --config "$MODEL_CFG" \

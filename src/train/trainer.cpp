@@ -21,6 +21,7 @@
 #include "io/tokenizer.h"
 #include "model/model.h"
 #include "train/balance.h"
+#include "train/train_engine.h"
 
 namespace dm {
 namespace fs = std::filesystem;
@@ -203,7 +204,7 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
   for (auto it = j.begin(); it != j.end(); ++it) {
     static const char* known[] = {"model", "data", "steps", "batch", "accum", "lr", "min_lr_ratio",
                                   "warmup", "optimizer", "weight_decay", "clip", "spike_factor",
-                                  "stages", "balance", "sign_rate", "recompute", "kda_chunk",
+                                  "stages", "balance", "sign_rate", "recompute", "kda_chunk", "device",
                                   "checkpoint_every", "eval_every", "eval_tasks", "seed",
                                   "recall_fraction", "recall_pairs", "recall_queries",
                                   "recall_span", "balance_ema", "balance_refine",
@@ -246,6 +247,11 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
            ": field 'balance_refine' must be in [0, 64]");
   num(j, "eval_balance_rows", c.eval_balance_rows, "");
   DM_CHECK(c.eval_balance_rows >= 0, origin, ": field 'eval_balance_rows' must be >= 0");
+  if (j.contains("device")) {
+    DM_CHECK(j["device"].is_string(), origin, ": field 'device' must be \"cpu\" or \"cuda\"");
+    c.device = j["device"].get<std::string>();
+    DM_CHECK(c.device == "cpu" || c.device == "cuda", origin, ": field 'device' must be cpu or cuda");
+  }
   if (j.contains("recompute")) {
     DM_CHECK(j["recompute"].is_boolean(), origin, ": field 'recompute' must be true/false");
     c.recompute = j["recompute"].get<bool>();
@@ -304,7 +310,6 @@ TrainSummary train(const TrainerConfig& tc) {
   }
   const ModelConfig& mc = model->config();
   ModelWeights& W = model->weights();
-  auto G = weights_allocate<float>(mc);
 
   // ---- schedule ----
   std::vector<TrainStage> stages = tc.stages;
@@ -354,7 +359,7 @@ TrainSummary train(const TrainerConfig& tc) {
 
   // ---- optimizer, balance, state ----
   OptimizerConfig oc = tc.optimizer;
-  Optimizer opt(mc, oc);
+  std::unique_ptr<TrainEngine> engine = make_train_engine(tc.device, *model, oc);
   BalanceOptions bo;
   bo.estimator = tc.balance == "qb-hist" ? QuantileEstimator::Histogram : QuantileEstimator::Exact;
   bo.rule = tc.balance == "sign" ? BalanceRule::Sign : BalanceRule::Quantile;
@@ -371,7 +376,7 @@ TrainSummary train(const TrainerConfig& tc) {
   int cur_stage = stage_of(0);
   std::unique_ptr<PackedSampler> sampler = make_sampler(cur_stage);
   if (resuming) {
-    opt.load(ckpt + "/optimizer.safetensors");
+    engine->load_optimizer(ckpt + "/optimizer.safetensors");
     const json st = json::parse(read_text(ckpt + "/trainer_state.json"));
     step = st.at("step").get<int64_t>();
     tokens_seen = st.at("tokens").get<int64_t>();
@@ -403,8 +408,9 @@ TrainSummary train(const TrainerConfig& tc) {
     const std::string tmp = tc.out + "/checkpoint.tmp";
     std::error_code ec;
     fs::remove_all(tmp, ec);
+    engine->sync_host_weights();
     weights_save(W, tmp);
-    opt.save(tmp + "/optimizer.safetensors");
+    engine->save_optimizer(tmp + "/optimizer.safetensors");
     if (fs::exists(tc.out + "/tokenizer.json"))  // so `generate --model OUT/checkpoint` finds it
       fs::copy_file(tc.out + "/tokenizer.json", tmp + "/tokenizer.json", fs::copy_options::overwrite_existing);
     json bs = json::array();
@@ -485,7 +491,7 @@ TrainSummary train(const TrainerConfig& tc) {
   TrainSummary sum;
   sum.unigram_entropy = td.unigram_entropy;
   sum.weights_bytes = W.arena.capacity();
-  sum.optimizer_bytes = opt.state_bytes();
+  sum.optimizer_bytes = engine->optimizer_bytes();
   const bool tty = tc.progress && isatty(2);
   std::vector<PackedBatch> micro(size_t(tc.accum));
   std::vector<double> losses;
@@ -509,20 +515,20 @@ TrainSummary train(const TrainerConfig& tc) {
       targets += b.num_targets();
       step_tokens += b.batch_size * b.seq_len;
     }
-    grad_zero(*G);
+    engine->zero_grads();
     collector.clear();
     double loss_sum = 0;
     int64_t correct = 0;
     for (const auto& b : micro) {
-      const TrainStepResult r = model->forward_backward(b.tokens.data(), b.targets.data(), b.doc_start.data(),
-                                                        b.batch_size, b.seq_len, *G,
-                                                        1.0 / double(std::max<int64_t>(1, targets)), to,
-                                                        tc.balance == "none" ? nullptr : &collector);
+      const TrainStepResult r = engine->forward_backward(b.tokens.data(), b.targets.data(), b.doc_start.data(),
+                                                         b.batch_size, b.seq_len,
+                                                         1.0 / double(std::max<int64_t>(1, targets)), to,
+                                                         tc.balance == "none" ? nullptr : &collector);
       loss_sum += r.loss_sum;
       correct += r.correct;
     }
     const double loss = loss_sum / double(std::max<int64_t>(1, targets));
-    const double gnorm = grad_global_norm(*G);
+    const double gnorm = engine->grad_norm();
     const float lr = lr_schedule(step, tc.warmup, run_steps, tc.lr, tc.min_lr_ratio) * st.lr_mult;
     bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
     if (!skip && tc.spike_factor > 0 && step >= 20 && loss > tc.spike_factor * loss_ema) skip = true;
@@ -530,8 +536,8 @@ TrainSummary train(const TrainerConfig& tc) {
     int dead = 0, moe_layers = 0;
     json per_layer = json::array();
     if (!skip) {
-      if (tc.clip > 0 && gnorm > tc.clip) grad_scale(*G, float(tc.clip / gnorm));
-      opt.step(W, *G, lr);
+      if (tc.clip > 0 && gnorm > tc.clip) engine->scale_grads(float(tc.clip / gnorm));
+      engine->optimizer_step(lr);
       loss_ema = step == 0 ? loss : 0.95 * loss_ema + 0.05 * loss;
     } else {
       ++skipped;
@@ -556,6 +562,7 @@ TrainSummary train(const TrainerConfig& tc) {
         quantile_balance_update(l.scores.data(), l.cutoff.data(), l.tokens, mc.moe.num_experts,
                                 mc.moe.top_k, bo, &bstate[size_t(i)], bias);
     }
+    if (!skip && moe_layers && tc.balance != "none") engine->after_bias_update();
     if (moe_layers) cv /= moe_layers;
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     elapsed += dt;
@@ -569,6 +576,7 @@ TrainSummary train(const TrainerConfig& tc) {
     if (!per_layer.empty()) m["balance"] = per_layer;
     const bool stage_ends = step == run_steps || stage_of(step) != s;
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || stage_ends)) {
+      engine->sync_host_weights();  // evaluations run the host model
       const double acc = eval_recall(s);
       if (acc >= 0) {
         m["recall_acc"] = acc;
@@ -608,7 +616,7 @@ TrainSummary train(const TrainerConfig& tc) {
   sum.first_loss = mean_of(losses, 0, w);
   sum.last_loss = mean_of(losses, n - w, n);
   sum.tokens_per_s = elapsed > 0 ? double(tokens_seen) / elapsed : 0;
-  sum.peak_activation_bytes = model->activation_peak();
+  sum.peak_activation_bytes = engine->activation_peak();
   return sum;
 }
 

@@ -41,6 +41,7 @@ struct TrainerConfig {
   double balance_ema = 0.0;     // QB: EMA of the per-expert quantiles across steps (0 = off)
   int balance_refine = 8;       // QB: fixed-point refinements of the bias on the batch (0 = one-shot)
   bool recompute = true;
+  std::string device = "cpu";   // cpu | cuda (train/train_engine.h)
   int kda_chunk = 64;
   int64_t checkpoint_every = 0; // steps (0 = only at the end)
   int64_t eval_every = 50;      // recall evaluation (builtin data)

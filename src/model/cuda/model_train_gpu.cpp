@@ -1,0 +1,410 @@
+// GpuTrainModel: the CPU training walk of model/model.cpp (forward recording each layer's input,
+// fused LM head + cross-entropy, backward with per-layer recompute) on device ops.
+#include "model/cuda/model_train_gpu.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "core/error.h"
+#include "model/cuda/layers.h"
+#include "model/residual.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_layer_ops.h"
+#include "ops/cuda/residual_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Rows per LM-head tile: the fp32 logits of one tile stay under ~256 MiB.
+int64_t lm_head_rows(const ModelConfig& c, int64_t N) {
+  const int64_t by_memory = std::max<int64_t>(1, (int64_t(64) << 20) / c.vocab_size);
+  return std::max<int64_t>(1, std::min<int64_t>({N, by_memory, 4096}));
+}
+
+// Activation arena (see the carve in forward_backward): token ids, targets, doc_start; the
+// layer inputs p_in [L, N, d]; blocks and their gradients [nb, N, d]; the running stream p,
+// final_in, the current layer's record (x, p_mid, y, m fp32; xn, yn bf16), the stream
+// gradients dp, dx, dxn, dh; final_h bf16; one LM-head tile (fp32 logits + bf16 gradient) and
+// the per-tile cross-entropy results.
+size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
+  const int64_t d = c.hidden, L = c.num_layers, V = c.vocab_size;
+  const int64_t nb = std::max(1, residual_num_blocks(c));
+  const int64_t rows = lm_head_rows(c, N), tiles = (N + rows - 1) / rows;
+  const size_t row32 = round_up(size_t(N * d) * 4), row16 = round_up(size_t(N * d) * 2);
+  size_t b = 2 * round_up(size_t(N) * 8) + round_up(size_t(N) * 4);
+  b += size_t(L) * row32;                              // p_in
+  b += 2 * round_up(size_t(nb * N * d) * 4);           // blocks, dblocks
+  b += 2 * row32 + 4 * row32 + 2 * row16;              // p, final_in; x, p_mid, y, m; xn, yn
+  b += 4 * row32 + row16;                              // dp, dx, dxn, dh; final_h
+  b += round_up(size_t(rows * V) * 4) + round_up(size_t(rows * V) * 2);
+  b += round_up(size_t(tiles) * sizeof(CrossEntropyDeviceResult));
+  return b + 4096;
+}
+
+size_t train_scratch_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t N = B * T, d = c.hidden;
+  size_t bytes = 0;
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.mixers[i] == MixerKind::KDA)
+      bytes = std::max({bytes, kda_layer_forward_gpu_bytes(c, B, T),
+                        kda_layer_backward_gpu_bytes(c, B, T)});
+    else
+      bytes = std::max({bytes, mla_layer_forward_gpu_bytes(c, B, T),
+                        mla_layer_backward_gpu_bytes(c, B, T)});
+    if (c.ffns[i] == FfnKind::MoE) {
+      // The routing the sink reads sits below the layer's own scope.
+      const size_t routing = round_up(size_t(N) * size_t(c.moe.num_experts) * 4) +
+                             round_up(size_t(N) * 4) + round_up(size_t(N) * size_t(c.moe.top_k) * 4);
+      bytes = std::max({bytes, routing + moe_layer_forward_gpu_bytes(c, N),
+                        moe_layer_backward_gpu_bytes(c, N)});
+    } else {
+      bytes = std::max({bytes, dense_ffn_forward_gpu_bytes(c, N), dense_ffn_backward_gpu_bytes(c, N)});
+    }
+  }
+  const int sources = std::max(1, residual_num_blocks(c)) + 1;
+  bytes = std::max({bytes, round_up(attnres_backward_workspace_bytes(N, d, sources)),
+                    round_up(rmsnorm_backward_workspace_bytes(N, d)),
+                    round_up(embedding_backward_workspace_bytes(N, c.vocab_size)),
+                    round_up(cross_entropy_workspace_bytes(lm_head_rows(c, N)))});
+  return bytes + (size_t(1) << 20);
+}
+
+// DM_GPU_TRAIN_PROFILE=1: synchronise around every phase of the step and print where the time
+// went (one line per step on stderr). Off by default: the synchronisations cost time.
+class PhaseTimer {
+ public:
+  PhaseTimer() : on_(std::getenv("DM_GPU_TRAIN_PROFILE") != nullptr) {}
+  template <typename F>
+  void operator()(const char* phase, CUstream_st* stream, F&& f) {
+    if (!on_) {
+      f();
+      return;
+    }
+    stream_synchronize(stream);
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    stream_synchronize(stream);
+    ms_[phase] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void report() {
+    if (!on_) return;
+    std::string line = "[gpu train profile, ms]";
+    for (const auto& [k, v] : ms_) line += " " + k + " " + std::to_string(int(v * 10) / 10.0).substr(0, 6);
+    std::fprintf(stderr, "%s\n", line.c_str());
+    ms_.clear();
+  }
+
+ private:
+  bool on_;
+  std::map<std::string, double> ms_;
+};
+
+}  // namespace
+
+GpuTrainModel::GpuTrainModel(ModelWeights& host)
+    : host_(host), dw_(host), grads_(host), master_(host) {
+  master_.upload(host);
+}
+GpuTrainModel::~GpuTrainModel() = default;
+
+size_t GpuTrainModel::activation_bytes() const {
+  return (act_ ? act_->capacity() : 0) + (run_ ? run_->scratch.capacity() : 0);
+}
+
+void GpuTrainModel::ensure_capacity(int64_t B, int64_t T) {
+  if (act_ && B <= capacity_B_ && T <= capacity_T_) return;
+  B = std::max(B, capacity_B_);
+  T = std::max(T, capacity_T_);
+  const ModelConfig& c = config();
+  run_.reset();
+  act_.reset();
+  act_ = std::make_unique<DeviceArena>(train_activation_bytes(c, B * T));
+  run_ = std::make_unique<GpuRun>(train_scratch_bytes(c, B, T));
+  capacity_B_ = B;
+  capacity_T_ = T;
+}
+
+GpuRun& GpuTrainModel::run() {
+  if (!run_) run_ = std::make_unique<GpuRun>(0);
+  return *run_;
+}
+
+void GpuTrainModel::download_weights() { master_.download(host_); }
+
+void GpuTrainModel::upload_router_biases() {
+  const ModelConfig& c = config();
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.ffns[i] != FfnKind::MoE) continue;
+    const float* bias = host_.layers[size_t(i)].moe.router_bias;
+    if (!bias) continue;
+    const int64_t E = c.moe.num_experts;
+    copy_to_device(master_.at(bias), bias, size_t(E) * sizeof(float));
+    dw_.upload_param(bias, E, run_ ? run_->stream : nullptr);
+  }
+}
+
+TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int64_t* targets,
+                                                const int32_t* doc_start, int64_t B, int64_t T,
+                                                double loss_scale, RoutingSink* sink) {
+  const ModelConfig& c = config();
+  const ModelWeights& W = host_;
+  DM_CHECK(B > 0 && T > 0, "train (cuda): empty batch");
+  DM_CHECK(T <= c.max_context, "train (cuda): sequence length ", T,
+           " exceeds the context limit ", c.max_context);
+  check_token_ids(tokens, B * T, c.vocab_size, "tokens");
+  ensure_capacity(B, T);
+  GpuRun& run = *run_;
+  CUstream_st* stream = run.stream;
+  DeviceArena& act = *act_;
+  act.reset();
+  run.scratch.reset();
+  const int64_t N = B * T, d = c.hidden, V = c.vocab_size, L = c.num_layers;
+  const size_t nd = size_t(N * d);
+  const bool attnres = c.residual == ResidualKind::AttnRes;
+  const int nb = std::max(1, residual_num_blocks(c));
+  const float eps = c.rms_eps;
+
+  // ---- carve (train_activation_bytes counts the same) ----
+  int64_t* tokens_dev = act.alloc<int64_t>(size_t(N));
+  int64_t* targets_dev = act.alloc<int64_t>(size_t(N));
+  int32_t* doc_dev = act.alloc<int32_t>(size_t(N));
+  copy_to_device(tokens_dev, tokens, size_t(N) * sizeof(int64_t));
+  copy_to_device(targets_dev, targets, size_t(N) * sizeof(int64_t));
+  if (doc_start) copy_to_device(doc_dev, doc_start, size_t(N) * sizeof(int32_t));
+  else doc_dev = nullptr;
+  std::vector<float*> p_in(static_cast<size_t>(L));
+  for (auto& q : p_in) q = act.alloc<float>(nd);
+  float* blocks = act.alloc<float>(nd * size_t(nb));
+  float* dblocks = act.alloc<float>(nd * size_t(nb));
+  float* p = act.alloc<float>(nd);
+  float* final_in = act.alloc<float>(nd);
+  float* x = act.alloc<float>(nd);
+  float* p_mid = act.alloc<float>(nd);
+  float* y = act.alloc<float>(nd);
+  float* m = act.alloc<float>(nd);
+  uint16_t* xn = act.alloc<uint16_t>(nd);
+  uint16_t* yn = act.alloc<uint16_t>(nd);
+  float* dp = act.alloc<float>(nd);
+  float* dx = act.alloc<float>(nd);
+  float* dxn = act.alloc<float>(nd);
+  float* dh = act.alloc<float>(nd);
+  uint16_t* final_h = act.alloc<uint16_t>(nd);
+  const int64_t lm_rows = lm_head_rows(c, N), tiles = (N + lm_rows - 1) / lm_rows;
+  float* logits = act.alloc<float>(size_t(lm_rows * V));
+  uint16_t* dlogits = act.alloc<uint16_t>(size_t(lm_rows * V));
+  auto* ce_results = act.alloc<CrossEntropyDeviceResult>(size_t(tiles));
+
+  PhaseTimer timer;
+  std::vector<int> sealed_in(static_cast<size_t>(L), 0);
+  std::vector<char> p_empty_in(static_cast<size_t>(L), 0);
+  std::vector<const float*> srcs;
+  std::vector<float*> dsrcs;
+  auto sources_of = [&](int n_sealed, bool with_p, const float* pp) {
+    srcs.clear();
+    for (int j = 0; j < n_sealed; ++j) srcs.push_back(blocks + size_t(j) * nd);
+    if (with_p) srcs.push_back(pp);
+  };
+  auto dsources_of = [&](int n_sealed, bool with_p) {
+    dsrcs.clear();
+    for (int j = 0; j < n_sealed; ++j) dsrcs.push_back(dblocks + size_t(j) * nd);
+    if (with_p) dsrcs.push_back(dp);
+  };
+  auto copy = [&](float* dst, const float* src) {
+    copy_device_to_device_async(dst, src, nd * sizeof(float), stream);
+  };
+  auto zero = [&](void* dst, size_t bytes) { fill_zero_async(dst, bytes, stream); };
+
+  // Runs layer i's forward from (pp = p_in[i], sealed_in[i], p_empty_in[i]) leaving the record
+  // (x, xn, p_mid, y, yn) and pp = the layer's output; returns the sealed count after it.
+  // `report`: hand the MoE routing to the sink (first pass only).
+  auto layer_forward = [&](int i, float* pp, bool report) {
+    const LayerWeights& Lw = W.layers[size_t(i)];
+    int s = sealed_in[size_t(i)];
+    bool empty = p_empty_in[size_t(i)];
+    if (attnres && s > 0) {
+      sources_of(s, !empty, pp);
+      attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.attn_site.query),
+                      dw_.f32(Lw.attn_site.norm), x, N, d, eps, stream);
+    } else {
+      copy(x, pp);
+    }
+    if (attnres && i % c.attn_res_block == 0) {  // seal: blocks[s] = p
+      copy(blocks + size_t(s) * nd, pp);
+      ++s;
+      empty = true;
+    }
+    rmsnorm_to_bf16(x, dw_.f32(Lw.input_norm), xn, N, d, eps, stream);
+    if (c.mixers[size_t(i)] == MixerKind::KDA)
+      timer("kda_fwd", stream, [&] { kda_layer_forward_gpu(run, dw_, Lw.kda, xn, p_mid, B, T, doc_dev); });
+    else
+      timer("mla_fwd", stream, [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, xn, p_mid, B, T, doc_dev); });
+    if (!empty) add_inplace(p_mid, pp, int64_t(nd), stream);
+    copy(pp, p_mid);
+    if (attnres) {
+      sources_of(s, true, pp);
+      attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.ffn_site.query),
+                      dw_.f32(Lw.ffn_site.norm), y, N, d, eps, stream);
+    } else {
+      copy(y, pp);
+    }
+    rmsnorm_to_bf16(y, dw_.f32(Lw.post_norm), yn, N, d, eps, stream);
+    if (c.ffns[size_t(i)] == FfnKind::MoE) {
+      DeviceArenaScope scope(run.scratch);
+      MoeRoutingDevice r;
+      const bool want = report && sink;
+      const int64_t E = c.moe.num_experts, k = c.moe.top_k;
+      if (want) {
+        r.scores = run.scratch.alloc<float>(size_t(N * E));
+        r.cutoff = run.scratch.alloc<float>(size_t(N));
+        r.idx = run.scratch.alloc<int32_t>(size_t(N * k));
+      }
+      timer("moe_fwd", stream, [&] { moe_layer_forward_gpu(run, dw_, Lw.moe, yn, m, N, want ? &r : nullptr); });
+      if (want) {
+        route_scores_.resize(size_t(N * E));
+        route_cutoff_.resize(size_t(N));
+        route_idx_.resize(size_t(N * k));
+        copy_to_host_async(route_scores_.data(), r.scores, route_scores_.size() * 4, stream);
+        copy_to_host_async(route_cutoff_.data(), r.cutoff, route_cutoff_.size() * 4, stream);
+        copy_to_host_async(route_idx_.data(), r.idx, route_idx_.size() * 4, stream);
+        stream_synchronize(stream);
+        sink->on_routing(i, route_scores_.data(), route_cutoff_.data(), route_idx_.data(), N,
+                         int(E), int(k));
+      }
+    } else {
+      timer("ffn_fwd", stream, [&] { dense_ffn_forward_gpu(run, dw_, Lw.dense, yn, m, N); });
+    }
+    add_inplace(pp, m, int64_t(nd), stream);
+    return s;
+  };
+
+  // ---- forward, recording each layer's input ----
+  embedding_gather(dw_.bf16(W.embed), tokens_dev, N, d, p, stream);
+  int sealed = 0;
+  bool p_empty = false;
+  for (int i = 0; i < L; ++i) {
+    copy(p_in[size_t(i)], p);
+    sealed_in[size_t(i)] = sealed;
+    p_empty_in[size_t(i)] = p_empty;
+    sealed = layer_forward(i, p, true);
+    p_empty = false;
+  }
+  if (attnres) {
+    sources_of(sealed, true, p);
+    attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(W.output_site.query),
+                    dw_.f32(W.output_site.norm), final_in, N, d, eps, stream);
+  } else {
+    copy(final_in, p);
+  }
+  rmsnorm_to_bf16(final_in, dw_.f32(W.final_norm), final_h, N, d, eps, stream);
+
+  // ---- fused LM head + cross-entropy, tile by tile ----
+  timer("lm_head", stream, [&] {
+    DeviceArenaScope scope(run.scratch);
+    void* ce_ws = run.scratch.alloc_bytes(cross_entropy_workspace_bytes(lm_rows));
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = t * lm_rows, rows = std::min(lm_rows, N - r0);
+      linear(run, final_h + r0 * d, dw_.bf16(W.lm_head), rows, d, V, logits, GemmOutType::F32);
+      cross_entropy_forward_backward(logits, targets_dev + r0, logits, rows, V, loss_scale,
+                                     ce_results + t, ce_ws, stream);
+      convert_f32_to_bf16(logits, dlogits, rows * V, stream);
+      // dh rows = dlogits·W_lm (written), dW_lm += dlogitsᵀ·final_h.
+      linear_backward(run, final_h + r0 * d, dw_.bf16(W.lm_head), dlogits, rows, d, V,
+                      dh + r0 * d, GemmOutType::F32, 0.0f, grads_.at(W.lm_head));
+    }
+  });
+
+  // ---- backward ----
+  zero(dp, nd * 4);
+  zero(dblocks, nd * size_t(nb) * 4);
+  zero(dx, nd * 4);
+  auto norm_backward = [&](const float* in, const float* w, const float* dy_rows) {
+    // dx = ∂L/∂in of in → RMSNorm(in)·w given dy_rows; the norm weight's gradient accumulates.
+    DeviceArenaScope scope(run.scratch);
+    void* ws = run.scratch.alloc_bytes(rmsnorm_backward_workspace_bytes(N, d));
+    zero(dx, nd * 4);
+    timer("norm_bwd", stream, [&] { rmsnorm_backward(in, dw_.f32(w), dy_rows, dx, grads_.at(w), N, d, eps, ws, stream); });
+  };
+  auto mix_backward = [&](const AttnResSiteWeights& site) {
+    // srcs / dsrcs set by the caller; dx is the gradient of the mix's output.
+    DeviceArenaScope scope(run.scratch);
+    void* ws = run.scratch.alloc_bytes(attnres_backward_workspace_bytes(N, d, int(srcs.size())));
+    timer("attnres_bwd", stream, [&] {
+      attnres_backward(srcs.data(), int(srcs.size()), dw_.f32(site.query), dw_.f32(site.norm), dx,
+                       dsrcs.data(), grads_.at(site.query), grads_.at(site.norm), N, d, eps, ws,
+                       stream);
+    });
+  };
+  norm_backward(final_in, W.final_norm, dh);
+  if (attnres) {
+    sources_of(sealed, true, p);
+    dsources_of(sealed, true);
+    mix_backward(W.output_site);
+  } else {
+    add_inplace(dp, dx, int64_t(nd), stream);
+  }
+  for (int i = int(L) - 1; i >= 0; --i) {
+    const LayerWeights& Lw = W.layers[size_t(i)];
+    const int s_in = sealed_in[size_t(i)];
+    copy(p, p_in[size_t(i)]);  // rebuild layer i's record from its input
+    layer_forward(i, p, false);
+    const bool seals = attnres && i % c.attn_res_block == 0;
+    const int s_mid = s_in + (seals ? 1 : 0);
+    // FFN sub-layer: p_out = p_mid + FFN(norm(y)), y = mix(blocks[0..s_mid), p_mid).
+    if (c.ffns[size_t(i)] == FfnKind::MoE)
+      timer("moe_bwd", stream, [&] { moe_layer_backward_gpu(run, dw_, grads_, Lw.moe, yn, dp, dxn, N); });
+    else
+      timer("ffn_bwd", stream, [&] { dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, yn, dp, dxn, N); });
+    norm_backward(y, Lw.post_norm, dxn);
+    if (attnres) {
+      sources_of(s_mid, true, p_mid);
+      dsources_of(s_mid, true);
+      mix_backward(Lw.ffn_site);
+    } else {
+      add_inplace(dp, dx, int64_t(nd), stream);
+    }
+    // Mixer sub-layer: p_mid = [p_in +] Mixer(norm(x)); dp is now ∂L/∂p_mid = ∂L/∂(mixer out).
+    if (c.mixers[size_t(i)] == MixerKind::KDA)
+      timer("kda_bwd", stream, [&] { kda_layer_backward_gpu(run, dw_, grads_, Lw.kda, xn, dp, dxn, B, T, doc_dev); });
+    else
+      timer("mla_bwd", stream, [&] { mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, xn, dp, dxn, B, T, doc_dev); });
+    norm_backward(x, Lw.input_norm, dxn);
+    if (seals) {  // p restarted after sealing: p_in's gradient is what its sealed copy collected
+      float* db = dblocks + size_t(s_in) * nd;
+      copy(dp, db);
+      zero(db, nd * 4);
+    }
+    if (attnres && s_in > 0) {  // x = mix(blocks[0..s_in), p_in)
+      sources_of(s_in, !p_empty_in[size_t(i)], p_in[size_t(i)]);
+      dsources_of(s_in, !p_empty_in[size_t(i)]);
+      mix_backward(Lw.attn_site);
+    } else {
+      add_inplace(dp, dx, int64_t(nd), stream);
+    }
+  }
+  {  // deterministic: rows of one token summed in position order
+    DeviceArenaScope scope(run.scratch);
+    void* ws = run.scratch.alloc_bytes(embedding_backward_workspace_bytes(N, V));
+    timer("embed_bwd", stream, [&] { embedding_backward(tokens_dev, dp, N, d, V, grads_.at(W.embed), ws, stream); });
+  }
+
+  std::vector<CrossEntropyDeviceResult> ce(static_cast<size_t>(tiles));
+  copy_to_host_async(ce.data(), ce_results, ce.size() * sizeof(CrossEntropyDeviceResult), stream);
+  stream_synchronize(stream);
+  check_last_error("train (cuda): forward_backward");
+  timer.report();
+  TrainStepResult res;
+  for (const auto& r : ce) {
+    res.loss_sum += r.loss_sum;
+    res.count += r.count;
+    res.correct += r.correct;
+  }
+  return res;
+}
+
+}  // namespace dm::cuda

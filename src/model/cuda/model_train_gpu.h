@@ -1,0 +1,70 @@
+// The whole-model training step on one GPU (SPEC §2, §5): forward + backward of the summed
+// cross-entropy over one micro-batch, the twin of ModelT<float>::forward_backward (model/model.h)
+// with the CPU's per-layer recompute: the forward keeps only each layer's input (fp32 [N, d]) and
+// the sealed AttnRes block sums; the backward re-runs one layer's forward from its input, then
+// back-propagates through its FFN and token mixer (layers.h *_backward_gpu, which recompute their
+// own internals from the normed rows).
+//
+// Precision: bf16 GEMM operands and activations inside the sub-layers, fp32 residual stream,
+// fp32 stream gradients, fp32 parameter gradients (DeviceGrads, accumulated across micro-batches
+// until the optimizer consumes them). The LM head + softmax cross-entropy run tile by tile
+// (rows × V fp32 logits per tile), so no [N, V] tensor is kept.
+//
+// Memory: DeviceWeights (bf16 + fp32 mirrors), DeviceGrads (4 B/param), one activation arena
+// (layer inputs, blocks, the current layer's record, stream gradients, LM-head tile) and one
+// scratch arena sized for the largest sub-layer forward/backward; both grow only when a larger
+// batch arrives.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/cuda/gpu_run.h"
+#include "model/model.h"
+
+namespace dm::cuda {
+
+class GpuTrainModel {
+ public:
+  // `host` holds the starting weights and must outlive this object; the device copies are made
+  // here. The host arena is NOT kept current by training: download_weights() refreshes it.
+  explicit GpuTrainModel(ModelWeights& host);
+  ~GpuTrainModel();
+  const ModelConfig& config() const { return dw_.config(); }
+
+  // tokens, targets [B, T] (host; −1 = no loss), doc_start [B·T] (host, nullable) → the loss sums
+  // of this micro-batch; gradients of Σ CE · loss_scale ACCUMULATE into grads(). `sink` receives
+  // each MoE layer's routing (host copies: scores [N, E], cutoff [N], idx [N, k]) for Quantile
+  // Balancing. Synchronises the stream before returning.
+  TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
+                                   const int32_t* doc_start, int64_t B, int64_t T,
+                                   double loss_scale, RoutingSink* sink = nullptr);
+
+  DeviceWeights& weights() { return dw_; }
+  DeviceGrads& grads() { return grads_; }
+  DeviceParamArena& master() { return master_; }  // fp32 master weights (the optimizer's)
+  // The run the step uses (cuBLAS handles, stream); exists before the first batch too.
+  GpuRun& run();
+  ModelWeights& host() { return host_; }
+
+  // master → host arena (checkpoints, evaluation on the CPU). Synchronous.
+  void download_weights();
+  // The routing biases QB set in the host arena → master weights and both mirrors.
+  void upload_router_biases();
+  size_t activation_bytes() const;
+
+ private:
+  void ensure_capacity(int64_t B, int64_t T);
+  ModelWeights& host_;
+  DeviceWeights dw_;
+  DeviceGrads grads_;
+  DeviceParamArena master_;
+  std::unique_ptr<GpuRun> run_;
+  std::unique_ptr<DeviceArena> act_;
+  int64_t capacity_B_ = 0, capacity_T_ = 0;
+  // Host staging of one MoE layer's routing for the sink.
+  std::vector<float> route_scores_, route_cutoff_;
+  std::vector<int32_t> route_idx_;
+};
+
+}  // namespace dm::cuda

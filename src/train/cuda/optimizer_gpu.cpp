@@ -1,0 +1,106 @@
+#include "train/cuda/optimizer_gpu.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/muon.h"
+#include "ops/cuda/residual_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+// Newton–Schulz workspace of the largest Muon block (0 without Muon).
+size_t muon_scratch_bytes(const ModelWeights& w, const OptimizerConfig& oc) {
+  if (oc.kind != OptimizerKind::Muon) return 0;
+  size_t bytes = 0;
+  for (const ParamEntry& e : w.params)
+    if (is_muon_matrix(e))
+      bytes = std::max(bytes, muon_workspace_bytes(e.shape[0], e.shape[1],
+                                                   muon_head_rows(e, w.cfg)));
+  return bytes;
+}
+
+}  // namespace
+
+GpuOptimizer::GpuOptimizer(const ModelWeights& host, const OptimizerConfig& oc)
+    : host_(host),
+      oc_(oc),
+      host_format_(host.cfg, oc),
+      m_(host),
+      v_(host),
+      scratch_(std::max(sum_squares_workspace_bytes(m_.numel()), muon_scratch_bytes(host, oc)) +
+               4096) {}
+
+GpuOptimizer::~GpuOptimizer() = default;
+
+size_t GpuOptimizer::state_bytes() const {
+  return size_t(m_.numel() + v_.numel()) * sizeof(float);
+}
+
+double GpuOptimizer::grad_norm(GpuRun& run, const DeviceGrads& grads) {
+  DeviceArenaScope scope(scratch_);
+  double* result = scratch_.alloc<double>(1);
+  void* ws = scratch_.alloc_bytes(sum_squares_workspace_bytes(grads.numel()));
+  sum_squares(grads.data(), grads.numel(), result, ws, run.stream);
+  double s = 0;
+  copy_to_host_async(&s, result, sizeof s, run.stream);
+  stream_synchronize(run.stream);
+  return std::sqrt(s);
+}
+
+void GpuOptimizer::scale_grads(GpuRun& run, DeviceGrads& grads, float s) {
+  scale_inplace(grads.data(), grads.numel(), s, run.stream);
+}
+
+void GpuOptimizer::step(GpuRun& run, DeviceParamArena& master, DeviceWeights& weights,
+                        const DeviceGrads& grads, float lr) {
+  ++step_;
+  uint16_t* bf16 = weights.bf16_data();
+  for (const ParamEntry& e : host_.params) {
+    if (!e.trainable) continue;
+    const int64_t off = host_.offset_of(e.data);
+    float* p = master.at(e.data);
+    const float* g = grads.at(e.data);
+    if (oc_.kind == OptimizerKind::Muon && is_muon_matrix(e)) {
+      MuonStep ms;
+      ms.lr = lr;
+      ms.momentum = oc_.muon_momentum;
+      ms.weight_decay = e.decay ? oc_.weight_decay : 0.0f;
+      ms.ns_steps = oc_.muon_ns_steps;
+      DeviceArenaScope scope(scratch_);
+      void* ws = scratch_.alloc_bytes(
+          muon_workspace_bytes(e.shape[0], e.shape[1], muon_head_rows(e, host_.cfg)));
+      muon_update(run.gemm, p, g, m_.at(e.data), bf16 + off, e.shape[0], e.shape[1],
+                  muon_head_rows(e, host_.cfg), ms, ws, run.stream);
+    } else {
+      AdamWStep s;
+      s.lr = lr;
+      s.beta1 = oc_.beta1;
+      s.beta2 = oc_.beta2;
+      s.eps = oc_.eps;
+      s.weight_decay = oc_.weight_decay;
+      s.step = step_;
+      s.decay = e.decay;
+      adamw_update(p, g, m_.at(e.data), v_.at(e.data), bf16 + off, e.numel(), s, run.stream);
+    }
+  }
+  weights.refresh_f32_from_master(master.data(), run.stream);
+}
+
+void GpuOptimizer::save(const std::string& path) {
+  m_.download(host_format_.first_moment());
+  v_.download(host_format_.second_moment());
+  host_format_.set_steps(step_);
+  host_format_.save(path);
+}
+
+void GpuOptimizer::load(const std::string& path) {
+  host_format_.load(path);
+  m_.upload(host_format_.first_moment());
+  v_.upload(host_format_.second_moment());
+  step_ = host_format_.steps();
+}
+
+}  // namespace dm::cuda

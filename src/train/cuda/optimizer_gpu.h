@@ -1,0 +1,41 @@
+// The optimizer step on the GPU (SPEC §2): the twin of train/optimizer.h on the device arenas of
+// GpuTrainModel. AdamW (and Muon for the hidden matrices when configured) update the fp32 master
+// weights from the fp32 gradients, write the bf16 compute copy in the same pass and refresh the
+// packed fp32 copies of the element-wise parameters; moments live on the device (8 B/param).
+// Global-norm clipping reads the gradient norm with one deterministic reduction.
+// Checkpoints use the CPU optimizer's file (optimizer.safetensors), so a run can resume on either.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model/cuda/gpu_run.h"
+#include "train/optimizer.h"
+
+namespace dm::cuda {
+
+class GpuOptimizer {
+ public:
+  GpuOptimizer(const ModelWeights& host, const OptimizerConfig& oc);
+  ~GpuOptimizer();
+  // √(Σ g²) over the whole gradient arena (synchronises the stream).
+  double grad_norm(GpuRun& run, const DeviceGrads& grads);
+  void scale_grads(GpuRun& run, DeviceGrads& grads, float s);
+  // One update with learning rate lr: master ← update(master, grads); weights' mirrors refreshed.
+  void step(GpuRun& run, DeviceParamArena& master, DeviceWeights& weights,
+            const DeviceGrads& grads, float lr);
+  int64_t steps() const { return step_; }
+  void save(const std::string& path);
+  void load(const std::string& path);
+  size_t state_bytes() const;
+
+ private:
+  const ModelWeights& host_;
+  OptimizerConfig oc_;
+  Optimizer host_format_;  // host moments: the checkpoint format (staging for save / load)
+  DeviceParamArena m_, v_;
+  DeviceArena scratch_;    // norm reduction + Newton–Schulz workspace
+  int64_t step_ = 0;
+};
+
+}  // namespace dm::cuda
