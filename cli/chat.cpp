@@ -11,6 +11,7 @@
 #include <string>
 
 #include "command.h"
+#include "device_generator.h"
 #include "core/error.h"
 #include "infer/generate.h"
 #include "infer/openai_output.h"
@@ -20,7 +21,7 @@
 namespace {
 
 dm::cli::Registrar reg("chat", "Chat with a model in the terminal (stdin / stdout)", [](CLI::App* app) {
-  static std::string model_dir, tokenizer_path, system_prompt;
+  static std::string model_dir, tokenizer_path, system_prompt, device = "cpu";
   static int64_t max_new = 512;
   static dm::SamplingParams sp;
   sp.temperature = 0.7f;
@@ -34,8 +35,12 @@ dm::cli::Registrar reg("chat", "Chat with a model in the terminal (stdin / stdou
   app->add_option("--min-p", sp.min_p, "Drop tokens below min_p × p_max (0 = off)");
   app->add_option("--repetition-penalty", sp.repetition_penalty, "> 1 discourages repeats");
   app->add_option("--seed", sp.seed, "Sampling seed");
+  app->add_option("--device", device, "cpu (fp32) or cuda (bf16 compute on the GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app->callback([] {
+    dm::cli::DeviceGenerator::require(device);
     auto model = dm::Model::load(model_dir);
+    dm::cli::DeviceGenerator generator(*model, device);
     const std::string tp = tokenizer_path.empty() ? model_dir + "/tokenizer.json" : tokenizer_path;
     DM_CHECK(std::filesystem::exists(tp), tp, ": chat needs a tokenizer (use --tokenizer)");
     const dm::Tokenizer tok = dm::Tokenizer::load(tp);
@@ -86,7 +91,7 @@ dm::cli::Registrar reg("chat", "Chat with a model in the terminal (stdin / stdou
         std::fwrite(ready.data(), 1, ready.size(), stdout);
         std::fflush(stdout);
       };
-      dm::generate(*model, prompt, go, [&](int32_t t) {
+      generator.generate(prompt, go, [&](int32_t t) {
         reply.add(t);
         print_ready();
       });

@@ -9,36 +9,9 @@
 #include "infer/generate.h"
 #include "io/tokenizer.h"
 #include "model/model.h"
-#if DELTAMOE_HAVE_CUDA
-#include "model/cuda/generate_gpu.h"
-#include "ops/cuda/device.h"
-#endif
+#include "device_generator.h"
 
 namespace {
-
-// --device cuda needs a CUDA build and a GPU: say so before the model is loaded.
-void require_cuda() {
-#if DELTAMOE_HAVE_CUDA
-  DM_CHECK(dm::cuda::device_available(), "--device cuda: ", dm::cuda::device_description());
-#else
-  throw dm::Error(
-      "--device cuda: this build has no CUDA backend (configure with -DDELTAMOE_CUDA=ON)");
-#endif
-}
-
-// --device cuda: cached decoding on the GPU (bf16 compute, fp32 logits, host sampling).
-std::vector<int32_t> generate_cuda(const dm::Model& model, const std::vector<int32_t>& ids,
-                                   const dm::GenerateOptions& go,
-                                   const std::function<void(int32_t)>& on_token) {
-#if DELTAMOE_HAVE_CUDA
-  const dm::cuda::DeviceWeights dw(model.weights());
-  return dm::cuda::generate_gpu(dw, ids, go, on_token);
-#else
-  (void)model, (void)ids, (void)go, (void)on_token;
-  require_cuda();
-  return {};
-#endif
-}
 
 std::vector<int32_t> parse_ids(const std::string& s) {
   std::vector<int32_t> ids;
@@ -81,7 +54,7 @@ dm::cli::Registrar reg("generate", "Generate a continuation of a prompt", [](CLI
   app->add_option("--device", device, "cpu (fp32) or cuda (bf16 compute on the GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app->callback([] {
-    if (device == "cuda") require_cuda();
+    dm::cli::DeviceGenerator::require(device);
     auto model = dm::Model::load(model_dir);
     const std::string tp = tokenizer_path.empty() ? model_dir + "/tokenizer.json" : tokenizer_path;
     std::unique_ptr<dm::Tokenizer> tok;
@@ -109,8 +82,8 @@ dm::cli::Registrar reg("generate", "Generate a continuation of a prompt", [](CLI
       else std::printf("%d ", t);
       std::fflush(stdout);
     };
-    const auto out = device == "cuda" ? generate_cuda(*model, ids, go, on_token)
-                                      : dm::generate(*model, ids, go, on_token);
+    dm::cli::DeviceGenerator generator(*model, device);
+    const auto out = generator.generate(ids, go, on_token);
     if (json_out) {
       std::printf("{\"output_ids\": [");
       for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? ", " : "", out[i]);

@@ -14,6 +14,7 @@
 
 #include "core/gemm.h"
 #include "infer/decode.h"
+#include "infer/decode_backend.h"
 
 namespace dm {
 
@@ -54,43 +55,6 @@ using Clock = std::chrono::steady_clock;
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
-
-// ---------------------------------------------------------------------------------------------
-// The decode API (infer/decode.h). Every call the scheduler makes into it lives in this one
-// struct, so re-pointing the scheduler at another cache touches only this section.
-//   cache: S slots × max_length tokens; logits rows are [V] per slot.
-struct SchedulerDecodeBackend {
-  SchedulerDecodeBackend(const ModelConfig& cfg, int64_t slots, int64_t max_length,
-                         size_t prefix_cache_bytes)
-      : state(cfg, slots, max_length, pool_options(cfg, slots, max_length, prefix_cache_bytes)) {
-    if (prefix_cache_bytes > 0) state.enable_prefix_cache(prefix_cache_bytes);
-  }
-  // Pages for every slot at full length, plus room for the prefix cache's pinned pages.
-  static DecodeStateOptions pool_options(const ModelConfig& cfg, int64_t slots, int64_t max_length,
-                                         size_t prefix_cache_bytes) {
-    DecodeStateOptions o;
-    if (prefix_cache_bytes == 0) return o;
-    const size_t page = DecodeState::page_bytes(cfg, o.page_tokens);
-    if (page == 0) return o;  // no MLA layer: nothing paged
-    const int64_t per_slot = (max_length + o.page_tokens - 1) / o.page_tokens;
-    o.page_pool_bytes = size_t(slots * per_slot) * page + prefix_cache_bytes;
-    return o;
-  }
-  int64_t cached_tokens(int64_t slot) const { return state.cached_tokens[size_t(slot)]; }
-  // Prompt ids [n] into `slot` (replacing what it held); the last position's logits → row [V].
-  void prefill_slot(Model& model, int64_t slot, std::span<const int32_t> prompt, float* row) {
-    prefill(model, state, slot, prompt.data(), int64_t(prompt.size()), row);
-  }
-  // One token per active slot: next_ids [S], active [S] (0/1) → logits [S, V] (active rows).
-  void decode_active(Model& model, const int32_t* next_ids, const int* active, float* logits) {
-    decode_step(model, state, next_ids, active, logits);
-  }
-  // The slot's sequence is done: its latent-cache pages go back to the pool at once (pages a
-  // prefix-cache entry shares stay pinned by it).
-  void release_slot(int64_t slot) { release(state, slot); }
-  DecodeState state;
-};
-// ---------------------------------------------------------------------------------------------
 
 struct WaitingRequest {
   uint64_t id = 0;
@@ -140,7 +104,7 @@ struct Scheduler::Engine {
   SchedulerOptions opt;
   int64_t S = 0, Lmax = 0, V = 0;
   int threads = 0;
-  std::unique_ptr<SchedulerDecodeBackend> backend;
+  std::unique_ptr<DecodeBackend> backend;
   // Engine-thread buffers, sized once.
   std::vector<float> logits;            // [S, V]
   std::vector<float> logprob_scratch;   // [V]
@@ -178,7 +142,7 @@ Scheduler::Engine::Engine(std::unique_ptr<Model> m, const SchedulerOptions& o)
   Lmax = opt.max_context > 0 ? opt.max_context : c.max_context;
   V = c.vocab_size;
   threads = num_threads();
-  backend = std::make_unique<SchedulerDecodeBackend>(c, S, Lmax, opt.prefix_cache_bytes);
+  backend = make_decode_backend(opt.device, *model, S, Lmax, opt.prefix_cache_bytes);
   logits.assign(size_t(S * V), 0.0f);
   logprob_scratch.assign(size_t(V), 0.0f);
   top_scratch.assign(size_t(V), TokenLogprob{});

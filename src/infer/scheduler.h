@@ -85,6 +85,9 @@ struct SchedulerOptions {
   // they pin, on top of the slots' pages; 0 = off. Prompts sharing a cached prefix prefill only
   // the rest (RequestOutcome::cached_tokens).
   size_t prefix_cache_bytes = 0;
+  // Where the cache lives and decoding runs (infer/decode_backend.h): "cpu", or "cuda" (the GPU
+  // decoder: bf16 compute, chunked prefill, batched decode steps; no prefix cache).
+  std::string device = "cpu";
 };
 
 // Fixed-bucket latency histogram in seconds (Prometheus `le` buckets; the last is +Inf).

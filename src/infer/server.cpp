@@ -153,6 +153,7 @@ Server::Impl::Impl(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> t, S
   so.max_queue = opt.max_queue;
   so.prefill_token_budget = opt.prefill_token_budget;
   so.prefix_cache_bytes = opt.prefix_cache_bytes;
+  so.device = opt.device;
   limits.model_name = opt.model_name;
   limits.max_context = so.max_context;
   limits.vocab_size = c.vocab_size;

@@ -28,6 +28,7 @@ struct ServerOptions {
   double timeout_s = 600;                 // per request, queueing included; 0 = none
   int64_t prefill_token_budget = 4096;    // prompt tokens prefilled per scheduler iteration
   size_t prefix_cache_bytes = 0;          // hybrid prefix cache budget (0 = off)
+  std::string device = "cpu";             // cpu | cuda (SchedulerOptions::device)
   int max_n = 8;                          // choices per request
 };
 

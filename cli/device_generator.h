@@ -1,0 +1,55 @@
+// `--device cpu|cuda` for the commands that generate (generate, chat): one object that holds the
+// GPU upload of the weights across calls (chat generates once per turn) and says clearly when
+// cuda is asked of a build or a machine without it — before the model is loaded (require()).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "infer/generate.h"
+#include "model/model.h"
+#if DELTAMOE_HAVE_CUDA
+#include "model/cuda/generate_gpu.h"
+#include "ops/cuda/device.h"
+#endif
+
+namespace dm::cli {
+
+class DeviceGenerator {
+ public:
+  // Throws dm::Error when `device` is "cuda" and there is no CUDA backend or no GPU.
+  static void require(const std::string& device) {
+    if (device != "cuda") return;
+#if DELTAMOE_HAVE_CUDA
+    DM_CHECK(cuda::device_available(), "--device cuda: ", cuda::device_description());
+#else
+    throw Error("--device cuda: this build has no CUDA backend (configure with -DDELTAMOE_CUDA=ON)");
+#endif
+  }
+
+  // cuda: uploads the weights once (bf16 compute, fp32 logits, host sampling).
+  DeviceGenerator(Model& model, const std::string& device) : model_(model) {
+    require(device);
+#if DELTAMOE_HAVE_CUDA
+    if (device == "cuda") dw_ = std::make_unique<cuda::DeviceWeights>(model.weights());
+#endif
+  }
+
+  std::vector<int32_t> generate(const std::vector<int32_t>& prompt, const GenerateOptions& go,
+                                const std::function<void(int32_t)>& on_token) {
+#if DELTAMOE_HAVE_CUDA
+    if (dw_) return cuda::generate_gpu(*dw_, prompt, go, on_token);
+#endif
+    return dm::generate(model_, prompt, go, on_token);
+  }
+
+ private:
+  Model& model_;
+#if DELTAMOE_HAVE_CUDA
+  std::unique_ptr<cuda::DeviceWeights> dw_;
+#endif
+};
+
+}  // namespace dm::cli

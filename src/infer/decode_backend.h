@@ -1,0 +1,41 @@
+// The cache a Scheduler decodes with (SPEC §5): the CPU DecodeState (infer/decode.h, with the
+// hybrid prefix cache) or the GPU decoder (model/cuda/decode_gpu.h; infer/cuda/
+// decode_backend_gpu.cpp). The scheduler's engine thread is the only caller.
+//   slots: S decode slots of up to max_length tokens; logits rows are [V] per slot.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "model/model.h"
+
+namespace dm {
+
+class DecodeBackend {
+ public:
+  virtual ~DecodeBackend() = default;
+  // Prompt tokens the last prefill of `slot` took from the prefix cache (0 without one).
+  virtual int64_t cached_tokens(int64_t slot) const = 0;
+  // Prompt ids into `slot` (replacing what it held); the last position's logits → row [V].
+  virtual void prefill_slot(Model& model, int64_t slot, std::span<const int32_t> prompt,
+                            float* row) = 0;
+  // One token per active slot: next_ids [S], active [S] (0/1) → logits [S, V] (active rows).
+  virtual void decode_active(Model& model, const int32_t* next_ids, const int* active,
+                             float* logits) = 0;
+  // The slot's sequence is done (its cache may be reused at once).
+  virtual void release_slot(int64_t slot) = 0;
+};
+
+// device "cpu": DecodeState with prefix_cache_bytes of prefix cache (0 = off). device "cuda":
+// GpuDecoder over a bf16 upload of model's weights (which must outlive it); no prefix cache, so
+// prefix_cache_bytes must be 0. Throws dm::Error for an unknown device, a build without the CUDA
+// backend or a machine without a GPU.
+std::unique_ptr<DecodeBackend> make_decode_backend(const std::string& device, const Model& model,
+                                                   int64_t slots, int64_t max_length,
+                                                   size_t prefix_cache_bytes);
+// The GPU backend (CUDA builds only).
+std::unique_ptr<DecodeBackend> make_cuda_decode_backend(const Model& model, int64_t slots,
+                                                        int64_t max_length);
+
+}  // namespace dm
