@@ -47,7 +47,8 @@ struct ExpertBuffers {
   uint16_t* h;             // [R, F]   act(g, u) → dh → dg
   uint16_t* out;           // [R, Din] E_j(x_t) per row → dout = w·dy rows
   float* dx_sorted;        // [R, Din] ∂L/∂x per row (fp32: summed per token afterwards)
-  const void** pointers;   // grouped GEMM pointer arrays (9E)
+  const void** pointers;   // grouped GEMM pointer arrays (9E: the recompute's forward layout;
+                           // the backward's dh GEMM reuses the first 3E)
 };
 
 ExpertBuffers carve(void* workspace, int64_t rows, const ExpertWeightsBf16& ew) {
@@ -134,7 +135,8 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
 void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const float* w,
                           const ExpertWeightsBf16& ew, const GluActivation& act, const float* dy,
                           float* dweights, float* dx, bool dx_accumulate,
-                          const ExpertGradsF32& grads, void* workspace, CUstream_st* stream) {
+                          const ExpertGradsF32& grads, void* workspace, CUstream_st* stream,
+                          MoeGemmPath path) {
   const char* who = "moe_experts_backward (cuda)";
   check_plan(who, plan, ew);
   DM_CHECK(w && dy && workspace, who, ": null argument");
@@ -156,22 +158,51 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
 
   // Down projection out = h·W_downᵀ per expert e (rows [begin, begin + n)):
   //   dW_down[e] [Din, F] += doutᵀ[Din, n]·h[n, F];  dh [n, F] = dout[n, Din]·W_down[e][Din, F]
-  // dh overwrites h (stream order: the dW GEMM that reads h_e is queued first).
-  for (int64_t e = 0; e < ew.E; ++e) {
-    const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
-    if (n == 0) continue;
+  // dh overwrites h (stream order: every dW GEMM that reads h_e is queued before the dh GEMM
+  // that writes it).
+  auto down_weight_grad = [&](int64_t e, int64_t begin, int64_t n) {
+    gemm.gemm_bf16(true, false, Din, F, n, 1.0f, dout + begin * Din, Din, buf.h + begin * F, F,
+                   1.0f, grads.down + e * Din * F, GemmOutType::F32, F, stream);
+  };
+  if (path == MoeGemmPath::Grouped) {
+    // dW_down has an fp32 C (no grouped form, see moe_backward.h): per expert, all queued first;
+    // then every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
+    // (stream order), so the dh arrays reuse the first 3E entries of the same region.
     if (grads.down)
-      gemm.gemm_bf16(true, false, Din, F, n, 1.0f, dout + begin * Din, Din, buf.h + begin * F, F,
-                     1.0f, grads.down + e * Din * F, GemmOutType::F32, F, stream);
-    gemm.gemm_bf16(false, false, n, F, Din, 1.0f, dout + begin * Din, Din, ew.down + e * Din * F,
-                   F, 0.0f, buf.h + begin * F, GemmOutType::Bf16, F, stream);
+      for (int64_t e = 0; e < ew.E; ++e) {
+        const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+        if (n > 0) down_weight_grad(e, begin, n);
+      }
+    DM_CHECK(rows <= std::numeric_limits<int32_t>::max(), who, ": ", rows,
+             " rows exceed the grouped GEMM's int32 sizes");
+    moe_detail::DownBackwardGemm g;
+    g.dout = dout;
+    g.down_w = ew.down;
+    g.dh = buf.h;
+    g.pointer_arrays = buf.pointers;
+    g.E = int(ew.E);
+    g.Din = Din;
+    g.F = F;
+    void* host = gemm.host_scratch(moe_detail::down_backward_grouped_host_bytes(g.E));
+    moe_detail::run_down_backward_grouped(gemm.cublas_handle(), g, plan.host_offsets,
+                                          plan.offsets, host, stream);
+  } else {
+    for (int64_t e = 0; e < ew.E; ++e) {
+      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+      if (n == 0) continue;
+      if (grads.down) down_weight_grad(e, begin, n);
+      gemm.gemm_bf16(false, false, n, F, Din, 1.0f, dout + begin * Din, Din,
+                     ew.down + e * Din * F, F, 0.0f, buf.h + begin * F, GemmOutType::Bf16, F,
+                     stream);
+    }
   }
   // (dg, du) = GLU backward at the recomputed (g, u): dg over dh, du over u.
   glu_backward(buf.gate, buf.up, buf.h, buf.h, buf.up, rows * F, act, stream);
   const uint16_t* dg = buf.h;
   const uint16_t* du = buf.up;
 
-  // Gate/up projections g = x·W_gateᵀ, u = x·W_upᵀ per expert:
+  // Gate/up projections g = x·W_gateᵀ, u = x·W_upᵀ per expert (both paths: every GEMM here has
+  // an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B):
   //   dW_gate[e] [F, Din] += dgᵀ[F, n]·x[n, Din] (dW_up likewise with du);
   //   dx rows [n, Din] fp32 = dg·W_gate[e] + du·W_up[e].
   for (int64_t e = 0; e < ew.E; ++e) {

@@ -1,13 +1,16 @@
 // Kernels of the MoE backward (moe_kernels.h "Backward" section; checked entry points in
 // moe_backward.cpp): router backward, routing-weight gradients, the weighted gather of the
-// output gradient into expert-sorted rows and the per-token sum of the rows' input gradients.
-// All memory-bound; every reduction has a fixed order (deterministic run to run, no atomics).
+// output gradient into expert-sorted rows and the per-token sum of the rows' input gradients
+// (all memory-bound; every reduction has a fixed order: deterministic run to run, no atomics),
+// and the grouped dh GEMM of the down projection (cublasGemmGroupedBatchedEx).
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/moe_backward.h"
 #include "ops/cuda/moe_kernels.h"
 
 namespace dm::cuda::moe_detail {
@@ -123,7 +126,95 @@ __global__ void unpermute_sum_rows_kernel(const float4* sorted, const int32_t* r
   }
 }
 
+// One warp: the A/B/C pointer arrays of the grouped dh GEMM, group g = rank of expert e among
+// the non-empty experts in ascending order (the order run_down_backward_grouped gives the host
+// descriptor arrays). A = W_down_e [Din, F], B = dout rows [n_e, Din], C = dh rows [n_e, F].
+__global__ void down_backward_pointer_kernel(const int64_t* offsets, DownBackwardGemm g) {
+  const int lane = int(threadIdx.x);
+  const void** A = g.pointer_arrays;
+  const void** B = A + g.E;
+  void** C = const_cast<void**>(B + g.E);
+  int carry = 0;
+  for (int base = 0; base < g.E; base += 32) {  // same trip count in every lane: ballot is safe
+    const int e = base + lane;
+    const int64_t begin = e < g.E ? offsets[e] : 0;
+    const bool nonempty = e < g.E && offsets[e + 1] > begin;
+    const unsigned mask = __ballot_sync(0xffffffffu, nonempty);
+    if (nonempty) {
+      const int slot = carry + __popc(mask & ((1u << lane) - 1u));
+      A[slot] = g.down_w + int64_t(e) * g.Din * g.F;
+      B[slot] = g.dout + begin * g.Din;
+      C[slot] = g.dh + begin * g.F;
+    }
+    carry += __popc(mask);
+  }
+}
+
 }  // namespace
+
+size_t down_backward_grouped_host_bytes(int E) {
+  return size_t(E) * (2 * sizeof(cublasOperation_t) + 7 * sizeof(int) + 2 * sizeof(float));
+}
+
+void run_down_backward_grouped(void* cublas_handle, const DownBackwardGemm& g,
+                               const int64_t* host_offsets, const int64_t* device_offsets,
+                               void* host_scratch, CUstream_st* stream) {
+  const int E = g.E;
+  int groups = 0;
+  for (int e = 0; e < E; ++e) groups += host_offsets[e + 1] > host_offsets[e];
+  if (groups == 0) return;
+  down_backward_pointer_kernel<<<1, 32, 0, stream>>>(device_offsets, g);
+  check_launch("down_backward_pointer_kernel");
+  // Host descriptor arrays, one entry per group (one problem per group).
+  char* cursor = static_cast<char*>(host_scratch);
+  auto take = [&](size_t bytes) {
+    void* p = cursor;
+    cursor += bytes;
+    return p;
+  };
+  auto* op_a = static_cast<cublasOperation_t*>(take(E * sizeof(cublasOperation_t)));
+  auto* op_b = static_cast<cublasOperation_t*>(take(E * sizeof(cublasOperation_t)));
+  int* m = static_cast<int*>(take(E * sizeof(int)));
+  int* n = static_cast<int*>(take(E * sizeof(int)));
+  int* kdim = static_cast<int*>(take(E * sizeof(int)));
+  int* lda = static_cast<int*>(take(E * sizeof(int)));
+  int* ldb = static_cast<int*>(take(E * sizeof(int)));
+  int* ldc = static_cast<int*>(take(E * sizeof(int)));
+  int* group_size = static_cast<int*>(take(E * sizeof(int)));
+  float* alpha = static_cast<float*>(take(E * sizeof(float)));
+  float* beta = static_cast<float*>(take(E * sizeof(float)));
+  // Column-major view (see gemm.cu): row-major dh[n_e, F] = dout[n_e, Din]·W[Din, F] is
+  // dhᵀ [F, n_e] (ld F) = W as col-major [F, Din] (ld F) · dout as col-major [Din, n_e] (ld Din),
+  // both operands untransposed.
+  int i = 0;
+  for (int e = 0; e < E; ++e) {
+    const int64_t rows = host_offsets[e + 1] - host_offsets[e];
+    if (rows == 0) continue;
+    op_a[i] = CUBLAS_OP_N;
+    op_b[i] = CUBLAS_OP_N;
+    m[i] = int(g.F);
+    n[i] = int(rows);
+    kdim[i] = int(g.Din);
+    lda[i] = int(g.F);
+    ldb[i] = int(g.Din);
+    ldc[i] = int(g.F);
+    group_size[i] = 1;
+    alpha[i] = 1.0f;
+    beta[i] = 0.0f;
+    ++i;
+  }
+  const void* const* A = g.pointer_arrays;
+  const void* const* B = A + E;
+  void* const* C = const_cast<void* const*>(B + E);
+  cublasHandle_t handle = static_cast<cublasHandle_t>(cublas_handle);
+  const cublasStatus_t set_status = cublasSetStream(handle, stream);
+  DM_CHECK(set_status == CUBLAS_STATUS_SUCCESS, "cublasSetStream failed: ", int(set_status));
+  const cublasStatus_t status = cublasGemmGroupedBatchedEx(
+      handle, op_a, op_b, m, n, kdim, alpha, A, CUDA_R_16BF, lda, B, CUDA_R_16BF, ldb, beta, C,
+      CUDA_R_16BF, ldc, groups, group_size, CUBLAS_COMPUTE_32F);
+  DM_CHECK(status == CUBLAS_STATUS_SUCCESS, "cublasGemmGroupedBatchedEx (MoE dh, ", groups,
+           " groups) failed: cuBLAS status ", int(status));
+}
 
 void launch_route_backward(const float* scores, const int32_t* idx, const float* dweights,
                            int64_t N, int E, int k, bool renormalize, float scaling,

@@ -58,13 +58,20 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
 //     combined), nullable;
 //   dx [N, Din] fp32 = ∂L/∂x, ACCUMULATED when dx_accumulate, else WRITTEN; nullable;
 //   grads.* += ∂L/∂W (fp32).
-// The weight-gradient GEMMs run per non-empty expert (cuBLAS' grouped GEMM has no bf16 → fp32
-// accumulate form), never over a dense mask. Overwrites the workspace's h and out buffers.
+// GEMMs over the non-empty experts only, never over a dense mask:
+//   Grouped: dh [rows_e, F] bf16 = dout_e·W_down_e is one cublasGemmGroupedBatchedEx call. The
+//     GEMMs with fp32 C (dW_down, dW_gate, dW_up with beta = 1, and the fp32 dx rows) stay one
+//     cuBLASLt GEMM per expert: cuBLAS' grouped GEMM has no bf16 A/B → fp32 C form (cuBLAS 13.1
+//     returns CUBLAS_STATUS_NOT_SUPPORTED for it under CUBLAS_COMPUTE_32F).
+//   Loop: every GEMM per expert (the reference path).
+// The two paths differ only in the dh GEMM's kernel (same bf16 rounding of an fp32 sum).
+// Overwrites the workspace's h and out buffers and its grouped-GEMM pointer arrays. `path` comes
+// after `stream` so existing (…, workspace, stream) calls keep their meaning.
 void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const float* w,
                           const ExpertWeightsBf16& ew, const GluActivation& act, const float* dy,
                           float* dweights, float* dx, bool dx_accumulate,
                           const ExpertGradsF32& grads, void* workspace,
-                          CUstream_st* stream = nullptr);
+                          CUstream_st* stream = nullptr, MoeGemmPath path = MoeGemmPath::Grouped);
 
 // Router backward with the selection fixed (ops/cpu/moe.h moe_route_backward): scores [N, E],
 // idx [N, k] as moe_route wrote them, dweights [N, k] = ∂L/∂w; dlogits [N, E] fp32 WRITTEN
@@ -86,5 +93,26 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                       float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
                       int64_t d, int64_t F, const GluActivation& act, void* workspace,
                       CUstream_st* stream = nullptr);
+
+// ---- Internal: moe_backward.cpp → moe_backward.cu (not for use outside src/ops/cuda/moe*) -----
+namespace moe_detail {
+// Grouped dh GEMM of the down projection, one group per non-empty expert e (rows
+// [begin_e, begin_e + n_e) of the plan's sorted order):
+//   dh[begin_e : begin_e + n_e, :] [n_e, F] bf16 = dout[begin_e …] [n_e, Din] · W_down_e [Din, F]
+// (fp32 accumulate, beta = 0). host_offsets / device_offsets: the plan's offsets [E+1] on the
+// host and the device; host_scratch ≥ down_backward_grouped_host_bytes(E) bytes of host memory.
+struct DownBackwardGemm {
+  const uint16_t* dout;         // [R, Din] w·dy rows
+  const uint16_t* down_w;       // [E, Din, F]
+  uint16_t* dh;                 // [R, F]
+  const void** pointer_arrays;  // device, ≥ 3·E entries (A, B, C arrays of the grouped call)
+  int E = 0;
+  int64_t Din = 0, F = 0;
+};
+size_t down_backward_grouped_host_bytes(int E);
+void run_down_backward_grouped(void* cublas_handle, const DownBackwardGemm& g,
+                               const int64_t* host_offsets, const int64_t* device_offsets,
+                               void* host_scratch, CUstream_st* stream);
+}  // namespace moe_detail
 
 }  // namespace dm::cuda
