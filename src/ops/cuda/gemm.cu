@@ -135,7 +135,13 @@ void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, in
 
   const uint32_t align_a = pointer_alignment(B), align_b = pointer_alignment(A),
                  align_c = pointer_alignment(C);
-  const int64_t key[13] = {trans_a,      trans_b,      M,           N,      K,
+  // The cache is keyed on the power-of-two bucket of each dimension, not its exact value: the
+  // MoE's per-expert GEMMs change M (rows of an expert) or K (its rows, for weight gradients)
+  // every call, and a heuristic query per call costs more than the GEMM. An algorithm chosen for
+  // one shape of a bucket is reused for the others; if cuBLASLt rejects it for a shape, that call
+  // queries its own (uncached).
+  auto bucket = [](int64_t x) { return int64_t(64 - __builtin_clzll(uint64_t(x))); };
+  const int64_t key[13] = {trans_a,      trans_b,      bucket(M),   bucket(N), bucket(K),
                            lda,          ldb,          ldc,         out_f32, beta != 0.0f,
                            int64_t(align_a), int64_t(align_b), int64_t(align_c)};
   const cublasLtMatmulAlgo_t* algo = nullptr;
@@ -144,7 +150,7 @@ void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, in
       algo = &cache_[i].algo;
       break;
     }
-  if (!algo) {
+  auto heuristic = [&](cublasLtMatmulAlgo_t* out) {
     cublasLtMatmulPreferenceOpaque_t preference;
     DM_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&preference));
     const uint64_t max_workspace = lt_workspace_bytes_;
@@ -166,16 +172,26 @@ void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, in
         &preference, 1, &result, &returned));
     DM_CHECK(returned > 0, "gemm_bf16: cuBLASLt found no algorithm for M=", M, " N=", N, " K=", K,
              " lda=", lda, " ldb=", ldb, " ldc=", ldc);
+    *out = result.algo;
+  };
+  auto run = [&](const cublasLtMatmulAlgo_t* a) {
+    return cublasLtMatmul(static_cast<cublasLtHandle_t>(lt_), &op_desc, &alpha, B, &a_layout, A,
+                          &b_layout, &beta, C, &c_layout, C, &c_layout, a,
+                          static_cast<char*>(workspace_), lt_workspace_bytes_, stream);
+  };
+  if (!algo) {
     // Fixed-capacity cache, round-robin replacement once full.
     const int slot = cache_used_ < kAlgoCacheCapacity ? cache_used_++ : cache_next_++;
     if (cache_next_ >= kAlgoCacheCapacity) cache_next_ = 0;
     std::memcpy(cache_[slot].key, key, sizeof(key));
-    cache_[slot].algo = result.algo;
-    algo = &cache_[slot].algo;
+    heuristic(&cache_[slot].algo);
+    DM_CUBLAS_CHECK(run(&cache_[slot].algo));
+    return;
   }
-  DM_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(lt_), &op_desc, &alpha, B,
-                                 &a_layout, A, &b_layout, &beta, C, &c_layout, C, &c_layout, algo,
-                                 static_cast<char*>(workspace_), lt_workspace_bytes_, stream));
+  if (run(algo) == CUBLAS_STATUS_SUCCESS) return;
+  cublasLtMatmulAlgo_t exact;  // the bucket's algorithm does not apply to this shape
+  heuristic(&exact);
+  DM_CUBLAS_CHECK(run(&exact));
 }
 
 }  // namespace dm::cuda
