@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 #include <type_traits>
+#include <sys/mman.h>
 #include <unistd.h>
 #include <cstdlib>
 
@@ -45,11 +46,13 @@ NameTable name_table(WeightNaming n) {
   return {};
 }
 
-// Builds the table; with `arena == nullptr` only counts (data stays null).
+// Builds the table; with `arena == nullptr` only counts (data stays null), unless `raw` is given:
+// then views are placed at raw + the same offsets an Arena would give (ReservedWeights).
 template <typename Real>
 class TableBuilder {
  public:
-  TableBuilder(ModelWeightsT<Real>& w, Arena* arena) : w_(w), arena_(arena) {}
+  TableBuilder(ModelWeightsT<Real>& w, Arena* arena, uint8_t* raw = nullptr)
+      : w_(w), arena_(arena), raw_(raw) {}
   Real* add(const std::string& name, Shape shape, ParamInit init, bool decay = true,
              Shape file_shape = {}, int64_t file_pad = 0) {
     ParamEntryT<Real> e;
@@ -59,8 +62,10 @@ class TableBuilder {
     e.file_pad = file_pad;
     e.init = init;
     e.decay = decay;
+    const size_t at = bytes_;
     bytes_ += Arena::round_up(size_t(shape.numel()) * sizeof(Real));
     if (arena_) e.data = arena_->alloc<Real>(size_t(shape.numel()));
+    else if (raw_) e.data = reinterpret_cast<Real*>(raw_ + at);
     w_.params.push_back(e);
     return e.data;
   }
@@ -69,8 +74,10 @@ class TableBuilder {
   Real* add_stacked(const std::vector<std::string>& names, Shape slice, ParamInit init) {
     const int64_t n = slice.numel();
     Real* block = nullptr;
+    const size_t at = bytes_;
     bytes_ += Arena::round_up(size_t(n) * names.size() * sizeof(Real));
     if (arena_) block = arena_->alloc<Real>(size_t(n) * names.size());
+    else if (raw_) block = reinterpret_cast<Real*>(raw_ + at);
     for (size_t j = 0; j < names.size(); ++j) {
       ParamEntryT<Real> e;
       e.name = names[j];
@@ -86,15 +93,16 @@ class TableBuilder {
  private:
   ModelWeightsT<Real>& w_;
   Arena* arena_;
+  uint8_t* raw_ = nullptr;
   size_t bytes_ = 0;
 };
 
 template <typename Real>
-size_t build_table(ModelWeightsT<Real>& w, Arena* arena) {
+size_t build_table(ModelWeightsT<Real>& w, Arena* arena, uint8_t* raw = nullptr) {
   const ModelConfig& c = w.cfg;
   const NameTable nt = name_table(c.naming);
   const int64_t d = c.hidden, V = c.vocab_size;
-  TableBuilder<Real> tb(w, arena);
+  TableBuilder<Real> tb(w, arena, raw);
   w.params.clear();
   w.layers.assign(c.num_layers, LayerWeightsT<Real>{});
   const std::string m = nt.model;
@@ -304,6 +312,73 @@ void weights_init(ModelWeightsT<Real>& w, uint64_t seed) {
   }
 }
 
+float param_init_std(const ModelConfig& c, ParamInit init, const Shape& shape) {
+  // The same expressions as weights_init's.
+  switch (init) {
+    case ParamInit::Normal: return c.init_std;
+    case ParamInit::NormalOut: return c.init_std / std::sqrt(2.0f * float(std::max(1, c.num_layers)));
+    case ParamInit::Router: return c.moe.router_init_std;
+    case ParamInit::ConvNormal: return 1.0f / std::sqrt(float(shape[-1]));
+    default: return 0.0f;
+  }
+}
+
+template <typename Real>
+void weights_init_elementwise(ModelWeightsT<Real>& w, uint64_t seed) {
+  // The element-wise rules of weights_init (keep the two in step), one stream per parameter.
+  auto stream_seed = [](uint64_t s, uint64_t index) {  // splitmix64 of (seed, index)
+    uint64_t z = s ^ (0x9E3779B97F4A7C15ull * (index + 1));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (size_t j = 0; j < w.params.size(); ++j) {
+    ParamEntryT<Real>& e = w.params[j];
+    if (param_init_is_matrix(e.init)) continue;
+    const int64_t n = e.numel();
+    Real* x = e.data;
+    std::mt19937_64 rng(stream_seed(seed, uint64_t(j)));
+    std::uniform_real_distribution<double> u01(0.0, 1.0);
+    switch (e.init) {
+      case ParamInit::Ones: std::fill(x, x + n, Real(1)); break;
+      case ParamInit::Zeros: std::fill(x, x + n, Real(0)); break;
+      case ParamInit::ConvNormal: {
+        std::normal_distribution<float> nd(0.0f, param_init_std(w.cfg, e.init, e.shape));
+        for (int64_t i = 0; i < n; ++i) x[i] = Real(nd(rng));
+        break;
+      }
+      case ParamInit::KdaALog:  // A = U(1, 16), stored as log A
+        for (int64_t i = 0; i < n; ++i) x[i] = Real(float(std::log(1.0 + 15.0 * u01(rng))));
+        break;
+      case ParamInit::KdaDtBias:  // dt ~ logU(1e-3, 0.1); bias = softplus⁻¹(dt)
+        for (int64_t i = 0; i < n; ++i) {
+          const double dt = std::exp(std::log(1e-3) + u01(rng) * (std::log(0.1) - std::log(1e-3)));
+          x[i] = Real(float(dt + std::log(-std::expm1(-dt))));
+        }
+        break;
+      default: break;  // matrices: skipped above
+    }
+  }
+}
+
+ReservedWeights::ReservedWeights(const ModelConfig& cfg) : w_(std::make_unique<ModelWeightsT<float>>()) {
+  w_->cfg = cfg;
+  bytes_ = std::max<size_t>(build_table(*w_, nullptr), Arena::kAlign);
+  // MAP_NORESERVE: no swap/commit accounting for the untouched matrices (the kernel's default
+  // heuristic overcommit would refuse one mapping larger than RAM + swap otherwise).
+  void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  DM_CHECK(p != MAP_FAILED, "ReservedWeights: cannot reserve ", bytes_,
+           " bytes of address space for the weights layout");
+  base_ = p;
+  build_table(*w_, nullptr, static_cast<uint8_t*>(base_));
+}
+
+ReservedWeights::~ReservedWeights() {
+  w_.reset();
+  if (base_) ::munmap(base_, bytes_);
+}
+
 template <typename To, typename From>
 void weights_copy(const ModelWeightsT<From>& src, ModelWeightsT<To>& dst) {
   DM_CHECK(src.params.size() == dst.params.size(), "weights_copy: layouts differ");
@@ -364,6 +439,8 @@ template std::unique_ptr<ModelWeightsT<float>> weights_load<float>(const std::st
 template std::unique_ptr<ModelWeightsT<double>> weights_load<double>(const std::string&);
 template void weights_init<float>(ModelWeightsT<float>&, uint64_t);
 template void weights_init<double>(ModelWeightsT<double>&, uint64_t);
+template void weights_init_elementwise<float>(ModelWeightsT<float>&, uint64_t);
+template void weights_init_elementwise<double>(ModelWeightsT<double>&, uint64_t);
 template void weights_copy<float, float>(const ModelWeightsT<float>&, ModelWeightsT<float>&);
 template void weights_copy<double, float>(const ModelWeightsT<float>&, ModelWeightsT<double>&);
 template void weights_copy<float, double>(const ModelWeightsT<double>&, ModelWeightsT<float>&);

@@ -135,6 +135,44 @@ std::unique_ptr<ModelWeightsT<Real>> weights_load(const std::string& dir);
 // Random initialisation per SPEC rules (deterministic for a seed; the same values for any Real).
 template <typename Real>
 void weights_init(ModelWeightsT<Real>& w, uint64_t seed);
+// True for the N(0,σ)-initialised matrices (Normal, NormalOut, Router); false for the
+// element-wise parameters (norm weights, biases, A_log, dt_bias, conv kernels, AttnRes queries).
+inline bool param_init_is_matrix(ParamInit init) {
+  return init == ParamInit::Normal || init == ParamInit::NormalOut || init == ParamInit::Router;
+}
+// σ weights_init draws a Normal / NormalOut / Router / ConvNormal parameter of `shape` with
+// (0 for the other kinds): init_std, init_std/sqrt(2·L), router_init_std, 1/sqrt(kernel).
+float param_init_std(const ModelConfig& cfg, ParamInit init, const Shape& shape);
+// Initialises ONLY the element-wise parameters (!param_init_is_matrix) by weights_init's rules,
+// touching no matrix memory (for DeviceWeights' device-side random init of models larger than
+// the host). Ones / Zeros equal weights_init's exactly; ConvNormal, KdaALog and KdaDtBias come
+// from the same distributions but NOT the same values: weights_init draws everything from one
+// stream that passes through every matrix first, whereas here each parameter has its own stream
+// seeded from (seed, its index in params). Deterministic for a seed.
+template <typename Real>
+void weights_init_elementwise(ModelWeightsT<Real>& w, uint64_t seed);
+
+// A float weights layout whose storage is reserved address space (one anonymous mmap with
+// MAP_NORESERVE) instead of an Arena: pages get host memory only where written. It lends its
+// views and offsets to a device mirror of a model larger than the host (Kimi-Linear-48B is
+// 196 GB in fp32; weights_allocate cannot hold it: Arena::reserve zero-fills, i.e. touches, the
+// whole arena). Matrices read as zeros; write only small parameters (weights_init_elementwise).
+class ReservedWeights {
+ public:
+  explicit ReservedWeights(const ModelConfig& cfg);
+  ~ReservedWeights();
+  ReservedWeights(const ReservedWeights&) = delete;
+  ReservedWeights& operator=(const ReservedWeights&) = delete;
+  ModelWeightsT<float>& get() { return *w_; }
+  const ModelWeightsT<float>& get() const { return *w_; }
+  size_t reserved_bytes() const { return bytes_; }
+
+ private:
+  std::unique_ptr<ModelWeightsT<float>> w_;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // Copies values between layouts of the same config (e.g. float → double for reference checks).
 template <typename To, typename From>
 void weights_copy(const ModelWeightsT<From>& src, ModelWeightsT<To>& dst);

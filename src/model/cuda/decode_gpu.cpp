@@ -30,6 +30,7 @@
 #include "ops/cuda/mla_layer_ops.h"
 #include "ops/cuda/residual_ops.h"
 #include "ops/cuda/kda.h"
+#include "ops/cuda/random_fill.h"
 
 namespace dm::cuda {
 namespace {
@@ -316,6 +317,45 @@ void GpuDecoder::release(int64_t slot) {
   }
   fill_zero(lengths_ + slot, sizeof(int32_t));
   host_lengths_[size_t(slot)] = 0;
+}
+
+void GpuDecoder::fill_for_benchmark(int64_t slot, int64_t length, uint64_t seed) {
+  DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder::fill_for_benchmark: slot ", slot, " outside [0, ",
+           S_, ")");
+  DM_CHECK(length >= 0 && length <= max_length_, "GpuDecoder::fill_for_benchmark: length ", length,
+           " outside [0, ", max_length_, "]");
+  const ModelConfig& c = config();
+  CUstream_st* stream = run_->stream;
+  const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim, K = c.kda.head_dim;
+  const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
+  const int64_t Wd = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  // One stream per (layer, buffer); the counter is the element's index in the whole buffer.
+  auto key = [&](int layer, int buffer) {
+    return seed + 0x9E3779B97F4A7C15ull * uint64_t(4 * layer + buffer + 1);
+  };
+  for (int i = 0; i < c.num_layers; ++i) {
+    const size_t l = size_t(i);
+    if (c.mixers[i] == MixerKind::KDA) {
+      const int64_t state = HK * K;  // [H, K, V] per slot
+      random_uniform_f32(kda_state_[l] + slot * state, state, 0.01f, key(i, 0),
+                         uint64_t(slot * state), stream);
+      uint16_t* tails[3] = {kda_tail_q_[l], kda_tail_k_[l], kda_tail_v_[l]};
+      for (int br = 0; br < 3; ++br)
+        random_uniform_bf16(tails[br] + slot * tail, tail, 0.1f, key(i, 1 + br),
+                            uint64_t(slot * tail), stream);
+    } else {
+      // The static page table gives slot s the pages [s·P, (s+1)·P), so its rows 0..length−1
+      // are contiguous: [length, Wd] from the slot's first page.
+      const int64_t first = slot * pages_per_slot_ * kPageTokens * Wd;
+      random_uniform_bf16(mla_pages_[l] + first, length * Wd, 1.0f, key(i, 0), uint64_t(first),
+                          stream);
+    }
+  }
+  const int32_t len = int32_t(length);
+  copy_to_device_async(lengths_ + slot, &len, sizeof(int32_t), stream);
+  stream_synchronize(stream);  // `len` is a stack variable
+  check_last_error("GpuDecoder::fill_for_benchmark");
+  host_lengths_[size_t(slot)] = length;
 }
 
 void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {

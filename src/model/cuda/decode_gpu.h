@@ -59,6 +59,14 @@ class GpuDecoder {
   void prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
                bool token_by_token = false);
 
+  // BENCHMARK ONLY (bench/bench_cuda_decode.cpp): makes slot `slot` look as if `length` tokens
+  // had been decoded, without running the model — prefilling 1M tokens would take minutes.
+  // Sets the slot's length and fills, with device kernels (no host loop over the cache), every
+  // MLA layer's latent rows 0..length−1 with U(−1, 1) bf16, every KDA state with U(−0.01, 0.01)
+  // fp32 and the conv tails with U(−0.1, 0.1) bf16 (hash of (seed, layer, element)). The
+  // contents are finite but meaningless (no prompt produces them): for timing steps only.
+  void fill_for_benchmark(int64_t slot, int64_t length, uint64_t seed);
+
   size_t cache_bytes() const;    // the cache arena
   size_t scratch_bytes() const;  // the per-step scratch arena
 

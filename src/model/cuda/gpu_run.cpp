@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/cuda/random_fill.h"
 
 namespace dm::cuda {
 
@@ -54,6 +55,53 @@ DeviceWeights::DeviceWeights(const ModelWeights& host)
   bf16_ = arena_.alloc<uint16_t>(size_t(numel_));
   f32_ = arena_.alloc<float>(size_t(f32_numel_));
   sync_from_host();
+}
+
+DeviceWeights::DeviceWeights(ModelWeights& host, RandomInit init)
+    : host_(host),
+      numel_(arena_numel(host)),
+      f32_ranges_(f32_ranges_of(host)),
+      f32_numel_(f32_total(host)),
+      arena_(size_t(arena_numel(host)) * sizeof(uint16_t) + 256 +
+             size_t(f32_total(host)) * sizeof(float)) {
+  bf16_ = arena_.alloc<uint16_t>(size_t(numel_));
+  f32_ = arena_.alloc<float>(size_t(f32_numel_));
+  if (numel_ == 0) return;
+  // Zero first so the alignment gaps between parameters hold defined bytes (as after
+  // sync_from_host); one memset of the whole allocation, ~2 bytes per parameter.
+  fill_zero(bf16_, size_t(numel_) * sizeof(uint16_t));
+  // Matrices: one launch per run of adjacent parameters with the same σ (a layer's stacked
+  // experts [E, F, ℓ] are one run per projection). The counter is the host arena offset, so an
+  // element's value does not depend on how the runs are grouped.
+  const ModelConfig& c = host.cfg;
+  int64_t run_begin = 0, run_end = 0;
+  float run_std = 0.0f;
+  auto flush = [&] {
+    if (run_end > run_begin)
+      random_normal_bf16(bf16_ + run_begin, run_end - run_begin, run_std, init.seed,
+                         uint64_t(run_begin));
+  };
+  for (const ParamEntry& e : host.params) {
+    if (needs_f32(e)) continue;
+    const int64_t b = host.offset_of(e.data);
+    const float sd = param_init_std(c, e.init, e.shape);
+    if (b == run_end && sd == run_std && run_end > run_begin) {
+      run_end = b + e.numel();
+      continue;
+    }
+    flush();
+    run_begin = b;
+    run_end = b + e.numel();
+    run_std = sd;
+  }
+  flush();
+  check_last_error("DeviceWeights random init (matrices)");
+  // Element-wise parameters: host rules, then both mirrors (upload_param synchronises first).
+  weights_init_elementwise(host, init.seed);
+  for (const ParamEntry& e : host.params)
+    if (needs_f32(e)) upload_param(e.data, e.numel());
+  synchronize();
+  check_last_error("DeviceWeights random init");
 }
 
 const float* DeviceWeights::f32(const float* host_view) const {

@@ -20,6 +20,11 @@
 
 namespace dm::cuda {
 
+// Selects DeviceWeights' device-side random initialisation.
+struct RandomInit {
+  uint64_t seed = 1;
+};
+
 class DeviceWeights {
  public:
   // One fp32-mirrored parameter: host offsets [begin, end) → packed offset.
@@ -27,6 +32,15 @@ class DeviceWeights {
     int64_t begin, end, packed;
   };
   explicit DeviceWeights(const ModelWeights& host);
+  // Random initialisation on the device, for models larger than host memory (bench_cuda_decode;
+  // `host` is typically a ReservedWeights layout): each N(0,σ) matrix (σ = param_init_std) is
+  // drawn straight into the bf16 mirror by a device kernel, arena element i from a hash of
+  // (seed, i) (ops/cuda/random_fill.h); the element-wise parameters are initialised on the host
+  // by weights_init_elementwise(host, seed) — WRITTEN into `host`, they are small — and uploaded
+  // to both mirrors. The host matrices are never read or written (no loop over the arena), so
+  // they stay zero there: never call sync_from_host() on such a mirror. The values follow
+  // weights_init's rules but are not weights_init's values (different generators).
+  DeviceWeights(ModelWeights& host, RandomInit init);
   // Device twin of a host parameter view (any pointer inside the host arena).
   const uint16_t* bf16(const float* host_view) const { return bf16_ + offset(host_view); }
   const float* f32(const float* host_view) const;

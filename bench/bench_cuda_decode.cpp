@@ -1,0 +1,282 @@
+// Decode-step time of a large MoE shape on one GPU against the HBM floor (by default SPEC §1.8's
+// Kimi-Linear-48B-A3B, configs/kimi_linear_48b.json, on one H200):
+//   bench_cuda_decode --config configs/kimi_linear_48b.json \
+//                     --cases 1x32768,64x32768,1x1048576 --steps 10 [--warmup 2] [--seed 1]
+// Weights are random bf16 drawn on the device: DeviceWeights(…, RandomInit) over a
+// ReservedWeights layout (48B parameters are 196 GB in fp32, more than the host holds, and a
+// host-side init would take minutes). Each slot's cache is filled to the context length by the
+// benchmark-only GpuDecoder::fill_for_benchmark (random latent rows, KDA states and conv tails:
+// prefilling 1M tokens would take minutes; the step time does not depend on the values).
+//
+// Per case B×L: a decoder of B slots × (L + warmup + steps) tokens (L lowered when that would
+// pass the config's context limit; the table prints the L used), every slot filled to L tokens,
+// `warmup` steps, then `steps` timed steps: host wall clock around GpuDecoder::step, which ends
+// with the logits' copy to the host; median ms/step. A case whose cache (estimated from the
+// config) does not fit the free device memory is skipped with the sizes that decide it.
+//
+// HBM floor = bytes one step must move / the device-to-device copy bandwidth measured in the same
+// run (cudaMemcpy of 1 GiB timed with CUDA events, median of 5; 2 GiB of traffic per copy: read
+// + write). Bytes per step:
+//   weights, bf16 (fp32 for the element-wise parameters, whose fp32 copies the kernels read):
+//     B embedding rows + every matrix but the routed experts (attention, dense FFN, routers,
+//     shared experts, LM head) + per MoE layer the routed experts the batch hits. ASSUMPTION:
+//     that count is E·(1 − (1 − k/E)^B), the expected number of distinct experts when each
+//     token's k experts are uniformly random (exactly k at B = 1); random weights route close
+//     to uniformly, and the actual routing is not read back;
+//   per sequence: each KDA layer's state read + written (H·K·V fp32, twice) and conv tails
+//     (3·(kernel−1)·H·K bf16, twice); each MLA layer's L latent rows read + one written
+//     ((kvl + rope) × 2 B each).
+// Not in the floor: activations (≪ weights), the logits' device→host copy (B × V × 4 B over
+// PCIe, printed per case), launch and host overheads (one host sync per MoE layer for routing).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if DELTAMOE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "core/error.h"
+#include "io/config.h"
+#include "model/cuda/decode_gpu.h"
+#include "model/cuda/gpu_run.h"
+#include "model/weights.h"
+#include "ops/cuda/device.h"
+
+namespace {
+
+namespace cu = dm::cuda;
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw dm::Error(dm::str_cat(what, ": ", cudaGetErrorString(e)));
+}
+
+struct Case {
+  int64_t batch, context;
+};
+
+std::vector<Case> parse_cases(const std::string& s) {
+  std::vector<Case> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const auto x = item.find('x');
+    DM_CHECK(x != std::string::npos, "--cases: expected BATCHxCONTEXT items, got '", item, "'");
+    v.push_back({std::atoll(item.substr(0, x).c_str()), std::atoll(item.substr(x + 1).c_str())});
+    DM_CHECK(v.back().batch > 0 && v.back().context > 0, "--cases: bad item '", item, "'");
+  }
+  return v;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Device-to-device copy bandwidth in bytes/s, counting read + write (2 × size per copy).
+double copy_bandwidth(size_t size) {
+  cu::DeviceArena arena(2 * size + 512);
+  void* src = arena.alloc_bytes(size);
+  void* dst = arena.alloc_bytes(size);
+  cu::fill_zero(src, size);
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "event");
+  cuda_check(cudaEventCreate(&stop), "event");
+  std::vector<double> ms;
+  for (int r = 0; r < 7; ++r) {
+    cuda_check(cudaEventRecord(start), "record");
+    cuda_check(cudaMemcpyAsync(dst, src, size, cudaMemcpyDeviceToDevice), "copy");
+    cuda_check(cudaEventRecord(stop), "record");
+    cuda_check(cudaEventSynchronize(stop), "sync");
+    float t = 0;
+    cuda_check(cudaEventElapsedTime(&t, start, stop), "elapsed");
+    if (r >= 2) ms.push_back(t);  // two warm-ups
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * double(size) / (ms[ms.size() / 2] * 1e-3);
+}
+
+// What one decode step of `batch` sequences at context `ctx` moves (see the header).
+struct StepBytes {
+  double weights = 0, experts_per_layer = 0, kda = 0, cache = 0;
+  double total() const { return weights + kda + cache; }
+};
+
+StepBytes step_bytes(const dm::ModelWeights& W, int64_t batch, int64_t ctx) {
+  const dm::ModelConfig& c = W.cfg;
+  const int64_t d = c.hidden, E = c.moe.num_experts, k = c.moe.top_k, F = c.moe.expert_ffn;
+  const int64_t l = c.moe.latent_dim ? c.moe.latent_dim : d;
+  // Routed-expert blocks [E, F, ℓ] / [E, ℓ, F] as host-arena offset ranges.
+  std::vector<std::pair<int64_t, int64_t>> routed;
+  int moe_layers = 0;
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.ffns[size_t(i)] != dm::FfnKind::MoE) continue;
+    ++moe_layers;
+    const dm::MoeWeights& m = W.layers[size_t(i)].moe;
+    for (const float* p : {m.expert_gate, m.expert_up, m.expert_down})
+      routed.push_back({W.offset_of(p), W.offset_of(p) + E * F * l});
+  }
+  StepBytes b;
+  for (const dm::ParamEntry& e : W.params) {
+    const int64_t o = W.offset_of(e.data);
+    if (e.data == W.embed) {
+      b.weights += double(std::min<int64_t>(batch, c.vocab_size) * d) * 2;
+      continue;
+    }
+    bool is_routed = false;
+    for (const auto& r : routed) is_routed |= o >= r.first && o < r.second;
+    if (is_routed) continue;
+    b.weights += double(e.numel()) * (dm::param_init_is_matrix(e.init) ? 2 : 4);
+  }
+  if (moe_layers > 0 && E > 0) {
+    b.experts_per_layer =
+        batch == 1 ? double(k) : double(E) * (1.0 - std::pow(1.0 - double(k) / double(E), double(batch)));
+    b.weights += double(moe_layers) * b.experts_per_layer * double(3 * F * l) * 2;
+  }
+  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
+  const int64_t tail_rows = std::max(c.kda.conv_kernel - 1, 0);
+  const int64_t Wd = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.mixers[size_t(i)] == dm::MixerKind::KDA)
+      b.kda += double(batch) * 2.0 * (double(H * K * K) * 4 + double(3 * tail_rows * H * K) * 2);
+    else
+      b.cache += double(batch) * double(ctx + 1) * double(Wd) * 2;
+  }
+  return b;
+}
+
+int64_t mla_layers(const dm::ModelConfig& c) {
+  return std::count(c.mixers.begin(), c.mixers.end(), dm::MixerKind::MLA);
+}
+int64_t latent_row_bytes(const dm::ModelConfig& c) {  // one token's cache row, one MLA layer
+  return (c.mla.kv_lora_rank + c.mla.qk_rope_dim) * 2;
+}
+double kda_bytes_per_slot(const dm::ModelConfig& c) {  // states + conv tails, all KDA layers
+  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
+  const int64_t kda_layers = c.num_layers - mla_layers(c);
+  return double(kda_layers) *
+         (double(H * K * K) * 4 + 3.0 * double(std::max(c.kda.conv_kernel - 1, 0) * H * K) * 2);
+}
+
+// Device bytes of the decoder's cache for S slots × Lmax tokens, from the config (the layout of
+// decode_gpu.h: KDA states + tails, MLA pages of 64 rows, page table, lengths; RoPE tables when on).
+double cache_estimate(const dm::ModelConfig& c, int64_t S, int64_t Lmax) {
+  const int64_t P = (Lmax + 63) / 64;
+  double bytes = double(S) * double(P) * 4 + double(S) * 4;
+  bytes += double(S) * kda_bytes_per_slot(c);
+  bytes += double(S) * double(mla_layers(c)) * double(P * 64) * double(latent_row_bytes(c));
+  if (c.mla.use_rope) bytes += double(Lmax) * double(c.mla.qk_rope_dim) * 4;
+  return bytes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config = "configs/kimi_linear_48b.json", cases_arg = "1x32768,64x32768,1x1048576";
+  int steps = 10, warmup = 2;
+  uint64_t seed = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--config")) config = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--cases")) cases_arg = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--warmup")) warmup = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--seed")) seed = std::strtoull(argv[i + 1], nullptr, 10);
+  }
+  try {
+    if (!cu::device_available()) {
+      std::printf("no GPU: %s\n", cu::device_description().c_str());
+      return 0;
+    }
+    DM_CHECK(steps >= 1 && warmup >= 0, "need --steps ≥ 1 and --warmup ≥ 0");
+    const std::vector<Case> cases = parse_cases(cases_arg);
+    const dm::ModelConfig c = dm::load_config(config);
+    dm::ReservedWeights layout(c);
+    dm::ModelWeights& W = layout.get();
+    std::printf("%s on %s: %.2fB parameters\n", config.c_str(), cu::device_description().c_str(),
+                double(W.numel()) / 1e9);
+    auto t0 = std::chrono::steady_clock::now();
+    cu::DeviceWeights dw(W, cu::RandomInit{seed});
+    std::printf("weights: %.2f GB on the device (bf16 mirror + fp32 element-wise copies), random "
+                "init on the device in %.2f s\n", double(dw.bytes()) / 1e9, seconds_since(t0));
+    const size_t copy_size = size_t(1) << 30;
+    const double bw = copy_bandwidth(copy_size);
+    std::printf("device-to-device copy bandwidth: %.0f GB/s (cudaMemcpy of %.2f GB, read + write "
+                "counted)\n", bw / 1e9, double(copy_size) / 1e9);
+    std::printf("floor assumption: routed experts hit per MoE layer = E·(1 − (1 − k/E)^B), "
+                "E = %d, k = %d (uniform routing; exactly k at B = 1)\n",
+                c.moe.num_experts, c.moe.top_k);
+    // Columns after the ratio: the floor's bytes per step (total, weights, KDA state, latent
+    // rows), routed experts per MoE layer it assumes, and the decoder's cache allocation.
+    std::printf("\n%6s %9s %10s %11s %9s %7s | %8s %8s %7s %8s | %8s | %9s\n", "batch", "context",
+                "ms/step", "tokens/s", "floor ms", "ratio", "GB/step", "weights", "kda", "latent",
+                "experts", "cache GB");
+    const int64_t V = c.vocab_size;
+    std::mt19937_64 rng(seed + 1);
+    for (const Case& cs : cases) {
+      const int64_t B = cs.batch;
+      const int64_t Lmax = std::min<int64_t>(cs.context + warmup + steps, c.max_context);
+      const int64_t L = Lmax - warmup - steps;
+      if (L <= 0) {
+        std::printf("skip %lldx%lld: the context limit %lld leaves no room for %d steps\n",
+                    (long long)B, (long long)cs.context, (long long)c.max_context, warmup + steps);
+        continue;
+      }
+      size_t free_bytes = 0, total_bytes = 0;
+      cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+      // Headroom for the step scratch, cuBLAS workspaces and the MoE plan: 2 GiB.
+      const double need = cache_estimate(c, B, Lmax), headroom = double(size_t(2) << 30);
+      if (need + headroom > double(free_bytes)) {
+        std::printf("skip %lldx%lld: its cache needs %.1f GB (%lld slots × %lld tokens × %lld MLA "
+                    "layers × %lld B per latent row, plus %.1f MB of KDA state per slot) + %.1f GB "
+                    "headroom, but only %.1f of %.1f GB are free after the weights\n",
+                    (long long)B, (long long)cs.context, need / 1e9, (long long)B, (long long)Lmax,
+                    (long long)mla_layers(c), (long long)latent_row_bytes(c),
+                    kda_bytes_per_slot(c) / 1e6, headroom / 1e9, double(free_bytes) / 1e9,
+                    double(total_bytes) / 1e9);
+        continue;
+      }
+      cu::GpuDecoder dec(dw, B, Lmax);
+      for (int64_t s = 0; s < B; ++s) dec.fill_for_benchmark(s, L, seed * 1000003 + uint64_t(s));
+      std::vector<int32_t> tok(static_cast<size_t>(B));
+      std::vector<float> logits(static_cast<size_t>(B * V));
+      std::vector<double> ms;
+      for (int s = 0; s < warmup + steps; ++s) {
+        for (auto& x : tok) x = int32_t(rng() % uint64_t(V));
+        const auto ts = std::chrono::steady_clock::now();
+        dec.step(tok.data(), logits.data());
+        if (s >= warmup) ms.push_back(seconds_since(ts) * 1e3);
+      }
+      bool finite = true;
+      for (float x : logits) finite &= std::isfinite(x);
+      std::sort(ms.begin(), ms.end());
+      const double med = ms[ms.size() / 2];
+      const StepBytes sb = step_bytes(W, B, L + warmup + steps / 2);
+      const double floor_ms = sb.total() / bw * 1e3;
+      std::printf("%6lld %9lld %10.3f %11.1f %9.3f %7.2f | %8.2f %8.2f %7.3f %8.2f | %8.1f | %9.2f%s\n",
+                  (long long)B, (long long)L, med, double(B) / (med * 1e-3), floor_ms,
+                  med / floor_ms, sb.total() / 1e9, sb.weights / 1e9, sb.kda / 1e9,
+                  sb.cache / 1e9, sb.experts_per_layer, double(dec.cache_bytes()) / 1e9,
+                  finite ? "" : "  (NON-FINITE logits)");
+      std::printf("       (min %.3f / max %.3f ms; logits to host %.1f MB per step; step scratch "
+                  "%.2f GB)\n", ms.front(), ms.back(), double(B * V * 4) / 1e6,
+                  double(dec.scratch_bytes()) / 1e9);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_cuda_decode: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+#else
+int main() {
+  std::printf("built without the CUDA backend\n");
+  return 0;
+}
+#endif
