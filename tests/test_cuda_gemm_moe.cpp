@@ -84,6 +84,44 @@ TEST(CudaGemm, MatchesCpuGemmOnOddShapes) {
   }
 }
 
+// The MLA decode's absorption pattern: per head h, C[:, h·Nc..] = A[:, h·da..]·op(B_h), heads
+// interleaved in A and C (ld = H·width) and stacked in B: one strided-batched call must equal the
+// per-head loop bitwise (same algorithm family, same sums) or to bf16 rounding.
+TEST(CudaGemm, StridedBatchedMatchesPerHeadLoop) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t n = 5, H = 6, da = 48, kvl = 64, rows_per_head = 80;
+  for (bool tb : {false, true}) {
+    cuda::GemmContext context;
+    cuda::DeviceArena arena(size_t(8) << 20);
+    const Bf16Host A = random_bf16(size_t(n * H * da), 11);
+    const Bf16Host B = random_bf16(size_t(H * rows_per_head * kvl), 12);
+    const uint16_t* A_dev = upload(arena, A.bits);
+    const uint16_t* B_dev = upload(arena, B.bits);
+    // tb = false: C_h [n, kvl] = A_h [n, da]·B_h [da, kvl] (B_h = rows h·rows_per_head.., ld kvl)
+    // tb = true:  C_h [n, da]  = A_h' [n, kvl]·B_hᵀ with A_h' = columns h·kvl of [n, H·kvl].
+    const int64_t K = tb ? kvl : da, Nc = tb ? da : kvl, lda = H * (tb ? kvl : da);
+    const int64_t ldc = H * Nc;
+    uint16_t* C_loop = arena.alloc<uint16_t>(size_t(n * ldc));
+    uint16_t* C_batch = arena.alloc<uint16_t>(size_t(n * ldc));
+    const uint16_t* A_use = A_dev;
+    if (tb) {  // A' [n, H·kvl]
+      const Bf16Host A3 = random_bf16(size_t(n * H * kvl), 13);
+      A_use = upload(arena, A3.bits);
+    }
+    for (int64_t h = 0; h < H; ++h)
+      context.gemm_bf16(false, tb, n, Nc, K, 1.0f, A_use + h * K, lda, B_dev + h * rows_per_head * kvl,
+                        kvl, 0.0f, C_loop + h * Nc, cuda::GemmOutType::Bf16, ldc);
+    context.gemm_bf16_strided_batched(false, tb, n, Nc, K, 1.0f, A_use, lda, K, B_dev, kvl,
+                                      rows_per_head * kvl, 0.0f, C_batch, cuda::GemmOutType::Bf16,
+                                      ldc, Nc, H);
+    cuda::synchronize();
+    const auto a = test::mla::bf16_bits_to_floats(download(C_loop, size_t(n * ldc)));
+    const auto b = test::mla::bf16_bits_to_floats(download(C_batch, size_t(n * ldc)));
+    ASSERT_TRUE(test::mla::all_finite(b));
+    EXPECT_LE(test::rel_rms(b.data(), a.data(), a.size()), 1e-2) << "tb=" << tb;
+  }
+}
+
 TEST(CudaGemm, CachesAlgorithmsAndHandlesEmptyK) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   cuda::GemmContext context;

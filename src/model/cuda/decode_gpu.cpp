@@ -647,10 +647,10 @@ void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& r
   // Absorbed queries: q_abs[:, h, :kvl] = q_nope_h · W_k,h (W_k,h = W_kvb's key rows of head h,
   // [nope, kvl]); q_abs[:, h, kvl:] = RoPE(q_rope_h).
   const uint16_t* kv_b = dw.bf16(w.kv_b);
-  for (int64_t h = 0; h < H; ++h)
-    run.gemm.gemm_bf16(false, false, n, kvl, nope, 1.0f, b.q + h * dq, H * dq,
-                       kv_b + h * kvb_rows_per_head * kvl, kvl, 0.0f, b.q_abs + h * Wd,
-                       GemmOutType::Bf16, H * Wd, stream);
+  // One strided-batched GEMM over the heads (batch h: columns h·dq of q, rows h·(nope+dv) of W).
+  run.gemm.gemm_bf16_strided_batched(false, false, n, kvl, nope, 1.0f, b.q, H * dq, dq, kv_b, kvl,
+                                     kvb_rows_per_head * kvl, 0.0f, b.q_abs, GemmOutType::Bf16,
+                                     H * Wd, Wd, H, stream);
   decode_mla_query_rope(b.q, n, H, nope, rope, kvl, cos, sin, rows.positions, b.q_abs, stream);
 
   MlaDecodeArgs args;
@@ -667,10 +667,9 @@ void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& r
   mla_decode_absorbed(args, plan, b.attention_ws, stream);
 
   // o_h = W_v,h · latent_h (W_v,h = W_kvb's value rows of head h, [dv, kvl]), output gate, W_o.
-  for (int64_t h = 0; h < H; ++h)
-    run.gemm.gemm_bf16(false, true, n, dv, kvl, 1.0f, b.latent + h * kvl, H * kvl,
-                       kv_b + (h * kvb_rows_per_head + nope) * kvl, kvl, 0.0f, b.o + h * dv,
-                       GemmOutType::Bf16, H * dv, stream);
+  run.gemm.gemm_bf16_strided_batched(false, true, n, dv, kvl, 1.0f, b.latent, H * kvl, kvl,
+                                     kv_b + nope * kvl, kvl, kvb_rows_per_head * kvl, 0.0f, b.o,
+                                     GemmOutType::Bf16, H * dv, dv, H, stream);
   if (m.output_gate) {
     linear(run, xn, dw.bf16(w.gate), n, d, H * dv, b.gate, GemmOutType::Bf16);
     mla_gate_multiply(b.o, b.gate, n * H * dv, stream);

@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "model/cuda/layers.h"
+#include "model/cuda/moe_gpu_internal.h"
 #include "model/moe.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe.h"
@@ -27,11 +28,9 @@
 
 namespace dm::cuda {
 namespace {
-
-
-// DeviceArena starts every view on a 256-byte boundary.
-size_t aligned(size_t bytes) { return (bytes + 255) & ~size_t(255); }
-size_t n_bytes(int64_t n, size_t elem) { return aligned(size_t(std::max<int64_t>(n, 1)) * elem); }
+using moe_gpu::aligned;
+using moe_gpu::n_bytes;
+using moe_gpu::expert_weights;
 
 // Bytes of the routing outputs (scores [N,E] fp32, cutoff [N] fp32, idx [N,k] int32).
 size_t routing_bytes(const MoeShape& s, int64_t N) {
@@ -47,21 +46,6 @@ size_t scope_base_bytes(const MoeShape& s, int64_t N) {
     b += n_bytes(N * s.latent, s.has_latent_norm ? 4 : 2);     // u: fp32 for the norm, else bf16
   }
   return b;
-}
-
-ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeights* w,
-                                 const MoeShape& s) {
-  ExpertWeightsBf16 ew;
-  // Host layout (model/weights.cpp): gate, up [E, F, ℓ]; down [E, ℓ, F] = what moe.h expects.
-  if (dw && w) {
-    ew.gate = dw->bf16(w->expert_gate);
-    ew.up = dw->bf16(w->expert_up);
-    ew.down = dw->bf16(w->expert_down);
-  }
-  ew.E = s.E;
-  ew.Din = s.latent;
-  ew.F = s.F;
-  return ew;
 }
 
 // Peak of what follows the scope base: the experts' workspace, then (released) bf16(u) plus the

@@ -34,6 +34,7 @@
 
 #include "core/error.h"
 #include "model/cuda/layers.h"
+#include "model/cuda/moe_gpu_internal.h"
 #include "model/moe.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe.h"
@@ -42,25 +43,9 @@
 
 namespace dm::cuda {
 namespace {
-
-// DeviceArena starts every view on a 256-byte boundary.
-size_t aligned(size_t bytes) { return (bytes + 255) & ~size_t(255); }
-size_t n_bytes(int64_t n, size_t elem) { return aligned(size_t(std::max<int64_t>(n, 1)) * elem); }
-
-ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeights* w,
-                                 const MoeShape& s) {
-  ExpertWeightsBf16 ew;
-  // Host layout (model/weights.cpp): gate, up [E, F, ℓ]; down [E, ℓ, F].
-  if (dw && w) {
-    ew.gate = dw->bf16(w->expert_gate);
-    ew.up = dw->bf16(w->expert_up);
-    ew.down = dw->bf16(w->expert_down);
-  }
-  ew.E = s.E;
-  ew.Din = s.latent;
-  ew.F = s.F;
-  return ew;
-}
+using moe_gpu::aligned;
+using moe_gpu::n_bytes;
+using moe_gpu::expert_weights;
 
 // Host copy of the plan's E+1 offsets: grows only, so steady-state calls do not allocate.
 int64_t* host_offsets_buffer(int64_t E) {

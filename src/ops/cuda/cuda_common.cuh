@@ -15,7 +15,9 @@
 
 namespace dm::cuda {
 
-__device__ __forceinline__ float warp_sum(float v) {
+// float or double (fp64 sums where a parameter gradient adds up many signed terms).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
@@ -26,14 +28,15 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over a block of blockDim.x threads (a multiple of 32, ≤ 1024); every thread gets the sum.
-// `shared` holds ≥ 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* shared) {
+// `shared` holds ≥ 32 values; the leading barrier lets back-to-back calls reuse it.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* shared) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   v = warp_sum(v);
   __syncthreads();
   if (lane == 0) shared[warp] = v;
   __syncthreads();
-  v = lane < warps ? shared[lane] : 0.0f;
+  v = lane < warps ? shared[lane] : T(0);
   return warp_sum(v);
 }
 

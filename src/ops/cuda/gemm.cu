@@ -52,7 +52,7 @@ __global__ void gemm_scale_output_kernel(OutT* C, int64_t M, int64_t N, int64_t 
 }  // namespace
 
 struct GemmContext::AlgoCacheEntry {
-  int64_t key[13];
+  int64_t key[17];
   cublasLtMatmulAlgo_t algo;
 };
 
@@ -92,11 +92,23 @@ void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, in
                             float alpha, const uint16_t* A, int64_t lda, const uint16_t* B,
                             int64_t ldb, float beta, void* C, GemmOutType c_type, int64_t ldc,
                             CUstream_st* stream) {
+  gemm_bf16_strided_batched(trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C,
+                            c_type, ldc, 0, 1, stream);
+}
+
+void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t M, int64_t N,
+                                            int64_t K, float alpha, const uint16_t* A,
+                                            int64_t lda, int64_t stride_a, const uint16_t* B,
+                                            int64_t ldb, int64_t stride_b, float beta, void* C,
+                                            GemmOutType c_type, int64_t ldc, int64_t stride_c,
+                                            int64_t batch, CUstream_st* stream) {
   DM_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm_bf16: negative shape M=", M, " N=", N, " K=", K);
+  DM_CHECK(batch >= 1 && batch <= (int64_t(1) << 30), "gemm_bf16: batch ", batch, " out of range");
   if (M == 0 || N == 0) return;
   DM_CHECK(ldc >= N, "gemm_bf16: ldc=", ldc, " < N=", N);
   const bool out_f32 = c_type == GemmOutType::F32;
   if (K == 0) {
+    DM_CHECK(batch == 1, "gemm_bf16: K = 0 is not supported batched");
     if (beta == 1.0f) return;
     const int threads = 256;
     const int blocks = ceil_div(M * N, threads);
@@ -132,18 +144,40 @@ void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, in
   DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&a_layout, CUDA_R_16BF, a_rows, a_cols, ldb));
   DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&b_layout, CUDA_R_16BF, b_rows, b_cols, lda));
   DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&c_layout, c_dtype, uint64_t(N), uint64_t(M), ldc));
+  if (batch > 1) {  // batch i reads A + i·stride_a, B + i·stride_b and writes C + i·stride_c
+    const int32_t count = int32_t(batch);
+    const struct {
+      cublasLtMatrixLayoutOpaque_t* layout;
+      int64_t stride;
+    } strided[3] = {{&a_layout, stride_b}, {&b_layout, stride_a}, {&c_layout, stride_c}};
+    for (const auto& l : strided) {
+      DM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          l.layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      DM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          l.layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &l.stride, sizeof(l.stride)));
+    }
+  }
 
-  const uint32_t align_a = pointer_alignment(B), align_b = pointer_alignment(A),
-                 align_c = pointer_alignment(C);
+  // Batched: every batch's matrix starts stride elements further, so the stride's byte offset
+  // bounds the alignment too.
+  const size_t c_bytes = out_f32 ? 4 : 2;
+  auto aligned_with = [](const void* p, int64_t offset_bytes) {
+    const uint32_t a = pointer_alignment(p);
+    const uint32_t o = pointer_alignment(reinterpret_cast<const void*>(uintptr_t(offset_bytes)));
+    return a < o ? a : o;
+  };
+  const uint32_t align_a = aligned_with(B, stride_b * 2), align_b = aligned_with(A, stride_a * 2),
+                 align_c = aligned_with(C, stride_c * int64_t(c_bytes));
   // The cache is keyed on the power-of-two bucket of each dimension, not its exact value: the
   // MoE's per-expert GEMMs change M (rows of an expert) or K (its rows, for weight gradients)
   // every call, and a heuristic query per call costs more than the GEMM. An algorithm chosen for
   // one shape of a bucket is reused for the others; if cuBLASLt rejects it for a shape, that call
   // queries its own (uncached).
   auto bucket = [](int64_t x) { return int64_t(64 - __builtin_clzll(uint64_t(x))); };
-  const int64_t key[13] = {trans_a,      trans_b,      bucket(M),   bucket(N), bucket(K),
+  const int64_t key[17] = {trans_a,      trans_b,      bucket(M),   bucket(N), bucket(K),
                            lda,          ldb,          ldc,         out_f32, beta != 0.0f,
-                           int64_t(align_a), int64_t(align_b), int64_t(align_c)};
+                           int64_t(align_a), int64_t(align_b), int64_t(align_c), batch,
+                           stride_a,     stride_b,     stride_c};
   const cublasLtMatmulAlgo_t* algo = nullptr;
   for (int i = 0; i < cache_used_; ++i)
     if (std::memcmp(cache_[i].key, key, sizeof(key)) == 0) {

@@ -39,6 +39,14 @@ class GemmContext {
                  const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                  void* C, GemmOutType c_type, int64_t ldc, CUstream_st* stream = nullptr);
 
+  // `batch` independent GEMMs of one shape in one call: product i reads A + i·stride_a,
+  // B + i·stride_b and writes C + i·stride_c (strides in elements; 0 = the same matrix each time).
+  // K = 0 is not supported here. Same algorithm cache as gemm_bf16.
+  void gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                                 float alpha, const uint16_t* A, int64_t lda, int64_t stride_a,
+                                 const uint16_t* B, int64_t ldb, int64_t stride_b, float beta,
+                                 void* C, GemmOutType c_type, int64_t ldc, int64_t stride_c,
+                                 int64_t batch, CUstream_st* stream = nullptr);
   // cublasHandle_t (legacy cuBLAS, with this context's workspace attached) for callers that need
   // the grouped batched API; the stream is set by the caller before each use.
   void* cublas_handle() const { return cublas_; }

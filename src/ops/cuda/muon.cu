@@ -47,22 +47,6 @@ unsigned elementwise_blocks(int64_t n) {
   return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 8192));
 }
 
-__device__ __forceinline__ double warp_sum_double(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// fp64 block sum (blockDim.x a multiple of 32); every thread gets it. shared ≥ 32 doubles.
-__device__ __forceinline__ double block_sum_double(double v, double* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_sum_double(v);
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = lane < warps ? shared[lane] : 0.0;
-  return warp_sum_double(v);
-}
-
 // m ← μ·m + g;  X = g + μ·m (Nesterov look-ahead), element-wise over [rows·cols].
 __global__ void muon_momentum_kernel(const float* g, float* m, float* X, int64_t n, float mu) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -84,7 +68,7 @@ __global__ void muon_norm_partial_kernel(const float* X, int64_t per_head, doubl
     const double v = x[i];
     acc += v * v;
   }
-  acc = block_sum_double(acc, scratch);
+  acc = block_sum(acc, scratch);
   if (threadIdx.x == 0) partial[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = acc;
 }
 

@@ -104,29 +104,12 @@ unsigned elementwise_blocks(int64_t n, int threads) {
 
 size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
-__device__ __forceinline__ double warp_sum_double(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Block sum in fp64 (blockDim.x a multiple of 32, ≤ 1024); every thread gets the sum. `shared`
-// holds ≥ 32 doubles. The leading barrier lets back-to-back calls reuse `shared`.
-__device__ __forceinline__ double block_sum_double(double v, double* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_sum_double(v);
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = lane < warps ? shared[lane] : 0.0;
-  return warp_sum_double(v);
-}
-
 // Three fp64 block sums at once (shared ≥ 96 doubles): the per-source statistics of a row.
 __device__ __forceinline__ void block_sum3_double(double& a, double& b, double& c, double* shared) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  a = warp_sum_double(a);
-  b = warp_sum_double(b);
-  c = warp_sum_double(c);
+  a = warp_sum(a);
+  b = warp_sum(b);
+  c = warp_sum(c);
   __syncthreads();
   if (lane == 0) {
     shared[warp] = a;
@@ -134,9 +117,9 @@ __device__ __forceinline__ void block_sum3_double(double& a, double& b, double& 
     shared[64 + warp] = c;
   }
   __syncthreads();
-  a = warp_sum_double(lane < warps ? shared[lane] : 0.0);
-  b = warp_sum_double(lane < warps ? shared[32 + lane] : 0.0);
-  c = warp_sum_double(lane < warps ? shared[64 + lane] : 0.0);
+  a = warp_sum(lane < warps ? shared[lane] : 0.0);
+  b = warp_sum(lane < warps ? shared[32 + lane] : 0.0);
+  c = warp_sum(lane < warps ? shared[64 + lane] : 0.0);
 }
 
 struct AttnResGradTargets {
@@ -278,7 +261,7 @@ __global__ void sum_squares_partial_kernel(const float* x, int64_t n, double* pa
     const double v = x[i];
     acc += v * v;
   }
-  acc = block_sum_double(acc, scratch);
+  acc = block_sum(acc, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
@@ -287,7 +270,7 @@ __global__ void sum_squares_partial_kernel(const float* x, int64_t n, double* pa
 __global__ void sum_squares_final_kernel(const double* partial, int64_t count, double* result) {
   __shared__ double scratch[32];
   const double v = threadIdx.x < count ? partial[threadIdx.x] : 0.0;
-  const double total = block_sum_double(v, scratch);
+  const double total = block_sum(v, scratch);
   if (threadIdx.x == 0) *result = total;
 }
 
