@@ -14,6 +14,7 @@
 #include "io/safetensors.h"
 #include "model/model.h"
 #include "ops/cuda/device.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace dm::test {
@@ -28,9 +29,7 @@ inline int64_t argmax_row(const float* z, int64_t V) { return std::max_element(z
 
 inline Bf16GoldenReference bf16_golden_reference(const std::string& dir) {
   auto model = Model::load(dir);
-  for (auto& e : model->weights().params)
-    for (int64_t i = 0; i < e.numel(); ++i)
-      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  test::round_weights_to_bf16(model->weights());
   const SafetensorsReader golden = SafetensorsReader::open(dir + "/golden.safetensors");
   const Tensor& ids = golden.get("input_ids");
   const int64_t B = ids.shape[0], T = ids.shape[1], V = model->config().vocab_size;

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "model/weights.h"
 #include "ops/cuda/device.h"
 
 namespace dm::test {
@@ -34,6 +35,29 @@ inline std::vector<float> from_bf16(const std::vector<uint16_t>& x) {
   return r;
 }
 inline std::vector<float> round_bf16(const std::vector<float>& x) { return from_bf16(to_bf16(x)); }
+
+// Every parameter rounded through bf16, so a CPU reference and the GPU (which keeps bf16 weight
+// mirrors) see the same model.
+inline void round_weights_to_bf16(ModelWeights& w) {
+  for (const auto& e : w.params)
+    for (int64_t i = 0; i < e.numel(); ++i)
+      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+}
+
+// doc_start [B·T]: row b's documents start at 0 and at each position of starts[b].
+inline std::vector<int32_t> packed_documents(int64_t B, int64_t T,
+                                             const std::vector<std::vector<int32_t>>& starts) {
+  std::vector<int32_t> doc_start(static_cast<size_t>(B * T));
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t current = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int32_t s : starts[size_t(b)])
+        if (s == t) current = s;
+      doc_start[size_t(b * T + t)] = current;
+    }
+  }
+  return doc_start;
+}
 
 template <typename T>
 bool all_finite(const std::vector<T>& x) {

@@ -30,9 +30,7 @@ namespace {
 std::unique_ptr<Model> bf16_model(const ModelConfig& c, uint64_t seed) {
   auto W = weights_allocate<float>(c);
   weights_init(*W, seed);
-  for (auto& e : W->params)
-    for (int64_t i = 0; i < e.numel(); ++i)
-      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  test::round_weights_to_bf16(*W);
   return std::make_unique<Model>(std::move(W));
 }
 

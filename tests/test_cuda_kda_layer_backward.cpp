@@ -58,26 +58,10 @@ std::unique_ptr<ModelWeights> rounded_weights(const ModelConfig& cfg, uint64_t s
       for (int64_t h = 0; h < H; ++h) k.A_log[h] += normal(rng);
       for (int64_t i = 0; i < H * K; ++i) k.dt_bias[i] += normal(rng);
     }
-  for (const auto& e : w->params)
-    for (int64_t i = 0; i < e.numel(); ++i)
-      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  test::round_weights_to_bf16(*w);
   return w;
 }
 
-// doc_start [B·T]: row b's documents start at 0 and at each position of starts[b].
-std::vector<int32_t> packed_documents(int64_t B, int64_t T,
-                                      const std::vector<std::vector<int32_t>>& starts) {
-  std::vector<int32_t> doc_start(size_t(B * T));
-  for (int64_t b = 0; b < B; ++b) {
-    int32_t current = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      for (int32_t s : starts[size_t(b)])
-        if (s == t) current = s;
-      doc_start[size_t(b * T + t)] = current;
-    }
-  }
-  return doc_start;
-}
 
 struct KdaCase {
   const char* name;
@@ -127,7 +111,7 @@ void run_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
   // Row 0: starts at 1 and 3 (inside the first conv window), 64 and 65 (a chunk edge and just
   // past it); row 1: one start in the middle and one at the last token.
   const std::vector<int32_t> doc_start =
-      packed ? packed_documents(B, T, {{1, 3, 64, 65}, {int32_t(T / 2), int32_t(T - 1)}})
+      packed ? test::packed_documents(B, T, {{1, 3, 64, 65}, {int32_t(T / 2), int32_t(T - 1)}})
              : std::vector<int32_t>{};
   const int32_t* doc_host = packed ? doc_start.data() : nullptr;
 

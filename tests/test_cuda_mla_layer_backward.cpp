@@ -56,9 +56,7 @@ std::unique_ptr<ModelWeights> rounded_weights(const ModelConfig& cfg, uint64_t s
   if (m.q_a_norm)
     for (int64_t i = 0; i < cfg.mla.q_lora_rank; ++i) m.q_a_norm[i] = 1.0f + normal(rng);
   for (int64_t i = 0; i < cfg.mla.kv_lora_rank; ++i) m.kv_a_norm[i] = 1.0f + normal(rng);
-  for (const auto& e : w->params)
-    for (int64_t i = 0; i < e.numel(); ++i)
-      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
+  test::round_weights_to_bf16(*w);
   return w;
 }
 

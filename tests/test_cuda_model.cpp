@@ -21,11 +21,6 @@ using namespace dm;
 
 namespace {
 
-void round_weights_to_bf16(ModelWeights& w) {
-  for (auto& e : w.params)
-    for (int64_t i = 0; i < e.numel(); ++i) e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
-}
-
 // Share of rows whose argmax agrees (bf16 noise may flip near-ties).
 double argmax_agreement(const std::vector<float>& a, const std::vector<float>& b, int64_t V) {
   const int64_t rows = int64_t(a.size()) / V;
@@ -42,7 +37,7 @@ void compare_on_random_model(const ModelConfig& c, int64_t B, int64_t T, bool pa
                              const char* what) {
   auto W = weights_allocate<float>(c);
   weights_init(*W, 11);
-  round_weights_to_bf16(*W);
+  test::round_weights_to_bf16(*W);
   std::mt19937_64 rng(5);
   std::vector<int64_t> ids(size_t(B * T));
   for (auto& t : ids) t = int64_t(rng() % uint64_t(c.vocab_size));

@@ -31,12 +31,6 @@ using namespace dm;
 
 namespace {
 
-void round_weights_to_bf16(ModelWeights& w) {
-  for (auto& e : w.params)
-    for (int64_t i = 0; i < e.numel(); ++i)
-      e.data[i] = cuda::bf16_to_float(cuda::float_to_bf16(e.data[i]));
-}
-
 ModelConfig test_config() { return load_config(test::source_dir() + "/configs/test.json"); }
 
 struct Batch {
@@ -64,7 +58,7 @@ Batch random_batch(const ModelConfig& c, int64_t B, int64_t T, bool packed, uint
 void compare_gradients(const ModelConfig& c, int64_t B, int64_t T, bool packed, const char* what) {
   auto W = weights_allocate<float>(c);
   weights_init(*W, 3);
-  round_weights_to_bf16(*W);
+  test::round_weights_to_bf16(*W);
   const Batch b = random_batch(c, B, T, packed, 9);
   const int32_t* doc = packed ? b.doc.data() : nullptr;
   int64_t count = 0;
@@ -201,7 +195,7 @@ TEST(CudaTrain, LossFallsLikeTheCpuRun) {
   for (int dev = 0; dev < 2; ++dev) {
     auto W = weights_allocate<float>(c);
     weights_init(*W, 6);
-    round_weights_to_bf16(*W);
+    test::round_weights_to_bf16(*W);
     Model m(std::move(W));
     OptimizerConfig oc;
     auto engine = make_train_engine(dev == 0 ? "cpu" : "cuda", m, oc);
