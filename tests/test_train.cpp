@@ -9,6 +9,9 @@
 
 #include "io/safetensors.h"
 #include "test_util.h"
+#if DELTAMOE_HAVE_CUDA
+#include "ops/cuda/device.h"
+#endif
 
 using namespace dm;
 
@@ -93,6 +96,24 @@ TEST(Train, BadTrainingInputFailsCleanly) {
   EXPECT_NE(r.output.find("bogus"), std::string::npos) << r.output;
   r = test::run_cli("train --config " + cfg + " --out " + out + " --data /nonexistent/shards --quiet");
   EXPECT_EQ(r.exit_code, 1) << r.output;
+}
+
+// --device cuda where there is no GPU (CI: nvcc but no device; or a build without the backend):
+// one clear line, exit 1, nothing trained. Skipped where a GPU answers.
+TEST(Train, DeviceCudaWithoutAGpuFailsCleanly) {
+#if DELTAMOE_HAVE_CUDA
+  if (cuda::device_available()) GTEST_SKIP() << "a GPU is present: tests/test_cuda_train.cpp";
+#endif
+  const std::string cfg = test::source_dir() + "/configs/test.json";
+  const std::string out = test::temp_dir("train_nogpu");
+  auto r = test::run_cli("train --config " + cfg + " --out " + out + kArgs + "--device cuda");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(out + "/checkpoint")) << r.output;
+  std::ofstream(out + "/t.json") << R"({"device": "tpu"})";
+  r = test::run_cli("train --config " + cfg + " --out " + out + " --train-config " + out + "/t.json --quiet");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("device"), std::string::npos) << r.output;
 }
 
 TEST(Train, OnShardsFromTheDataCommand) {
