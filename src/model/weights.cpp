@@ -278,42 +278,7 @@ std::unique_ptr<ModelWeightsT<Real>> weights_load(const std::string& dir) {
   return w;
 }
 
-template <typename Real>
-void weights_init(ModelWeightsT<Real>& w, uint64_t seed) {
-  const ModelConfig& c = w.cfg;
-  std::mt19937_64 rng(seed);
-  const float out_std = c.init_std / std::sqrt(2.0f * float(std::max(1, c.num_layers)));
-  for (ParamEntryT<Real>& e : w.params) {
-    const int64_t n = e.numel();
-    Real* x = e.data;
-    // Draws are made in float so a double model starts from exactly the float model's values.
-    auto normal = [&](float std) {
-      std::normal_distribution<float> nd(0.0f, std);
-      for (int64_t i = 0; i < n; ++i) x[i] = Real(nd(rng));
-    };
-    std::uniform_real_distribution<double> u01(0.0, 1.0);
-    switch (e.init) {
-      case ParamInit::Normal: normal(c.init_std); break;
-      case ParamInit::NormalOut: normal(out_std); break;
-      case ParamInit::Router: normal(c.moe.router_init_std); break;
-      case ParamInit::Ones: std::fill(x, x + n, Real(1)); break;
-      case ParamInit::Zeros: std::fill(x, x + n, Real(0)); break;
-      case ParamInit::ConvNormal: normal(1.0f / std::sqrt(float(e.shape[-1]))); break;
-      case ParamInit::KdaALog:  // A = U(1, 16), stored as log A
-        for (int64_t i = 0; i < n; ++i) x[i] = Real(float(std::log(1.0 + 15.0 * u01(rng))));
-        break;
-      case ParamInit::KdaDtBias:  // dt ~ logU(1e-3, 0.1); bias = softplus⁻¹(dt) = dt + log(−expm1(−dt))
-        for (int64_t i = 0; i < n; ++i) {
-          const double dt = std::exp(std::log(1e-3) + u01(rng) * (std::log(0.1) - std::log(1e-3)));
-          x[i] = Real(float(dt + std::log(-std::expm1(-dt))));
-        }
-        break;
-    }
-  }
-}
-
 float param_init_std(const ModelConfig& c, ParamInit init, const Shape& shape) {
-  // The same expressions as weights_init's.
   switch (init) {
     case ParamInit::Normal: return c.init_std;
     case ParamInit::NormalOut: return c.init_std / std::sqrt(2.0f * float(std::max(1, c.num_layers)));
@@ -323,9 +288,49 @@ float param_init_std(const ModelConfig& c, ParamInit init, const Shape& shape) {
   }
 }
 
+namespace {
+
+// One parameter's values by its rule (SPEC init), drawing from rng. The single definition behind
+// weights_init (one stream through every parameter) and weights_init_elementwise (a stream per
+// parameter). Draws are made in float so a double model starts from exactly the float values.
+template <typename Real>
+void init_param_values(Real* x, int64_t n, ParamInit init, float std, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  switch (init) {
+    case ParamInit::Normal:
+    case ParamInit::NormalOut:
+    case ParamInit::Router:
+    case ParamInit::ConvNormal: {
+      std::normal_distribution<float> nd(0.0f, std);
+      for (int64_t i = 0; i < n; ++i) x[i] = Real(nd(rng));
+      break;
+    }
+    case ParamInit::Ones: std::fill(x, x + n, Real(1)); break;
+    case ParamInit::Zeros: std::fill(x, x + n, Real(0)); break;
+    case ParamInit::KdaALog:  // A = U(1, 16), stored as log A
+      for (int64_t i = 0; i < n; ++i) x[i] = Real(float(std::log(1.0 + 15.0 * u01(rng))));
+      break;
+    case ParamInit::KdaDtBias:  // dt ~ logU(1e-3, 0.1); bias = softplus⁻¹(dt) = dt + log(−expm1(−dt))
+      for (int64_t i = 0; i < n; ++i) {
+        const double dt = std::exp(std::log(1e-3) + u01(rng) * (std::log(0.1) - std::log(1e-3)));
+        x[i] = Real(float(dt + std::log(-std::expm1(-dt))));
+      }
+      break;
+  }
+}
+
+}  // namespace
+
+template <typename Real>
+void weights_init(ModelWeightsT<Real>& w, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (ParamEntryT<Real>& e : w.params)
+    init_param_values(e.data, e.numel(), e.init, param_init_std(w.cfg, e.init, e.shape), rng);
+}
+
 template <typename Real>
 void weights_init_elementwise(ModelWeightsT<Real>& w, uint64_t seed) {
-  // The element-wise rules of weights_init (keep the two in step), one stream per parameter.
+  // weights_init's rules, but one stream per parameter so no matrix has to be drawn first.
   auto stream_seed = [](uint64_t s, uint64_t index) {  // splitmix64 of (seed, index)
     uint64_t z = s ^ (0x9E3779B97F4A7C15ull * (index + 1));
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -335,29 +340,8 @@ void weights_init_elementwise(ModelWeightsT<Real>& w, uint64_t seed) {
   for (size_t j = 0; j < w.params.size(); ++j) {
     ParamEntryT<Real>& e = w.params[j];
     if (param_init_is_matrix(e.init)) continue;
-    const int64_t n = e.numel();
-    Real* x = e.data;
     std::mt19937_64 rng(stream_seed(seed, uint64_t(j)));
-    std::uniform_real_distribution<double> u01(0.0, 1.0);
-    switch (e.init) {
-      case ParamInit::Ones: std::fill(x, x + n, Real(1)); break;
-      case ParamInit::Zeros: std::fill(x, x + n, Real(0)); break;
-      case ParamInit::ConvNormal: {
-        std::normal_distribution<float> nd(0.0f, param_init_std(w.cfg, e.init, e.shape));
-        for (int64_t i = 0; i < n; ++i) x[i] = Real(nd(rng));
-        break;
-      }
-      case ParamInit::KdaALog:  // A = U(1, 16), stored as log A
-        for (int64_t i = 0; i < n; ++i) x[i] = Real(float(std::log(1.0 + 15.0 * u01(rng))));
-        break;
-      case ParamInit::KdaDtBias:  // dt ~ logU(1e-3, 0.1); bias = softplus⁻¹(dt)
-        for (int64_t i = 0; i < n; ++i) {
-          const double dt = std::exp(std::log(1e-3) + u01(rng) * (std::log(0.1) - std::log(1e-3)));
-          x[i] = Real(float(dt + std::log(-std::expm1(-dt))));
-        }
-        break;
-      default: break;  // matrices: skipped above
-    }
+    init_param_values(e.data, e.numel(), e.init, param_init_std(w.cfg, e.init, e.shape), rng);
   }
 }
 
