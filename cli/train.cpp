@@ -52,7 +52,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   static int64_t steps = 0, batch = 0, accum = 0, ckpt_every = -1, warmup = -1;
   static float lr = 0;
   static double balance_ema = -1;
-  static int balance_refine = -1;
+  static int balance_refine = -1, balance_window = -1;
   static bool resume = false, no_recompute = false, quiet = false;
   static uint64_t seed = 0;
   app->add_option("--config", model, "Model config.json, or a checkpoint folder to continue from")->required();
@@ -73,6 +73,9 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
   app->add_option("--balance-refine", balance_refine,
                   "QB: fixed-point refinements of the bias on each batch (0 = the one-shot rule; default 8)")
       ->check(CLI::Range(0, 64));
+  app->add_option("--balance-window", balance_window,
+                  "QB: pool the routing scores of the last W steps into each estimate (default 1 = this step)")
+      ->check(CLI::Range(1, 64));
   app->add_option("--checkpoint-every", ckpt_every, "Checkpoint every N steps (always at the end)");
   app->add_option("--seed", seed, "Seed (init, data order)");
   app->add_flag("--resume", resume, "Continue from OUT/checkpoint (bit-exact)");
@@ -105,6 +108,7 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
     if (ckpt_every >= 0) c.checkpoint_every = ckpt_every;
     if (balance_ema >= 0) c.balance_ema = balance_ema;
     if (balance_refine >= 0) c.balance_refine = balance_refine;
+    if (balance_window >= 0) c.balance_window = balance_window;
     if (seed) c.seed = seed;
     if (no_recompute) c.recompute = false;
     if (!device.empty()) c.device = device;

@@ -253,6 +253,46 @@ TEST(BalanceTest, QuantileEmaSmoothsAcrossUpdates) {
   for (int e = 0; e < 4; ++e) EXPECT_NEAR(bias[e], smoothed[e] - 0.1, 1e-7);
 }
 
+// The pooling window: with W = 2 the second update estimates over batch A (kept from the first
+// update, cutoffs re-derived under the bias B was routed with) and batch B, exactly as one
+// update over the concatenation; the window then keeps only B.
+TEST(BalanceTest, WindowPoolsTheKeptBatchesWithThisOne) {
+  const int64_t N = 512;
+  const int E = 16, k = 2;
+  RouterParams p;
+  p.num_experts = E;
+  p.top_k = k;
+  const std::vector<float> logits_a = skewed_logits(N, E, 11), logits_b = skewed_logits(N, E, 12);
+  BalanceOptions options;
+  options.refine_iterations = 8;
+  options.window = 2;
+  BalanceLayerState state;
+  std::vector<float> bias(E, 0.0f);
+  const Routed a = route_with_bias(logits_a, bias, N, p);
+  quantile_balance_update(a.scores.data(), a.cutoff.data(), N, E, k, options, &state, bias.data());
+  ASSERT_EQ(state.past_scores.size(), 1u);
+  const Routed b = route_with_bias(logits_b, bias, N, p);
+
+  std::vector<float> both = a.scores, both_cutoff(size_t(2 * N));
+  both.insert(both.end(), b.scores.begin(), b.scores.end());
+  qb_cutoffs(both.data(), bias.data(), 2 * N, E, k, both_cutoff.data());
+  BalanceOptions single = options;
+  single.window = 1;
+  std::vector<float> expected = bias;
+  quantile_balance_update(both.data(), both_cutoff.data(), 2 * N, E, k, single, nullptr,
+                          expected.data());
+
+  quantile_balance_update(b.scores.data(), b.cutoff.data(), N, E, k, options, &state, bias.data());
+  EXPECT_EQ(bias, expected);
+  ASSERT_EQ(state.past_scores.size(), 1u);
+  EXPECT_EQ(state.past_scores[0], b.scores);
+  // The pooled bias balances the union (refined), not either batch alone.
+  std::vector<float> both_logits = logits_a;
+  both_logits.insert(both_logits.end(), logits_b.begin(), logits_b.end());
+  const Routed union_routed = route_with_bias(both_logits, bias, 2 * N, p);
+  EXPECT_LT(balance_metrics(union_routed.loads.data(), E).max_violation, 0.03);
+}
+
 TEST(BalanceTest, TokensWithoutFiniteCutoffAreSkipped) {
   // k = E: nobody has a (k+1)-th expert; the bias must stay as it was.
   std::vector<float> scores = {0.2f, 0.8f, 0.6f, 0.4f};

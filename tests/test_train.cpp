@@ -36,6 +36,8 @@ const std::string kArgs = " --batch 2 --stages 48:600,96:600:0.5:0.2 --warmup 2 
 TEST(Train, ResumeIsBitExact) {
   const std::string cfg = test::source_dir() + "/configs/test.json";
   const std::string a = test::temp_dir("train_a"), b = test::temp_dir("train_b");
+  // A QB pooling window of 3 steps: the kept scores travel in the checkpoint.
+  const std::string kArgs = ::kArgs + "--balance-window 3 ";
   auto r = test::run_cli("train --config " + cfg + " --out " + a + kArgs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto ma = metrics(a);
@@ -44,6 +46,7 @@ TEST(Train, ResumeIsBitExact) {
   r = test::run_cli("train --config " + cfg + " --out " + b + kArgs + "--stop-after 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ASSERT_EQ(metrics(b).size(), 3u);
+  EXPECT_TRUE(std::filesystem::exists(b + "/checkpoint/balance_window.safetensors"));
   r = test::run_cli("train --config " + cfg + " --out " + b + kArgs + "--resume");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto mb = metrics(b);

@@ -179,6 +179,27 @@ int64_t qb_estimate(const float* scores, const float* cutoff, int64_t N, int E, 
 void quantile_balance_update(const float* scores, const float* cutoff, int64_t N, int E, int k,
                              const BalanceOptions& options, BalanceLayerState* state, float* bias) {
   check_balance_shape(N, E, k);
+  DM_CHECK(options.window >= 1, "quantile balancing: window must be >= 1, got ", options.window);
+  if (options.window > 1 && state && k < E) {
+    // Pool the kept batches with this one: their cutoffs under the bias this batch was routed
+    // with (this batch's own cutoffs are exactly those), then the same estimate + refinement.
+    int64_t pooled_rows = N;
+    for (const auto& p : state->past_scores) pooled_rows += int64_t(p.size()) / E;
+    std::vector<float> pooled;
+    pooled.reserve(size_t(pooled_rows * E));
+    for (const auto& p : state->past_scores) pooled.insert(pooled.end(), p.begin(), p.end());
+    pooled.insert(pooled.end(), scores, scores + N * E);
+    std::vector<float> alpha(static_cast<size_t>(pooled_rows));
+    qb_cutoffs(pooled.data(), bias, pooled_rows - N, E, k, alpha.data());
+    std::copy(cutoff, cutoff + N, alpha.begin() + (pooled_rows - N));
+    state->past_scores.emplace_back(scores, scores + N * E);
+    while (int(state->past_scores.size()) > options.window - 1)
+      state->past_scores.erase(state->past_scores.begin());
+    BalanceOptions single = options;
+    single.window = 1;
+    quantile_balance_update(pooled.data(), alpha.data(), pooled_rows, E, k, single, state, bias);
+    return;
+  }
   std::vector<double> raw_bias(size_t(E), 0.0);
   const int64_t used = qb_estimate(scores, cutoff, N, E, k, options, bias, raw_bias.data());
   if (used == 0) return;

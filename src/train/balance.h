@@ -46,11 +46,19 @@ struct BalanceOptions {
   // re-derived as the (k+1)-th largest s_i + b under the candidate bias, then b re-estimated.
   // Assumes ungrouped routing (every expert eligible for every token).
   int refine_iterations = 0;
+  // Steps pooled into one estimate (1 = this step's batch only). The scores of the last
+  // window − 1 batches are kept (BalanceLayerState::past_scores) and the quantile is taken over
+  // the union, their cutoffs re-derived under the bias being fitted: a batch's expert loads
+  // follow the documents it holds, so one batch's quantile carries that batch's composition into
+  // the next step's bias; pooling W batches divides that part by ~√W (older scores lag the
+  // weights by up to W − 1 optimizer steps).
+  int window = 1;
 };
 
-// Per MoE layer state carried between steps (only the quantile EMA needs any).
+// Per MoE layer state carried between steps (the quantile EMA and the pooling window).
 struct BalanceLayerState {
   std::vector<double> smoothed_raw_bias;  // [E]; empty until the first QB update
+  std::vector<std::vector<float>> past_scores;  // window − 1 most recent batches, each [N_i, E], oldest first
 };
 
 // --- QB building blocks (scores [N,E], cutoff [N] from the forward's routing) -----------------

@@ -207,7 +207,7 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
                                   "stages", "balance", "sign_rate", "recompute", "kda_chunk", "device",
                                   "checkpoint_every", "eval_every", "eval_tasks", "seed",
                                   "recall_fraction", "recall_pairs", "recall_queries",
-                                  "recall_span", "balance_ema", "balance_refine",
+                                  "recall_span", "balance_ema", "balance_refine", "balance_window",
                                   "eval_balance_rows"};
     DM_CHECK(std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) !=
                  std::end(known),
@@ -245,6 +245,9 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
   num(j, "balance_refine", c.balance_refine, "");
   DM_CHECK(c.balance_refine >= 0 && c.balance_refine <= 64, origin,
            ": field 'balance_refine' must be in [0, 64]");
+  num(j, "balance_window", c.balance_window, "");
+  DM_CHECK(c.balance_window >= 1 && c.balance_window <= 64, origin,
+           ": field 'balance_window' must be in [1, 64]");
   num(j, "eval_balance_rows", c.eval_balance_rows, "");
   DM_CHECK(c.eval_balance_rows >= 0, origin, ": field 'eval_balance_rows' must be >= 0");
   if (j.contains("device")) {
@@ -368,6 +371,7 @@ TrainSummary train(const TrainerConfig& tc) {
   // The refinement re-derives cutoffs over all experts: only for ungrouped routing.
   const bool grouped_routing = mc.moe.n_group > 1 && mc.moe.topk_group < mc.moe.n_group;
   bo.refine_iterations = grouped_routing ? 0 : tc.balance_refine;
+  bo.window = grouped_routing ? 1 : tc.balance_window;
   std::vector<BalanceLayerState> bstate(size_t(mc.num_layers));
   BalanceCollector collector(mc);
 
@@ -389,6 +393,24 @@ TrainSummary train(const TrainerConfig& tc) {
     const json& bs = st.at("balance_ema");
     for (size_t i = 0; i < bstate.size() && i < bs.size(); ++i)
       bstate[i].smoothed_raw_bias = bs[i].get<std::vector<double>>();
+    // The QB pooling window (scores of the last W − 1 steps per layer), when one was kept.
+    if (fs::exists(ckpt + "/balance_window.safetensors")) {
+      const SafetensorsReader r = SafetensorsReader::open(ckpt + "/balance_window.safetensors");
+      for (const std::string& name : r.names()) {
+        int layer = -1, slot = -1;
+        DM_CHECK(std::sscanf(name.c_str(), "layer%d.step%d", &layer, &slot) == 2 && layer >= 0 &&
+                     layer < mc.num_layers && slot >= 0 && slot < 64,
+                 ckpt, "/balance_window.safetensors: unexpected tensor '", name, "'");
+        const Tensor& t = r.get(name);
+        DM_CHECK(t.dtype == DType::F32 && t.shape.ndim == 2 && t.shape[1] == mc.moe.num_experts,
+                 ckpt, "/balance_window.safetensors: tensor '", name, "' must be F32 [N, ",
+                 mc.moe.num_experts, "]");
+        auto& past = bstate[size_t(layer)].past_scores;
+        if (past.size() <= size_t(slot)) past.resize(size_t(slot) + 1);
+        const float* d = static_cast<const float*>(t.data);
+        past[size_t(slot)].assign(d, d + t.numel());
+      }
+    }
     // Keep metrics.jsonl consistent with the checkpoint: drop lines past its step.
     std::ifstream in(tc.out + "/metrics.jsonl");
     std::string line, kept;
@@ -420,6 +442,16 @@ TrainSummary train(const TrainerConfig& tc) {
                      {"sampler", sampler->state_json()}, {"balance_ema", bs}};
     const std::string s = st.dump(1);
     write_file_atomic(tmp + "/trainer_state.json", s.data(), s.size());
+    SafetensorsWriter window;
+    for (size_t i = 0; i < bstate.size(); ++i)
+      for (size_t w = 0; w < bstate[i].past_scores.size(); ++w) {
+        const auto& sc = bstate[i].past_scores[w];
+        window.add_f32(str_cat("layer", i, ".step", w), sc.data(),
+                       Shape{int64_t(sc.size()) / mc.moe.num_experts, mc.moe.num_experts});
+      }
+    const bool window_kept = std::any_of(bstate.begin(), bstate.end(),
+                                         [](const BalanceLayerState& b) { return !b.past_scores.empty(); });
+    if (window_kept) window.write(tmp + "/balance_window.safetensors");
     const std::string old = tc.out + "/checkpoint.old";
     fs::remove_all(old, ec);
     if (fs::exists(ckpt)) fs::rename(ckpt, old);

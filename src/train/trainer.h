@@ -40,6 +40,7 @@ struct TrainerConfig {
   float sign_rate = 1e-3f;
   double balance_ema = 0.0;     // QB: EMA of the per-expert quantiles across steps (0 = off)
   int balance_refine = 8;       // QB: fixed-point refinements of the bias on the batch (0 = one-shot)
+  int balance_window = 1;       // QB: steps pooled into each estimate (1 = this step only)
   bool recompute = true;
   std::string device = "cpu";   // cpu | cuda (train/train_engine.h)
   int kda_chunk = 64;
