@@ -12,9 +12,12 @@ dm::cli::Registrar reg("plot", "Render a training run's metrics.jsonl to an SVG 
   app->callback([] {
     const std::string svg = out.empty() ? dir + "/metrics.svg" : out;
     auto series = dm::plot_read_metrics(dir + "/metrics.jsonl",
-                                        {"loss", "maxvio", "lr", "grad_norm", "recall_acc", "tokens_per_s"});
+                                        {"loss", "maxvio", "maxvio_window", "lr", "grad_norm",
+                                         "recall_acc", "tokens_per_s"});
     series[0].name = "loss (nats/token)";
     series[1].log_y = true;
+    series[2].name = "maxvio over token windows";
+    series[2].log_y = true;
     const int panels = dm::plot_write_svg(series, "deltamoe training: " + dir, svg);
     std::printf("wrote %s (%d panels)\n", svg.c_str(), panels);
   });

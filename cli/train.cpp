@@ -123,6 +123,11 @@ dm::cli::Registrar reg("train", "Train a model (progressive context, QB balancin
       std::printf("recall accuracy at the last stage's distance: %.3f (chance %.3f)\n", s.recall_acc, s.recall_chance);
     std::printf("MaxVio: last batch %.3f", s.last_maxvio);
     if (s.last_maxvio_global >= 0) std::printf(", held-out (global) %.3f", s.last_maxvio_global);
+    if (s.last_maxvio_window >= 0) {
+      std::printf(", last token window %.3f", s.last_maxvio_window);
+      if (s.first_window_step_below > 0)
+        std::printf(" (first window below 0.1 at step %lld)", (long long)s.first_window_step_below);
+    }
     std::printf("; memory: weights %.1f MB, optimizer %.1f MB, activations peak %.1f MB\n",
                 s.weights_bytes / 1e6, s.optimizer_bytes / 1e6, s.peak_activation_bytes / 1e6);
     std::printf("metrics: %s/metrics.jsonl, checkpoint: %s/checkpoint (plot: deltamoe plot %s)\n",

@@ -36,8 +36,11 @@ const std::string kArgs = " --batch 2 --stages 48:600,96:600:0.5:0.2 --warmup 2 
 TEST(Train, ResumeIsBitExact) {
   const std::string cfg = test::source_dir() + "/configs/test.json";
   const std::string a = test::temp_dir("train_a"), b = test::temp_dir("train_b");
-  // A QB pooling window of 3 steps: the kept scores travel in the checkpoint.
-  const std::string kArgs = ::kArgs + "--balance-window 3 ";
+  // A QB pooling window of 3 steps (the kept scores travel in the checkpoint) and MaxVio windows
+  // of 300 tokens (~3 steps; the open window's loads travel in trainer_state.json).
+  std::filesystem::create_directories(a);
+  std::ofstream(a + "/tc.json") << R"({"maxvio_window_tokens": 300})";
+  const std::string kArgs = ::kArgs + "--balance-window 3 --train-config " + a + "/tc.json ";
   auto r = test::run_cli("train --config " + cfg + " --out " + a + kArgs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto ma = metrics(a);
@@ -51,7 +54,13 @@ TEST(Train, ResumeIsBitExact) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto mb = metrics(b);
   ASSERT_EQ(mb.size(), ma.size());
-  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << "step " << i + 1;
+  int windows = 0;
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(ma[i].value("maxvio_window", -1.0), mb[i].value("maxvio_window", -1.0)) << "step " << i + 1;
+    windows += ma[i].contains("maxvio_window");
+  }
+  EXPECT_GE(windows, 2);
   EXPECT_EQ(slurp(a + "/checkpoint/model.safetensors"), slurp(b + "/checkpoint/model.safetensors"));
   EXPECT_EQ(slurp(a + "/checkpoint/optimizer.safetensors"), slurp(b + "/checkpoint/optimizer.safetensors"));
   // Every step logs the required fields; the second stage runs at its own length.

@@ -207,7 +207,7 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
                                   "stages", "balance", "sign_rate", "recompute", "kda_chunk", "device",
                                   "checkpoint_every", "eval_every", "eval_tasks", "seed",
                                   "recall_fraction", "recall_pairs", "recall_queries",
-                                  "recall_span", "balance_ema", "balance_refine", "balance_window",
+                                  "recall_span", "balance_ema", "balance_refine", "balance_window", "maxvio_window_tokens",
                                   "eval_balance_rows"};
     DM_CHECK(std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) !=
                  std::end(known),
@@ -248,6 +248,8 @@ TrainerConfig trainer_config_from_json(const std::string& text, const std::strin
   num(j, "balance_window", c.balance_window, "");
   DM_CHECK(c.balance_window >= 1 && c.balance_window <= 64, origin,
            ": field 'balance_window' must be in [1, 64]");
+  num(j, "maxvio_window_tokens", c.maxvio_window_tokens, "");
+  DM_CHECK(c.maxvio_window_tokens >= 0, origin, ": field 'maxvio_window_tokens' must be >= 0");
   num(j, "eval_balance_rows", c.eval_balance_rows, "");
   DM_CHECK(c.eval_balance_rows >= 0, origin, ": field 'eval_balance_rows' must be >= 0");
   if (j.contains("device")) {
@@ -374,6 +376,10 @@ TrainSummary train(const TrainerConfig& tc) {
   bo.window = grouped_routing ? 1 : tc.balance_window;
   std::vector<BalanceLayerState> bstate(size_t(mc.num_layers));
   BalanceCollector collector(mc);
+  // Loads per layer summed over the steps of the current MaxVio window, and its token count.
+  std::vector<std::vector<int64_t>> window_loads(size_t(mc.num_layers),
+                                                 std::vector<int64_t>(size_t(mc.moe.num_experts), 0));
+  int64_t window_tokens = 0;
 
   int64_t step = 0, tokens_seen = 0, skipped = 0;
   double loss_ema = 0, elapsed = 0;
@@ -390,6 +396,13 @@ TrainSummary train(const TrainerConfig& tc) {
     cur_stage = st.at("stage").get<int>();
     sampler = make_sampler(cur_stage);
     sampler->restore(st.at("sampler"));
+    if (st.contains("maxvio_window")) {
+      window_tokens = st["maxvio_window"].at("tokens").get<int64_t>();
+      window_loads = st["maxvio_window"].at("loads").get<std::vector<std::vector<int64_t>>>();
+      DM_CHECK(window_loads.size() == size_t(mc.num_layers), ckpt,
+               "/trainer_state.json: maxvio_window has ", window_loads.size(), " layers, expected ",
+               mc.num_layers);
+    }
     const json& bs = st.at("balance_ema");
     for (size_t i = 0; i < bstate.size() && i < bs.size(); ++i)
       bstate[i].smoothed_raw_bias = bs[i].get<std::vector<double>>();
@@ -439,7 +452,8 @@ TrainSummary train(const TrainerConfig& tc) {
     for (const auto& b : bstate) bs.push_back(b.smoothed_raw_bias);
     const json st = {{"step", step},         {"tokens", tokens_seen}, {"skipped", skipped},
                      {"loss_ema", loss_ema}, {"elapsed_s", elapsed},   {"stage", cur_stage},
-                     {"sampler", sampler->state_json()}, {"balance_ema", bs}};
+                     {"sampler", sampler->state_json()}, {"balance_ema", bs},
+                     {"maxvio_window", {{"tokens", window_tokens}, {"loads", window_loads}}}};
     const std::string s = st.dump(1);
     write_file_atomic(tmp + "/trainer_state.json", s.data(), s.size());
     SafetensorsWriter window;
@@ -565,6 +579,7 @@ TrainSummary train(const TrainerConfig& tc) {
     bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
     if (!skip && tc.spike_factor > 0 && step >= 20 && loss > tc.spike_factor * loss_ema) skip = true;
     double maxvio = 0, cv = 0;
+    int64_t window_moe_tokens = 0;
     int dead = 0, moe_layers = 0;
     json per_layer = json::array();
     if (!skip) {
@@ -586,6 +601,8 @@ TrainSummary train(const TrainerConfig& tc) {
       dead += bm.dead_experts;
       ++moe_layers;
       per_layer.push_back({{"layer", i}, {"maxvio", bm.max_violation}, {"cv", bm.coefficient_of_variation}, {"dead", bm.dead_experts}});
+      for (int e = 0; e < mc.moe.num_experts; ++e) window_loads[size_t(i)][size_t(e)] += l.loads[size_t(e)];
+      window_moe_tokens = l.tokens;
       if (skip) continue;
       float* bias = W.layers[size_t(i)].moe.router_bias;
       if (bo.rule == BalanceRule::Sign)
@@ -606,6 +623,19 @@ TrainSummary train(const TrainerConfig& tc) {
               {"maxvio", maxvio},    {"cv", cv},           {"dead_experts", dead},  {"skipped", skip},
               {"elapsed_s", elapsed}};
     if (!per_layer.empty()) m["balance"] = per_layer;
+    window_tokens += window_moe_tokens;
+    if (tc.maxvio_window_tokens > 0 && window_tokens >= tc.maxvio_window_tokens) {
+      double worst = 0;
+      for (int i = 0; i < mc.num_layers; ++i)
+        if (mc.ffns[i] == FfnKind::MoE)
+          worst = std::max(worst, balance_metrics(window_loads[size_t(i)].data(), mc.moe.num_experts).max_violation);
+      m["maxvio_window"] = worst;
+      m["maxvio_window_tokens"] = window_tokens;
+      sum.last_maxvio_window = worst;
+      if (worst < 0.1 && sum.first_window_step_below < 0) sum.first_window_step_below = step;
+      for (auto& l : window_loads) std::fill(l.begin(), l.end(), int64_t(0));
+      window_tokens = 0;
+    }
     const bool stage_ends = step == run_steps || stage_of(step) != s;
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || stage_ends)) {
       engine->sync_host_weights();  // evaluations run the host model

@@ -50,6 +50,11 @@ struct TrainerConfig {
   // Held-out rows of the stage's data mix on which MaxVio_global (summed loads, current bias) is
   // measured at every evaluation (0 = off).
   int64_t eval_balance_rows = 32;
+  // MaxVio of the loads summed over consecutive steps until they hold this many tokens, logged
+  // as maxvio_window when a window completes (0 = off). A step of N tokens has a counting floor:
+  // even a perfect bias leaves max-over-layers MaxVio ≈ 0.21 at N = 1K tokens (k = 2, E = 16,
+  // 7 layers), 0.05 at 16K (docs/training.md); the window shows the balance above that floor.
+  int64_t maxvio_window_tokens = 16384;
   uint64_t seed = 0;
   // Builtin data: share of rows that are recall tasks (stratified per batch), pairs and queries
   // per task, and the span of one task as a fraction of the stage's sequence length (the
@@ -71,6 +76,8 @@ struct TrainSummary {
   double recall_acc = -1, recall_chance = 0;
   double last_maxvio = 0;                  // per-batch MaxVio of the last step (max over layers)
   double last_maxvio_global = -1;          // on held-out rows at the last evaluation (−1 = none)
+  double last_maxvio_window = -1;          // of the last completed token window (−1 = none)
+  int64_t first_window_step_below = -1;    // first step whose window MaxVio < 0.1 (−1 = none)
   double tokens_per_s = 0;
   size_t peak_activation_bytes = 0, weights_bytes = 0, optimizer_bytes = 0;
 };
