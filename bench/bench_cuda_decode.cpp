@@ -1,7 +1,11 @@
 // Decode-step time of a large MoE shape on one GPU against the HBM floor (by default SPEC §1.8's
 // Kimi-Linear-48B-A3B, configs/kimi_linear_48b.json, on one H200):
 //   bench_cuda_decode --config configs/kimi_linear_48b.json \
-//                     --cases 1x32768,64x32768,1x1048576 --steps 10 [--warmup 2] [--seed 1]
+//                     --cases 1x32768,64x32768,1x1048576 --steps 10 [--warmup 2] [--seed 1] \
+//                     [--graphs on|off] [--moe auto|grouped|gathered]
+// --graphs / --moe pick how a step runs (GpuDecodeOptions; defaults from DM_DECODE_GRAPHS and
+// DM_DECODE_MOE, else graphs on and the gathered MoE kernels for small batches): each case
+// prints a "mode:" line saying what ran. `--graphs off --moe grouped` is the pre-graph decoder.
 // Weights are random bf16 drawn on the device: DeviceWeights(…, RandomInit) over a
 // ReservedWeights layout (48B parameters are 196 GB in fp32, more than the host holds, and a
 // host-side init would take minutes). Each slot's cache is filled to the context length by the
@@ -11,7 +15,8 @@
 // Per case B×L: a decoder of B slots × (L + warmup + steps) tokens (L lowered when that would
 // pass the config's context limit; the table prints the L used), every slot filled to L tokens,
 // `warmup` steps, then `steps` timed steps: host wall clock around GpuDecoder::step, which ends
-// with the logits' copy to the host; median ms/step. A case whose cache (estimated from the
+// with the logits' copy to the host; median ms/step. With graphs, a batch size's first step runs
+// directly and its second captures the graph: keep --warmup ≥ 2 so only replays are timed. A case whose cache (estimated from the
 // config) does not fit the free device memory is skipped with the sizes that decide it.
 //
 // HBM floor = bytes one step must move / the device-to-device copy bandwidth measured in the same
@@ -27,7 +32,8 @@
 //     (3·(kernel−1)·H·K bf16, twice); each MLA layer's L latent rows read + one written
 //     ((kvl + rope) × 2 B each).
 // Not in the floor: activations (≪ weights), the logits' device→host copy (B × V × 4 B over
-// PCIe, printed per case), launch and host overheads (one host sync per MoE layer for routing).
+// PCIe, printed per case), launch and host overheads (without graphs: a kernel launch per op and,
+// on the grouped MoE path, one host sync per MoE layer for routing).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -182,14 +188,29 @@ int main(int argc, char** argv) {
   std::string config = "configs/kimi_linear_48b.json", cases_arg = "1x32768,64x32768,1x1048576";
   int steps = 10, warmup = 2;
   uint64_t seed = 1;
+  std::string graphs_arg, moe_arg;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--config")) config = argv[i + 1];
     else if (!std::strcmp(argv[i], "--cases")) cases_arg = argv[i + 1];
     else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--warmup")) warmup = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--seed")) seed = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (!std::strcmp(argv[i], "--graphs")) graphs_arg = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--moe")) moe_arg = argv[i + 1];
   }
   try {
+    cu::GpuDecodeOptions options = cu::GpuDecodeOptions::from_env();
+    if (!graphs_arg.empty()) {
+      DM_CHECK(graphs_arg == "on" || graphs_arg == "off", "--graphs: expected on or off, got '",
+               graphs_arg, "'");
+      options.graphs = graphs_arg == "on";
+    }
+    if (!moe_arg.empty()) {
+      if (moe_arg == "auto") options.moe = cu::GpuDecodeOptions::Moe::Auto;
+      else if (moe_arg == "grouped") options.moe = cu::GpuDecodeOptions::Moe::Grouped;
+      else if (moe_arg == "gathered") options.moe = cu::GpuDecodeOptions::Moe::Gathered;
+      else DM_CHECK(false, "--moe: expected auto, grouped or gathered, got '", moe_arg, "'");
+    }
     if (!cu::device_available()) {
       std::printf("no GPU: %s\n", cu::device_description().c_str());
       return 0;
@@ -242,7 +263,7 @@ int main(int argc, char** argv) {
                     double(total_bytes) / 1e9);
         continue;
       }
-      cu::GpuDecoder dec(dw, B, Lmax);
+      cu::GpuDecoder dec(dw, B, Lmax, options);
       for (int64_t s = 0; s < B; ++s) dec.fill_for_benchmark(s, L, seed * 1000003 + uint64_t(s));
       std::vector<int32_t> tok(static_cast<size_t>(B));
       std::vector<float> logits(static_cast<size_t>(B * V));
@@ -267,6 +288,8 @@ int main(int argc, char** argv) {
       std::printf("       (min %.3f / max %.3f ms; logits to host %.1f MB per step; step scratch "
                   "%.2f GB)\n", ms.front(), ms.back(), double(B * V * 4) / 1e6,
                   double(dec.scratch_bytes()) / 1e9);
+      std::printf("       mode: %s; MoE at batch %lld: %s\n", dec.mode().c_str(), (long long)B,
+                  dec.moe_path(B) == dm::cuda::MoeExpertsPath::Gathered ? "gathered" : "grouped");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_cuda_decode: %s\n", e.what());

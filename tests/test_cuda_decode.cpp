@@ -3,16 +3,25 @@
 // prompts of different lengths decoded in lockstep (slots drop out as they finish, so steps see
 // all, some and non-adjacent slots; the longest crosses the 64-token page boundary), each step's
 // logits compared with the CPU full forward at that position; a released slot reused; greedy
-// generation compared with the CPU's, teacher-forced per step. Skips without a GPU.
+// generation compared with the CPU's, teacher-forced per step. The lockstep runs both ways a
+// step can execute (CUDA graphs + the gathered MoE kernels, the default; and direct launches +
+// the grouped MoE GEMMs); the gathered MoE kernels (ops/cuda/moe_decode.h) are checked against
+// the grouped experts and the CPU, and a graphed decoder against direct ones step by step over
+// changing active sets, a chunked prefill and a released slot. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #if DELTAMOE_HAVE_CUDA
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <numeric>
 #include <random>
+#include <tuple>
 
+#include "core/error.h"
 #include "cuda_golden_util.h"
+#include "cuda_mla_test_util.h"
 #include "cuda_test_util.h"
 #include "infer/generate.h"
 #include "io/config.h"
@@ -20,12 +29,34 @@
 #include "model/cuda/decode_gpu.h"
 #include "model/cuda/generate_gpu.h"
 #include "model/model.h"
+#include "ops/cpu/ffn.h"
+#include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/moe.h"
+#include "ops/cuda/moe_decode.h"
 #include "test_util.h"
 
 using namespace dm;
 
 namespace {
+
+using DecodeMoe = cuda::GpuDecodeOptions::Moe;
+
+cuda::GpuDecodeOptions decode_options(bool graphs, DecodeMoe moe) {
+  cuda::GpuDecodeOptions o;
+  o.graphs = graphs;
+  o.moe = moe;
+  return o;
+}
+
+// The two ways a step runs: what serve/generate use by default, and the pre-graph path.
+struct DecodeMode {
+  const char* name;
+  cuda::GpuDecodeOptions options;
+};
+const DecodeMode kDecodeModes[] = {{"graphs+gathered", decode_options(true, DecodeMoe::Auto)},
+                                   {"direct+grouped", decode_options(false, DecodeMoe::Grouped)}};
 
 std::unique_ptr<Model> bf16_model(const ModelConfig& c, uint64_t seed) {
   auto W = weights_allocate<float>(c);
@@ -65,7 +96,10 @@ struct RowStats {
   double agreement() const { return rows ? double(agree) / double(rows) : 0.0; }
 };
 
-void check_lockstep(const ModelConfig& c, const char* what) {
+void check_lockstep(const ModelConfig& c, const char* config_name,
+                    const cuda::GpuDecodeOptions& options, const char* mode_name) {
+  const std::string label = std::string(config_name) + " [" + mode_name + "]";
+  const char* what = label.c_str();
   auto model = bf16_model(c, 11);
   const cuda::DeviceWeights dw(model->weights());
   const int64_t V = c.vocab_size, S = 3, extra = 10;
@@ -79,7 +113,7 @@ void check_lockstep(const ModelConfig& c, const char* what) {
     ref[size_t(s)] = cpu_logits(*model, seq[size_t(s)]);
     longest = std::max<int64_t>(longest, int64_t(seq[size_t(s)].size()));
   }
-  cuda::GpuDecoder dec(dw, S, longest);
+  cuda::GpuDecoder dec(dw, S, longest, options);
   std::vector<float> logits(size_t(S * V));
   std::vector<int32_t> tokens(static_cast<size_t>(S));
   std::vector<int> active(static_cast<size_t>(S));
@@ -125,6 +159,12 @@ void check_lockstep(const ModelConfig& c, const char* what) {
   std::printf("[          ] %s reused slot, prefill of 30: last logits rel RMS %.2e\n", what, e);
   EXPECT_LE(e, 2e-2) << what;
   EXPECT_EQ(dec.length(1), 30);
+  if (options.graphs) EXPECT_GT(dec.graph_replays(), 0) << what << ": " << dec.mode();
+  else EXPECT_EQ(dec.graphs_captured(), 0) << what;
+}
+
+void check_lockstep_all_modes(const ModelConfig& c, const char* config_name) {
+  for (const DecodeMode& m : kDecodeModes) check_lockstep(c, config_name, m.options, m.name);
 }
 
 // The ids of `{"output_ids": [a, b, …]}` in CLI output.
@@ -148,7 +188,7 @@ std::vector<int32_t> parse_output_ids(const std::string& out) {
 
 TEST(CudaDecode, LockstepMatchesCpuForwardOnTestConfig) {
   DM_SKIP_WITHOUT_GPU();
-  check_lockstep(load_config(test::source_dir() + "/configs/test.json"), "test config");
+  check_lockstep_all_modes(load_config(test::source_dir() + "/configs/test.json"), "test config");
 }
 
 // RoPE with YaRN (amplitude ≠ 1, mscale² in the softmax scale), no q LoRA, two MLA layers,
@@ -169,7 +209,7 @@ TEST(CudaDecode, LockstepMatchesCpuForwardWithRopeYarnVariant) {
   c.residual = ResidualKind::Plain;
   c.attn_res_block = 0;
   validate_config(c, "rope/yarn variant");
-  check_lockstep(c, "rope/yarn variant");
+  check_lockstep_all_modes(c, "rope/yarn variant");
 }
 
 TEST(CudaDecode, GreedyGenerateMatchesCpu) {
@@ -334,6 +374,213 @@ TEST(CudaDecode, RejectsBadInput) {
   dec.step(ok, nullptr, only_first);
   EXPECT_EQ(dec.length(0), 1);
   EXPECT_EQ(dec.length(1), 4);
+}
+
+// ---- the gathered MoE kernels (ops/cuda/moe_decode.h) -------------------------------------------
+
+namespace {
+
+// idx [N, k]: distinct ascending experts per token; with N ≥ 2 every token picks expert 3, so one
+// expert serves all tokens (several passes of the kernels' token tile at N = 64).
+std::vector<int32_t> shared_routing(int64_t N, int k, int E, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> experts(static_cast<size_t>(E)), idx(static_cast<size_t>(N * k));
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int64_t t = 0; t < N; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::vector<int32_t> pick(experts.begin(), experts.begin() + k);
+    if (N >= 2 && std::find(pick.begin(), pick.end(), 3) == pick.end()) pick[0] = 3;
+    std::sort(pick.begin(), pick.end());
+    std::copy(pick.begin(), pick.end(), idx.begin() + t * k);
+  }
+  return idx;
+}
+
+}  // namespace
+
+// Against the grouped experts (moe_experts_forward, cuBLAS grouped GEMMs) and the CPU reference
+// on the same bf16 values: N = 1, 3, 64 tokens, k = 2 and 8, E = 16 and 64, SwiGLU and SiTU,
+// fp32 and bf16 outputs. Din = 520 (65 chunks of 16 bytes: lanes loop three times) and F = 264
+// (a partly idle last block) exercise the tails.
+TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
+  DM_SKIP_WITHOUT_GPU();
+  namespace mla = test::mla;
+  const int64_t Din = 520, F = 264;
+  int case_index = 0;
+  for (auto [N, k, E] :
+       {std::tuple<int64_t, int, int64_t>{1, 2, 16}, {1, 8, 64}, {3, 2, 16}, {3, 8, 16},
+        {3, 8, 64}, {64, 2, 64}, {64, 8, 16}, {64, 8, 64}}) {
+    const bool situ = case_index % 2 == 1, f32_out = case_index % 3 != 2;
+    ++case_index;
+    SCOPED_TRACE(str_cat("N=", N, " k=", k, " E=", E, " situ=", situ, " f32=", f32_out));
+    GluActivation act;
+    act.kind = situ ? Activation::SiTU : Activation::SwiGLU;
+    cuda::GluKernelParams params;
+    params.situ = situ;
+    params.beta1 = act.beta1;
+    params.beta2 = act.beta2;
+    const std::vector<int32_t> idx = shared_routing(N, k, int(E), uint32_t(N * 131 + k * 7 + E));
+    const uint32_t seed = uint32_t(1000 + case_index * 10);
+    const mla::Bf16Host x = mla::random_bf16(size_t(N * Din), seed);
+    const mla::Bf16Host gate =
+        mla::random_bf16(size_t(E * F * Din), seed + 1, 1.0f / std::sqrt(float(Din)));
+    const mla::Bf16Host up =
+        mla::random_bf16(size_t(E * F * Din), seed + 2, 1.0f / std::sqrt(float(Din)));
+    const mla::Bf16Host down =
+        mla::random_bf16(size_t(E * Din * F), seed + 3, 1.0f / std::sqrt(float(F)));
+    std::mt19937 rng(seed + 4);
+    std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
+    std::vector<float> w(static_cast<size_t>(N * k));
+    for (auto& value : w) value = uniform(rng);
+
+    std::vector<float> y_cpu(static_cast<size_t>(N * Din));
+    const ExpertWeights ew_cpu{gate.values.data(), up.values.data(), down.values.data(), E, Din,
+                               F};
+    moe_experts_reference(x.values.data(), idx.data(), w.data(), N, k, ew_cpu, act, y_cpu.data());
+
+    cuda::GemmContext context;
+    cuda::DeviceArena arena(size_t(256) << 20);
+    const cuda::ExpertWeightsBf16 ew{mla::upload(arena, gate.bits), mla::upload(arena, up.bits),
+                                     mla::upload(arena, down.bits), E, Din, F};
+    ASSERT_TRUE(cuda::moe_decode_supported(N, k, ew));
+    const uint16_t* x_dev = mla::upload(arena, x.bits);
+    const int32_t* idx_dev = mla::upload(arena, idx);
+    const float* w_dev = mla::upload(arena, w);
+    const cuda::GemmOutType out = f32_out ? cuda::GemmOutType::F32 : cuda::GemmOutType::Bf16;
+    auto download_y = [&](void* y) {
+      return f32_out ? mla::download(static_cast<float*>(y), size_t(N * Din))
+                     : mla::bf16_bits_to_floats(
+                           mla::download(static_cast<uint16_t*>(y), size_t(N * Din)));
+    };
+
+    // Grouped reference.
+    std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
+    cuda::MoeDispatchPlan plan;
+    cuda::moe_dispatch_plan_build(idx_dev, N, k, int(E), &plan, arena, host_offsets.data());
+    void* grouped_ws = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
+    void* y_grouped = mla::alloc_poisoned<float>(arena, size_t(N * Din));
+    cuda::moe_experts_forward(context, x_dev, plan, w_dev, ew, act, y_grouped, out, grouped_ws);
+
+    // Gathered, twice into a poisoned output (every element written; same bits both times).
+    void* gathered_ws = arena.alloc_bytes(cuda::moe_decode_workspace_bytes(N, k, ew));
+    void* y_gathered = mla::alloc_poisoned<float>(arena, size_t(N * Din));
+    cuda::moe_decode_experts_forward(x_dev, idx_dev, w_dev, N, k, ew, params, y_gathered, out,
+                                     gathered_ws);
+    cuda::synchronize();
+    const std::vector<float> first = download_y(y_gathered);
+    cuda::moe_decode_experts_forward(x_dev, idx_dev, w_dev, N, k, ew, params, y_gathered, out,
+                                     gathered_ws);
+    cuda::synchronize();
+    const std::vector<float> gathered = download_y(y_gathered);
+    const std::vector<float> grouped = download_y(y_grouped);
+    ASSERT_TRUE(mla::all_finite(gathered));
+    EXPECT_EQ(std::memcmp(first.data(), gathered.data(), gathered.size() * sizeof(float)), 0)
+        << "not deterministic";
+    const double vs_grouped = test::rel_rms(gathered.data(), grouped.data(), gathered.size());
+    const double vs_cpu = test::rel_rms(gathered.data(), y_cpu.data(), gathered.size());
+    const double grouped_vs_cpu = test::rel_rms(grouped.data(), y_cpu.data(), grouped.size());
+    std::printf("[          ] N=%lld k=%d E=%lld %s %s: gathered vs grouped %.2e, vs CPU %.2e "
+                "(grouped vs CPU %.2e)\n", (long long)N, k, (long long)E, situ ? "SiTU" : "SwiGLU",
+                f32_out ? "fp32" : "bf16", vs_grouped, vs_cpu, grouped_vs_cpu);
+    EXPECT_LE(vs_grouped, 1e-2);
+    EXPECT_LE(vs_cpu, 1e-2);
+  }
+  EXPECT_TRUE(cuda::moe_decode_preferred(64, 8, 256));
+  EXPECT_FALSE(cuda::moe_decode_preferred(1024, 8, 256));
+}
+
+// A decoder replaying CUDA graphs with the gathered MoE kernels against one launching every
+// kernel directly (same kernels: greedy tokens identical, logits equal to fp32 noise) and one on
+// the old path (direct launches, grouped MoE GEMMs: logits within bf16 tolerance). 32 steps,
+// teacher-forced with the graphed decoder's greedy tokens, active sets changing between steps
+// (new graphs for n = 4, 3, 1 and a logits-free step), non-adjacent slots, a chunked prefill into
+// a busy decoder and a released slot restarting at position 0.
+TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  auto model = bf16_model(c, 31);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, S = 4, Lmax = 64;
+  cuda::GpuDecoder graphed(dw, S, Lmax, decode_options(true, DecodeMoe::Gathered));
+  cuda::GpuDecoder direct(dw, S, Lmax, decode_options(false, DecodeMoe::Gathered));
+  cuda::GpuDecoder grouped(dw, S, Lmax, decode_options(false, DecodeMoe::Grouped));
+  cuda::GpuDecoder* decoders[3] = {&graphed, &direct, &grouped};
+  std::vector<std::vector<float>> logits(3, std::vector<float>(size_t(S * V)));
+  std::vector<int32_t> tokens(static_cast<size_t>(S));
+  std::mt19937_64 rng(5);
+  auto random_token = [&] { return int32_t(rng() % uint64_t(V)); };
+
+  // Prompts of 5, 9, 3, 12 tokens by chunked prefill; the first tokens are the graphed
+  // decoder's greedy picks.
+  const int64_t prompt_length[S] = {5, 9, 3, 12};
+  std::vector<float> last(static_cast<size_t>(V));
+  for (int64_t s = 0; s < S; ++s) {
+    const std::vector<int32_t> prompt = random_tokens(prompt_length[s], V, 50 + uint64_t(s));
+    for (cuda::GpuDecoder* d : decoders) {
+      d->prefill(s, prompt.data(), prompt_length[s], last.data());
+      if (d == &graphed) tokens[size_t(s)] = int32_t(argmax(last.data(), V));
+    }
+  }
+
+  RowStats vs_direct, vs_grouped;
+  int64_t identical_rows = 0;
+  for (int step = 0; step < 32; ++step) {
+    std::vector<int> active(static_cast<size_t>(S), 1);
+    if (step >= 7 && step <= 12) active = {1, 0, 1, 1};
+    if (step >= 13 && step <= 18) active = {0, 1, 0, 0};
+    if (step >= 27) active = {1, 1, 0, 1};
+    if (step == 13) {  // slot 1 takes a new prompt while the others keep their caches
+      const std::vector<int32_t> prompt = random_tokens(10, V, 77);
+      for (cuda::GpuDecoder* d : decoders) {
+        d->prefill(1, prompt.data(), 10, last.data());
+        if (d == &graphed) tokens[1] = int32_t(argmax(last.data(), V));
+      }
+    }
+    if (step == 19) {  // slot 3 released: a new sequence from position 0
+      for (cuda::GpuDecoder* d : decoders) d->release(3);
+      tokens[3] = random_token();
+    }
+    const bool want_logits = step != 25 && step != 26;  // (4 rows, no logits): its own graph
+    for (int i = 0; i < 3; ++i)
+      decoders[i]->step(tokens.data(), want_logits ? logits[size_t(i)].data() : nullptr,
+                        active.data());
+    for (int64_t s = 0; s < S; ++s) {
+      if (!active[size_t(s)]) continue;
+      if (!want_logits) {
+        tokens[size_t(s)] = random_token();
+        continue;
+      }
+      const float* a = logits[0].data() + s * V;
+      const float* b = logits[1].data() + s * V;
+      const float* g = logits[2].data() + s * V;
+      ASSERT_TRUE(std::all_of(a, a + V, [](float x) { return std::isfinite(x); }))
+          << "step " << step << " slot " << s;
+      vs_direct.add(a, b, V);
+      vs_grouped.add(a, g, V);
+      identical_rows += std::equal(a, a + V, b);
+      EXPECT_EQ(argmax(a, V), argmax(b, V)) << "step " << step << " slot " << s;
+      EXPECT_LE(test::rel_rms(a, b, size_t(V)), 1e-5) << "step " << step << " slot " << s;
+      EXPECT_LE(test::rel_rms(a, g, size_t(V)), 2e-2) << "step " << step << " slot " << s;
+      tokens[size_t(s)] = int32_t(argmax(a, V));
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    EXPECT_EQ(graphed.length(s), direct.length(s));
+    EXPECT_EQ(graphed.length(s), grouped.length(s));
+  }
+  std::printf("[          ] graphed vs direct: %lld rows, %lld bit-identical, rel RMS max %.2e; vs "
+              "grouped MoE: rel RMS max %.2e, argmax agreement %.3f\n",
+              (long long)vs_direct.rows, (long long)identical_rows, vs_direct.worst,
+              vs_grouped.worst, vs_grouped.agreement());
+  std::printf("[          ] graphed: %s\n", graphed.mode().c_str());
+  EXPECT_EQ(vs_direct.agreement(), 1.0);
+  EXPECT_GE(vs_grouped.agreement(), 0.9);
+  // Graphs for (n, logits) = (4, yes), (3, yes), (1, yes), (4, no); replayed every step after
+  // a key's first two.
+  EXPECT_EQ(graphed.graphs_captured(), 4) << graphed.mode();
+  EXPECT_GE(graphed.graph_replays(), 20) << graphed.mode();
+  EXPECT_EQ(direct.graphs_captured(), 0);
+  EXPECT_EQ(grouped.graphs_captured(), 0);
 }
 
 #else

@@ -13,26 +13,60 @@
 //     q_abs[r, h] = [q_nope[r, h]·W_k,h | RoPE(q_rope[r, h], pos)]  [n, H, Wd] bf16
 //     latent = softmax(scale·q_abs·rowsᵀ)·rows[:, :kvl] over positions 0..pos  (paged kernel)
 //     o_h = W_v,h latent_h; o ← o ⊙ sigmoid(W_gate x); y = W_o o
-//   FFN: layers.h moe_layer_forward_gpu / dense_ffn_forward_gpu on the n rows.
+//   FFN: layers.h moe_layer_forward_gpu (routed experts Gathered, or Grouped per the options) /
+//   dense_ffn_forward_gpu on the n rows.
+// Graph capture needs every op of record_step on the decoder's stream, asynchronous and
+// allocation-free: the scratch is carved from the arena (host bookkeeping only), the residual
+// stream's copies are cudaMemcpyAsync (DecodeResidualOps), GEMMs are cuBLASLt calls with the
+// GemmContext's fixed workspace (algorithm lookup on the host), the MLA decode plan depends on n
+// only, and kernels that need a slot, position or length read it from device memory.
 #include "model/cuda/decode_gpu.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
 
 #include "core/error.h"
 #include "model/cuda/layers.h"
+#include "model/cuda/moe_gpu_internal.h"
 #include "model/cuda/residual_gpu.h"
 #include "model/mla.h"
+#include "model/moe.h"
 #include "model/residual.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/decode_ops.h"
 #include "ops/cuda/kda_layer_ops.h"
 #include "ops/cuda/mla_layer_ops.h"
+#include "ops/cuda/moe_decode.h"
 #include "ops/cuda/residual_ops.h"
 #include "ops/cuda/kda.h"
 #include "ops/cuda/random_fill.h"
 
 namespace dm::cuda {
+
+// One step's own buffers (before the sub-layers carve theirs).
+struct DecodeStepBuffers {
+  int32_t* meta = nullptr;       // [2n] ids | slots (uploaded)
+  int32_t* positions = nullptr;  // [n]
+  int32_t* seq_len = nullptr;    // [n]
+  int32_t* row_table = nullptr;  // [n, P]
+  float *p = nullptr, *x = nullptr, *out = nullptr;  // [n, d] residual stream
+  uint16_t* xn = nullptr;                            // [n, d] normed rows
+  float* blocks = nullptr;                           // [nb, n, d] AttnRes block sums
+  float* logits = nullptr;                           // [n, V]
+};
+
+// A captured step for one (n, logits wanted) and the buffers it was captured with.
+struct GpuDecoder::StepGraph {
+  bool warmed = false;  // ran once directly (kernels loaded, GEMM algorithms cached)
+  CapturedGraph graph;
+  const int32_t* meta = nullptr;
+  const float* logits = nullptr;
+};
+
 namespace {
 
 constexpr int64_t kPageTokens = kMlaDecodePageTokens;  // the paged decode kernel's page size
@@ -56,21 +90,21 @@ struct Carver {
 
 bool rope_on(const MlaConfig& m) { return m.use_rope && m.qk_rope_dim > 0; }
 
-// One step's own buffers (before the sub-layers carve theirs).
-struct StepBuffers {
-  int32_t* meta = nullptr;       // [2n] ids | slots (uploaded)
-  int32_t* positions = nullptr;  // [n]
-  int32_t* seq_len = nullptr;    // [n]
-  int32_t* row_table = nullptr;  // [n, P]
-  float *p = nullptr, *x = nullptr, *out = nullptr;  // [n, d] residual stream
-  uint16_t* xn = nullptr;                            // [n, d] normed rows
-  float* blocks = nullptr;                           // [nb, n, d] AttnRes block sums
-  float* logits = nullptr;                           // [n, V]
+// GpuResidualOps with the stream copies queued on the decoder's stream (its copy is a
+// synchronous legacy-stream cudaMemcpy, which a graph capture cannot contain).
+struct DecodeResidualOps : GpuResidualOps {
+  void copy(float* dst, const float* src, int64_t n) const {
+    copy_device_to_device_async(dst, src, size_t(n) * sizeof(float), stream);
+  }
 };
 
-StepBuffers carve_step(Carver& cv, const ModelConfig& c, int64_t n, int64_t P) {
+bool any_moe(const ModelConfig& c) {
+  return std::find(c.ffns.begin(), c.ffns.end(), FfnKind::MoE) != c.ffns.end();
+}
+
+DecodeStepBuffers carve_step(Carver& cv, const ModelConfig& c, int64_t n, int64_t P) {
   const int64_t d = c.hidden;
-  StepBuffers b;
+  DecodeStepBuffers b;
   b.meta = cv.take<int32_t>(2 * n);
   b.positions = cv.take<int32_t>(n);
   b.seq_len = cv.take<int32_t>(n);
@@ -207,28 +241,43 @@ void check_decode_config(const ModelConfig& c, int64_t S, int64_t Lmax) {
 
 }  // namespace
 
+// Device views of one step's rows; every kernel reads slots and positions from here.
 struct GpuDecoder::Rows {
   int64_t n = 0;
   const int32_t* slots = nullptr;      // device [n]
   const int32_t* positions = nullptr;  // device [n]
   const int32_t* seq_len = nullptr;    // device [n]
   const int32_t* row_table = nullptr;  // device [n, P]
-  // Maximal runs of rows whose slots are consecutive: the recurrent KDA operator takes a
-  // contiguous [B, H, K, V] state, so each run is one launch (all slots active: one launch).
-  struct Run {
-    int64_t row, slot, count;
-  };
-  std::vector<Run> runs;
 };
 
-GpuDecoder::GpuDecoder(const ModelWeights& host, int64_t num_slots, int64_t max_length)
-    : owned_(std::make_unique<DeviceWeights>(host)), dw_(owned_.get()), S_(num_slots),
-      max_length_(max_length) {
+GpuDecodeOptions GpuDecodeOptions::from_env() {
+  GpuDecodeOptions o;
+  if (const char* v = std::getenv("DM_DECODE_GRAPHS")) {
+    const std::string s = v;
+    if (s == "0" || s == "off" || s == "false" || s == "no") o.graphs = false;
+    else DM_CHECK(s.empty() || s == "1" || s == "on" || s == "true" || s == "yes",
+                  "DM_DECODE_GRAPHS: expected 0/1 (off/on), got '", s, "'");
+  }
+  if (const char* v = std::getenv("DM_DECODE_MOE")) {
+    const std::string s = v;
+    if (s == "grouped") o.moe = Moe::Grouped;
+    else if (s == "gathered") o.moe = Moe::Gathered;
+    else DM_CHECK(s.empty() || s == "auto", "DM_DECODE_MOE: expected auto, grouped or gathered, "
+                  "got '", s, "'");
+  }
+  return o;
+}
+
+GpuDecoder::GpuDecoder(const ModelWeights& host, int64_t num_slots, int64_t max_length,
+                       const GpuDecodeOptions& options)
+    : options_(options), owned_(std::make_unique<DeviceWeights>(host)), dw_(owned_.get()),
+      S_(num_slots), max_length_(max_length) {
   init();
 }
 
-GpuDecoder::GpuDecoder(const DeviceWeights& dw, int64_t num_slots, int64_t max_length)
-    : dw_(&dw), S_(num_slots), max_length_(max_length) {
+GpuDecoder::GpuDecoder(const DeviceWeights& dw, int64_t num_slots, int64_t max_length,
+                       const GpuDecodeOptions& options)
+    : options_(options), dw_(&dw), S_(num_slots), max_length_(max_length) {
   init();
 }
 
@@ -237,8 +286,16 @@ GpuDecoder::~GpuDecoder() = default;
 void GpuDecoder::init() {
   const ModelConfig& c = config();
   check_decode_config(c, S_, max_length_);
+  has_moe_ = any_moe(c);
+  if (has_moe_ && options_.moe == GpuDecodeOptions::Moe::Gathered) {
+    const ExpertWeightsBf16 ew = moe_gpu::expert_weights(nullptr, nullptr, moe_shape(c));
+    DM_CHECK(moe_decode_supported(S_, int(c.moe.top_k), ew), "GpuDecoder: the gathered MoE "
+             "kernels do not take this shape (E=", ew.E, " k=", c.moe.top_k, " ℓ=", ew.Din,
+             " F=", ew.F, "); use DM_DECODE_MOE=grouped");
+  }
   pages_per_slot_ = (max_length_ + kPageTokens - 1) / kPageTokens;
   num_sms_ = decode_device_multiprocessors();
+  stream_ = std::make_unique<OwnedStream>();
   const int64_t S = S_, P = pages_per_slot_;
 
   Carver counter;
@@ -287,10 +344,64 @@ void GpuDecoder::init() {
                       c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, S)
                                                 : dense_ffn_forward_gpu_bytes(c, S)});
   }
-  run_ = std::make_unique<GpuRun>(step.bytes + layer + (size_t(1) << 20));
+  run_ = std::make_unique<GpuRun>(step.bytes + layer + (size_t(1) << 20), stream_->get());
   host_lengths_.assign(size_t(S), 0);
-  staging_.resize(size_t(2 * S));
-  row_logits_.resize(size_t(S) * size_t(c.vocab_size));
+  active_slots_.resize(size_t(S));
+  pinned_meta_ = std::make_unique<PinnedBuffer>(size_t(2 * S) * sizeof(int32_t));
+  pinned_logits_ = std::make_unique<PinnedBuffer>(size_t(S) * size_t(c.vocab_size) * sizeof(float));
+  graphs_.resize(size_t(2 * (S + 1)));
+  // The zeroing and uploads above ran on the legacy default stream, which the decoder's
+  // non-blocking stream does not wait for.
+  synchronize();
+}
+
+MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
+  if (!has_moe_) return MoeExpertsPath::Gathered;  // no MoE layer: nothing synchronises
+  const ModelConfig& c = config();
+  const int k = int(c.moe.top_k);
+  switch (options_.moe) {
+    case GpuDecodeOptions::Moe::Grouped:
+      return MoeExpertsPath::Grouped;
+    case GpuDecodeOptions::Moe::Gathered:
+      return MoeExpertsPath::Gathered;
+    case GpuDecodeOptions::Moe::Auto:
+      break;
+  }
+  const ExpertWeightsBf16 ew = moe_gpu::expert_weights(nullptr, nullptr, moe_shape(c));
+  return moe_decode_supported(n, k, ew) && moe_decode_preferred(n, k, ew.E)
+             ? MoeExpertsPath::Gathered
+             : MoeExpertsPath::Grouped;
+}
+
+bool GpuDecoder::graphs_usable(MoeExpertsPath moe) const {
+  return options_.graphs && !graph_capture_failed_ && moe == MoeExpertsPath::Gathered;
+}
+
+std::string GpuDecoder::mode() const {
+  std::string graphs;
+  if (!options_.graphs) graphs = "CUDA graphs off";
+  else if (graph_capture_failed_) graphs = "CUDA graphs off (a capture failed)";
+  else if (has_moe_ && options_.moe == GpuDecodeOptions::Moe::Grouped)
+    graphs = "CUDA graphs off (the grouped MoE path synchronises)";
+  else graphs = str_cat("CUDA graphs on (", graphs_captured_, " captured, ", graph_replays_,
+                        " replays)");
+  std::string moe = "no MoE layer";
+  if (has_moe_) {
+    const MoeConfig& m = config().moe;
+    switch (options_.moe) {
+      case GpuDecodeOptions::Moe::Grouped:
+        moe = "routed experts: grouped GEMMs (host sync per MoE layer)";
+        break;
+      case GpuDecodeOptions::Moe::Gathered:
+        moe = "routed experts: gathered decode kernels (moe_decode.h) for every n";
+        break;
+      case GpuDecodeOptions::Moe::Auto:
+        moe = str_cat("routed experts: gathered decode kernels while n·", m.top_k, " ≤ ",
+                      m.num_experts, ", grouped GEMMs above (no graphs there)");
+        break;
+    }
+  }
+  return graphs + "; " + moe;
 }
 
 int64_t GpuDecoder::length(int64_t slot) const {
@@ -306,16 +417,18 @@ void GpuDecoder::release(int64_t slot) {
   const ModelConfig& c = config();
   const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim;
   const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
+  CUstream_st* stream = run_->stream;
   for (int i = 0; i < c.num_layers; ++i) {
     if (c.mixers[i] != MixerKind::KDA) continue;
     const size_t l = size_t(i);
-    fill_zero(kda_state_[l] + slot * HK * c.kda.head_dim,
-              size_t(HK * c.kda.head_dim) * sizeof(float));
+    fill_zero_async(kda_state_[l] + slot * HK * c.kda.head_dim,
+                    size_t(HK * c.kda.head_dim) * sizeof(float), stream);
     if (tail > 0)
       for (uint16_t* t : {kda_tail_q_[l], kda_tail_k_[l], kda_tail_v_[l]})
-        fill_zero(t + slot * tail, size_t(tail) * sizeof(uint16_t));
+        fill_zero_async(t + slot * tail, size_t(tail) * sizeof(uint16_t), stream);
   }
-  fill_zero(lengths_ + slot, sizeof(int32_t));
+  fill_zero_async(lengths_ + slot, sizeof(int32_t), stream);
+  stream_synchronize(stream);  // a chunked prefill on the legacy stream may follow
   host_lengths_[size_t(slot)] = 0;
 }
 
@@ -360,26 +473,26 @@ void GpuDecoder::fill_for_benchmark(int64_t slot, int64_t length, uint64_t seed)
 
 void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
   const int64_t V = config().vocab_size;
-  std::vector<int32_t> ids, slots;
-  ids.reserve(size_t(S_));
-  slots.reserve(size_t(S_));
+  int64_t n = 0;
   for (int64_t s = 0; s < S_; ++s) {
     if (active && !active[s]) continue;
     DM_CHECK(host_lengths_[size_t(s)] < max_length_, "GpuDecoder::step: slot ", s, " is full (",
              max_length_, " tokens)");
     DM_CHECK(tokens[s] >= 0 && tokens[s] < V, "GpuDecoder::step: token id ", tokens[s],
              " of slot ", s, " outside the vocabulary [0, ", V, ")");
-    ids.push_back(tokens[s]);
-    slots.push_back(int32_t(s));
+    active_slots_[size_t(n++)] = int32_t(s);
   }
-  const int64_t n = int64_t(slots.size());
   if (n == 0) return;
-  run_rows(ids.data(), slots.data(), n, logits ? row_logits_.data() : nullptr);
+  int32_t* staged = pinned_meta_->as<int32_t>();  // ids [n] | slots [n]
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t s = slots[size_t(r)];
+    staged[r] = tokens[active_slots_[size_t(r)]];
+    staged[n + r] = active_slots_[size_t(r)];
+  }
+  const float* rows = run_rows(n, logits != nullptr);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t s = active_slots_[size_t(r)];
     ++host_lengths_[size_t(s)];
-    if (logits)
-      std::copy(row_logits_.begin() + r * V, row_logits_.begin() + (r + 1) * V, logits + s * V);
+    if (logits) std::memcpy(logits + s * V, rows + r * V, size_t(V) * sizeof(float));
   }
 }
 
@@ -396,9 +509,13 @@ void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* las
     prefill_chunked(slot, ids, n, last_logits);
     return;
   }
-  const int32_t row_slot = int32_t(slot);
   for (int64_t t = 0; t < n; ++t) {
-    run_rows(ids + t, &row_slot, 1, t + 1 == n ? last_logits : nullptr);
+    int32_t* staged = pinned_meta_->as<int32_t>();
+    staged[0] = ids[t];
+    staged[1] = int32_t(slot);
+    const bool last = t + 1 == n && last_logits;
+    const float* row = run_rows(1, last);
+    if (last) std::memcpy(last_logits, row, size_t(V) * sizeof(float));
     ++host_lengths_[size_t(slot)];
   }
 }
@@ -429,7 +546,8 @@ void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, fl
     }
     prefill_run_.reset();
     prefill_act_.reset();
-    prefill_run_ = std::make_unique<GpuRun>(layer + (size_t(1) << 20), run_->stream);
+    // The legacy default stream: the layer forwards mix in synchronous copies (decode_gpu.h).
+    prefill_run_ = std::make_unique<GpuRun>(layer + (size_t(1) << 20), nullptr);
     prefill_act_ = std::make_unique<DeviceArena>(act_bytes(n));
     prefill_capacity_ = n;
   }
@@ -502,20 +620,79 @@ void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, fl
   host_lengths_[size_t(slot)] = n;
 }
 
-void GpuDecoder::run_rows(const int32_t* ids, const int32_t* slots, int64_t n,
-                          float* row_logits) {
+const float* GpuDecoder::run_rows(int64_t n, bool want_logits) {
+  const ModelConfig& c = config();
+  GpuRun& run = *run_;
+  CUstream_st* stream = run.stream;
+  const int64_t V = c.vocab_size;
+  run.scratch.reset();
+  Carver cv{&run.scratch};
+  const DecodeStepBuffers b = carve_step(cv, c, n, pages_per_slot_);
+  // The step's only upload, ahead of the graph launch on the same stream.
+  copy_to_device_async(b.meta, pinned_meta_->as<int32_t>(), size_t(2 * n) * sizeof(int32_t),
+                       stream);
+  const MoeExpertsPath moe = moe_path(n);
+  if (graphs_usable(moe)) {
+    std::unique_ptr<StepGraph>& slot = graphs_[size_t(2 * n + (want_logits ? 1 : 0))];
+    if (!slot) slot = std::make_unique<StepGraph>();
+    StepGraph& g = *slot;
+    if (g.graph.ready()) {
+      DM_CHECK(g.meta == b.meta && g.logits == b.logits,
+               "GpuDecoder: step buffers moved since the graph was captured");
+      g.graph.launch(stream);
+      ++graph_replays_;
+    } else if (!g.warmed) {
+      record_step(b, n, want_logits, moe);
+      g.warmed = true;
+    } else {
+      capture_step(g, b, n, want_logits, moe);
+    }
+  } else {
+    record_step(b, n, want_logits, moe);
+  }
+  if (want_logits)
+    copy_to_host_async(pinned_logits_->as<float>(), b.logits, size_t(n * V) * sizeof(float),
+                       stream);
+  stream_synchronize(stream);  // the step's one host synchronisation
+  check_last_error("GpuDecoder step");
+  return want_logits ? pinned_logits_->as<float>() : nullptr;
+}
+
+void GpuDecoder::capture_step(StepGraph& g, const DecodeStepBuffers& b, int64_t n,
+                              bool want_logits, MoeExpertsPath moe) {
+  CUstream_st* stream = run_->stream;
+  std::string why;
+  bool captured = false;
+  CapturedGraph::capture_begin(stream);
+  try {
+    record_step(b, n, want_logits, moe);
+    captured = g.graph.capture_end(stream, &why);
+  } catch (const std::exception& e) {
+    CapturedGraph::capture_abort(stream);
+    why = e.what();
+  }
+  if (captured) {
+    g.meta = b.meta;
+    g.logits = b.logits;
+    ++graphs_captured_;
+    g.graph.launch(stream);
+    ++graph_replays_;
+    return;
+  }
+  // Nothing of the captured work ran: run the step directly, and every later one too.
+  graph_capture_failed_ = true;
+  std::fprintf(stderr, "GpuDecoder: capturing the %lld-row decode step as a CUDA graph failed "
+               "(%s); decoding without graphs\n", (long long)n, why.c_str());
+  record_step(b, n, want_logits, moe);
+}
+
+void GpuDecoder::record_step(const DecodeStepBuffers& b, int64_t n, bool want_logits,
+                             MoeExpertsPath moe) {
   const ModelConfig& c = config();
   const ModelWeights& W = dw_->host();
   GpuRun& run = *run_;
   CUstream_st* stream = run.stream;
   const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
-  run.scratch.reset();
-  Carver cv{&run.scratch};
-  const StepBuffers b = carve_step(cv, c, n, P);
-
-  std::copy(ids, ids + n, staging_.begin());
-  std::copy(slots, slots + n, staging_.begin() + n);
-  copy_to_device(b.meta, staging_.data(), size_t(2 * n) * sizeof(int32_t));
   decode_prepare_rows(b.meta + n, n, lengths_, page_table_, P, b.positions, b.seq_len,
                       b.row_table, stream);
   embedding_gather(dw_->bf16(W.embed), b.meta, n, d, b.p, stream);
@@ -526,30 +703,24 @@ void GpuDecoder::run_rows(const int32_t* ids, const int32_t* slots, int64_t n,
   rows.positions = b.positions;
   rows.seq_len = b.seq_len;
   rows.row_table = b.row_table;
-  for (int64_t r = 0; r < n; ++r) {
-    if (!rows.runs.empty() && rows.runs.back().slot + rows.runs.back().count == slots[r])
-      ++rows.runs.back().count;
-    else
-      rows.runs.push_back({r, slots[r], 1});
-  }
-
   auto mixer = [&](int i, const uint16_t* in, float* o) {
     if (c.mixers[i] == MixerKind::KDA) kda_step(i, in, o, rows);
     else mla_step(i, in, o, rows);
   };
   auto ffn = [&](int i, const uint16_t* in, float* o) {
-    if (c.ffns[i] == FfnKind::MoE) moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n);
-    else dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
+    if (c.ffns[i] == FfnKind::MoE)
+      moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n, nullptr, moe);
+    else
+      dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
   };
-  const GpuResidualOps ops{dw_, stream};
+  DecodeResidualOps ops;
+  ops.dw = dw_;
+  ops.stream = stream;
   const uint16_t* final_hidden = residual_stack_forward<float>(
       c, W, n, b.p, b.x, b.xn, b.out, b.blocks, mixer, ffn, [](const char*, int, const float*) {},
       ops);
-  if (row_logits)
+  if (want_logits)
     linear(run, final_hidden, dw_->bf16(W.lm_head), n, d, V, b.logits, GemmOutType::F32);
-  synchronize();
-  check_last_error("GpuDecoder step");
-  if (row_logits) copy_to_host(row_logits, b.logits, size_t(n * V) * sizeof(float));
 }
 
 void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows) {
@@ -587,16 +758,10 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   linear(run, xn, dw.bf16(w.b_proj), n, d, H, b.beta_logits, GemmOutType::F32);
   kda_beta_sigmoid_forward(b.beta_logits, b.beta, n * H, stream);
 
-  // The recurrent operator, T = 1, each run of consecutive slots against its contiguous states.
+  // The recurrent operator, T = 1, row r against slot slots[r]'s state in place.
   const float scale = 1.0f / std::sqrt(float(K));
-  float* state = kda_state_[size_t(layer)];
-  for (const Rows::Run& r : rows.runs) {
-    const int64_t at = r.row * HK;
-    float* s = state + r.slot * H * K * K;
-    kda_recurrent_forward(b.qkv[0] + at, b.qkv[1] + at, b.qkv[2] + at, g + at,
-                          b.beta + r.row * H, s, b.o + at, s, KdaShape{r.count, 1, H, K, K},
-                          scale, nullptr, stream);
-  }
+  decode_kda_recurrent_step(b.qkv[0], b.qkv[1], b.qkv[2], g, b.beta, kda_state_[size_t(layer)],
+                            rows.slots, b.o, n, H, K, K, scale, stream);
 
   // Output gate into raw[1], per-head RMSNorm ⊙ sigmoid(gate) in place, then W_o (fp32 out).
   uint16_t* out_gate = b.raw[1];

@@ -15,28 +15,71 @@
 // Per-step temporaries (row bookkeeping, residual stream, sub-layer scratch, logits) come from
 // the GpuRun's scratch arena, sized once for S rows.
 //
-// Prefill here is the prompt fed one token per step (correct and simple; a chunked prefill with
-// the layers.h forwards writing the state, tails and pages comes later).
+// A step has no host synchronisation until its logits are copied back: the token ids and slots
+// of the n active rows go up from a pinned buffer with one cudaMemcpyAsync; every kernel reads
+// slots, positions and lengths from device memory (the per-row KDA state index included); the
+// MoE layers route on the device and run their experts through the gathered kernels of
+// ops/cuda/moe_decode.h (no per-layer dispatch plan on the host). So the whole step —
+// embedding → layers → final norm → LM head — is captured once per distinct n (and per "logits
+// wanted") as a CUDA graph on the decoder's own stream, the second time that n is seen (the first
+// runs directly and warms the GEMM algorithm cache and kernel loading), and replayed after that;
+// the row → slot mapping is uploaded data, not part of the graph. Buffers carved for n rows sit
+// at the same scratch addresses every step, which the replay relies on.
+// Switches (GpuDecodeOptions, defaults from the environment): DM_DECODE_GRAPHS=0 runs every
+// step directly; DM_DECODE_MOE=grouped uses the grouped-GEMM experts (a host synchronisation
+// per MoE layer, so no graphs either), =gathered forces the gathered kernels for every n.
+//
+// Prefill (prefill()) runs the chunked layer forwards of layers.h on the legacy default stream
+// (they use synchronous copies) and synchronises the device at its end; every public call
+// returns with the decoder's work finished, so the two streams never overlap.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/cuda/gpu_run.h"
+#include "model/cuda/layers.h"
+#include "ops/cuda/graph.h"
 
 namespace dm::cuda {
+
+struct DecodeStepBuffers;  // decode_gpu.cpp
+
+struct GpuDecodeOptions {
+  // Replay the step as a CUDA graph per number of active rows. Env DM_DECODE_GRAPHS=0 (or off,
+  // false, no) turns it off.
+  bool graphs = true;
+  // Routed experts of the MoE layers. Auto: the gathered kernels (ops/cuda/moe_decode.h) while
+  // moe_decode_preferred(n, k, E) holds (mean rows per expert ≤ 1), the grouped GEMMs above;
+  // Grouped / Gathered force one for every n. Env DM_DECODE_MOE=auto|grouped|gathered.
+  enum class Moe : uint8_t { Auto, Grouped, Gathered };
+  Moe moe = Moe::Auto;
+  // The defaults above, overridden by the environment (a bad value is an error).
+  static GpuDecodeOptions from_env();
+};
 
 class GpuDecoder {
  public:
   // Uploads its own bf16 + fp32 weight mirrors; `host` must outlive the decoder.
-  GpuDecoder(const ModelWeights& host, int64_t num_slots, int64_t max_length);
+  GpuDecoder(const ModelWeights& host, int64_t num_slots, int64_t max_length,
+             const GpuDecodeOptions& options = GpuDecodeOptions::from_env());
   // Shares an existing upload; `dw` must outlive the decoder.
-  GpuDecoder(const DeviceWeights& dw, int64_t num_slots, int64_t max_length);
+  GpuDecoder(const DeviceWeights& dw, int64_t num_slots, int64_t max_length,
+             const GpuDecodeOptions& options = GpuDecodeOptions::from_env());
   ~GpuDecoder();
   GpuDecoder(const GpuDecoder&) = delete;
   GpuDecoder& operator=(const GpuDecoder&) = delete;
 
   const ModelConfig& config() const { return dw_->config(); }
+  const GpuDecodeOptions& options() const { return options_; }
+  // How steps run, in one line (bench output): graphs on/off (and why off), the MoE path.
+  std::string mode() const;
+  // Graphs captured so far and steps replayed from one (tests, bench); 0 and 0 without graphs.
+  int64_t graphs_captured() const { return graphs_captured_; }
+  int64_t graph_replays() const { return graph_replays_; }
+  // The routed-expert path a step of n rows takes.
+  MoeExpertsPath moe_path(int64_t n) const;
   int64_t num_slots() const { return S_; }
   int64_t max_length() const { return max_length_; }
   int64_t length(int64_t slot) const;  // tokens cached in the slot (the next token's position)
@@ -72,16 +115,28 @@ class GpuDecoder {
 
  private:
   struct Rows;
+  struct StepGraph;
   void init();
-  void run_rows(const int32_t* ids, const int32_t* slots, int64_t n, float* row_logits);
+  // One step of the n rows staged in pinned_meta_ (ids [n] | slots [n]); returns the rows'
+  // logits [n, V] in pinned memory (valid until the next step), or nullptr when not wanted.
+  const float* run_rows(int64_t n, bool want_logits);
+  // Queues the step's kernels on the decoder's stream (directly or into a capture).
+  void record_step(const DecodeStepBuffers& b, int64_t n, bool want_logits, MoeExpertsPath moe);
+  void capture_step(StepGraph& g, const DecodeStepBuffers& b, int64_t n, bool want_logits,
+                    MoeExpertsPath moe);
+  bool graphs_usable(MoeExpertsPath moe) const;
   void prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
   void kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
   void mla_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
 
+  GpuDecodeOptions options_;
+  // Declared before everything that queues work on it, so it is destroyed last.
+  std::unique_ptr<OwnedStream> stream_;
   std::unique_ptr<DeviceWeights> owned_;
   const DeviceWeights* dw_ = nullptr;
   int64_t S_ = 0, max_length_ = 0, pages_per_slot_ = 0;
   int num_sms_ = 0;
+  bool has_moe_ = false;
   std::unique_ptr<DeviceArena> cache_;
   std::unique_ptr<GpuRun> run_;
   // Per layer (nullptr for the other mixer kind).
@@ -92,8 +147,13 @@ class GpuDecoder {
   int32_t* lengths_ = nullptr;
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
   std::vector<int64_t> host_lengths_;
-  std::vector<int32_t> staging_;     // [2S] ids | slots uploaded per step
-  std::vector<float> row_logits_;    // [S, V] host rows of one step
+  std::vector<int32_t> active_slots_;              // [S] host: the step's slots in row order
+  std::unique_ptr<PinnedBuffer> pinned_meta_;      // [2S] int32 ids | slots uploaded per step
+  std::unique_ptr<PinnedBuffer> pinned_logits_;    // [S, V] fp32 rows of one step
+  // Graphs by key 2·n + want_logits (lazily captured); off for good after a failed capture.
+  std::vector<std::unique_ptr<StepGraph>> graphs_;
+  bool graph_capture_failed_ = false;
+  int64_t graphs_captured_ = 0, graph_replays_ = 0;
   // The chunked prefill's own resources, sized for the longest prompt seen (grown on demand).
   std::unique_ptr<GpuRun> prefill_run_;
   std::unique_ptr<DeviceArena> prefill_act_;

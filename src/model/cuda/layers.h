@@ -48,12 +48,22 @@ struct MoeRoutingDevice {
   float* cutoff = nullptr;   // [N]   (k+1)-th biased score
   int32_t* idx = nullptr;    // [N, k]
 };
-// The MoE forward synchronises the stream once (the dispatch plan's per-expert row counts go to
-// the host for the grouped GEMM launches).
+// How the routed experts run:
+//   Grouped   dispatch plan + grouped tensor-core GEMMs (ops/cuda/moe.h): synchronises the stream
+//             once (the per-expert row counts go to the host for the GEMM launches). Prefill,
+//             training, large N.
+//   Gathered  ops/cuda/moe_decode.h: routing read on the device, each hit expert's weights
+//             streamed once by CUDA-core GEMV kernels; never synchronises, so it can be captured
+//             in a CUDA graph (the decode step). Needs moe_decode_supported; fast while
+//             moe_decode_preferred (few rows per expert).
+// Everything else (router, latent projections and norm, shared experts) is the same code.
+enum class MoeExpertsPath : uint8_t { Grouped, Gathered };
+// Scratch for either path.
 size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N);
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N,
-                           MoeRoutingDevice* routing = nullptr);
+                           MoeRoutingDevice* routing = nullptr,
+                           MoeExpertsPath path = MoeExpertsPath::Grouped);
 
 // ---- Backward (training) ----------------------------------------------------------------------
 // Each sub-layer backward RECOMPUTES its forward internals from xn (the model keeps only each

@@ -3,7 +3,8 @@
 //
 //   logits [N,E] fp32 = xn·W_rᵀ                       (bf16 operands, fp32 out: router in fp32)
 //   moe_route: s = σ(logits), idx = top_k(s + b), w = renorm(s_idx)·scaling, cutoff
-//   dispatch plan (one stream synchronisation: per-expert row counts to the host)
+//   dispatch plan (one stream synchronisation: per-expert row counts to the host) — only on the
+//   Grouped path; the Gathered path (ops/cuda/moe_decode.h) reads idx and w on the device
 //   latent:  z [N,ℓ] bf16 = xn·W↓ᵀ;  u [N,ℓ] = Σ_j w_j·E_j(z);  RMSNorm(u) (fp32, latent_norm);
 //            y [N,d] fp32 = bf16(u)·W↑ᵀ
 //   plain:   y [N,d] fp32 = Σ_j w_j·E_j(xn)
@@ -12,9 +13,9 @@
 //
 // Scratch layout inside run.scratch (the routing outputs the caller asked for sit below the
 // layer's scope so they outlive it):
-//   [routing: scores, cutoff, idx] | scope: logits, weight, plan, z, u |
-//       then either the experts' workspace, or (after it is released) bf16(u) and the shared
-//       experts' gate/up buffers.
+//   [routing: scores, cutoff, idx] | scope: logits, weight, plan (Grouped), z, u |
+//       then either the experts' workspace (Grouped or Gathered), or (after it is released)
+//       bf16(u) and the shared experts' gate/up buffers.
 #include <algorithm>
 #include <vector>
 
@@ -22,8 +23,10 @@
 #include "model/cuda/layers.h"
 #include "model/cuda/moe_gpu_internal.h"
 #include "model/moe.h"
+#include "ops/cpu/ffn.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/moe_decode.h"
 #include "ops/cuda/moe_layer_ops.h"
 
 namespace dm::cuda {
@@ -48,11 +51,13 @@ size_t scope_base_bytes(const MoeShape& s, int64_t N) {
   return b;
 }
 
-// Peak of what follows the scope base: the experts' workspace, then (released) bf16(u) plus the
-// shared experts' gate and up [N, Fs] bf16 (h is written over gate).
+// Peak of what follows the scope base: the experts' workspace (the larger of the two paths),
+// then (released) bf16(u) plus the shared experts' gate and up [N, Fs] bf16 (h is written over
+// gate).
 size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
-  const size_t experts =
-      aligned(moe_experts_forward_workspace_bytes(N, int(s.k), expert_weights(nullptr, nullptr, s)));
+  const ExpertWeightsBf16 ew = expert_weights(nullptr, nullptr, s);
+  const size_t experts = aligned(std::max(moe_experts_forward_workspace_bytes(N, int(s.k), ew),
+                                          moe_decode_workspace_bytes(N, int(s.k), ew)));
   size_t after = 0;
   if (s.has_latent_norm) after += n_bytes(N * s.latent, 2);
   if (s.has_shared) after += 2 * n_bytes(N * s.shared_F, 2);
@@ -75,7 +80,8 @@ size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
 }
 
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
-                           const uint16_t* xn, float* y, int64_t N, MoeRoutingDevice* routing) {
+                           const uint16_t* xn, float* y, int64_t N, MoeRoutingDevice* routing,
+                           MoeExpertsPath path) {
   const ModelConfig& cfg = dw.config();
   const MoeShape s = moe_shape(cfg);
   const int64_t E = s.E, k = s.k, d = s.d, l = s.latent;
@@ -87,6 +93,10 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   DM_CHECK(!s.has_latent_norm || w.latent_norm, "moe_layer_forward_gpu: latent norm missing");
   DM_CHECK(!s.has_shared || (w.shared.gate && w.shared.up && w.shared.down),
            "moe_layer_forward_gpu: shared experts missing");
+  const bool gathered = path == MoeExpertsPath::Gathered;
+  DM_CHECK(!gathered || moe_decode_supported(N, int(k), expert_weights(nullptr, nullptr, s)),
+           "moe_layer_forward_gpu: the gathered expert path does not take E=", E, " k=", k,
+           " (see moe_decode_supported)");
   CUstream_st* stream = run.stream;
   DeviceArena& arena = run.scratch;
 
@@ -113,7 +123,9 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
   moe_route(logits, bias, N, router_params(cfg), r.scores, r.idx, weight, r.cutoff, stream);
   MoeDispatchPlan plan;
-  moe_dispatch_plan_build(r.idx, N, int(k), int(E), &plan, arena, host_offsets_buffer(E), stream);
+  if (!gathered)
+    moe_dispatch_plan_build(r.idx, N, int(k), int(E), &plan, arena, host_offsets_buffer(E),
+                            stream);
 
   // Routed path in the latent space z = xn·W↓ᵀ [N,ℓ] (or xn itself for plain MoE).
   const uint16_t* z = xn;
@@ -133,9 +145,16 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   {
     DeviceArenaScope experts_scope(arena);
     const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
-    void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
-    moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type, workspace,
-                        MoeGemmPath::Grouped, stream);
+    if (gathered) {
+      void* workspace = arena.alloc_bytes(moe_decode_workspace_bytes(N, int(k), ew));
+      moe_decode_experts_forward(z, r.idx, weight, N, int(k), ew,
+                                 glu_kernel_params(glu_activation(cfg)), u, u_type, workspace,
+                                 stream);
+    } else {
+      void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
+      moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type,
+                          workspace, MoeGemmPath::Grouped, stream);
+    }
   }
 
   if (s.has_latent) {

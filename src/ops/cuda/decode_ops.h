@@ -45,6 +45,16 @@ struct KdaConvStepArgs {
 void decode_kda_conv_step(const KdaConvStepArgs& a, const int32_t* slots, int64_t n, int64_t C,
                           int Kc, DecodeStream stream = nullptr);
 
+// The recurrent KDA operator (ops/cuda/kda.h, T = 1) of row r against slot slots[r]'s state, in
+// place: state [S, H, K, V] fp32, q, k, g [n, H, K], v, o [n, H, V], beta [n, H] bf16. One
+// launch for any set of distinct slots (the slot → row mapping is data, so a captured CUDA graph
+// serves every set of n active slots). K ≤ kKdaCudaRecurrentMaxK. Implemented in
+// kda_recurrent.cu (the same kernel).
+void decode_kda_recurrent_step(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                               const uint16_t* g, const uint16_t* beta, float* state,
+                               const int32_t* slots, uint16_t* o, int64_t n, int64_t H,
+                               int64_t K, int64_t V, float scale, DecodeStream stream = nullptr);
+
 // ---- MLA ----------------------------------------------------------------------------------
 // Writes each row's latent cache row [RMSNorm(c)·w ; RoPE(kr)] (kvl + rope wide, bf16) into its
 // slot's page: page row_table[r, pos / page_tokens], row pos % page_tokens of

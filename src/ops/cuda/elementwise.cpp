@@ -4,7 +4,6 @@
 #include "ops/cuda/elementwise.h"
 
 namespace dm::cuda {
-namespace {
 GluKernelParams glu_kernel_params(const GluActivation& a) {
   GluKernelParams p;
   p.situ = a.kind == Activation::SiTU;
@@ -12,7 +11,6 @@ GluKernelParams glu_kernel_params(const GluActivation& a) {
   p.beta2 = a.beta2;
   return p;
 }
-}  // namespace
 
 void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluActivation& a,
                  Stream stream) {

@@ -49,6 +49,9 @@ struct GluKernelParams {
   bool situ = false;  // false: SwiGLU
   float beta1 = 4.0f, beta2 = 25.0f;
 };
+// The plain parameters of a GluActivation (elementwise.cpp; for C++20 callers that hand them to
+// .cu code).
+GluKernelParams glu_kernel_params(const GluActivation& a);
 void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluKernelParams& a,
                  Stream stream = nullptr);
 void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,

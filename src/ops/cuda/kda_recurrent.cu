@@ -6,8 +6,11 @@
 // (tx, ty) updates column tx on rows ty, ty + 8, …. Per token the block reads q, k, g (K values
 // each), v (32), β once and the tile stays on chip: a decode step reads and writes each state
 // element once (8 bytes), which is the floor for this operator (memory-bound, ≈ 4 FLOP/element).
+// The decode step (decode_ops.h decode_kda_recurrent_step) runs the same kernel with a per-row
+// state index, so rows of any set of slots share one launch.
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/decode_ops.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda.h"
@@ -30,7 +33,8 @@ template <typename Storage>
 __global__ void __launch_bounds__(kRecurrentThreads)
     kda_recurrent_kernel(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
                          const Storage* beta, const float* s0, Storage* o, float* sT,
-                         const int32_t* doc_start, KdaRecurrentDims d) {
+                         const int32_t* doc_start, const int32_t* state_index,
+                         KdaRecurrentDims d) {
   extern __shared__ float shared[];
   float* state = shared;                               // [K, 32]
   float* key_hat = state + d.K * kRecurrentTile;       // [K]
@@ -41,12 +45,14 @@ __global__ void __launch_bounds__(kRecurrentThreads)
 
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kRecurrentTile + tx;
   const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H;
+  // The state of sequence b: its own, or slot state_index[b] of a larger state array (decode).
+  const int64_t state_bh = state_index != nullptr ? int64_t(state_index[b]) * d.H + h : bh;
   const int e = blockIdx.x * kRecurrentTile + tx;
   const bool column_real = e < d.V;
 
   for (int row = ty; row < d.K; row += kRecurrentRowLanes)
     state[row * kRecurrentTile + tx] =
-        (s0 != nullptr && column_real) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
+        (s0 != nullptr && column_real) ? s0[(state_bh * d.K + row) * d.V + e] : 0.0f;
 
   for (int64_t t = 0; t < d.T; ++t) {
     const int64_t row = (b * d.T + t) * d.H + h;
@@ -114,14 +120,14 @@ __global__ void __launch_bounds__(kRecurrentThreads)
 
   if (sT != nullptr && column_real)
     for (int row = ty; row < d.K; row += kRecurrentRowLanes)
-      sT[(bh * d.K + row) * d.V + e] = state[row * kRecurrentTile + tx];
+      sT[(state_bh * d.K + row) * d.V + e] = state[row * kRecurrentTile + tx];
 }
 
 template <typename Storage>
 void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
                           const Storage* beta, const float* s0, Storage* o, float* sT,
                           const KdaShape& s, float scale, const int32_t* doc_start,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const int32_t* state_index = nullptr) {
   DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.K > 0 && s.V > 0,
            "cuda kda_recurrent_forward: bad shape B=", s.B, " T=", s.T, " H=", s.H, " K=", s.K,
            " V=", s.V);
@@ -133,12 +139,16 @@ void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, 
   const KdaRecurrentDims d{s.B, s.T, s.H, int(s.K), int(s.V), scale};
   const size_t shared_bytes =
       size_t(s.K * kRecurrentTile + 3 * s.K + kRecurrentRowLanes * kRecurrentTile) * sizeof(float);
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrent_kernel<Storage>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     int(shared_bytes)));
+  // Only above the default 48 KB (K ≤ 256 keeps the tile at ≤ 36 KB), so a launch inside CUDA
+  // graph capture is a plain kernel node.
+  if (shared_bytes > size_t(48) << 10)
+    DM_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrent_kernel<Storage>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(shared_bytes)));
   const dim3 grid(unsigned(ceil_div(s.V, kRecurrentTile)), unsigned(s.B * s.H));
   kda_recurrent_kernel<Storage><<<grid, dim3(kRecurrentTile, kRecurrentRowLanes), shared_bytes,
-                                  stream>>>(q, k, v, g, beta, s0, o, sT, doc_start, d);
+                                  stream>>>(q, k, v, g, beta, s0, o, sT, doc_start, state_index,
+                                            d);
   check_last_error("cuda kda_recurrent_forward");
 }
 
@@ -155,6 +165,15 @@ void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t*
                            float* sT, const KdaShape& s, float scale, const int32_t* doc_start,
                            KdaStream stream) {
   kda_recurrent_launch(q, k, v, g, beta, s0, o, sT, s, scale, doc_start, stream);
+}
+
+void decode_kda_recurrent_step(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                               const uint16_t* g, const uint16_t* beta, float* state,
+                               const int32_t* slots, uint16_t* o, int64_t n, int64_t H,
+                               int64_t K, int64_t V, float scale, DecodeStream stream) {
+  DM_CHECK(state && slots, "decode_kda_recurrent_step: null state or slots");
+  kda_recurrent_launch(q, k, v, g, beta, state, o, state, KdaShape{n, 1, H, K, V}, scale, nullptr,
+                       stream, slots);
 }
 
 }  // namespace dm::cuda

@@ -1,0 +1,426 @@
+// Routed experts of a few tokens without a host synchronisation (layout and cost in
+// moe_decode.h): plan → gate/up + GLU → down → combine, all four grids sized by (N, k, E).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/moe_decode.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kGateUpRowsPerWarp = 2;  // f rows per warp: its gate and up rows, 4 weight rows
+constexpr int kDownRowsPerWarp = 4;    // output channels per warp
+constexpr int kWeightRows = 4;         // weight rows a warp streams at once, both kernels
+constexpr int kTokenPass = 4;          // tokens per pass over a warp's rows (1 when alone)
+constexpr int kPlanThreads = 1024;
+constexpr int kCombineThreads = 256;
+static_assert(2 * kGateUpRowsPerWarp == kWeightRows && kDownRowsPerWarp == kWeightRows,
+              "both kernels stream four weight rows per warp");
+
+// Device views of the workspace. A = min(E, N·k) bounds the experts one call can hit.
+struct Plan {
+  int32_t* active_count;   // [1]      experts hit
+  int32_t* active_expert;  // [A]      their ids, ascending
+  int32_t* row_begin;      // [A + 1]  their ranges in `rows`
+  int32_t* rows;           // [N·k]    pair ids t·k + slot grouped by expert, token order inside
+  int32_t* pair_rank;      // [N·k]    a pair's position among its expert's rows (scratch)
+};
+struct Workspace {
+  Plan plan;
+  uint16_t* h;  // [N·k, F] bf16, row = pair id
+  float* o;     // [N·k, Din] fp32, row = pair id
+};
+
+int64_t max_active_experts(int64_t N, int k, int64_t E) { return std::min<int64_t>(E, N * k); }
+
+// Carves the workspace from `base`, or (base == nullptr) only counts its bytes.
+Workspace carve_workspace(void* base, int64_t N, int k, const ExpertWeightsBf16& ew,
+                          size_t* bytes) {
+  const int64_t pairs = std::max<int64_t>(N * k, 1), A = std::max<int64_t>(max_active_experts(N, k, ew.E), 1);
+  char* cursor = static_cast<char*>(base);
+  size_t used = 0;
+  auto take = [&](size_t b) {
+    void* p = cursor ? cursor + used : nullptr;
+    used += (b + 255) & ~size_t(255);
+    return p;
+  };
+  Workspace w;
+  w.plan.active_count = static_cast<int32_t*>(take(sizeof(int32_t)));
+  w.plan.active_expert = static_cast<int32_t*>(take(size_t(A) * sizeof(int32_t)));
+  w.plan.row_begin = static_cast<int32_t*>(take(size_t(A + 1) * sizeof(int32_t)));
+  w.plan.rows = static_cast<int32_t*>(take(size_t(pairs) * sizeof(int32_t)));
+  w.plan.pair_rank = static_cast<int32_t*>(take(size_t(pairs) * sizeof(int32_t)));
+  w.h = static_cast<uint16_t*>(take(size_t(pairs) * size_t(ew.F) * sizeof(uint16_t)));
+  w.o = static_cast<float*>(take(size_t(pairs) * size_t(ew.Din) * sizeof(float)));
+  *bytes = used;
+  return w;
+}
+
+// ---- plan ---------------------------------------------------------------------------------
+
+// Exclusive prefix sum over the block (blockDim.x = kPlanThreads); *total gets the block's sum.
+__device__ unsigned long long plan_exclusive_scan(unsigned long long v, unsigned long long* total) {
+  __shared__ unsigned long long warp_sums[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long n = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += n;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long s = warp_sums[lane];  // kPlanThreads / 32 == 32 warps
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long n = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += n;
+    }
+    warp_sums[lane] = s;
+  }
+  __syncthreads();
+  const unsigned long long before = warp == 0 ? 0ull : warp_sums[warp - 1];
+  *total = warp_sums[31];
+  __syncthreads();  // warp_sums is reused by the next call
+  return before + inclusive - v;
+}
+
+// One block. A pair's rank among its expert's rows = rows of that expert from earlier tokens:
+// tokens go in groups of 32, bit (t − t0) of mask[e] says token t picks e, so the rank is
+// count[e] (earlier groups) + the set bits below t's (stable order without a sort).
+__global__ void __launch_bounds__(kPlanThreads)
+    moe_decode_plan_kernel(const int32_t* __restrict__ idx, int N, int k, int E, Plan plan) {
+  __shared__ int32_t count[kMoeDecodeMaxExperts];  // rows so far; later the expert's first row
+  __shared__ uint32_t mask[kMoeDecodeMaxExperts];
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += kPlanThreads) count[e] = 0;
+  for (int t0 = 0; t0 < N; t0 += 32) {
+    for (int e = tid; e < E; e += kPlanThreads) mask[e] = 0u;
+    __syncthreads();
+    const int p0 = t0 * k, p1 = min(N, t0 + 32) * k;
+    for (int p = p0 + tid; p < p1; p += kPlanThreads) {
+      const int e = idx[p];
+      if (e >= 0 && e < E) atomicOr(&mask[e], 1u << (p / k - t0));
+    }
+    __syncthreads();
+    for (int p = p0 + tid; p < p1; p += kPlanThreads) {
+      const int e = idx[p];
+      if (e >= 0 && e < E)
+        plan.pair_rank[p] = count[e] + __popc(mask[e] & ((1u << (p / k - t0)) - 1u));
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += kPlanThreads) count[e] += __popc(mask[e]);
+  }
+  __syncthreads();
+  // Exclusive scan of (rows, hit) over ascending experts, packed in one 64-bit sum: rows in the
+  // high half, the hit count (≤ E) in the low half.
+  unsigned long long carry = 0;
+  for (int base = 0; base < E; base += kPlanThreads) {
+    const int e = base + tid;
+    const int c = e < E ? count[e] : 0;
+    const unsigned long long v = (static_cast<unsigned long long>(c) << 32) | (c > 0 ? 1ull : 0ull);
+    unsigned long long total;
+    const unsigned long long before = carry + plan_exclusive_scan(v, &total);
+    if (c > 0) {
+      const int a = int(before & 0xffffffffull);
+      plan.active_expert[a] = e;
+      plan.row_begin[a] = int(before >> 32);
+    }
+    if (e < E) count[e] = int(before >> 32);
+    carry += total;
+  }
+  if (tid == 0) {
+    const int hit = int(carry & 0xffffffffull);
+    *plan.active_count = hit;
+    plan.row_begin[hit] = int(carry >> 32);
+  }
+  __syncthreads();  // count[] now holds first rows; pair_rank (global) is visible block-wide
+  for (int p = tid; p < N * k; p += kPlanThreads) {
+    const int e = idx[p];
+    if (e >= 0 && e < E) plan.rows[count[e] + plan.pair_rank[p]] = p;
+  }
+}
+
+// ---- expert GEMVs -------------------------------------------------------------------------
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 t = __bfloat1622float2(pairs[q]);
+    f[2 * q] = t.x;
+    f[2 * q + 1] = t.y;
+  }
+}
+
+// acc[i][j] = W_i · X_j over `chunks` 16-byte chunks (8 bf16 each), summed over the warp (every
+// lane gets the sums). Lane l takes chunks l, l + 32, …; the next chunk of each weight row is
+// loaded before the current one is used, so 2·kWeightRows 16-byte loads are in flight per lane.
+template <int MT>
+__device__ __forceinline__ void warp_rows_dot(const uint4* const (&w)[kWeightRows],
+                                              const uint4* const (&x)[MT], int chunks, int lane,
+                                              float (&acc)[kWeightRows][MT]) {
+#pragma unroll
+  for (int i = 0; i < kWeightRows; ++i)
+#pragma unroll
+    for (int j = 0; j < MT; ++j) acc[i][j] = 0.0f;
+  uint4 current[kWeightRows], next[kWeightRows];
+#pragma unroll
+  for (int i = 0; i < kWeightRows; ++i) {
+    current[i] = lane < chunks ? __ldg(w[i] + lane) : make_uint4(0u, 0u, 0u, 0u);
+    next[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  for (int c = lane; c < chunks; c += 32) {
+    if (c + 32 < chunks) {
+#pragma unroll
+      for (int i = 0; i < kWeightRows; ++i) next[i] = __ldg(w[i] + c + 32);
+    }
+    // Weights are unpacked once per token (cheap next to the loads; keeps registers for the
+    // loads in flight).
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      float xf[8];
+      bf16x8_to_float(__ldg(x[j] + c), xf);
+#pragma unroll
+      for (int i = 0; i < kWeightRows; ++i) {
+        float wf[8];
+        bf16x8_to_float(current[i], wf);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[i][j] = fmaf(wf[q], xf[q], acc[i][j]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kWeightRows; ++i) current[i] = next[i];
+  }
+#pragma unroll
+  for (int i = 0; i < kWeightRows; ++i)
+#pragma unroll
+    for (int j = 0; j < MT; ++j) acc[i][j] = warp_sum(acc[i][j]);
+}
+
+__device__ __forceinline__ float glu_value(float gate, float up, const GluKernelParams& p) {
+  const float sig = sigmoid_f32(gate);  // the formulas of elementwise.cu glu_forward_kernel
+  return p.situ ? (p.beta1 * tanhf(gate / p.beta1) * sig) * (p.beta2 * tanhf(up / p.beta2))
+                : gate * sig * up;
+}
+
+// Hit expert a of the plan, its first and one-past-last row; false when the block has no expert.
+__device__ __forceinline__ bool block_expert(const Plan& plan, int& expert, int& r0, int& r1) {
+  const int a = blockIdx.y;
+  if (a >= *plan.active_count) return false;
+  expert = plan.active_expert[a];
+  r0 = plan.row_begin[a];
+  r1 = plan.row_begin[a + 1];
+  return true;
+}
+
+// One pass of up to MT tokens (rows[0..count)) against a warp's gate rows f0, f0+1 (w[0], w[1])
+// and up rows (w[2], w[3]); valid rows nf ≤ 2. Stores spread over lanes (lane = 2j + r).
+template <int MT>
+__device__ __forceinline__ void gate_up_pass(const uint4* const (&w)[kWeightRows],
+                                             const uint16_t* __restrict__ x, int64_t Din, int k,
+                                             const int32_t* __restrict__ rows, int count,
+                                             int64_t f0, int nf, int64_t F,
+                                             const GluKernelParams& act, uint16_t* __restrict__ h,
+                                             int lane) {
+  const uint4* xr[MT];
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+    xr[j] = reinterpret_cast<const uint4*>(x + int64_t(rows[min(j, count - 1)] / k) * Din);
+  float acc[kWeightRows][MT];
+  warp_rows_dot<MT>(w, xr, int(Din / 8), lane, acc);
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int r = 0; r < kGateUpRowsPerWarp; ++r)
+      if (lane == j * kGateUpRowsPerWarp + r && j < count && r < nf)
+        store_from_float(h, int64_t(rows[j]) * F + f0 + r,
+                         glu_value(acc[r][j], acc[kGateUpRowsPerWarp + r][j], act));
+}
+
+// Grid (ceil(F / 16), A), kThreads: warp w of block (bx, a) owns f rows f0 = (bx·8 + w)·2 … +1.
+__global__ void __launch_bounds__(kThreads)
+    moe_decode_gate_up_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ gate_w,
+                              const uint16_t* __restrict__ up_w, int64_t Din, int64_t F, int k,
+                              Plan plan, GluKernelParams act, uint16_t* __restrict__ h) {
+  int expert, r0, r1;
+  if (!block_expert(plan, expert, r0, r1)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
+  if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
+  const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
+  const uint4* w[kWeightRows];
+#pragma unroll
+  for (int r = 0; r < kGateUpRowsPerWarp; ++r) {
+    const int64_t row = (int64_t(expert) * F + f0 + min(r, nf - 1)) * Din;  // clamped tail row
+    w[r] = reinterpret_cast<const uint4*>(gate_w + row);
+    w[kGateUpRowsPerWarp + r] = reinterpret_cast<const uint4*>(up_w + row);
+  }
+  for (int r = r0; r < r1;) {
+    if (r1 - r == 1) {
+      gate_up_pass<1>(w, x, Din, k, plan.rows + r, 1, f0, nf, F, act, h, lane);
+      r += 1;
+    } else {
+      gate_up_pass<kTokenPass>(w, x, Din, k, plan.rows + r, min(r1 - r, kTokenPass), f0, nf, F,
+                               act, h, lane);
+      r += kTokenPass;
+    }
+  }
+}
+
+// One pass of up to MT tokens against a warp's down rows c0..c0+3 (valid nc ≤ 4).
+template <int MT>
+__device__ __forceinline__ void down_pass(const uint4* const (&w)[kWeightRows],
+                                          const uint16_t* __restrict__ h, int64_t F, int64_t Din,
+                                          const int32_t* __restrict__ rows, int count, int64_t c0,
+                                          int nc, float* __restrict__ o, int lane) {
+  const uint4* hr[MT];
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+    hr[j] = reinterpret_cast<const uint4*>(h + int64_t(rows[min(j, count - 1)]) * F);
+  float acc[kWeightRows][MT];
+  warp_rows_dot<MT>(w, hr, int(F / 8), lane, acc);
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int i = 0; i < kDownRowsPerWarp; ++i)
+      if (lane == j * kDownRowsPerWarp + i && j < count && i < nc)
+        o[int64_t(rows[j]) * Din + c0 + i] = acc[i][j];
+}
+
+// Grid (ceil(Din / 32), A), kThreads: warp w of block (bx, a) owns channels (bx·8 + w)·4 … +3.
+__global__ void __launch_bounds__(kThreads)
+    moe_decode_down_kernel(const uint16_t* __restrict__ h, const uint16_t* __restrict__ down_w,
+                           int64_t Din, int64_t F, Plan plan, float* __restrict__ o) {
+  int expert, r0, r1;
+  if (!block_expert(plan, expert, r0, r1)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kDownRowsPerWarp;
+  if (c0 >= Din) return;
+  const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
+  const uint4* w[kWeightRows];
+#pragma unroll
+  for (int i = 0; i < kDownRowsPerWarp; ++i)
+    w[i] = reinterpret_cast<const uint4*>(down_w +
+                                          (int64_t(expert) * Din + c0 + min(i, nc - 1)) * F);
+  for (int r = r0; r < r1;) {
+    if (r1 - r == 1) {
+      down_pass<1>(w, h, F, Din, plan.rows + r, 1, c0, nc, o, lane);
+      r += 1;
+    } else {
+      down_pass<kTokenPass>(w, h, F, Din, plan.rows + r, min(r1 - r, kTokenPass), c0, nc, o,
+                            lane);
+      r += kTokenPass;
+    }
+  }
+}
+
+// ---- combine ------------------------------------------------------------------------------
+
+// y[t, 4q .. 4q+3] = Σ_slot w[t, slot]·o[t·k + slot, 4q .. 4q+3], fp32 sums in slot order (as
+// moe.cu's unpermute); pairs with an expert outside [0, E) were never computed and are skipped.
+template <bool kF32Out>
+__global__ void moe_decode_combine_kernel(const float* __restrict__ o,
+                                          const int32_t* __restrict__ idx,
+                                          const float* __restrict__ w, int64_t N, int k, int E,
+                                          int64_t Din, void* __restrict__ y) {
+  const int64_t quads = Din / 4, total = N * quads;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / quads, q = i % quads;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < k; ++s) {
+      const int64_t pair = t * k + s;
+      const int e = idx[pair];
+      if (e < 0 || e >= E) continue;
+      const float weight = w[pair];
+      const float4 v = reinterpret_cast<const float4*>(o + pair * Din)[q];
+      acc.x += weight * v.x;
+      acc.y += weight * v.y;
+      acc.z += weight * v.z;
+      acc.w += weight * v.w;
+    }
+    if constexpr (kF32Out) {
+      reinterpret_cast<float4*>(y)[i] = acc;
+    } else {
+      uint2 packed;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+      pairs[0] = __floats2bfloat162_rn(acc.x, acc.y);
+      pairs[1] = __floats2bfloat162_rn(acc.z, acc.w);
+      reinterpret_cast<uint2*>(y)[i] = packed;
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool moe_decode_supported(int64_t N, int k, const ExpertWeightsBf16& ew) {
+  return ew.E >= 1 && ew.E <= kMoeDecodeMaxExperts && k >= 1 && k <= ew.E && ew.Din > 0 &&
+         ew.F > 0 && ew.Din % 8 == 0 && ew.F % 8 == 0 && N >= 0 &&
+         N * k < int64_t(std::numeric_limits<int32_t>::max());
+}
+
+// Measured (H200, Kimi-Linear-48B shape, 2026-11-29): at N·k = 2E (batch 64, k 8, E 256) the
+// grouped GEMMs took 42.8 ms/step against 49.7 for these kernels, at N·k = E/32 (batch 1) 8.6
+// against 6.0 (with graphs): the kernels do not yet reach the bandwidth their bytes allow once
+// most experts are hit, so the bound is one row per expert on average.
+bool moe_decode_preferred(int64_t N, int k, int64_t E) { return N * k <= E; }
+
+size_t moe_decode_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew) {
+  size_t bytes = 0;
+  carve_workspace(nullptr, N, k, ew, &bytes);
+  return bytes;
+}
+
+void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const float* w, int64_t N,
+                                int k, const ExpertWeightsBf16& ew, const GluKernelParams& act,
+                                void* y, GemmOutType y_type, void* workspace,
+                                CUstream_st* stream) {
+  const char* who = "moe_decode_experts_forward";
+  DM_CHECK(moe_decode_supported(N, k, ew), who, ": unsupported shape N=", N, " k=", k, " E=",
+           ew.E, " Din=", ew.Din, " F=", ew.F, " (need E ≤ ", kMoeDecodeMaxExperts,
+           ", k ≤ E, Din and F multiples of 8)");
+  DM_CHECK(!act.situ || (act.beta1 > 0.0f && act.beta2 > 0.0f), who,
+           ": SiTU-GLU needs beta1 > 0 and beta2 > 0");
+  if (N == 0) return;
+  DM_CHECK(x && idx && w && y && workspace && ew.gate && ew.up && ew.down, who,
+           ": null argument");
+  DM_CHECK(aligned16(x) && aligned16(y) && aligned16(ew.gate) && aligned16(ew.up) &&
+               aligned16(ew.down) && reinterpret_cast<uintptr_t>(workspace) % 256 == 0,
+           who, ": x, y and the weights must be 16-byte aligned, the workspace 256-byte aligned");
+  size_t bytes = 0;
+  const Workspace ws = carve_workspace(workspace, N, k, ew, &bytes);
+  const int64_t A = max_active_experts(N, k, ew.E);
+  const int E = int(ew.E);
+  moe_decode_plan_kernel<<<1, kPlanThreads, 0, stream>>>(idx, int(N), k, E, ws.plan);
+  check_last_error("moe_decode_plan_kernel");
+  const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)), unsigned(A));
+  moe_decode_gate_up_kernel<<<gate_up_grid, kThreads, 0, stream>>>(
+      x, ew.gate, ew.up, ew.Din, ew.F, k, ws.plan, act, ws.h);
+  check_last_error("moe_decode_gate_up_kernel");
+  const dim3 down_grid(unsigned(ceil_div(ew.Din, kWarps * kDownRowsPerWarp)), unsigned(A));
+  moe_decode_down_kernel<<<down_grid, kThreads, 0, stream>>>(ws.h, ew.down, ew.Din, ew.F,
+                                                             ws.plan, ws.o);
+  check_last_error("moe_decode_down_kernel");
+  const int64_t quads = N * (ew.Din / 4);
+  const int blocks = int(std::min<int64_t>((quads + kCombineThreads - 1) / kCombineThreads, 4096));
+  if (y_type == GemmOutType::F32)
+    moe_decode_combine_kernel<true><<<blocks, kCombineThreads, 0, stream>>>(ws.o, idx, w, N, k, E,
+                                                                            ew.Din, y);
+  else
+    moe_decode_combine_kernel<false><<<blocks, kCombineThreads, 0, stream>>>(ws.o, idx, w, N, k,
+                                                                             E, ew.Din, y);
+  check_last_error("moe_decode_combine_kernel");
+}
+
+}  // namespace dm::cuda
