@@ -50,6 +50,10 @@ print(f"{sys.argv[2]:>10}: last-stage per-step MaxVio min {min(tail):.3f} median
       + " ".join(f"{s}:{g:.3f}" for s, g in glob)
       + f" | first step < 0.1: {under} | loss {rows[-1]['loss']:.3f} | recall "
       + " ".join(f"{r['recall_acc']:.2f}" for r in rows if "recall_acc" in r))
+win = [(r["step"], r["maxvio_window"]) for r in rows if "maxvio_window" in r]
+wunder = next((s for s, w in win if w < 0.1), None)
+print(" " * 12 + f"16K-token windows (first < 0.1 at step {wunder}): "
+      + " ".join(f"{w:.2f}" for _, w in win))
 med = lambda v: sorted(v)[len(v) // 2]
 print(" " * 12 + "per-step MaxVio median per 20 steps: " + " ".join(
     f"{med([r['maxvio'] for r in rows[i:i + 20]]):.2f}" for i in range(0, len(rows), 20)))
