@@ -14,6 +14,7 @@
 #include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_experts_chain.h"
 #include "ops/cuda/moe_kernels.h"
 #include "train/balance.h"
 
@@ -182,6 +183,41 @@ void moe_unpermute_rows(const uint16_t* sorted, const MoeDispatchPlan& plan, con
                                     y_type == GemmOutType::F32, stream);
 }
 
+namespace moe_detail {
+void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchPlan& plan,
+                      const GluActivation& act, uint16_t* h, MoeGemmPath path,
+                      CUstream_st* stream) {
+  const int64_t rows = plan.N * plan.k, Din = b.Din, F = b.F;
+  b.down_in = h == b.gate_out ? nullptr : h;
+  if (path == MoeGemmPath::Grouped) {
+    void* host = gemm.host_scratch(expert_grouped_host_bytes(b.E));
+    run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets, 0, host,
+                             stream);
+    glu_forward(b.gate_out, b.up_out, h, rows * F, act, stream);
+    run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets, 1, host,
+                             stream);
+    return;
+  }
+  for (int64_t e = 0; e < b.E; ++e) {
+    const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+    if (n == 0) continue;
+    gemm.gemm_bf16(false, true, n, F, Din, 1.0f, b.x_sorted + begin * Din, Din,
+                   b.gate_w + e * F * Din, Din, 0.0f, b.gate_out + begin * F, GemmOutType::Bf16,
+                   F, stream);
+    gemm.gemm_bf16(false, true, n, F, Din, 1.0f, b.x_sorted + begin * Din, Din,
+                   b.up_w + e * F * Din, Din, 0.0f, b.up_out + begin * F, GemmOutType::Bf16, F,
+                   stream);
+  }
+  glu_forward(b.gate_out, b.up_out, h, rows * F, act, stream);
+  for (int64_t e = 0; e < b.E; ++e) {
+    const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+    if (n == 0) continue;
+    gemm.gemm_bf16(false, true, n, Din, F, 1.0f, h + begin * F, F, b.down_w + e * Din * F, F,
+                   0.0f, b.expert_out + begin * Din, GemmOutType::Bf16, Din, stream);
+  }
+}
+}  // namespace moe_detail
+
 size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew) {
   const size_t rows = size_t(std::max<int64_t>(N * k, 1));
   return 2 * round_up_256(rows * size_t(ew.Din) * 2) + 2 * round_up_256(rows * size_t(ew.F) * 2) +
@@ -225,33 +261,7 @@ void moe_experts_forward(GemmContext& gemm, const uint16_t* x, const MoeDispatch
   b.F = F;
 
   moe_permute_rows(x, plan, Din, x_sorted, stream);
-  if (path == MoeGemmPath::Grouped) {
-    void* host = gemm.host_scratch(moe_detail::expert_grouped_host_bytes(b.E));
-    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
-                                         0, host, stream);
-    glu_forward(b.gate_out, b.up_out, b.gate_out, rows * F, act, stream);
-    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
-                                         1, host, stream);
-  } else {
-    for (int64_t e = 0; e < ew.E; ++e) {
-      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
-      if (n == 0) continue;
-      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, x_sorted + begin * Din, Din,
-                     ew.gate + e * F * Din, Din, 0.0f, b.gate_out + begin * F, GemmOutType::Bf16,
-                     F, stream);
-      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, x_sorted + begin * Din, Din,
-                     ew.up + e * F * Din, Din, 0.0f, b.up_out + begin * F, GemmOutType::Bf16, F,
-                     stream);
-    }
-    glu_forward(b.gate_out, b.up_out, b.gate_out, rows * F, act, stream);
-    for (int64_t e = 0; e < ew.E; ++e) {
-      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
-      if (n == 0) continue;
-      gemm.gemm_bf16(false, true, n, Din, F, 1.0f, b.gate_out + begin * F, F,
-                     ew.down + e * Din * F, F, 0.0f, b.expert_out + begin * Din,
-                     GemmOutType::Bf16, Din, stream);
-    }
-  }
+  moe_detail::run_expert_chain(gemm, b, plan, act, b.gate_out, path, stream);
   moe_unpermute_rows(b.expert_out, plan, w, Din, y, y_type, stream);
 }
 

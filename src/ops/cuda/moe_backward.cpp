@@ -11,6 +11,7 @@
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_experts_chain.h"
 #include "ops/cuda/moe_kernels.h"
 
 namespace dm::cuda {
@@ -89,46 +90,20 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
   const int64_t rows = plan.N * plan.k, Din = ew.Din, F = ew.F;
   const ExpertBuffers buf = carve(workspace, rows, ew);
   moe_permute_rows(x, plan, Din, buf.x_sorted, stream);
-  if (path == MoeGemmPath::Grouped) {
-    // The forward's grouped GEMMs, with h in its own buffer so g survives for the backward.
-    moe_detail::ExpertGemmBuffers b;
-    b.gate_w = ew.gate;
-    b.up_w = ew.up;
-    b.down_w = ew.down;
-    b.x_sorted = buf.x_sorted;
-    b.gate_out = buf.gate;
-    b.up_out = buf.up;
-    b.expert_out = buf.out;
-    b.pointer_arrays = buf.pointers;
-    b.E = int(ew.E);
-    b.Din = Din;
-    b.F = F;
-    b.down_in = buf.h;
-    void* host = gemm.host_scratch(moe_detail::expert_grouped_host_bytes(b.E));
-    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
-                                         0, host, stream);
-    glu_forward(buf.gate, buf.up, buf.h, rows * F, act, stream);
-    moe_detail::run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets,
-                                         1, host, stream);
-  } else {
-    for (int64_t e = 0; e < ew.E; ++e) {
-      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
-      if (n == 0) continue;
-      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, buf.x_sorted + begin * Din, Din,
-                     ew.gate + e * F * Din, Din, 0.0f, buf.gate + begin * F, GemmOutType::Bf16,
-                     F, stream);
-      gemm.gemm_bf16(false, true, n, F, Din, 1.0f, buf.x_sorted + begin * Din, Din,
-                     ew.up + e * F * Din, Din, 0.0f, buf.up + begin * F, GemmOutType::Bf16, F,
-                     stream);
-    }
-    glu_forward(buf.gate, buf.up, buf.h, rows * F, act, stream);
-    for (int64_t e = 0; e < ew.E; ++e) {
-      const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
-      if (n == 0) continue;
-      gemm.gemm_bf16(false, true, n, Din, F, 1.0f, buf.h + begin * F, F, ew.down + e * Din * F,
-                     F, 0.0f, buf.out + begin * Din, GemmOutType::Bf16, Din, stream);
-    }
-  }
+  // The forward's chain, with h in its own buffer so g survives for the backward.
+  moe_detail::ExpertGemmBuffers b;
+  b.gate_w = ew.gate;
+  b.up_w = ew.up;
+  b.down_w = ew.down;
+  b.x_sorted = buf.x_sorted;
+  b.gate_out = buf.gate;
+  b.up_out = buf.up;
+  b.expert_out = buf.out;
+  b.pointer_arrays = buf.pointers;
+  b.E = int(ew.E);
+  b.Din = Din;
+  b.F = F;
+  moe_detail::run_expert_chain(gemm, b, plan, act, buf.h, path, stream);
   if (y) moe_unpermute_rows(buf.out, plan, w, Din, y, GemmOutType::F32, stream);
 }
 
