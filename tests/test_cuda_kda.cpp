@@ -4,7 +4,8 @@
 // odd K and V), gates down to −27 per step, packed documents (doc_start) and null / in-place
 // states. fp32: relative RMS ≤ 1e-5 for outputs and states, ≤ 1e-4 for gradients (the CPU fp32
 // backward's own bound against double, tests/test_kda.cpp); bf16 inputs: ≤ 1e-2 against double
-// on the bf16-rounded inputs. Without a GPU every test skips.
+// on the bf16-rounded inputs, for both stage-4 paths of the bf16 backward (reference and tensor
+// cores). Without a GPU every test skips.
 #include <gtest/gtest.h>
 
 #if DELTAMOE_HAVE_CUDA
@@ -286,10 +287,17 @@ struct KdaGradients {
   std::vector<double> dq, dk, dv, dg, dbeta, ds0;
 };
 
+// What one GPU backward added to each gradient (downloaded − initial contents).
+struct KdaGradientsF {
+  std::vector<float> dq, dk, dv, dg, dbeta, ds0;
+};
+
 // nonzero_initial: gradient buffers start from random values (checks +=); off where gradients are
 // tiny (strong decay: dg ~ e^{−20}) and the float subtraction of the initial values would swamp them.
-void check_backward(const KdaInputs& p, bool bf16, const std::string& what,
-                    bool nonzero_initial = true) {
+// path: stage 4 of the bf16 backward (fp32 always runs the reference). Returns what was added.
+KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& what,
+                             bool nonzero_initial = true,
+                             cu::KdaBackwardPath path = cu::KdaBackwardPath::Reference) {
   const KdaShape& s = p.shape;
   const size_t n_qk = p.q.size(), n_v = p.v.size(), n_beta = p.beta.size(), n_state = p.s0.size();
   const std::vector<double> d_o = [&] {
@@ -338,7 +346,7 @@ void check_backward(const KdaInputs& p, bool bf16, const std::string& what,
   if (bf16) {
     auto up = [&](const std::vector<double>& x) { return dev.upload(to_bf16(to_float(x))); };
     cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
-                           dk, dv, dg, dbeta, ds0, s, scale, ws, doc);
+                           dk, dv, dg, dbeta, ds0, s, scale, ws, doc, nullptr, path);
   } else {
     auto up = [&](const std::vector<double>& x) { return dev.upload(to_float(x)); };
     cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
@@ -347,21 +355,28 @@ void check_backward(const KdaInputs& p, bool bf16, const std::string& what,
   const double tolerance = bf16 ? 1e-2 : 1e-4;
   // What the op added = downloaded − initial contents; compared with the pure reference gradient
   // (an op that overwrote instead of accumulating would be off by the initial contents).
+  KdaGradientsF got;
   struct Check {
     const char* name;
     const float* device;
     const std::vector<float>* initial;
     const std::vector<double>* want;
+    std::vector<float>* added;
   };
-  const Check checks[] = {{"dq", dq, &dq0, &ref.dq},         {"dk", dk, &dk0, &ref.dk},
-                          {"dv", dv, &dv0, &ref.dv},         {"dg", dg, &dg0, &ref.dg},
-                          {"dbeta", dbeta, &dbeta0, &ref.dbeta}, {"ds0", ds0, &ds00, &ref.ds0}};
+  const Check checks[] = {{"dq", dq, &dq0, &ref.dq, &got.dq},
+                          {"dk", dk, &dk0, &ref.dk, &got.dk},
+                          {"dv", dv, &dv0, &ref.dv, &got.dv},
+                          {"dg", dg, &dg0, &ref.dg, &got.dg},
+                          {"dbeta", dbeta, &dbeta0, &ref.dbeta, &got.dbeta},
+                          {"ds0", ds0, &ds00, &ref.ds0, &got.ds0}};
   for (const Check& c : checks) {
     std::vector<float> added = DeviceScratch::download(c.device, c.want->size());
     EXPECT_TRUE(all_finite(added)) << what << " " << c.name;
     for (size_t i = 0; i < added.size(); ++i) added[i] -= (*c.initial)[i];
     EXPECT_LE(rel_rms(added, *c.want), tolerance) << what << " " << c.name;
+    *c.added = std::move(added);
   }
+  return got;
 }
 
 TEST(CudaKdaBackward, MatchesCpuF32) {
@@ -388,6 +403,64 @@ TEST(CudaKdaBackward, MatchesCpuBf16) {
   KdaInputs p = random_inputs({2, 100, 2, 64, 64}, 13, -5.0, 1.0);
   round_inputs_bf16(p);
   check_backward(p, true, "backward bf16");
+}
+
+// Stage 4 on tensor cores (KdaBackwardPath::TensorCore, bf16 only): the bf16 cases above plus
+// ragged K, V (padding to 16) and T around chunk boundaries, at the bf16 tolerance.
+TEST(CudaKdaBackward, TensorCoreMatchesCpuBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  KdaInputs p = random_inputs({2, 100, 2, 64, 64}, 13, -5.0, 1.0);
+  round_inputs_bf16(p);
+  check_backward(p, true, "backward bf16 tc", true, cu::KdaBackwardPath::TensorCore);
+  uint64_t seed = 500;
+  for (const KdaShape& s : {KdaShape{2, 1, 3, 16, 12}, KdaShape{1, 63, 2, 7, 5},
+                            KdaShape{2, 65, 3, 16, 12}, KdaShape{1, 130, 2, 33, 17},
+                            KdaShape{1, 70, 1, 128, 128}}) {
+    KdaInputs q = random_inputs(s, ++seed, -5.0, 1.0);
+    round_inputs_bf16(q);
+    check_backward(q, true, describe(s, "backward bf16 tc"), true, cu::KdaBackwardPath::TensorCore);
+  }
+}
+
+// Both paths (a failure of the reference too points at the bf16 inputs, not at stage 4).
+TEST(CudaKdaBackward, TensorCoreStrongDecayAndDocStartBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  KdaInputs strong = random_inputs({1, 130, 2, 32, 16}, 8, 3.0, 3.3);
+  round_inputs_bf16(strong);
+  const KdaShape s{2, 150, 2, 16, 12};
+  KdaInputs p = random_inputs(s, 12, -4.0, 1.0);
+  p.doc_start = make_doc_start(s, {5, 6, 64, 100, 149});
+  round_inputs_bf16(p);
+  for (const cu::KdaBackwardPath path :
+       {cu::KdaBackwardPath::Reference, cu::KdaBackwardPath::TensorCore}) {
+    const std::string name = path == cu::KdaBackwardPath::TensorCore ? " tc" : " ref";
+    check_backward(strong, true, "backward bf16 strong decay" + name, /*nonzero_initial=*/false,
+                   path);
+    check_backward(p, true, "backward bf16 doc_start" + name, true, path);
+  }
+}
+
+// The realistic case: K = V = 128, a partial last chunk (T = 300 = 4·64 + 44), documents starting
+// mid-chunk, at a chunk start and in the partial chunk, s0 and dsT given; both stage-4 paths
+// against the CPU, then against each other.
+TEST(CudaKdaBackward, TensorCoreMatchesReferenceRealisticBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  const KdaShape s{1, 300, 2, 128, 128};
+  KdaInputs p = random_inputs(s, 21, -5.0, 1.0);
+  p.doc_start = make_doc_start(s, {37, 128, 200, 270});
+  round_inputs_bf16(p);
+  const KdaGradientsF reference = check_backward(p, true, "realistic bf16 ref", true,
+                                                 cu::KdaBackwardPath::Reference);
+  const KdaGradientsF tensor_cores = check_backward(p, true, "realistic bf16 tc", true,
+                                                    cu::KdaBackwardPath::TensorCore);
+  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  EXPECT_LE(rel_rms(tensor_cores.dq, as_double(reference.dq)), 1e-2) << "tc vs ref dq";
+  EXPECT_LE(rel_rms(tensor_cores.dk, as_double(reference.dk)), 1e-2) << "tc vs ref dk";
+  EXPECT_LE(rel_rms(tensor_cores.dv, as_double(reference.dv)), 1e-2) << "tc vs ref dv";
+  EXPECT_LE(rel_rms(tensor_cores.dg, as_double(reference.dg)), 1e-2) << "tc vs ref dg";
+  EXPECT_LE(rel_rms(tensor_cores.dbeta, as_double(reference.dbeta)), 1e-2) << "tc vs ref dbeta";
+  // Stages 1–3 are shared: ds0 is the same computation on both paths.
+  EXPECT_LE(rel_rms(tensor_cores.ds0, as_double(reference.ds0)), 1e-6) << "tc vs ref ds0";
 }
 
 }  // namespace

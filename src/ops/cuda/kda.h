@@ -72,6 +72,15 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 //   d_o [B,T,H,V] (input type), dsT/ds0 [B,H,K,V], dq/dk/dg [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H].
 // It runs the forward's prepare and state stages again (chunk-start states), then a sequential
 // stage over chunks for the state gradient at every chunk end, then one parallel stage per chunk.
+// Stage 4 of the bf16 backward has two implementations: Reference (the fp32 CUDA-core kernel, one
+// block per chunk-head with a global scratch) and TensorCore (kda_chunk_backward_tc.cu: mma.sync
+// with operands in shared memory, pairwise decays factored through 16-token sub-blocks). The
+// default is TensorCore (H200, 2026-11-29: (1,8192,16,128) fwd+bwd 28.2 → 19.6 ms, same
+// tolerances against the CPU); env DM_KDA_BACKWARD=ref|tc (read once) overrides it. fp32 inputs
+// always take the reference path. The workspace size covers both.
+enum class KdaBackwardPath : uint8_t { Reference, TensorCore };
+KdaBackwardPath kda_backward_default_path();
+
 size_t kda_chunk_backward_workspace_bytes(const KdaShape& s);
 void kda_chunk_backward(const float* q, const float* k, const float* v, const float* g,
                         const float* beta, const float* s0, const float* d_o, const float* dsT,
@@ -83,6 +92,7 @@ void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
                         float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
                         void* workspace, const int32_t* doc_start = nullptr,
-                        KdaStream stream = nullptr);
+                        KdaStream stream = nullptr,
+                        KdaBackwardPath path = kda_backward_default_path());
 
 }  // namespace dm::cuda

@@ -9,15 +9,20 @@
 //   4.   one block per chunk: every gradient of the chunk from S_n and its dS' (kda_piece_backward
 //        steps 1–6), with the block-level matmul of kda_common.cuh and a per-block global
 //        scratch. Pairwise sums over e^{Γ_i − Γ_j} are formed directly (an exp per pair and channel,
-//        all exponents ≤ 0): clear, not fast.
+//        all exponents ≤ 0): clear, not fast. For bf16 inputs, KdaBackwardPath::TensorCore
+//        replaces this stage with kda_chunk_backward_tc.cu (mma.sync, operands in shared memory,
+//        pairwise decays factored through 16-token sub-blocks); this kernel stays the reference.
 // Gradients of the masked pieces: the running reverse cumsum of dΓ restarts at each document
 // start (the pairwise terms of a later document sum to zero analytically; cutting them keeps the
 // rounding of one document out of the gradient of another), exactly as the CPU walks pieces.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
+#include "ops/cuda/kda_backward_detail.cuh"
 #include "ops/cuda/kda_common.cuh"
 
 namespace dm::cuda {
@@ -393,7 +398,7 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
                                const Storage* d_o, const float* dsT, float* dq, float* dk,
                                float* dv, float* dg, float* dbeta, float* ds0, const KdaShape& s,
                                float scale, void* workspace, const int32_t* doc_start,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, KdaBackwardPath path) {
   const KdaDims d = kda_make_dims(s, scale, "cuda kda_chunk_backward");
   if (d.B * d.H == 0) return;
   DM_CHECK(workspace != nullptr ||
@@ -420,6 +425,13 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
   check_last_error("cuda kda_chunk_backward (state gradient)");
   if (d.num_chunks == 0) return;
 
+  if constexpr (sizeof(Storage) == 2) {
+    if (path == KdaBackwardPath::TensorCore) {
+      kda_chunk_grad_tensor_cores(q, k, v, g, beta, d_o, doc_start, dq, dk, dv, dg, dbeta, d, ws,
+                                  d_states, stream);
+      return;
+    }
+  }
   const size_t grad_bytes = kda_backward_grad_shared_bytes(d);
   DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_grad_kernel<Storage>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -432,6 +444,19 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
 }  // namespace
 }  // namespace kda_detail
 
+KdaBackwardPath kda_backward_default_path() {
+  static const KdaBackwardPath path = [] {
+    const char* env = std::getenv("DM_KDA_BACKWARD");
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "tc") == 0)
+      return KdaBackwardPath::TensorCore;
+    DM_CHECK(std::strcmp(env, "ref") == 0, "DM_KDA_BACKWARD must be 'ref' or 'tc', got '", env, "'");
+    return KdaBackwardPath::Reference;
+  }();
+  return path;
+}
+
+// The tensor-core stage 4 reads ws and d_states only: the reference's carve (which adds the
+// per-block scratch) is enough for both paths.
 size_t kda_chunk_backward_workspace_bytes(const KdaShape& s) {
   const kda_detail::KdaDims d = kda_detail::kda_make_dims(s, 1.0f, "cuda kda_chunk_backward");
   return kda_detail::kda_backward_workspace_carve(d, nullptr, nullptr, nullptr, nullptr);
@@ -443,15 +468,17 @@ void kda_chunk_backward(const float* q, const float* k, const float* v, const fl
                         const KdaShape& s, float scale, void* workspace,
                         const int32_t* doc_start, KdaStream stream) {
   kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
-                                        ds0, s, scale, workspace, doc_start, stream);
+                                        ds0, s, scale, workspace, doc_start, stream,
+                                        KdaBackwardPath::Reference);
 }
 void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         const uint16_t* g, const uint16_t* beta, const float* s0,
                         const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
                         float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
-                        void* workspace, const int32_t* doc_start, KdaStream stream) {
+                        void* workspace, const int32_t* doc_start, KdaStream stream,
+                        KdaBackwardPath path) {
   kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
-                                        ds0, s, scale, workspace, doc_start, stream);
+                                        ds0, s, scale, workspace, doc_start, stream, path);
 }
 
 }  // namespace dm::cuda

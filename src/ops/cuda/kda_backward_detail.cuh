@@ -1,0 +1,26 @@
+// Declarations shared by the two stage-4 implementations of the chunked KDA backward:
+// kda_chunk_backward.cu (stages 1–3 and the reference stage 4) and kda_chunk_backward_tc.cu
+// (the tensor-core stage 4). Included only by nvcc-compiled files.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cuda/kda_common.cuh"
+
+namespace dm::cuda::kda_detail {
+
+// Stage 4 on tensor cores, bf16 inputs only. Same inputs and outputs as the reference stage 4
+// (kda_chunk_grad_kernel): ws filled by stages 1–2 (chunk-start states, V', K⊙e^{γ−Γ}, P, e^γ),
+// d_states [B·H·num_chunks, KP, VP] = dS' from stage 3; gradients accumulated (+=) into
+// dq, dk, dg [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H]. Needs no scratch beyond ws and d_states.
+void kda_chunk_grad_tensor_cores(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                 const uint16_t* g, const uint16_t* beta, const uint16_t* d_o,
+                                 const int32_t* doc_start, float* dq, float* dk, float* dv,
+                                 float* dg, float* dbeta, const KdaDims& d,
+                                 const KdaForwardWorkspace& ws, const float* d_states,
+                                 cudaStream_t stream);
+
+// Dynamic shared memory of the tensor-core stage 4 (bytes) for these dims.
+size_t kda_chunk_grad_tensor_cores_shared_bytes(const KdaDims& d);
+
+}  // namespace dm::cuda::kda_detail
