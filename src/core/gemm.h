@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 
+#include "core/threading.h"
+
 namespace dm {
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
@@ -38,8 +40,8 @@ class BlasSingleThreadScope {
   int saved_ = 1;
 };
 
-// Number of threads the engine uses (OpenMP); set_num_threads also caps OpenBLAS.
-int num_threads();
+// Number of threads the engine uses: num_threads() (core/threading.h); set_num_threads also caps
+// OpenBLAS.
 void set_num_threads(int n);
 
 }  // namespace dm

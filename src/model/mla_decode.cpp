@@ -21,9 +21,6 @@
 #include "ops/cpu/attention.h"
 #include "ops/cpu/rmsnorm.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace dm {
 namespace {
@@ -181,11 +178,7 @@ void mla_paged_attention(const MlaAttentionUnit* units, int64_t num_units, int64
   BlasSingleThreadScope blas_single_thread(threads > 1);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#ifdef _OPENMP
-    const int thread_index = omp_get_thread_num();
-#else
-    const int thread_index = 0;
-#endif
+    const int thread_index = dm::thread_index();
     float* scores = scratch + size_t(thread_index) * (slice / sizeof(float));
     float* row_max = scores + max_rows * cache.page_tokens;
     float* row_sum = row_max + max_rows;

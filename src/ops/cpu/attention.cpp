@@ -18,10 +18,8 @@
 
 #include "core/error.h"
 #include "core/gemm.h"
+#include "core/threading.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace dm {
 
@@ -46,14 +44,6 @@ struct AttentionScratchLayout {
     slice_reals = scores_reals + accum_reals + 2 * rowstat_reals;
   }
 };
-
-int current_thread_index() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 void check_attention_shape(const AttnShape& s) {
   DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.Dqk >= 0 && s.Dv >= 0,
@@ -115,7 +105,7 @@ void attention_causal_forward(const Real* q, const Real* k, const Real* v, Real*
 
 #pragma omp parallel num_threads(num_team_threads)
   {
-    Real* slice = all_thread_scratch + current_thread_index() * layout.slice_reals;
+    Real* slice = all_thread_scratch + thread_index() * layout.slice_reals;
     Real* score_tile = slice;                                        // [block_rows, block_rows]
     Real* output_accumulator = score_tile + layout.scores_reals;     // [block_rows, Dv]
     Real* running_max = output_accumulator + layout.accum_reals;     // [block_rows]

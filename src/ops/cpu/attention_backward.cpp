@@ -24,23 +24,13 @@
 
 #include "core/error.h"
 #include "core/gemm.h"
+#include "core/threading.h"
 #include "ops/cpu/attention.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace dm {
 
 namespace {
-
-int backward_thread_index() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 // Per-thread scratch (in Reals): the probability tile P and the dP / dS tile, each
 // [block_rows, block_rows], padded to 64 bytes.
@@ -230,7 +220,7 @@ void attention_causal_backward(const Real* q, const Real* k, const Real* v, cons
   if (use_per_head_schedule) {
 #pragma omp parallel num_threads(num_team_threads)
     {
-      Real* prob_tile = all_thread_scratch + backward_thread_index() * layout.slice_reals;
+      Real* prob_tile = all_thread_scratch + thread_index() * layout.slice_reals;
       Real* dscore_tile = prob_tile + layout.tile_reals;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t batch_head = 0; batch_head < num_batch_heads; ++batch_head) {
@@ -252,7 +242,7 @@ void attention_causal_backward(const Real* q, const Real* k, const Real* v, cons
   const int64_t num_work_items = num_batch_heads * num_blocks;
 #pragma omp parallel num_threads(num_team_threads)
   {
-    Real* prob_tile = all_thread_scratch + backward_thread_index() * layout.slice_reals;
+    Real* prob_tile = all_thread_scratch + thread_index() * layout.slice_reals;
     Real* dscore_tile = prob_tile + layout.tile_reals;
 
     // Pass 1: dK_j, dV_j. Key block j has (num_blocks − j) query blocks: low j first (heaviest).

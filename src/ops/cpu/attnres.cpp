@@ -6,9 +6,7 @@
 
 #include "core/error.h"
 #include "core/gemm.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "core/threading.h"
 
 namespace dm {
 
@@ -73,11 +71,7 @@ void attnres_backward(const Real* const* src, int S, const Real* query, const Re
   std::fill(partial, partial + size_t(threads) * D, 0.0);
 #pragma omp parallel num_threads(threads) if (N * D * S > 65536)
   {
-#ifdef _OPENMP
-    double* G = partial + size_t(omp_get_thread_num()) * D;
-#else
-    double* G = partial;
-#endif
+    double* G = partial + size_t(thread_index()) * D;
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       double a[kAttnResMaxSources], r[kAttnResMaxSources], s[kAttnResMaxSources];

@@ -22,9 +22,6 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "core/error.h"
 #include "core/gemm.h"
@@ -402,11 +399,7 @@ void kda_chunk_forward(const T* q, const T* k, const T* v, const T* g, const T* 
 
 #pragma omp parallel num_threads(thread_count) if (thread_count > 1)
   {
-#ifdef _OPENMP
-    const int thread_index = omp_get_thread_num();
-#else
-    const int thread_index = 0;
-#endif
+    const int thread_index = dm::thread_index();
     const auto scratch = kda_chunk_carve_scratch<T>(
         scratch_base + size_t(thread_index) * per_thread_bytes, K, V, C);
     const KdaPieceBuffers<T> buf = kda_forward_piece_buffers<T>(scratch);

@@ -24,9 +24,6 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "core/error.h"
 #include "core/gemm.h"
@@ -663,11 +660,7 @@ void kda_chunk_backward(const T* q, const T* k, const T* v, const T* g, const T*
 
 #pragma omp parallel num_threads(thread_count) if (thread_count > 1)
   {
-#ifdef _OPENMP
-    const int thread_index = omp_get_thread_num();
-#else
-    const int thread_index = 0;
-#endif
+    const int thread_index = dm::thread_index();
     const auto scratch = kda_backward_carve_scratch<T>(
         scratch_base + size_t(thread_index) * per_thread_bytes, s.T, K, V, C);
 #pragma omp for schedule(dynamic, 1)

@@ -12,9 +12,6 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "core/error.h"
 #include "core/gemm.h"
@@ -303,11 +300,7 @@ void moe_experts_forward(const Real* x, const MoePlan& plan, const Real* w,
     BlasSingleThreadScope blas_single_thread(expert_parallel);
 #pragma omp parallel num_threads(threads) if (expert_parallel)
     {
-#ifdef _OPENMP
-      const int thread_id = omp_get_thread_num();
-#else
-      const int thread_id = 0;
-#endif
+      const int thread_id = thread_index();
       Real* gathered = thread_scratch + int64_t(thread_id) * scratch_elements;  // [T,Din]
       Real* gate = gathered + kMoeExpertTileRows * Din;                         // [T,F] → h
       Real* up = gate + kMoeExpertTileRows * F;                                 // [T,F]

@@ -5,9 +5,6 @@
 #include <cstring>
 #include <numeric>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "core/error.h"
 #include "core/gemm.h"
@@ -129,11 +126,7 @@ void moe_experts_backward(const Real* x, const MoePlan& plan, const Real* w,
     BlasSingleThreadScope blas_single_thread(expert_parallel);
 #pragma omp parallel num_threads(threads) if (expert_parallel)
     {
-#ifdef _OPENMP
-      const int thread_id = omp_get_thread_num();
-#else
-      const int thread_id = 0;
-#endif
+      const int thread_id = thread_index();
       const int64_t T = kMoeExpertTileRows;
       Real* x_gathered = thread_scratch + int64_t(thread_id) * scratch_elements;  // [T,Din]
       Real* dy_gathered = x_gathered + T * Din;                                  // [T,Din]
