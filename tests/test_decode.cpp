@@ -327,6 +327,35 @@ TEST(Decode, SixteenDemoSlotsOnAllThreadsEqualDecodingAlone) {
   EXPECT_LE(test::rel_rms(pieces_logits.data(), one_logits.data(), size_t(V)), 1e-5);
 }
 
+// (c'') The scratch arena is sized for the threads a later call may use, not for the single
+// thread a small call runs on: a short prefill (below the parallel threshold, so on one thread)
+// that grows the arena must still leave room for the per-thread scratch of the multi-threaded
+// extends after it. (The server's 16-client test once hit "arena 'decode scratch' exhausted" this
+// way, depending on which request came first.)
+TEST(Decode, SmallSingleThreadedPrefillLeavesRoomForThreadedExtends) {
+  const ModelConfig cfg = load_config(test::source_dir() + "/configs/test.json");
+  auto weights = weights_allocate<float>(cfg);
+  weights_init(*weights, 9);
+  Model model(std::move(weights));
+  const int saved_threads = num_threads();
+  set_num_threads(4);
+  const int64_t V = cfg.vocab_size, n = 80, total = 480;
+  std::vector<int32_t> prompt;
+  for (int64_t t = 0; t < total; ++t) prompt.push_back(int32_t((t * 53 + 7) % V));
+  std::vector<float> pieces_logits(static_cast<size_t>(V)), one_logits(static_cast<size_t>(V));
+  DecodeState pieces(cfg, 1, total), one(cfg, 1, total);
+  // 80 tokens of this model (2·80·199K FLOPs) run on one thread and grow the arena; every later
+  // 80-token extend attends over enough cached positions to run on all four.
+  EXPECT_NO_THROW({
+    prefill(model, pieces, 0, prompt.data(), n, pieces_logits.data());
+    for (int64_t start = n; start < total; start += n)
+      extend(model, pieces, 0, prompt.data() + start, n, pieces_logits.data());
+  });
+  prefill(model, one, 0, prompt.data(), total, one_logits.data());
+  set_num_threads(saved_threads);
+  EXPECT_LE(test::rel_rms(pieces_logits.data(), one_logits.data(), size_t(V)), 1e-5);
+}
+
 // (d) `deltamoe generate --temperature 0 --json` (cached decode) reproduces the goldens' greedy
 // continuations (output_ids are the new tokens only).
 TEST(Decode, GenerateCliReproducesGoldenGreedy) {

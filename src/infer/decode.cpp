@@ -136,10 +136,33 @@ void decode_embed(const ModelWeightsT<float>& W, const int64_t* ids, int64_t n, 
     std::copy(W.embed + ids[r] * d, W.embed + (ids[r] + 1) * d, p + r * d);
 }
 
+// Sets the engine's thread count (OpenMP and BLAS) while it lives; restores the caller's after.
+class ThreadCountScope {
+ public:
+  explicit ThreadCountScope(int threads) : saved_(num_threads()), changed_(threads != saved_) {
+    if (changed_) set_num_threads(threads);
+  }
+  ~ThreadCountScope() {
+    if (changed_) set_num_threads(saved_);
+  }
+  ThreadCountScope(const ThreadCountScope&) = delete;
+  ThreadCountScope& operator=(const ThreadCountScope&) = delete;
+
+ private:
+  int saved_;
+  bool changed_;
+};
+
+// The workspace sizes count per-thread scratch with num_threads(). A small call runs inside a
+// one-thread scope (DecodeThreadScope below), so sizing there would leave a later threaded call
+// short: size for the most threads this state has been used with.
 void decode_ensure_work(const ModelConfig& c, DecodeState& st, int64_t prefill_tokens) {
-  if (prefill_tokens <= st.work_prefill_tokens) return;
-  st.work_prefill_tokens = prefill_tokens;
-  st.work.reserve(decode_work_bytes(c, prefill_tokens, st.num_sequences, st.page_tokens),
+  const int threads = num_threads();
+  if (prefill_tokens <= st.work_prefill_tokens && threads <= st.work_threads) return;
+  st.work_prefill_tokens = std::max(prefill_tokens, st.work_prefill_tokens);
+  st.work_threads = std::max(threads, st.work_threads);
+  const ThreadCountScope sizing(st.work_threads);
+  st.work.reserve(decode_work_bytes(c, st.work_prefill_tokens, st.num_sequences, st.page_tokens),
                   "decode scratch");
 }
 
@@ -188,19 +211,9 @@ double decode_step_flops(const DecodeState& st, int64_t n, int64_t attended) {
 
 // Runs the engine on one thread (OpenMP and BLAS) while it lives, when `single`; restores the
 // caller's thread count after.
-class DecodeThreadScope {
+class DecodeThreadScope : public ThreadCountScope {
  public:
-  explicit DecodeThreadScope(bool single) : saved_(single ? num_threads() : 1) {
-    if (saved_ > 1) set_num_threads(1);
-  }
-  ~DecodeThreadScope() {
-    if (saved_ > 1) set_num_threads(saved_);
-  }
-  DecodeThreadScope(const DecodeThreadScope&) = delete;
-  DecodeThreadScope& operator=(const DecodeThreadScope&) = delete;
-
- private:
-  int saved_;
+  explicit DecodeThreadScope(bool single) : ThreadCountScope(single ? 1 : num_threads()) {}
 };
 
 // reserve() or a dm::Error that says what ran out.
@@ -430,6 +443,7 @@ void decode_step(Model& model, DecodeState& st, const int32_t* next_ids, const i
   const ModelConfig& c = model.config();
   const ModelWeightsT<float>& W = model.weights();
   const int64_t S = st.num_sequences, d = c.hidden, V = c.vocab_size;
+  decode_ensure_work(c, st, 1);  // grows the scratch if this thread runs more threads than before
   st.work.reset();
   // Compact the active slots into rows 0..n−1.
   int64_t* slots = st.work.alloc<int64_t>(size_t(S));

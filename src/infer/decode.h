@@ -64,6 +64,7 @@ struct DecodeState {
   Arena cache;       // everything above, one allocation
   Arena work;        // prefill / decode scratch
   int64_t work_prefill_tokens = 0;  // prompt length `work` is sized for (decode is included)
+  int work_threads = 0;             // engine threads `work`'s per-thread scratch is sized for
   std::unique_ptr<PrefixCache> prefix_cache;  // null until enable_prefix_cache
 
   // Attaches a prefix cache (SPEC §5, infer/prefix_cache.h) of `budget_bytes` (KDA checkpoints +
