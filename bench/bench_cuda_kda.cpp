@@ -137,11 +137,17 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
   }
   const double best_ms = std::isnan(tensor_core_ms) ? reference_ms : std::min(reference_ms, tensor_core_ms);
   const double flops = chunked_forward_flops(bs);
-  std::printf("| %-22s | %-4s | %9.3f | %14.3f | %13.3f | %9.2f | %13.2f |\n",
+  // fp32 inputs have no tensor-core stage 4: "—" in that column.
+  char tensor_core_cell[32];
+  if (std::isnan(tensor_core_ms))
+    std::snprintf(tensor_core_cell, sizeof tensor_core_cell, "%13s", "—");
+  else
+    std::snprintf(tensor_core_cell, sizeof tensor_core_cell, "%13.3f", tensor_core_ms);
+  std::printf("| %-22s | %-4s | %9.3f | %14.3f | %s | %9.2f | %13.2f |\n",
               ("(" + std::to_string(bs.B) + "," + std::to_string(bs.T) + "," +
                std::to_string(bs.H) + "," + std::to_string(bs.D) + ")")
                   .c_str(),
-              dtype, forward_ms, reference_ms, tensor_core_ms, flops / (forward_ms * 1e9),
+              dtype, forward_ms, reference_ms, tensor_core_cell, flops / (forward_ms * 1e9),
               3 * flops / (best_ms * 1e9));
   std::fflush(stdout);
 }

@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
 # GPU check in one call (made for one 10-minute run of the device tool, or any machine with an
-# NVIDIA GPU): build with the CUDA backend for Hopper, run every CPU-vs-GPU op test, then the GPU
-# benchmarks and the peers (PyTorch, flash-linear-attention) side by side. Logs go to $OUT (or
+# NVIDIA GPU): build with the CUDA backend for Hopper, run every CPU-vs-GPU op test and the
+# goldens on the GPU, then the GPU benchmarks and the peers (PyTorch, flash-linear-attention) side
+# by side, and print one table (scripts/device-summary.py). Logs go to $OUT (or
 # out/device-check) so they come back even when a step fails.
 #
-#   scripts/device-check.sh [--no-bench] [--no-peers]
-# Wheels for missing Python peers (fla-core) are installed from .whl/ when that folder exists.
+#   scripts/device-check.sh [--no-bench] [--no-peers] [--budget SECONDS]
+#
+# The budget (default 560 s, so one call of the device tool keeps its transfers) is spent in
+# order of importance: build, tests, our benchmarks, then the peers. A step whose usual time
+# (measured on an H200, 2026-11-29, in `cost` below) no longer fits is skipped with a line that
+# says so; fla's Triton autotuning is the most expensive (~280 s for three shapes), so it runs
+# last and on the first shape only unless time is left. Wheels for missing Python peers
+# (fla-core) are installed from .whl/ when that folder exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-out/device-check}
 mkdir -p "$LOG"
-BENCH=1 PEERS=1
-for a in "$@"; do
-  case "$a" in
-    --no-bench) BENCH=0 ;;
-    --no-peers) PEERS=0 ;;
-    *) echo "unknown option $a" >&2; exit 2 ;;
+BENCH=1 PEERS=1 BUDGET=560
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-bench) BENCH=0; shift ;;
+    --no-peers) PEERS=0; shift ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 JOBS=$(nproc)
-step() { echo; echo "=== $* ($(date +%T))"; }
+START=$SECONDS
+step() { echo; echo "=== $* ($(date +%T), $((SECONDS - START)) s of $BUDGET)"; }
+# fits NAME SECONDS: true when the step's usual time still fits the budget, else says it is skipped.
+fits() {
+  local left=$((BUDGET - (SECONDS - START)))
+  if [ "$2" -le "$left" ]; then return 0; fi
+  echo; echo "=== skipped: $1 (usually ~$2 s, $left s left of the $BUDGET s budget)"
+  echo "$1" >>"$LOG/skipped.txt"
+  return 1
+}
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader || true
@@ -32,47 +49,41 @@ for b in bench/bench_cuda_*.cpp; do [ -e "$b" ] && targets+=("$(basename "$b" .c
 cmake --build build-gpu -j"$JOBS" --target "${targets[@]}" >"$LOG/build.log" 2>&1 || {
   grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; }
 echo "built: ${targets[*]}"
+B=build-gpu/bin
 
 # Goldens: ../shared/goldens beside a checkout, or a copy carried in .goldens (the device tool
 # sends only the repository).
 if [ -z "${DM_GOLDENS:-}" ] && [ -d .goldens ]; then export DM_GOLDENS=$PWD/.goldens; fi
 
 step "GPU op, layer and model tests vs the CPU reference (+ goldens on the GPU)"
-./build-gpu/bin/deltamoe_tests --gtest_filter='Cuda*:*/Cuda*' --gtest_brief=1 2>&1 | tee "$LOG/tests.log" | \
-  grep -vE "^\[ +(RUN|OK) +\]" | tail -60
+$B/deltamoe_tests --gtest_filter='Cuda*:*/Cuda*' --gtest_brief=1 2>&1 | tee "$LOG/tests.log" | \
+  grep -vE "^\[ +(RUN|OK) +\]" | tail -40
 
-step "deltamoe forward --device cuda vs --device cpu (golden K3 tiny)"
-if [ -n "${DM_GOLDENS:-}" ] && [ -d "$DM_GOLDENS/kimi_k3_tiny" ]; then
-  ./build-gpu/bin/deltamoe forward --model "$DM_GOLDENS/kimi_k3_tiny" \
-    --input "$DM_GOLDENS/kimi_k3_tiny/golden.safetensors" --output "$LOG/fwd_gpu.safetensors" --device cuda &&
-  ./build-gpu/bin/deltamoe forward --model "$DM_GOLDENS/kimi_k3_tiny" \
-    --input "$DM_GOLDENS/kimi_k3_tiny/golden.safetensors" --output "$LOG/fwd_cpu.safetensors" &&
+if [ -n "${DM_GOLDENS:-}" ] && [ -d "$DM_GOLDENS/kimi_k3_tiny" ] && fits "forward --device cuda vs cpu" 20; then
+  step "deltamoe forward --device cuda vs --device cpu (golden K3 tiny)"
+  for dev in cuda cpu; do
+    $B/deltamoe forward --model "$DM_GOLDENS/kimi_k3_tiny" --device $dev \
+      --input "$DM_GOLDENS/kimi_k3_tiny/golden.safetensors" --output "$LOG/fwd_$dev.safetensors"
+  done
   ls -la "$LOG"/fwd_*.safetensors
 fi
 
+MODEL_CFG=${MODEL_CFG:-configs/gpu_1b.json}
+# bench NAME COST COMMAND...: runs COMMAND into $LOG/NAME.log when COST seconds still fit.
+bench() {
+  local name=$1 cost=$2; shift 2
+  fits "$name" "$cost" || return 0
+  step "$name"
+  timeout $((cost * 2)) "$@" 2>&1 | tee "$LOG/$name.log"
+}
 if [ "$BENCH" = 1 ]; then
-  for b in build-gpu/bin/bench_cuda_*; do
-    [ "$(basename "$b")" = bench_cuda_model ] && continue
-    step "$(basename "$b")"
-    timeout 240 "$b" 2>&1 | tee "$LOG/$(basename "$b").log"
-  done
-  # Whole model, prefill + decode, against the PyTorch eager peer on the same GPU (bf16).
-  MODEL_CFG=${MODEL_CFG:-configs/gpu_1b.json}
-  step "bench_cuda_model $MODEL_CFG"
-  timeout 300 build-gpu/bin/bench_cuda_model --config "$MODEL_CFG" --tokens 2048,8192 \
-    --slots 1,64 --context 1024 2>&1 | tee "$LOG/bench_cuda_model.log"
-  if [ "$PEERS" = 1 ]; then
-    step "peer: PyTorch eager training step, same config and shape as bench_cuda_train, cuda bf16"
-    timeout 300 python3 bench/peers/deltamoe_torch.py train-bench --config "$MODEL_CFG" \
-      --batch 1 --seq 4096 --steps 3 --warmup 1 --device cuda --dtype bfloat16 2>&1 | tail -2 |
-      tee "$LOG/peer_torch_train.log"
-    step "peer: PyTorch eager forward, same config, cuda bf16"
-    for T in 2048 8192; do
-      timeout 240 python3 bench/peers/deltamoe_torch.py forward-bench --config "$MODEL_CFG" \
-        --seq "$T" --steps 3 --warmup 1 --device cuda --dtype bfloat16 2>&1 | tail -2 |
-        tee -a "$LOG/peer_torch_model.log"
-    done
-  fi
+  bench bench_cuda_kda 25 $B/bench_cuda_kda
+  bench bench_cuda_train 40 $B/bench_cuda_train --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3
+  bench bench_cuda_decode 90 $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
+    --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
+  bench bench_cuda_mla 45 $B/bench_cuda_mla
+  bench bench_cuda_model 60 $B/bench_cuda_model --config "$MODEL_CFG" --tokens 2048,8192 \
+    --slots 1,64 --context 1024
 fi
 
 if [ "$PEERS" = 1 ]; then
@@ -80,9 +91,21 @@ if [ "$PEERS" = 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  for p in bench/peers/*_peers.py; do
-    step "peer $(basename "$p")"
-    PYTHONUNBUFFERED=1 timeout 240 python3 "$p" 2>&1 | tee "$LOG/$(basename "$p" .py).log"
-  done
+  # The training peer: PyTorch eager, same config and shape as bench_cuda_train, bf16.
+  bench peer_torch_train 60 python3 bench/peers/deltamoe_torch.py train-bench --config "$MODEL_CFG" \
+    --batch 1 --seq 4096 --steps 3 --warmup 1 --device cuda --dtype bfloat16
+  bench mla_peers 60 env PYTHONUNBUFFERED=1 python3 bench/peers/mla_peers.py
+  # fla's chunk_kda autotunes per shape: the first shape alone, then the others if time is left.
+  bench kda_peers 110 env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
+    --shapes 1x8192x16x128
+  bench kda_peers_more 200 env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
+    --impl fla --shapes 1x8192x96x128,2x16384x16x128
+  bench peer_torch_model 120 python3 bench/peers/deltamoe_torch.py forward-bench \
+    --config "$MODEL_CFG" --seq 8192 --steps 3 --warmup 1 --device cuda --dtype bfloat16
 fi
+
+step "summary"
+cat "$LOG/kda_peers_more.log" >>"$LOG/kda_peers.log" 2>/dev/null || true
+python3 scripts/device-summary.py "$LOG" | tee "$LOG/summary.md"
+[ -f "$LOG/skipped.txt" ] && echo "skipped for time: $(paste -sd, "$LOG/skipped.txt")"
 step "done"

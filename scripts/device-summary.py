@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""One table from the logs of scripts/device-check.sh: each benchmark of the CUDA issue against
+its target and, where the same call ran one, its peer. Reads whatever logs exist in the folder
+(steps skipped for lack of time simply have none) and never fails on a missing or partial log.
+
+  scripts/device-summary.py LOGDIR
+"""
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def read(d, name):
+    p = d / name
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def json_lines(text):
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def table_rows(text):
+    """Markdown table rows of a log as lists of stripped cells (header and rules skipped)."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not set(line) <= set("|-: "):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def number(s):
+    m = re.search(r"[-+]?\d+(\.\d+)?([eE][-+]?\d+)?", s)
+    return float(m.group(0)) if m else None
+
+
+def main():
+    d = Path(sys.argv[1] if len(sys.argv) > 1 else "out/device-check")
+    out = ["| what | measured | peer (same call) | target |", "|---|---|---|---|"]
+
+    tests = read(d, "tests.log")
+    passed = re.search(r"\[  PASSED  \] (\d+) tests?", tests)
+    failed = sorted(set(re.findall(r"\[  FAILED  \] (\S+)", tests)))
+    if tests:
+        out.append(f"| GPU tests vs the CPU reference | {passed.group(1) if passed else 0} passed, "
+                   f"{len(failed)} failed{(': ' + ', '.join(failed[:4])) if failed else ''} | | "
+                   "all pass |")
+
+    # Chunked KDA: ours (bf16, the faster stage-4 path) against fla's chunk_kda.
+    fla = {}
+    for r in table_rows(read(d, "kda_peers.log")):
+        if len(r) >= 4 and r[1] == "fla":  # shape | impl | fwd ms | fwd+bwd ms | …
+            fla[r[0]] = number(r[3])
+    for r in table_rows(read(d, "bench_cuda_kda.log")):
+        if len(r) >= 5 and r[1] == "bf16":
+            times = [t for t in (number(r[3]), number(r[4]) if len(r) > 5 else None) if t]
+            if not times:
+                continue
+            ours = min(times)
+            peer = fla.get(r[0])
+            ratio = f" ({peer / ours:.2f}× fla's speed)" if peer else ""
+            out.append(f"| KDA fwd+bwd {r[0]} | {ours:.2f} ms{ratio} | "
+                       f"{f'fla {peer:.2f} ms' if peer else ''} | ≥ 2× faster than fla |")
+
+    # MLA prefill: % of the measured bf16 GEMM peak.
+    for r in table_rows(read(d, "bench_cuda_mla.log")):
+        if len(r) >= 5 and r[0].startswith("mla prefill"):
+            out.append(f"| {r[0]} {r[1]} | {r[3]} TF/s ({r[4]} of peak) | | ≥ 50% of peak |")
+
+    # Decode, Kimi-Linear-48B shape: ms/step against the HBM floor.
+    for line in read(d, "bench_cuda_decode.log").splitlines():
+        m = re.match(r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\|", line)
+        if m:
+            batch, ctx, ms, _, floor, ratio = m.groups()
+            target = "≤ 1.3× the floor" if batch == "1" else "(reported)"
+            c = int(ctx)
+            context = f"{round(c / 2**20)}M" if c >= 2**20 - 1024 else f"{round(c / 1024)}K"
+            out.append(f"| decode batch {batch}, context {context} | {float(ms):.2f} ms/step "
+                       f"({ratio}× the {float(floor):.2f} ms floor) | | {target} |")
+
+    # Training step: tokens/s and MFU against the PyTorch eager peer on the same GPU.
+    ours = [j for j in json_lines(read(d, "bench_cuda_train.log")) if j.get("impl") == "deltamoe"]
+    peer = [j for j in json_lines(read(d, "peer_torch_train.log")) if "tokens_per_s" in j]
+    if ours:
+        o = ours[-1]
+        p = peer[-1]["tokens_per_s"] if peer else None
+        vs = f" ({o['tokens_per_s'] / p:.1f}× torch)" if p else ""
+        peer_cell = f"torch eager {p:.0f} tokens/s" if p else ""
+        out.append(f"| training step (1B config) | {o['tokens_per_s']:.0f} tokens/s, MFU "
+                   f"{100 * o.get('mfu', 0):.1f}%{vs} | {peer_cell} | MFU ≥ 40% |")
+
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
