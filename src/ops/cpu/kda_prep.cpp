@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
+
 namespace dm {
 namespace {
 
@@ -96,17 +98,20 @@ void short_conv_silu_backward(const Real* x, const Real* w, const std::type_iden
 template <typename Real>
 void kda_gate_forward(const Real* f, const Real* A_log, const Real* dt_bias, Real* g, int64_t N,
                       int64_t H, int64_t K, KdaGateKind kind, float lower_bound) {
+  // The kind is tested outside the channel loop: a select inside keeps it scalar.
+  const bool softplus = kind == KdaGateKind::Softplus;
+  const Real lb = Real(lower_bound);
 #pragma omp parallel for schedule(static) if (N * H * K > 65536)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
       const Real a = std::exp(A_log[h]);
-      for (int64_t i = 0; i < K; ++i) {
-        const int64_t c = h * K + i;
-        const Real z = f[n * H * K + c] + dt_bias[c];
-        g[n * H * K + c] = kind == KdaGateKind::Softplus
-                               ? -a * kda_softplus(z)
-                               : Real(lower_bound) * kda_sigmoid(a * z);
-      }
+      const Real* f_row = f + n * H * K + h * K;
+      const Real* bias = dt_bias + h * K;
+      Real* g_row = g + n * H * K + h * K;
+      if (softplus)
+        for (int64_t i = 0; i < K; ++i) g_row[i] = -a * kda_softplus(f_row[i] + bias[i]);
+      else
+        for (int64_t i = 0; i < K; ++i) g_row[i] = lb * kda_sigmoid(a * (f_row[i] + bias[i]));
     }
 }
 
@@ -115,36 +120,52 @@ void kda_gate_backward(const Real* f, const Real* A_log, const Real* dt_bias, co
                        Real* df, Real* dA_log, Real* ddt_bias, int64_t N, int64_t H, int64_t K,
                        KdaGateKind kind, float lower_bound) {
   const int64_t HK = H * K;
+  const bool softplus = kind == KdaGateKind::Softplus;
+  const Real lb = Real(lower_bound);
   // One thread per head: dA_log[h] and ddt_bias[h·K..] are then written by one thread only.
+  // Tokens outer, channels inner (contiguous, vectorised); each channel's dt_bias sum still runs
+  // over the tokens in order, dA_log sums per channel first. Per-channel sums on the stack.
+  constexpr int64_t kMaxChannels = 512;
+  DM_CHECK(K <= kMaxChannels, "kda_gate_backward: head dim ", K, " above ", kMaxChannels);
 #pragma omp parallel for schedule(static) if (N * HK > 65536)
   for (int64_t h = 0; h < H; ++h) {
     const Real a = std::exp(A_log[h]);
-    Real d_a_log = 0;
-    for (int64_t i = 0; i < K; ++i) {
-      const int64_t c = h * K + i;
-      Real d_bias = 0;
-      for (int64_t n = 0; n < N; ++n) {
-        const Real z = f[n * HK + c] + dt_bias[c];
-        const Real upstream = dg[n * HK + c];
-        Real dz;
-        if (kind == KdaGateKind::Softplus) {
-          // g = −a·softplus(z): ∂g/∂z = −a·σ(z) (−a above the threshold), ∂g/∂A_log = g.
+    Real d_bias[kMaxChannels], d_a_log[kMaxChannels];
+    for (int64_t i = 0; i < K; ++i) d_bias[i] = d_a_log[i] = Real(0);
+    const Real* bias = dt_bias + h * K;
+    for (int64_t n = 0; n < N; ++n) {
+      const Real* f_row = f + n * HK + h * K;
+      const Real* dg_row = dg + n * HK + h * K;
+      Real* df_row = df + n * HK + h * K;
+      if (softplus) {
+        // g = −a·softplus(z): ∂g/∂z = −a·σ(z) (−a above the threshold), ∂g/∂A_log = g.
+        for (int64_t i = 0; i < K; ++i) {
+          const Real z = f_row[i] + bias[i];
           const Real softplus_slope = z > Real(20) ? Real(1) : kda_sigmoid(z);
-          dz = -upstream * a * softplus_slope;
-          d_a_log += -upstream * a * kda_softplus(z);
-        } else {
-          // g = lb·σ(a·z): ∂g/∂z = lb·a·σ(1−σ), ∂g/∂A_log = lb·σ(1−σ)·a·z.
-          const Real sig = kda_sigmoid(a * z);
-          const Real slope = Real(lower_bound) * sig * (Real(1) - sig);
-          dz = upstream * slope * a;
-          d_a_log += upstream * slope * a * z;
+          const Real dz = -dg_row[i] * a * softplus_slope;
+          d_a_log[i] += -dg_row[i] * a * kda_softplus(z);
+          df_row[i] += dz;
+          d_bias[i] += dz;
         }
-        df[n * HK + c] += dz;
-        d_bias += dz;
+      } else {
+        // g = lb·σ(a·z): ∂g/∂z = lb·a·σ(1−σ), ∂g/∂A_log = lb·σ(1−σ)·a·z.
+        for (int64_t i = 0; i < K; ++i) {
+          const Real z = f_row[i] + bias[i];
+          const Real sig = kda_sigmoid(a * z);
+          const Real slope = lb * sig * (Real(1) - sig);
+          const Real dz = dg_row[i] * slope * a;
+          d_a_log[i] += dg_row[i] * slope * a * z;
+          df_row[i] += dz;
+          d_bias[i] += dz;
+        }
       }
-      ddt_bias[c] += d_bias;
     }
-    dA_log[h] += d_a_log;
+    Real total = 0;
+    for (int64_t i = 0; i < K; ++i) {
+      ddt_bias[h * K + i] += d_bias[i];
+      total += d_a_log[i];
+    }
+    dA_log[h] += total;
   }
 }
 
