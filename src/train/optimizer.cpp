@@ -78,13 +78,13 @@ void Optimizer::adamw_update(float* p, const float* g, float* m, float* v, int64
   const float b1 = oc_.beta1, b2 = oc_.beta2;
   const float c1 = 1.0f - float(std::pow(double(b1), double(step_)));
   const float c2 = 1.0f - float(std::pow(double(b2), double(step_)));
-  const float wd = decay ? lr * oc_.weight_decay : 0.0f;
+  const float wd = decay ? lr * oc_.weight_decay : 0.0f, eps = oc_.eps;
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
     m[i] = b1 * m[i] + (1 - b1) * g[i];
     v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
     const float mh = m[i] / c1, vh = v[i] / c2;
-    p[i] -= lr * mh / (std::sqrt(vh) + oc_.eps) + wd * p[i];
+    p[i] -= lr * mh / (std::sqrt(vh) + eps) + wd * p[i];
   }
 }
 
