@@ -36,6 +36,14 @@ Routed route_with_bias(const std::vector<float>& logits, const std::vector<float
   return r;
 }
 
+// Ungrouped sigmoid router with E experts, top-k (the defaults otherwise).
+RouterParams router(int E, int k) {
+  RouterParams p;
+  p.num_experts = E;
+  p.top_k = k;
+  return p;
+}
+
 float logit_of(double s) { return float(std::log(s / (1.0 - s))); }
 
 // Router logits [N, E] of a strongly skewed batch: N(0,1) noise plus a per-expert offset from +2
@@ -62,9 +70,7 @@ const double kOracleScores[8][4] = {
     {0.20, 0.70, 0.30, 0.60}, {0.20, 0.40, 0.80, 0.30}};
 
 TEST(BalanceTest, SpecOracleLoadsBecomeEqualAfterOneUpdate) {
-  RouterParams p;
-  p.num_experts = 4;
-  p.top_k = 1;
+  const RouterParams p = router(/*E=*/4, /*k=*/1);
   const int64_t N = 8;
   std::vector<float> logits(N * 4);
   for (int t = 0; t < N; ++t)
@@ -128,9 +134,7 @@ TEST(BalanceTest, HistogramEstimatorWithinBinWidthOfExactQuantile) {
   for (const auto& [N, E, k] : {std::tuple{int64_t(5000), 32, 4}, std::tuple{int64_t(999), 12, 2},
                                std::tuple{int64_t(64), 8, 3}}) {
     SCOPED_TRACE(testing::Message() << "N=" << N << " E=" << E << " k=" << k);
-    RouterParams p;
-    p.num_experts = E;
-    p.top_k = k;
+    const RouterParams p = router(E, k);
     std::normal_distribution<float> logit_dist(0.0f, 2.0f), bias_dist(0.0f, 0.3f);
     std::vector<float> logits(N * E), bias(E);
     for (float& v : logits) v = logit_dist(rng);
@@ -177,9 +181,7 @@ TEST(BalanceTest, HistogramEstimatorWithinBinWidthOfExactQuantile) {
 TEST(BalanceTest, RepeatedUpdatesDriveMaxVioBelowTenPercent) {
   const int64_t N = 4096;
   const int E = 16, k = 2;
-  RouterParams p;
-  p.num_experts = E;
-  p.top_k = k;
+  const RouterParams p = router(E, k);
   const std::vector<float> logits = skewed_logits(N, E, 43);
   for (QuantileEstimator estimator : {QuantileEstimator::Exact, QuantileEstimator::Histogram}) {
     SCOPED_TRACE(estimator == QuantileEstimator::Exact ? "exact" : "histogram");
@@ -214,9 +216,7 @@ TEST(BalanceTest, RepeatedUpdatesDriveMaxVioBelowTenPercent) {
 TEST(BalanceTest, RefinementBalancesTheSameBatch) {
   const int64_t N = 2048;
   const int E = 16, k = 2;
-  RouterParams p;
-  p.num_experts = E;
-  p.top_k = k;
+  const RouterParams p = router(E, k);
   const std::vector<float> logits = skewed_logits(N, E, 7);
   const std::vector<float> zero(E, 0.0f);
   const Routed before = route_with_bias(logits, zero, N, p);
@@ -247,9 +247,7 @@ TEST(BalanceTest, RefinementBalancesTheSameBatch) {
 TEST(BalanceTest, IndependentBatchesStayNearTheCountingFloor) {
   const int64_t N = 16384;
   const int E = 16, k = 2;
-  RouterParams p;
-  p.num_experts = E;
-  p.top_k = k;
+  const RouterParams p = router(E, k);
   BalanceOptions options;
   options.refine_iterations = 8;
   BalanceLayerState state;
@@ -293,9 +291,7 @@ TEST(BalanceTest, QuantileEmaSmoothsAcrossUpdates) {
 TEST(BalanceTest, WindowPoolsTheKeptBatchesWithThisOne) {
   const int64_t N = 512;
   const int E = 16, k = 2;
-  RouterParams p;
-  p.num_experts = E;
-  p.top_k = k;
+  const RouterParams p = router(E, k);
   const std::vector<float> logits_a = skewed_logits(N, E, 11), logits_b = skewed_logits(N, E, 12);
   BalanceOptions options;
   options.refine_iterations = 8;
