@@ -3,6 +3,8 @@
 // The backward is timed with both stage-4 paths (KdaBackwardPath) for bf16 inputs.
 // Plain main (no Google Benchmark fixtures): CUDA-event timing, 2 warm-up runs, median of 10.
 // Without a GPU (or without the CUDA backend) it prints why and exits 0.
+//   bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only]
+// (fewer shapes and repetitions keep a kernel profiler's run short, e.g. under ncu).
 //
 // FLOP convention (shared with bench/peers/kda_peers.py so the columns compare): per chunk of
 // C = 64 tokens of one head, the chunked form's products
@@ -11,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -46,8 +49,10 @@ struct Lcg {
 };
 
 // Median of `reps` timings of fn() in milliseconds, after `warmup` untimed runs.
+int g_reps = 10;
+
 template <typename Fn>
-double time_median_ms(Fn&& fn, int warmup = 2, int reps = 10) {
+double time_median_ms(Fn&& fn, int warmup = 2, int reps = g_reps) {
   for (int i = 0; i < warmup; ++i) fn();
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
@@ -176,7 +181,36 @@ void bench_decode(int64_t sequences, int64_t H, int64_t D) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  std::vector<BenchShape> shapes = {{1, 8192, 16, 128}, {1, 8192, 96, 128}, {2, 16384, 16, 128}};
+  bool bf16_only = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--bf16-only") {
+      bf16_only = true;
+    } else if (arg == "--reps" && i + 1 < argc) {
+      g_reps = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--shapes" && i + 1 < argc) {
+      shapes.clear();
+      std::string list = argv[++i];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t end = std::min(list.find(',', at), list.size());
+        BenchShape s{};
+        long long b, t, h, d;
+        if (std::sscanf(list.substr(at, end - at).c_str(), "%lldx%lldx%lldx%lld", &b, &t, &h, &d) != 4 ||
+            b < 1 || t < 1 || h < 1 || d < 1 || d > 128) {
+          std::fprintf(stderr, "bench_cuda_kda: bad shape in '%s' (BxTxHxD, D <= 128)\n", list.c_str());
+          return 2;
+        }
+        s = {b, t, h, d};
+        shapes.push_back(s);
+        at = end + 1;
+      }
+    } else {
+      std::fprintf(stderr, "usage: bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only]\n");
+      return 2;
+    }
+  }
   if (!cu::device_available()) {
     std::printf("bench_cuda_kda: skipped (%s)\n", cu::device_description().c_str());
     return 0;
@@ -187,14 +221,14 @@ int main() {
               "bf16 only); fwd+bwd TF/s from the faster\n");
   std::printf("| (B,T,H,D)              | in   |    fwd ms | fwd+bwd ms ref | fwd+bwd ms tc | fwd TF/s  | fwd+bwd TF/s  |\n");
   std::printf("|------------------------|------|-----------|----------------|---------------|-----------|---------------|\n");
-  const BenchShape shapes[] = {{1, 8192, 16, 128}, {1, 8192, 96, 128}, {2, 16384, 16, 128}};
   for (const BenchShape& s : shapes) bench_shape<uint16_t>(s, "bf16");
+  if (bf16_only) return 0;
   for (const BenchShape& s : shapes) bench_shape<float>(s, "fp32");
   bench_decode(128, 96, 128);
   return 0;
 }
 #else
-int main() {
+int main(int, char**) {
   std::printf("bench_cuda_kda: skipped (built without the CUDA backend)\n");
   return 0;
 }

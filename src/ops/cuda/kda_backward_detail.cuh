@@ -20,6 +20,14 @@ void kda_chunk_grad_tensor_cores(const uint16_t* q, const uint16_t* k, const uin
                                  const KdaForwardWorkspace& ws, const float* d_states,
                                  cudaStream_t stream);
 
+// Stage 3 on tensor cores (tf32 operands, fp32 dS; kda_chunk_state_tf32.cu), bf16 dO: same
+// outputs as the fp32 stage 3 (d_states = dS' per chunk, ds0 +=). Needs V % 8 == 0 and a 16-byte
+// aligned dO (its rows are copied in 16-byte pieces): check with _supported first.
+bool kda_chunk_state_backward_tf32_supported(const KdaDims& d, const uint16_t* d_o);
+void kda_chunk_state_backward_tf32(const uint16_t* d_o, const float* dsT, float* ds0,
+                                   const KdaDims& d, const KdaForwardWorkspace& ws,
+                                   float* d_states, cudaStream_t stream);
+
 // Dynamic shared memory of the tensor-core stage 4 (bytes) for these dims.
 size_t kda_chunk_grad_tensor_cores_shared_bytes(const KdaDims& d);
 

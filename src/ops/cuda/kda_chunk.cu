@@ -269,7 +269,7 @@ void kda_chunk_prepare_and_state(const Storage* q, const Storage* k, const Stora
     check_last_error("cuda kda_chunk_forward (prepare)");
   }
   if (tensor_cores) {
-    kda_chunk_state_tensor_cores(s0, sT, d, ws, stream);
+    kda_chunk_state_tf32(s0, sT, d, ws, stream);
     return;
   }
   const size_t state_bytes = kda_state_shared_bytes(d);

@@ -410,19 +410,30 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
   float* scratch = nullptr;
   kda_backward_workspace_carve(d, workspace, &ws, &d_states, &scratch);
 
-  // The recomputed forward keeps fp32 products whatever the input type: the gradients read its
-  // states and V' and gain nothing from tensor-core rounding here.
+  // The TensorCore path (bf16) recomputes the forward and runs stage 3 with tf32 products
+  // (kda_chunk_state_tf32.cu); the Reference path keeps every product in fp32 on CUDA cores.
+  bool tensor_cores = false;
+  if constexpr (sizeof(Storage) == 2) tensor_cores = path == KdaBackwardPath::TensorCore;
   kda_chunk_prepare_and_state(q, k, v, g, beta, s0, static_cast<float*>(nullptr), d, ws,
-                              doc_start, /*tensor_cores=*/false, stream);
+                              doc_start, tensor_cores, stream);
 
-  const size_t state_bytes = kda_backward_state_shared_bytes(d);
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_backward_kernel<Storage>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     int(state_bytes)));
-  kda_chunk_state_backward_kernel<Storage>
-      <<<dim3(unsigned(ceil_div(d.VP, kTileV)), unsigned(d.B * d.H)), kThreads, state_bytes,
-         stream>>>(d_o, dsT, ds0, d, ws, d_states);
-  check_last_error("cuda kda_chunk_backward (state gradient)");
+  bool state_done = false;
+  if constexpr (sizeof(Storage) == 2) {
+    if (tensor_cores && kda_chunk_state_backward_tf32_supported(d, d_o)) {
+      kda_chunk_state_backward_tf32(d_o, dsT, ds0, d, ws, d_states, stream);
+      state_done = true;
+    }
+  }
+  if (!state_done) {
+    const size_t state_bytes = kda_backward_state_shared_bytes(d);
+    DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_backward_kernel<Storage>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(state_bytes)));
+    kda_chunk_state_backward_kernel<Storage>
+        <<<dim3(unsigned(ceil_div(d.VP, kTileV)), unsigned(d.B * d.H)), kThreads, state_bytes,
+           stream>>>(d_o, dsT, ds0, d, ws, d_states);
+    check_last_error("cuda kda_chunk_backward (state gradient)");
+  }
   if (d.num_chunks == 0) return;
 
   if constexpr (sizeof(Storage) == 2) {

@@ -1,11 +1,8 @@
-// Tensor-core (wmma, bf16 operands, fp32 accumulation) versions of the state and output stages
-// of the chunked KDA forward, used for bf16 inputs (kda_chunk.cu runs the prepare stage, which
-// stays on CUDA cores in fp32). Same algebra and workspace as the fp32 kernels of kda_chunk.cu:
-//   state:  V' = U − W·S   (A = −W [C, KP], B = S [KP, 32]),
-//           S ← Diag(e^γ)·S + Keᵀ·V'   (A = Keᵀ read column-major from Ke [C, KP], B = V');
-//   output: O = Qd·S + P·V'.
-// The state is kept in fp32 in shared memory (the accumulator of the update) and rounded to a
-// bf16 copy only as the B operand of the next chunk's W·S. Tiles: 16×16×16 fragments; 8 warps.
+// Tensor-core (wmma, bf16 operands, fp32 accumulation) output stage of the chunked KDA forward,
+// used for bf16 inputs (kda_chunk.cu runs the prepare stage on CUDA cores in fp32, and the state
+// stage is kda_chunk_state_tf32.cu). Same algebra and workspace as the fp32 kernel of kda_chunk.cu:
+//   output: O = Qd·S + P·V'  (S, V' rounded to bf16 operands here; they stay fp32 in ws).
+// Tiles: 16×16×16 fragments; 8 warps.
 // Shared-memory rows are padded (+8 bf16 / +4 fp32 elements) against bank conflicts; every
 // fragment pointer stays 32-byte aligned (rows and columns start at multiples of 16).
 #include <mma.h>
@@ -27,7 +24,6 @@ using FragmentB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma
 using FragmentAccumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 constexpr int kPadBf16 = 8, kPadF32 = 4;
-constexpr int kWarps = kThreads / 32;
 constexpr int kTileLdBf16 = kTileV + kPadBf16;  // 40
 constexpr int kTileLdF32 = kTileV + kPadF32;    // 36
 
@@ -35,118 +31,6 @@ __host__ __device__ inline int tc_ld_key_bf16(const KdaDims& d) { return d.KP + 
 
 // Byte offsets of the shared buffers, each rounded up to 128 bytes (keeps fragments aligned).
 __host__ __device__ inline int tc_round(int bytes) { return (bytes + 127) / 128 * 128; }
-
-struct TcStateLayout {
-  int w, key_to_end, state_f32, state_bf16, u_f32, value_new_f32, value_new_bf16, decay, total;
-};
-__host__ __device__ inline TcStateLayout tc_state_layout(const KdaDims& d) {
-  TcStateLayout l;
-  const int ldk = tc_ld_key_bf16(d);
-  int at = 0;
-  l.w = at;              at += tc_round(kChunk * ldk * 2);
-  l.key_to_end = at;     at += tc_round(kChunk * ldk * 2);
-  l.state_f32 = at;      at += tc_round(d.KP * kTileLdF32 * 4);
-  l.state_bf16 = at;     at += tc_round(d.KP * kTileLdBf16 * 2);
-  l.u_f32 = at;          at += tc_round(kChunk * kTileLdF32 * 4);
-  l.value_new_f32 = at;  at += tc_round(kChunk * kTileLdF32 * 4);
-  l.value_new_bf16 = at; at += tc_round(kChunk * kTileLdBf16 * 2);
-  l.decay = at;          at += tc_round(d.KP * 4);
-  l.total = at;
-  return l;
-}
-
-// Grid: ceil(VP/32) × B·H; sequential over chunks (see kda_chunk_state_kernel in kda_chunk.cu).
-__global__ void __launch_bounds__(kThreads)
-    kda_chunk_state_tc_kernel(const float* s0, float* sT, KdaDims d, KdaForwardWorkspace ws) {
-  extern __shared__ __align__(128) unsigned char shared_bytes[];
-  const TcStateLayout l = tc_state_layout(d);
-  __nv_bfloat16* w_neg = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.w);          // [C, ldk]
-  __nv_bfloat16* key_to_end = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.key_to_end);
-  float* state = reinterpret_cast<float*>(shared_bytes + l.state_f32);                   // [KP, 36]
-  __nv_bfloat16* state_bf16 = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.state_bf16);
-  float* u_tile = reinterpret_cast<float*>(shared_bytes + l.u_f32);                      // [C, 36]
-  float* value_new = reinterpret_cast<float*>(shared_bytes + l.value_new_f32);           // [C, 36]
-  __nv_bfloat16* value_new_bf16 = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.value_new_bf16);
-  float* decay = reinterpret_cast<float*>(shared_bytes + l.decay);                       // [KP]
-
-  const int tid = threadIdx.x, warp = tid / 32, tx = tid % kTileV, ty = tid / kTileV;
-  constexpr int kRowLanes = kThreads / kTileV;
-  const int ldk = tc_ld_key_bf16(d);
-  const int64_t bh = blockIdx.y;
-  const int e0 = blockIdx.x * kTileV, e = e0 + tx;
-  const bool column_real = e < d.V, column_padded = e < d.VP;
-
-  for (int row = ty; row < d.KP; row += kRowLanes) {
-    const float value = (s0 != nullptr && column_real && row < d.K) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
-    state[row * kTileLdF32 + tx] = value;
-    state_bf16[row * kTileLdBf16 + tx] = __float2bfloat16_rn(value);
-  }
-
-  for (int64_t n = 0; n < d.num_chunks; ++n) {
-    const int64_t ch = bh * d.num_chunks + n;
-    for (int idx = tid; idx < kChunk * d.KP; idx += kThreads) {
-      const int i = idx / d.KP, col = idx % d.KP;
-      w_neg[i * ldk + col] = __float2bfloat16_rn(-ws.w[ch * kChunk * d.KP + idx]);
-      key_to_end[i * ldk + col] = __float2bfloat16_rn(ws.key_to_end[ch * kChunk * d.KP + idx]);
-    }
-    for (int i = ty; i < kChunk; i += kRowLanes)
-      u_tile[i * kTileLdF32 + tx] = column_padded ? ws.u[(ch * kChunk + i) * d.VP + e] : 0.0f;
-    for (int col = tid; col < d.KP; col += kThreads) decay[col] = ws.decay_whole[ch * d.KP + col];
-    if (column_padded)
-      for (int row = ty; row < d.KP; row += kRowLanes)
-        ws.states[(ch * d.KP + row) * d.VP + e] = state[row * kTileLdF32 + tx];
-    __syncthreads();
-
-    // V' = U + (−W)·S: 4 × 2 output fragments, one per warp.
-    {
-      const int mi = warp / 2, ni = warp % 2;
-      FragmentAccumulator acc;
-      wmma::load_matrix_sync(acc, u_tile + mi * 16 * kTileLdF32 + ni * 16, kTileLdF32,
-                             wmma::mem_row_major);
-      for (int kk = 0; kk < d.KP / 16; ++kk) {
-        FragmentA a;
-        FragmentB b;
-        wmma::load_matrix_sync(a, w_neg + mi * 16 * ldk + kk * 16, ldk);
-        wmma::load_matrix_sync(b, state_bf16 + kk * 16 * kTileLdBf16 + ni * 16, kTileLdBf16);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      wmma::store_matrix_sync(value_new + mi * 16 * kTileLdF32 + ni * 16, acc, kTileLdF32,
-                              wmma::mem_row_major);
-    }
-    __syncthreads();
-
-    for (int i = ty; i < kChunk; i += kRowLanes) {
-      const float value = value_new[i * kTileLdF32 + tx];
-      value_new_bf16[i * kTileLdBf16 + tx] = __float2bfloat16_rn(value);
-      if (column_padded) ws.value_new[(ch * kChunk + i) * d.VP + e] = value;
-    }
-    for (int row = ty; row < d.KP; row += kRowLanes) state[row * kTileLdF32 + tx] *= decay[row];
-    __syncthreads();
-
-    // S ← Diag(e^γ)·S + Keᵀ·V': (KP/16) × 2 fragments over the 8 warps.
-    for (int f = warp; f < (d.KP / 16) * 2; f += kWarps) {
-      const int mi = f / 2, ni = f % 2;
-      FragmentAccumulator acc;
-      float* state_fragment = state + mi * 16 * kTileLdF32 + ni * 16;
-      wmma::load_matrix_sync(acc, state_fragment, kTileLdF32, wmma::mem_row_major);
-      for (int kk = 0; kk < kChunk / 16; ++kk) {
-        FragmentAColumnMajor a;  // Keᵀ[m = d, k = i] = Ke[i, d] at i·ldk + d
-        FragmentB b;
-        wmma::load_matrix_sync(a, key_to_end + kk * 16 * ldk + mi * 16, ldk);
-        wmma::load_matrix_sync(b, value_new_bf16 + kk * 16 * kTileLdBf16 + ni * 16, kTileLdBf16);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      wmma::store_matrix_sync(state_fragment, acc, kTileLdF32, wmma::mem_row_major);
-    }
-    __syncthreads();
-    for (int row = ty; row < d.KP; row += kRowLanes)
-      state_bf16[row * kTileLdBf16 + tx] = __float2bfloat16_rn(state[row * kTileLdF32 + tx]);
-    __syncthreads();
-  }
-  if (sT != nullptr && column_real)
-    for (int row = ty; row < d.K; row += kRowLanes)
-      sT[(bh * d.K + row) * d.V + e] = state[row * kTileLdF32 + tx];
-}
 
 struct TcOutputLayout {
   int query_decay, state_bf16, lower_query_key, value_new_bf16, out_f32, total;
@@ -233,16 +117,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 }  // namespace
-
-void kda_chunk_state_tensor_cores(const float* s0, float* sT, const KdaDims& d,
-                                  const KdaForwardWorkspace& ws, cudaStream_t stream) {
-  const int shared = tc_state_layout(d).total;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_tc_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-  kda_chunk_state_tc_kernel<<<dim3(unsigned(ceil_div(d.VP, kTileV)), unsigned(d.B * d.H)),
-                              kThreads, size_t(shared), stream>>>(s0, sT, d, ws);
-  check_last_error("cuda kda_chunk_forward (state, tensor cores)");
-}
 
 template <typename Storage>
 void kda_chunk_output_tensor_cores(Storage* o, const KdaDims& d, const KdaForwardWorkspace& ws,

@@ -283,16 +283,17 @@ KdaDims kda_make_dims(const KdaShape& s, float scale, const char* who);
 // Carves the forward workspace from `base` into *ws (ws == nullptr: only counts); returns bytes.
 size_t kda_forward_workspace_carve(const KdaDims& d, void* base, KdaForwardWorkspace* ws);
 // Stages 1 and 2 of the forward: fills ws (chunk-start states, V', …) and writes sT. The state
-// stage runs on tensor cores (bf16 operands) when `tensor_cores`, else in fp32 on CUDA cores.
+// stage runs on tensor cores (tf32 operands) when `tensor_cores`, else in fp32 on CUDA cores.
 template <typename Storage>
 void kda_chunk_prepare_and_state(const Storage* q, const Storage* k, const Storage* v,
                                  const Storage* g, const Storage* beta, const float* s0,
                                  float* sT, const KdaDims& d, const KdaForwardWorkspace& ws,
                                  const int32_t* doc_start, bool tensor_cores,
                                  cudaStream_t stream);
-// Tensor-core state and output stages (kda_chunk_tc.cu).
-void kda_chunk_state_tensor_cores(const float* s0, float* sT, const KdaDims& d,
-                                  const KdaForwardWorkspace& ws, cudaStream_t stream);
+// State stage on tensor cores (tf32 operands, fp32 state; kda_chunk_state_tf32.cu).
+void kda_chunk_state_tf32(const float* s0, float* sT, const KdaDims& d,
+                          const KdaForwardWorkspace& ws, cudaStream_t stream);
+// Output stage on tensor cores (bf16 operands; kda_chunk_tc.cu).
 template <typename Storage>
 void kda_chunk_output_tensor_cores(Storage* o, const KdaDims& d, const KdaForwardWorkspace& ws,
                                    cudaStream_t stream);

@@ -1,0 +1,397 @@
+// The two sequential stages of the chunked KDA on tensor cores (tf32 mma.sync, fp32 state),
+// with the next chunk's operands copied in (cp.async) while the current chunk computes:
+//   forward state (kda_chunk_state_tf32):    V' = U − W·S;  S ← Diag(e^γ)·S + Keᵀ·V'
+//   backward state (kda_chunk_state_backward_tf32), chunks in reverse:
+//     dV' = Ke·dS' + Pᵀ·dO;  dS = Diag(e^γ)·dS' + Qdᵀ·dO − Wᵀ·dV'
+// Same algebra, workspace and outputs as the fp32 CUDA-core kernels (kda_chunk_state_kernel in
+// kda_chunk.cu, kda_chunk_state_backward_kernel in kda_chunk_backward.cu), which stay the fp32
+// path and the reference.
+//
+// Why this shape: both stages walk 128+ chunks one after another per (head, column tile), so a
+// step's time is its latency. The old kernels loaded each chunk's [64, 128] operands from global
+// memory at the top of the step (several dependent round trips). Here every step has two phases
+// that read disjoint operand sets (value side, state side); while one phase computes, the other
+// phase's operands of the next chunk are in flight, so the loads leave the critical path. The
+// products run as tf32 m16n8k8 with fp32 accumulation: tf32's 10-bit mantissa beats the bf16
+// operands of the earlier wmma state kernel, and the state itself never leaves fp32.
+//
+// Grid: VP / kCols column tiles × B·H, 256 threads, sequential over chunks inside a block.
+// kCols = 32, or 16 when 32-column tiles would leave SMs idle (B·H·VP/32 < SM count) or do not
+// divide VP. Shared rows are padded so the fragment reads hit distinct banks: row-read A
+// operands by 4 floats, column-read (transposed) A and all B operands by 8.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+#include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda.h"
+#include "ops/cuda/kda_backward_detail.cuh"
+#include "ops/cuda/kda_common.cuh"
+#include "ops/cuda/kda_mma.cuh"
+
+namespace dm::cuda {
+namespace kda_detail {
+namespace {
+
+using attention_detail::cp_async_16;
+using attention_detail::cp_async_commit;
+using attention_detail::cp_async_wait;
+
+constexpr int kWarpCount = kThreads / 32;
+constexpr int kPadRowRead = 4;  // A read along its rows: row stride ≡ 4 (mod 8) floats
+constexpr int kPadColRead = 8;  // A read down its columns, and B: row stride ≡ 8 (mod 16)
+
+// Next 128-byte boundary after `floats` floats starting at byte `at`; returns the start.
+__host__ __device__ inline int carve_floats(int& at, int floats) {
+  const int start = at;
+  at += (floats * 4 + 127) / 128 * 128;
+  return start;
+}
+
+// Copies rows × cols fp32 (cols % 4 == 0, 16-byte aligned rows) from global into a padded
+// shared tile, 16 bytes per cp.async, by the whole block. Not waited for here.
+__device__ __forceinline__ void copy_rows_async(float* dst, int dst_ld, const float* src,
+                                                int64_t src_ld, int rows, int cols) {
+  const int per_row = cols / 4;
+  for (int idx = threadIdx.x; idx < rows * per_row; idx += kThreads) {
+    const int r = idx / per_row, c4 = idx % per_row;
+    cp_async_16(dst + r * dst_ld + 4 * c4, src + r * src_ld + 4 * c4, true);
+  }
+}
+
+// Copies a [rows, kCols] fp32 tile between shared (row stride ld) and global (row stride VP),
+// 16 bytes per thread and step.
+template <int kCols, bool kToGlobal>
+__device__ __forceinline__ void copy_tile_f4(float* global, int64_t global_ld, float* shared,
+                                             int ld, int rows) {
+  constexpr int kPerRow = kCols / 4;
+  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += kThreads) {
+    const int r = idx / kPerRow, c4 = idx % kPerRow;
+    float4* g = reinterpret_cast<float4*>(global + r * global_ld + 4 * c4);
+    float4* s = reinterpret_cast<float4*>(shared + r * ld + 4 * c4);
+    if constexpr (kToGlobal) *g = *s;
+    else *s = *g;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward state.
+struct ForwardStateLayout {
+  int w, u, key_to_end, decay, state, value_new, total;  // byte offsets
+};
+template <int kCols>
+__host__ __device__ inline ForwardStateLayout forward_state_layout(const KdaDims& d) {
+  ForwardStateLayout l;
+  int at = 0;
+  l.w = carve_floats(at, kChunk * (d.KP + kPadRowRead));
+  l.u = carve_floats(at, kChunk * (kCols + kPadColRead));
+  l.key_to_end = carve_floats(at, kChunk * (d.KP + kPadColRead));
+  l.decay = carve_floats(at, d.KP);
+  l.state = carve_floats(at, d.KP * (kCols + kPadColRead));
+  l.value_new = carve_floats(at, kChunk * (kCols + kPadColRead));
+  l.total = at;
+  return l;
+}
+
+template <int kCols>
+__global__ void __launch_bounds__(kThreads)
+    kda_chunk_state_tf32_kernel(const float* s0, float* sT, KdaDims d, KdaForwardWorkspace ws) {
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  const ForwardStateLayout l = forward_state_layout<kCols>(d);
+  float* w_s = reinterpret_cast<float*>(shared_bytes + l.w);               // [C, KP+4]   W
+  float* u_s = reinterpret_cast<float*>(shared_bytes + l.u);               // [C, ldt]    U tile
+  float* key_to_end_s = reinterpret_cast<float*>(shared_bytes + l.key_to_end);  // [C, KP+8] Ke
+  float* decay_s = reinterpret_cast<float*>(shared_bytes + l.decay);       // [KP]        e^γ
+  float* state_s = reinterpret_cast<float*>(shared_bytes + l.state);       // [KP, ldt]   S tile
+  float* value_new_s = reinterpret_cast<float*>(shared_bytes + l.value_new);  // [C, ldt]  V'
+  constexpr int ldt = kCols + kPadColRead;
+  constexpr int kHalfTiles = kCols / 16;  // phase 1: a warp's 8-column tiles (half the width)
+  constexpr int kRowTiles = kCols / 8;    // phase 2: a warp's 8-column tiles (the whole width)
+  const int ldw = d.KP + kPadRowRead, ldke = d.KP + kPadColRead;
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t bh = blockIdx.y, first_chunk = bh * d.num_chunks;
+  const int e0 = blockIdx.x * kCols;
+
+  auto load_value_side = [&](int64_t n) {  // W and the U tile of chunk n
+    const int64_t ch = first_chunk + n;
+    copy_rows_async(w_s, ldw, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(u_s, ldt, ws.u + ch * kChunk * d.VP + e0, d.VP, kChunk, kCols);
+  };
+  auto load_state_side = [&](int64_t n) {  // Ke and e^γ of chunk n
+    const int64_t ch = first_chunk + n;
+    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+  };
+
+  for (int idx = tid; idx < d.KP * kCols; idx += kThreads) {
+    const int row = idx / kCols, col = idx % kCols, e = e0 + col;
+    state_s[row * ldt + col] =
+        (s0 != nullptr && row < d.K && e < d.V) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
+  }
+  // Commit groups alternate value side / state side, one pair per chunk (empty past the end),
+  // so "all but the newest group done" is always the side about to be used.
+  if (d.num_chunks > 0) load_value_side(0);
+  cp_async_commit();
+  if (d.num_chunks > 0) load_state_side(0);
+  cp_async_commit();
+
+  const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
+  for (int64_t n = 0; n < d.num_chunks; ++n) {
+    const int64_t ch = first_chunk + n;
+    cp_async_wait<1>();
+    __syncthreads();  // value side of chunk n landed; S is the chunk-start state
+    copy_tile_f4<kCols, true>(ws.states + ch * d.KP * d.VP + e0, d.VP, state_s, ldt, d.KP);
+
+    // Phase 1: V' = U − W·S (warp: rows r0_value.., half the columns).
+    {
+      float acc[kHalfTiles][4];
+      zero_tiles(acc);
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kHalfTiles, 0, d.KP, [&](int r, int c) { return w_s[(r0_value + r) * ldw + c]; },
+          [&](int c, int nn) { return state_s[c * ldt + col0_value + nn]; });
+      float* value_new = ws.value_new + ch * kChunk * d.VP + e0;
+      for_each_element<kHalfTiles>(kHalfTiles, r0_value, col0_value,
+                                   [&](int j, int e4, int i, int col) {
+                                     const float value = u_s[i * ldt + col] - acc[j][e4];
+                                     value_new_s[i * ldt + col] = value;
+                                     value_new[i * d.VP + col] = value;
+                                   });
+    }
+    __syncthreads();  // W, U free; V' complete
+    if (n + 1 < d.num_chunks) load_value_side(n + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // state side of chunk n landed
+
+    // Phase 2: S ← Diag(e^γ)·S + Keᵀ·V' (warp: a 16-row block of S, every column).
+    for (int mt = warp; mt < d.KP / 16; mt += kWarpCount) {
+      const int r0 = 16 * mt;
+      float acc[kRowTiles][4];
+      for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
+        acc[j][e4] = decay_s[row] * state_s[row * ldt + col];
+      });
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kRowTiles, 0, kChunk, [&](int r, int i) { return key_to_end_s[i * ldke + r0 + r]; },
+          [&](int i, int nn) { return value_new_s[i * ldt + nn]; });
+      for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
+        state_s[row * ldt + col] = acc[j][e4];
+      });
+    }
+    __syncthreads();  // Ke, e^γ free; S is the next chunk's start state
+    if (n + 1 < d.num_chunks) load_state_side(n + 1);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  if (sT != nullptr)
+    for (int idx = tid; idx < d.K * kCols; idx += kThreads) {
+      const int row = idx / kCols, col = idx % kCols, e = e0 + col;
+      if (e < d.V) sT[(bh * d.K + row) * d.V + e] = state_s[row * ldt + col];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward state (bf16 dO, V % 8 == 0 so its rows copy in 16-byte pieces).
+struct BackwardStateLayout {
+  int key_to_end, lower_query_key, d_out0, d_out1, query_decay, w, decay, d_state, d_value_new,
+      total;  // byte offsets
+};
+template <int kCols>
+__host__ __device__ inline BackwardStateLayout backward_state_layout(const KdaDims& d) {
+  BackwardStateLayout l;
+  int at = 0;
+  l.key_to_end = carve_floats(at, kChunk * (d.KP + kPadRowRead));
+  l.lower_query_key = carve_floats(at, kChunk * (kChunk + kPadColRead));
+  l.d_out0 = carve_floats(at, kChunk * (kCols + kPadColRead) / 2);  // bf16
+  l.d_out1 = carve_floats(at, kChunk * (kCols + kPadColRead) / 2);
+  l.query_decay = carve_floats(at, kChunk * (d.KP + kPadColRead));
+  l.w = carve_floats(at, kChunk * (d.KP + kPadColRead));
+  l.decay = carve_floats(at, d.KP);
+  l.d_state = carve_floats(at, d.KP * (kCols + kPadColRead));
+  l.d_value_new = carve_floats(at, kChunk * (kCols + kPadColRead));
+  l.total = at;
+  return l;
+}
+
+template <int kCols>
+__global__ void __launch_bounds__(kThreads)
+    kda_chunk_state_backward_tf32_kernel(const uint16_t* d_o, const float* dsT, float* ds0,
+                                         KdaDims d, KdaForwardWorkspace ws, float* d_states) {
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  const BackwardStateLayout l = backward_state_layout<kCols>(d);
+  float* key_to_end_s = reinterpret_cast<float*>(shared_bytes + l.key_to_end);  // [C, KP+4] Ke
+  float* lower_s = reinterpret_cast<float*>(shared_bytes + l.lower_query_key);  // [C, C+8]  P
+  uint16_t* d_out_s[2] = {reinterpret_cast<uint16_t*>(shared_bytes + l.d_out0),  // [C, ldt] dO
+                          reinterpret_cast<uint16_t*>(shared_bytes + l.d_out1)};
+  float* query_decay_s = reinterpret_cast<float*>(shared_bytes + l.query_decay);  // [C, KP+8] Qd
+  float* w_s = reinterpret_cast<float*>(shared_bytes + l.w);                      // [C, KP+8] W
+  float* decay_s = reinterpret_cast<float*>(shared_bytes + l.decay);              // [KP]
+  float* d_state_s = reinterpret_cast<float*>(shared_bytes + l.d_state);          // [KP, ldt] dS'
+  float* d_value_new_s = reinterpret_cast<float*>(shared_bytes + l.d_value_new);  // [C, ldt]  dV'
+  constexpr int ldt = kCols + kPadColRead;
+  constexpr int kHalfTiles = kCols / 16, kRowTiles = kCols / 8;
+  constexpr int ldp = kChunk + kPadColRead;
+  const int ldke = d.KP + kPadRowRead, ldkc = d.KP + kPadColRead;
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H, first_chunk = bh * d.num_chunks;
+  const int e0 = blockIdx.x * kCols;
+
+  auto load_value_side = [&](int64_t n) {  // Ke, P and the dO tile of chunk n
+    const int64_t ch = first_chunk + n;
+    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(lower_s, ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk,
+                    kChunk);
+    uint16_t* dst = d_out_s[n & 1];
+    const int c = kda_chunk_length(d, n);
+    constexpr int kPieces = kCols / 8;  // 16-byte pieces per row
+    for (int idx = tid; idx < kChunk * kPieces; idx += kThreads) {
+      const int i = idx / kPieces, e = e0 + 8 * (idx % kPieces);
+      const bool valid = i < c && e < d.V;
+      const uint16_t* src = valid ? d_o + kda_token_row(d, b, h, n * kChunk + i) * d.V + e : d_o;
+      cp_async_16(dst + i * ldt + (e - e0), src, valid);
+    }
+  };
+  auto load_state_side = [&](int64_t n) {  // Qd, W and e^γ of chunk n
+    const int64_t ch = first_chunk + n;
+    copy_rows_async(query_decay_s, ldkc, ws.query_decay + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(w_s, ldkc, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+  };
+
+  for (int idx = tid; idx < d.KP * kCols; idx += kThreads) {
+    const int row = idx / kCols, col = idx % kCols, e = e0 + col;
+    d_state_s[row * ldt + col] =
+        (dsT != nullptr && row < d.K && e < d.V) ? dsT[(bh * d.K + row) * d.V + e] : 0.0f;
+  }
+  const int64_t last = d.num_chunks - 1;
+  if (last >= 0) load_value_side(last);
+  cp_async_commit();
+  if (last >= 0) load_state_side(last);
+  cp_async_commit();
+
+  const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
+  for (int64_t n = last; n >= 0; --n) {
+    const int64_t ch = first_chunk + n;
+    const uint16_t* d_out = d_out_s[n & 1];
+    auto d_out_at = [&](int i, int col) { return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16); };
+    cp_async_wait<1>();
+    __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
+    copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
+
+    // Phase 1: dV' = Ke·dS' + Pᵀ·dO (Pᵀ is upper triangular: k from the warp's first row).
+    {
+      float acc[kHalfTiles][4];
+      zero_tiles(acc);
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kHalfTiles, 0, d.KP,
+          [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
+          [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kHalfTiles, r0_value, kChunk,
+          [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
+          [&](int j, int nn) { return d_out_at(j, col0_value + nn); });
+      for_each_element<kHalfTiles>(kHalfTiles, r0_value, col0_value,
+                                   [&](int j, int e4, int i, int col) {
+                                     d_value_new_s[i * ldt + col] = acc[j][e4];
+                                   });
+    }
+    __syncthreads();  // Ke, P free (this dO buffer stays: phase 2 reads it)
+    if (n > 0) load_value_side(n - 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // state side of chunk n landed
+
+    // Phase 2: dS = Diag(e^γ)·dS' + Qdᵀ·dO − Wᵀ·dV' (warp: a 16-row block, every column).
+    for (int mt = warp; mt < d.KP / 16; mt += kWarpCount) {
+      const int r0 = 16 * mt;
+      float acc[kRowTiles][4];
+      for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
+        acc[j][e4] = decay_s[row] * d_state_s[row * ldt + col];
+      });
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kRowTiles, 0, kChunk, [&](int r, int i) { return query_decay_s[i * ldkc + r0 + r]; },
+          [&](int i, int nn) { return d_out_at(i, nn); });
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kRowTiles, 0, kChunk, [&](int r, int i) { return -w_s[i * ldkc + r0 + r]; },
+          [&](int i, int nn) { return d_value_new_s[i * ldt + nn]; });
+      for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
+        d_state_s[row * ldt + col] = acc[j][e4];
+      });
+    }
+    __syncthreads();  // Qd, W, e^γ free
+    if (n > 0) load_state_side(n - 1);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  if (ds0 != nullptr)
+    for (int idx = tid; idx < d.K * kCols; idx += kThreads) {
+      const int row = idx / kCols, col = idx % kCols, e = e0 + col;
+      if (e < d.V) ds0[(bh * d.K + row) * d.V + e] += d_state_s[row * ldt + col];
+    }
+}
+
+// 32-column tiles when they divide VP and still give every SM a block; else 16. Env
+// DM_KDA_STATE_COLUMNS=16|32 forces one (tests cover both widths on small shapes; 32 needs
+// VP % 32 == 0 and falls back to 16 otherwise).
+int state_tile_columns(const KdaDims& d) {
+  if (const char* env = std::getenv("DM_KDA_STATE_COLUMNS")) {
+    if (std::strcmp(env, "16") == 0) return 16;
+    if (std::strcmp(env, "32") == 0) return d.VP % 32 == 0 ? 32 : 16;
+  }
+  int device = 0, sms = 0;
+  DM_CUDA_CHECK(cudaGetDevice(&device));
+  DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return (d.VP % 32 == 0 && d.B * d.H * (d.VP / 32) >= sms) ? 32 : 16;
+}
+
+template <int kCols>
+void launch_forward_state(const float* s0, float* sT, const KdaDims& d,
+                          const KdaForwardWorkspace& ws, cudaStream_t stream) {
+  const int shared = forward_state_layout<kCols>(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_tf32_kernel<kCols>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_state_tf32_kernel<kCols><<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)),
+                                       kThreads, size_t(shared), stream>>>(s0, sT, d, ws);
+  check_last_error("cuda kda_chunk_forward (state, tf32 tensor cores)");
+}
+
+template <int kCols>
+void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, const KdaDims& d,
+                           const KdaForwardWorkspace& ws, float* d_states, cudaStream_t stream) {
+  const int shared = backward_state_layout<kCols>(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_backward_tf32_kernel<kCols>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_state_backward_tf32_kernel<kCols>
+      <<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
+          d_o, dsT, ds0, d, ws, d_states);
+  check_last_error("cuda kda_chunk_backward (state gradient, tf32 tensor cores)");
+}
+
+}  // namespace
+
+void kda_chunk_state_tf32(const float* s0, float* sT, const KdaDims& d,
+                          const KdaForwardWorkspace& ws, cudaStream_t stream) {
+  if (d.B * d.H == 0) return;
+  if (state_tile_columns(d) == 32) launch_forward_state<32>(s0, sT, d, ws, stream);
+  else launch_forward_state<16>(s0, sT, d, ws, stream);
+}
+
+bool kda_chunk_state_backward_tf32_supported(const KdaDims& d, const uint16_t* d_o) {
+  return d.V % 8 == 0 && reinterpret_cast<uintptr_t>(d_o) % 16 == 0;
+}
+
+void kda_chunk_state_backward_tf32(const uint16_t* d_o, const float* dsT, float* ds0,
+                                   const KdaDims& d, const KdaForwardWorkspace& ws,
+                                   float* d_states, cudaStream_t stream) {
+  DM_CHECK(kda_chunk_state_backward_tf32_supported(d, d_o),
+           "cuda kda_chunk_backward: the tf32 state stage needs V % 8 == 0 and a 16-byte aligned "
+           "dO, got V=", d.V);
+  if (d.B * d.H == 0) return;
+  if (state_tile_columns(d) == 32) launch_backward_state<32>(d_o, dsT, ds0, d, ws, d_states, stream);
+  else launch_backward_state<16>(d_o, dsT, ds0, d, ws, d_states, stream);
+}
+
+}  // namespace kda_detail
+}  // namespace dm::cuda

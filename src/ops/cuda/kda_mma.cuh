@@ -1,0 +1,107 @@
+// Warp-level mma.sync building blocks of the chunked KDA kernels (kda_chunk_backward_tc.cu,
+// kda_chunk_state_tf32.cu): tf32 m16n8k8 and bf16 m16n8k16 products whose operands are read
+// element by element through loader lambdas (shared or global memory, any layout), fp32
+// accumulation. Included only by nvcc-compiled files.
+//
+// Accumulator layout (both shapes, PTX ISA; lane = 4g + tq): c[0..1] = (row g, columns 2tq,
+// 2tq+1), c[2..3] = (row g+8, same columns).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace dm::cuda::kda_detail {
+
+enum class MmaPrecision { Bf16, Tf32 };
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// d += a·b, one 16×8 tile: tf32 m16n8k8. Fragments (PTX ISA, g = lane/4, tq = lane%4):
+//   a0 = (row g, k tq), a1 = (row g+8, k tq), a2 = (row g, k tq+4), a3 = (row g+8, k tq+4);
+//   b0 = (k tq, col g), b1 = (k tq+4, col g); c as for m16n8k16 (attention_mma.cuh).
+__device__ __forceinline__ void mma_tf32_16x8x8(float (&d)[4], const uint32_t (&a)[4],
+                                                uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// bf16 m16n8k16 (layouts in attention_mma.cuh).
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint32_t (&a)[4],
+                                                 uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// acc[j] += A·B_j for one warp: A = 16 rows × [k_begin, k_end), B_j = the k range × 8 columns
+// of tile j (j < n_tiles ≤ kTiles). load_a(r, k): r ∈ [0,16) local row, k absolute;
+// load_b(k, n): k absolute, n ∈ [0, 8·n_tiles) local column. k_end − k_begin is a multiple of
+// 16. Accumulator element acc[j][2h + e] is (row g + 8h, column 8j + 2tq + e).
+template <MmaPrecision kPrecision, int kTiles, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, int k_begin,
+                                         int k_end, LoadA&& load_a, LoadB&& load_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  if constexpr (kPrecision == MmaPrecision::Tf32) {
+    for (int k0 = k_begin; k0 < k_end; k0 += 8) {
+      const uint32_t a[4] = {to_tf32(load_a(g, k0 + tq)), to_tf32(load_a(g + 8, k0 + tq)),
+                             to_tf32(load_a(g, k0 + tq + 4)), to_tf32(load_a(g + 8, k0 + tq + 4))};
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+        if (j < n_tiles)
+          mma_tf32_16x8x8(acc[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
+                          to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
+    }
+  } else {
+    for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+      const int k = k0 + 2 * tq;
+      const uint32_t a[4] = {pack_bf16(load_a(g, k), load_a(g, k + 1)),
+                             pack_bf16(load_a(g + 8, k), load_a(g + 8, k + 1)),
+                             pack_bf16(load_a(g, k + 8), load_a(g, k + 9)),
+                             pack_bf16(load_a(g + 8, k + 8), load_a(g + 8, k + 9))};
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+        if (j < n_tiles)
+          mma_bf16_16x8x16(acc[j], a, pack_bf16(load_b(k, 8 * j + g), load_b(k + 1, 8 * j + g)),
+                           pack_bf16(load_b(k + 8, 8 * j + g), load_b(k + 9, 8 * j + g)));
+    }
+  }
+}
+
+template <int kTiles>
+__device__ __forceinline__ void zero_tiles(float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+}
+
+// Calls f(j, e4, row, col) for this lane's accumulator elements of tiles j < n_tiles, with the
+// tile origin (row0, col0): row = row0 + g + 8·(e4/2), col = col0 + 8j + 2tq + e4%2.
+template <int kTiles, typename F>
+__device__ __forceinline__ void for_each_element(int n_tiles, int row0, int col0, F&& f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+    if (j < n_tiles)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) f(j, e4, row0 + g + 8 * (e4 >> 1), col0 + 8 * j + 2 * tq + (e4 & 1));
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
+  return __uint_as_float(uint32_t(bits) << 16);
+}
+
+}  // namespace dm::cuda::kda_detail
