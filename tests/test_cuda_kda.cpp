@@ -298,7 +298,8 @@ struct KdaGradientsF {
 // path: stage 4 of the bf16 backward (fp32 always runs the reference). Returns what was added.
 KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& what,
                              bool nonzero_initial = true,
-                             cu::KdaBackwardPath path = cu::KdaBackwardPath::Reference) {
+                             cu::KdaBackwardPath path = cu::KdaBackwardPath::Reference,
+                             bool reuse_forward = false) {
   const KdaShape& s = p.shape;
   const size_t n_qk = p.q.size(), n_v = p.v.size(), n_beta = p.beta.size(), n_state = p.s0.size();
   const std::vector<double> d_o = [&] {
@@ -346,8 +347,13 @@ KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& w
   const float scale = float(default_scale(s));
   if (bf16) {
     auto up = [&](const std::vector<double>& x) { return dev.upload(to_bf16(to_float(x))); };
-    cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
-                           dk, dv, dg, dbeta, ds0, s, scale, ws, doc, nullptr, path);
+    const uint16_t *q = up(p.q), *k = up(p.k), *v = up(p.v), *g = up(p.g), *beta = up(p.beta);
+    if (reuse_forward) {  // the forward fills ws; the backward must not need its own recompute
+      uint16_t* o = dev.upload(std::vector<uint16_t>(n_v));
+      cu::kda_chunk_forward(q, k, v, g, beta, s0, o, nullptr, s, scale, ws, doc);
+    }
+    cu::kda_chunk_backward(q, k, v, g, beta, s0, up(d_o), dsT_d, dq, dk, dv, dg, dbeta, ds0, s,
+                           scale, ws, doc, nullptr, path, reuse_forward);
   } else {
     auto up = [&](const std::vector<double>& x) { return dev.upload(to_float(x)); };
     cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
@@ -462,6 +468,26 @@ TEST(CudaKdaBackward, TensorCoreMatchesReferenceRealisticBf16) {
   EXPECT_LE(rel_rms(tensor_cores.dbeta, as_double(reference.dbeta)), 1e-2) << "tc vs ref dbeta";
   // Stages 1–3 differ too (tf32 tensor cores against fp32 CUDA cores): ds0 within bf16 tolerance.
   EXPECT_LE(rel_rms(tensor_cores.ds0, as_double(reference.ds0)), 1e-2) << "tc vs ref ds0";
+}
+
+// workspace_holds_forward: the backward after a forward into the same workspace skips its
+// recompute and gives the gradients of the recomputing backward (up to the order of stage 4's
+// shared-memory atomics), so both match the CPU.
+TEST(CudaKdaBackward, ReusesTheForwardWorkspaceBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  const KdaShape s{1, 300, 2, 128, 128};
+  KdaInputs p = random_inputs(s, 31, -5.0, 1.0);
+  p.doc_start = make_doc_start(s, {37, 128, 200, 270});
+  round_inputs_bf16(p);
+  const KdaGradientsF recomputed =
+      check_backward(p, true, "recomputing tc", true, cu::KdaBackwardPath::TensorCore, false);
+  const KdaGradientsF reused =
+      check_backward(p, true, "reusing tc", true, cu::KdaBackwardPath::TensorCore, true);
+  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  EXPECT_LE(rel_rms(reused.dq, as_double(recomputed.dq)), 1e-5) << "reuse vs recompute dq";
+  EXPECT_LE(rel_rms(reused.dg, as_double(recomputed.dg)), 1e-5) << "reuse vs recompute dg";
+  EXPECT_LE(rel_rms(reused.dbeta, as_double(recomputed.dbeta)), 1e-5) << "reuse vs recompute dbeta";
+  EXPECT_LE(rel_rms(reused.ds0, as_double(recomputed.ds0)), 1e-6) << "reuse vs recompute ds0";
 }
 
 // The tf32 state stages (kda_chunk_state_tf32.cu) pick 16- or 32-column tiles by the SM count;

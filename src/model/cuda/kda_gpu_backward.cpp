@@ -142,9 +142,12 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   for (float* p : {b.dq, b.dk, b.dv, dg}) fill_zero_async(p, nhk_bytes, stream);
   fill_zero_async(b.dbeta, size_t(N * H) * sizeof(float), stream);
   const float scale = 1.0f / std::sqrt(float(K));  // as the forward
+  // forward_steps above ran kda_chunk_forward on these inputs into operator_workspace: the
+  // operator's backward skips its own recompute of the prepare and state stages.
   kda_chunk_backward(f.q, f.k, f.v, f.g, f.beta, /*s0=*/nullptr, b.d_o, /*dsT=*/nullptr, b.dq,
                      b.dk, b.dv, dg, b.dbeta, /*ds0=*/nullptr, shape, scale,
-                     f.operator_workspace, doc_start, stream);
+                     f.operator_workspace, doc_start, stream, kda_backward_default_path(),
+                     /*workspace_holds_forward=*/true);
 
   // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits.
   kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, b.dz_beta, N * H, stream);

@@ -398,7 +398,8 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
                                const Storage* d_o, const float* dsT, float* dq, float* dk,
                                float* dv, float* dg, float* dbeta, float* ds0, const KdaShape& s,
                                float scale, void* workspace, const int32_t* doc_start,
-                               cudaStream_t stream, KdaBackwardPath path) {
+                               cudaStream_t stream, KdaBackwardPath path,
+                               bool workspace_holds_forward) {
   const KdaDims d = kda_make_dims(s, scale, "cuda kda_chunk_backward");
   if (d.B * d.H == 0) return;
   DM_CHECK(workspace != nullptr ||
@@ -414,8 +415,9 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
   // (kda_chunk_state_tf32.cu); the Reference path keeps every product in fp32 on CUDA cores.
   bool tensor_cores = false;
   if constexpr (sizeof(Storage) == 2) tensor_cores = path == KdaBackwardPath::TensorCore;
-  kda_chunk_prepare_and_state(q, k, v, g, beta, s0, static_cast<float*>(nullptr), d, ws,
-                              doc_start, tensor_cores, stream);
+  if (!(tensor_cores && workspace_holds_forward))
+    kda_chunk_prepare_and_state(q, k, v, g, beta, s0, static_cast<float*>(nullptr), d, ws,
+                                doc_start, tensor_cores, stream);
 
   bool state_done = false;
   if constexpr (sizeof(Storage) == 2) {
@@ -480,16 +482,17 @@ void kda_chunk_backward(const float* q, const float* k, const float* v, const fl
                         const int32_t* doc_start, KdaStream stream) {
   kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
                                         ds0, s, scale, workspace, doc_start, stream,
-                                        KdaBackwardPath::Reference);
+                                        KdaBackwardPath::Reference, false);
 }
 void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         const uint16_t* g, const uint16_t* beta, const float* s0,
                         const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
                         float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
                         void* workspace, const int32_t* doc_start, KdaStream stream,
-                        KdaBackwardPath path) {
+                        KdaBackwardPath path, bool workspace_holds_forward) {
   kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
-                                        ds0, s, scale, workspace, doc_start, stream, path);
+                                        ds0, s, scale, workspace, doc_start, stream, path,
+                                        workspace_holds_forward);
 }
 
 }  // namespace dm::cuda
