@@ -41,9 +41,10 @@
 //   rate costs nothing measurable.
 //
 // Shared memory (KP = VP = 128): Γ [64,KP+4] fp32, raw q, k [64,KP+8] bf16, dP, dM/dL, L
-// [64,68] fp32, three [64, max(KP,VP)+4] fp32 slots (Kd → F → dΓ; dV'/dR/dX → G; G^q) and
+// [64,68] fp32, three [64, max(KP,VP)+4] fp32 slots (Kd → F → dΓ; dV'/dR/dX → G; dO → G^q) and
 // vectors: ≈ 220 KB, one block per SM. Operands produced by earlier stages (S, dS', V', Ke, P)
-// are read from the workspace (L2) directly into fragments.
+// are read from the workspace (L2) directly into fragments, as k-adjacent pairs (one 8-byte
+// load, warp_mma_pairs) wherever they are stored k-contiguous; dO is read once into slot c.
 #include <algorithm>
 
 #include "core/error.h"
@@ -139,9 +140,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     return bf16_bits_to_float(query_raw[i * ldr + c]) * query_inv[i] * d.scale;
   };
   auto gamma_at = [&](int i, int c) { return gam[i * ldk + c]; };
-  auto d_out = [&](int i, int e) {
-    return (i < c_len && e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e) : 0.0f;
+  // Adjacent channel pairs (c even): (k̂[i][c], k̂[i][c+1]) from one 4-byte load, and Γ likewise.
+  auto key_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(key_raw + i * ldr + c);
+    const float inv = key_inv[i];
+    return make_float2(__uint_as_float(bits << 16) * inv, __uint_as_float(bits & 0xffff0000u) * inv);
   };
+  auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldk + c); };
+  auto query_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(query_raw + i * ldr + c);
+    const float inv = query_inv[i] * d.scale;
+    return make_float2(__uint_as_float(bits << 16) * inv, __uint_as_float(bits & 0xffff0000u) * inv);
+  };
+  // dO of the chunk, fp32 in slot c (free until stage 3), zero past the chunk end and V.
+  float* d_out_s = slot_c;
+  auto d_out = [&](int i, int e) { return d_out_s[i * ldw + e]; };
 
   // ---- 0. Rows (warp each): raw q, k, raw g, β, inverse norms; zero past the chunk end.
   for (int i = warp; i < kChunk; i += kWarps) {
@@ -178,6 +191,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       seg[i] = segment;
     }
   }
+  // dO read once, row-coalesced (the products below read it from shared memory).
+  for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
+    const int i = idx / VP, e = idx % VP;
+    d_out_s[i * ldw + e] =
+        (i < c_len && e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e) : 0.0f;
+  }
   // L: the diagonal and above are zero (the lower part is written below, disjointly).
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
@@ -208,10 +227,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
     float acc[2][4];
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
+    warp_mma_pairs<MmaPrecision::Tf32>(
         acc, 2, 0, KP,
-        [&](int r, int c) { return key_hat(r0 + r, c) * __expf(gamma_at(r0 + r, c) - gamma_at(ref, c)); },
-        [&](int c, int nn) { return key_hat(j0 + nn, c) * __expf(gamma_at(ref, c) - gamma_at(j0 + nn, c)); });
+        [&](int r, int c) {
+          const float2 key = key_hat2(r0 + r, c), gamma_i = gamma2(r0 + r, c), gamma_b = gamma2(ref, c);
+          return make_float2(key.x * __expf(gamma_i.x - gamma_b.x), key.y * __expf(gamma_i.y - gamma_b.y));
+        },
+        [&](int c, int nn) {
+          const float2 key = key_hat2(j0 + nn, c), gamma_j = gamma2(j0 + nn, c), gamma_b = gamma2(ref, c);
+          return make_float2(key.x * __expf(gamma_b.x - gamma_j.x), key.y * __expf(gamma_b.y - gamma_j.y));
+        });
     for_each_element<2>(2, r0, j0, [&](int j, int e4, int i, int jj) {
       lower[i * kLdPair + jj] = seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
     });
@@ -225,8 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int jj = r - ii * (ii - 1) / 2;
     const int i = block * kSubBlock + ii, j = block * kSubBlock + jj;
     float sum = 0.0f;
-    for (int c = 0; c < d.K; ++c)
-      sum += key_hat(i, c) * key_hat(j, c) * __expf(gamma_at(i, c) - gamma_at(j, c));
+    for (int c = 0; c < KP; c += 2) {  // padded channels hold k = 0, Γ = 0: they add nothing
+      const float2 key_i = key_hat2(i, c), key_j = key_hat2(j, c);
+      const float2 gamma_i = gamma2(i, c), gamma_j = gamma2(j, c);
+      sum += key_i.x * key_j.x * __expf(gamma_i.x - gamma_j.x) +
+             key_i.y * key_j.y * __expf(gamma_i.y - gamma_j.y);
+    }
     lower[i * kLdPair + j] = seg[i] == seg[j] ? sum : 0.0f;
   }
   // Kd = K⊙e^Γ for segment 0 (slot a).
@@ -247,9 +276,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     float acc[kMaxTiles][4];
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
-        acc, tiles_v, 0, KP, [&](int r, int c) { return key_to_end[(r0 + r) * KP + c]; },
-        [&](int c, int nn) { return d_state[c * VP + col0_v + nn]; });
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_v, 0, KP, [&](int r, int c) { return load_pair(key_to_end + (r0 + r) * KP + c); },
+        [&](int c, int nn) {
+          return make_float2(d_state[c * VP + col0_v + nn], d_state[(c + 1) * VP + col0_v + nn]);
+        });
     warp_mma<MmaPrecision::Tf32>(
         acc, tiles_v, r0, kChunk, [&](int r, int j) { return lower_qk[j * kChunk + r0 + r]; },
         [&](int j, int nn) { return d_out(j, col0_v + nn); });
@@ -260,9 +291,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     float acc[4][4];
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Bf16>(
-        acc, 4, 0, VP, [&](int r, int e) { return d_out(r0 + r, e); },
-        [&](int e, int nn) { return value_new[(col0_c + nn) * VP + e]; });
+    warp_mma_pairs<MmaPrecision::Bf16>(
+        acc, 4, 0, VP, [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldw + e); },
+        [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e); });
     for_each_element<4>(4, r0, col0_c, [&](int j, int e4, int i, int jj) {
       d_pqk[i * kLdPair + jj] = acc[j][e4];
     });
@@ -308,9 +339,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     float acc[4][4];
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
-        acc, 4, 0, VP, [&](int r, int e) { return d_value[(r0 + r) * ldw + e]; },
-        [&](int e, int nn) { return value_new[(col0_c + nn) * VP + e]; });
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, 4, 0, VP, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldw + e); },
+        [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e); });
     for_each_element<4>(4, r0, col0_c, [&](int j, int e4, int i, int jj) {
       d_lkk[i * kLdPair + jj] = -acc[j][e4];
     });
@@ -318,9 +349,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     float acc[kMaxTiles][4];
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
-        acc, tiles_v, 0, KP, [&](int r, int c) { return key_decay[(r0 + r) * ldw + c]; },
-        [&](int c, int nn) { return state[c * VP + col0_v + nn]; });
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_v, 0, KP, [&](int r, int c) { return load_pair(key_decay + (r0 + r) * ldw + c); },
+        [&](int c, int nn) {
+          return make_float2(state[c * VP + col0_v + nn], state[(c + 1) * VP + col0_v + nn]);
+        });
     float row_dot[2] = {0.0f, 0.0f};
     for_each_element<kMaxTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
       const float value = (i < c_len && e < d.V) ? load_as_float(v, token_row(i) * d.V + e) : 0.0f;
@@ -368,9 +401,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kMaxTiles][4];
     // dQd = dO·Sᵀ (bf16: dO exact).
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Bf16>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return d_out(r0 + r, e); },
-        [&](int e, int nn) { return state[(col0_k + nn) * VP + e]; });
+    warp_mma_pairs<MmaPrecision::Bf16>(
+        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldw + e); },
+        [&](int e, int nn) { return load_pair(state + (col0_k + nn) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = acc[j][e4] * decay_from_start;
@@ -379,9 +412,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     });
     // dKd = −dX·Sᵀ (tf32).
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return d_value[(r0 + r) * ldw + e]; },
-        [&](int e, int nn) { return state[(col0_k + nn) * VP + e]; });
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldw + e); },
+        [&](int e, int nn) { return load_pair(state + (col0_k + nn) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = -acc[j][e4] * decay_from_start;
@@ -393,9 +426,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // into the reverse cumsum as total − suffix cancels: under strong decay E is O(1) at the
     // chunk end while dg there is tiny (that form was off by 0.36 relative in the test).
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return value_new[(r0 + r) * VP + e]; },
-        [&](int e, int nn) { return d_state[(col0_k + nn) * VP + e]; });
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); },
+        [&](int e, int nn) { return load_pair(d_state + (col0_k + nn) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
           seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
@@ -465,28 +498,52 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc_gamma[j][e4] -= key_hat(i, c) * cols;
       });
     }
-    // Inside the sub-block: pairwise exponents (≤ 0), shared by the dL and dP terms.
-    for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-      const float gamma_i = gamma_at(i, c);
-      float row_lower = 0.0f, row_query_key = 0.0f, cols = 0.0f;
-      for (int jj = r0; jj < i; ++jj) {
-        const float w_lower = d_lkk[i * kLdPair + jj], w_query_key = d_pqk[i * kLdPair + jj];
-        if (w_lower != 0.0f || w_query_key != 0.0f) {
-          const float key_j = key_hat(jj, c) * __expf(gamma_i - gamma_at(jj, c));
-          row_lower += w_lower * key_j;
-          row_query_key += w_query_key * key_j;
+    // Inside the sub-block: pairwise exponents (≤ 0), shared by the dL and dP terms. A lane's
+    // accumulator elements come in channel pairs (c, c+1) of one row (e4 = 2·half + 0/1), which
+    // share the weights dL_ij, dP_ij and read k̂, q̂, Γ as pairs.
+    {
+      const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+      for (int j = 0; j < kMaxTiles; ++j) {
+        if (j >= tiles_k) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + g + 8 * half, c = col0_k + 8 * j + 2 * tq;
+          const float2 gamma_i = gamma2(i, c);
+          float2 row_lower = make_float2(0.0f, 0.0f), row_query_key = make_float2(0.0f, 0.0f);
+          float2 cols = make_float2(0.0f, 0.0f);
+          for (int jj = r0; jj < i; ++jj) {
+            const float w_lower = d_lkk[i * kLdPair + jj], w_query_key = d_pqk[i * kLdPair + jj];
+            if (w_lower != 0.0f || w_query_key != 0.0f) {
+              const float2 key = key_hat2(jj, c), gamma_j = gamma2(jj, c);
+              const float key_x = key.x * __expf(gamma_i.x - gamma_j.x);
+              const float key_y = key.y * __expf(gamma_i.y - gamma_j.y);
+              row_lower.x += w_lower * key_x;
+              row_lower.y += w_lower * key_y;
+              row_query_key.x += w_query_key * key_x;
+              row_query_key.y += w_query_key * key_y;
+            }
+          }
+          for (int later = i + 1; later < r0 + kSubBlock; ++later) {
+            const float w_lower = d_lkk[later * kLdPair + i], w_query_key = d_pqk[later * kLdPair + i];
+            if (w_lower != 0.0f || w_query_key != 0.0f) {
+              const float2 key = key_hat2(later, c), query = query_hat2(later, c);
+              const float2 gamma_l = gamma2(later, c);
+              cols.x += (w_lower * key.x + w_query_key * query.x) * __expf(gamma_l.x - gamma_i.x);
+              cols.y += (w_lower * key.y + w_query_key * query.y) * __expf(gamma_l.y - gamma_i.y);
+            }
+          }
+          const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c);
+          acc_q[j][2 * half] += row_query_key.x;
+          acc_q[j][2 * half + 1] += row_query_key.y;
+          acc_k[j][2 * half] += row_lower.x + cols.x;
+          acc_k[j][2 * half + 1] += row_lower.y + cols.y;
+          acc_gamma[j][2 * half] += key_i.x * (row_lower.x - cols.x) + query_i.x * row_query_key.x;
+          acc_gamma[j][2 * half + 1] +=
+              key_i.y * (row_lower.y - cols.y) + query_i.y * row_query_key.y;
         }
       }
-      for (int later = i + 1; later < r0 + kSubBlock; ++later) {
-        const float w_lower = d_lkk[later * kLdPair + i], w_query_key = d_pqk[later * kLdPair + i];
-        if (w_lower != 0.0f || w_query_key != 0.0f)
-          cols += (w_lower * key_hat(later, c) + w_query_key * query_hat(later, c)) *
-                  __expf(gamma_at(later, c) - gamma_i);
-      }
-      acc_q[j][e4] += row_query_key;
-      acc_k[j][e4] += row_lower + cols;
-      acc_gamma[j][e4] += key_hat(i, c) * (row_lower - cols) + query_hat(i, c) * row_query_key;
-    });
+    }
   }
   __syncthreads();  // F is dead: slot a takes dΓ
 
@@ -520,9 +577,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     float acc[kMaxTiles][4];
     zero_tiles(acc);
-    warp_mma<MmaPrecision::Tf32>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return value_new[(r0 + r) * VP + e]; },
-        [&](int e, int nn) { return d_state[(col0_k + nn) * VP + e]; });
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); },
+        [&](int e, int nn) { return load_pair(d_state + (col0_k + nn) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
           seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
@@ -544,8 +601,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = kChunk - 1; i >= 0; --i) {
       if (i < kChunk - 1 && seg[i] != seg[i + 1]) running = 0.0f;
       running += d_gamma[i * ldw + col];
-      if (i < c_len) dg[token_row(i) * d.K + col] += running + key_end_terms[i * ldw + col];
+      d_gamma[i * ldw + col] = running + key_end_terms[i * ldw + col];
     }
+  }
+  __syncthreads();
+  // dg += that, row-coalesced by the whole block (the sequential scans above stay in shared
+  // memory: a global read-modify-write per step would put 64 dependent round trips on them).
+  for (int idx = tid; idx < c_len * d.K; idx += kThreads) {
+    const int i = idx / d.K, col = idx % d.K;
+    dg[token_row(i) * d.K + col] += d_gamma[i * ldw + col];
   }
   // dq, dk through the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))), from the registers.
   for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {

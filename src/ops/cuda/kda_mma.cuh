@@ -80,6 +80,49 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, i
   }
 }
 
+// warp_mma with each operand fetched as two k-adjacent values: load_a2(r, k) = (A[r][k],
+// A[r][k+1]) and load_b2(k, n) = (B[k][n], B[k+1][n]), k even. For tf32 the k slots of every
+// 8-step are permuted the same way in A and B (slot tq ↔ k0 + 2tq, slot tq + 4 ↔ k0 + 2tq + 1),
+// which leaves the product unchanged; bf16 fragments hold adjacent pairs already. Where an
+// operand is stored k-contiguous the pair is one 8-byte load instead of two.
+template <MmaPrecision kPrecision, int kTiles, typename LoadA2, typename LoadB2>
+__device__ __forceinline__ void warp_mma_pairs(float (&acc)[kTiles][4], int n_tiles, int k_begin,
+                                               int k_end, LoadA2&& load_a2, LoadB2&& load_b2) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  if constexpr (kPrecision == MmaPrecision::Tf32) {
+    for (int k0 = k_begin; k0 < k_end; k0 += 8) {
+      const int k = k0 + 2 * tq;
+      const float2 top = load_a2(g, k), bottom = load_a2(g + 8, k);
+      const uint32_t a[4] = {to_tf32(top.x), to_tf32(bottom.x), to_tf32(top.y), to_tf32(bottom.y)};
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+        if (j < n_tiles) {
+          const float2 b = load_b2(k, 8 * j + g);
+          mma_tf32_16x8x8(acc[j], a, to_tf32(b.x), to_tf32(b.y));
+        }
+    }
+  } else {
+    for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+      const int k = k0 + 2 * tq;
+      const float2 a0 = load_a2(g, k), a1 = load_a2(g + 8, k), a2 = load_a2(g, k + 8),
+                   a3 = load_a2(g + 8, k + 8);
+      const uint32_t a[4] = {pack_bf16(a0.x, a0.y), pack_bf16(a1.x, a1.y), pack_bf16(a2.x, a2.y),
+                             pack_bf16(a3.x, a3.y)};
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+        if (j < n_tiles) {
+          const float2 b0 = load_b2(k, 8 * j + g), b1 = load_b2(k + 8, 8 * j + g);
+          mma_bf16_16x8x16(acc[j], a, pack_bf16(b0.x, b0.y), pack_bf16(b1.x, b1.y));
+        }
+    }
+  }
+}
+
+// Two adjacent floats (index even, 8-byte aligned base): one 8-byte load.
+__device__ __forceinline__ float2 load_pair(const float* p) {
+  return *reinterpret_cast<const float2*>(p);
+}
+
 template <int kTiles>
 __device__ __forceinline__ void zero_tiles(float (&acc)[kTiles][4]) {
 #pragma unroll
