@@ -156,32 +156,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* d_out_s = slot_c;
   auto d_out = [&](int i, int e) { return d_out_s[i * ldw + e]; };
 
-  // ---- 0. Rows (warp each): raw q, k, raw g, β, inverse norms; zero past the chunk end.
-  for (int i = warp; i < kChunk; i += kWarps) {
-    const int64_t row = token_row(i);  // meaningful only for i < c_len
-    float sum_q = 0.0f, sum_k = 0.0f;
-    if (i < c_len)
-      for (int col = lane; col < d.K; col += 32) {
-        const float qv = load_as_float(q, row * d.K + col), kv = load_as_float(k, row * d.K + col);
-        sum_q += qv * qv;
-        sum_k += kv * kv;
-      }
-    sum_q = warp_sum(sum_q);
-    sum_k = warp_sum(sum_k);
-    for (int col = lane; col < KP; col += 32) {
-      const bool valid = i < c_len && col < d.K;
-      query_raw[i * ldr + col] = valid ? q[row * d.K + col] : uint16_t(0);
-      key_raw[i * ldr + col] = valid ? k[row * d.K + col] : uint16_t(0);
-      gam[i * ldk + col] = valid ? load_as_float(g_in, row * d.K + col) : 0.0f;
-    }
-    if (lane == 0) {
-      beta_s[i] = i < c_len ? load_as_float(beta_in, row) : 0.0f;
-      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
-      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
-      d_beta_s[i] = 0.0f;
-      dot_query[i] = 0.0f;
-      dot_key[i] = 0.0f;
-    }
+  // ---- 0. Raw q, k (bf16 bits), raw g and β, block-wide and coalesced (one round trip for the
+  // chunk); zero past the chunk end and K. The inverse norms follow after the barrier.
+  for (int idx = tid; idx < kChunk * KP; idx += kThreads) {
+    const int i = idx / KP, col = idx % KP;
+    const bool valid = i < c_len && col < d.K;
+    const int64_t at = valid ? token_row(i) * d.K + col : 0;
+    query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
+    key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
+    gam[i * ldk + col] = valid ? load_as_float(g_in, at) : 0.0f;
+  }
+  if (tid < kChunk) {
+    beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+    d_beta_s[tid] = 0.0f;
+    dot_query[tid] = 0.0f;
+    dot_key[tid] = 0.0f;
   }
   if (tid == 0) {
     int segment = 0;
@@ -211,6 +200,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  // Inverse L2 norms (warp per row, from the staged bf16 rows) and Γ = cumsum g (by column).
+  for (int i = warp; i < kChunk; i += kWarps) {
+    float sum_q = 0.0f, sum_k = 0.0f;
+    for (int col = lane; col < d.K; col += 32) {
+      const float qv = bf16_bits_to_float(query_raw[i * ldr + col]);
+      const float kv = bf16_bits_to_float(key_raw[i * ldr + col]);
+      sum_q += qv * qv;
+      sum_k += kv * kv;
+    }
+    sum_q = warp_sum(sum_q);
+    sum_k = warp_sum(sum_k);
+    if (lane == 0) {
+      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
+      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
+    }
+  }
   for (int col = tid; col < KP; col += kThreads) {
     float running = 0.0f;
     for (int i = 0; i < kChunk; ++i) {

@@ -121,32 +121,17 @@ __device__ void kda_chunk_prepare(const Storage* q, const Storage* k, const Stor
   const int c = kda_chunk_length(d, n);
   const int ldk = kda_ldk(d);
 
-  // 1. Rows (one warp each): L2 norms, q̂·scale, k̂, raw g, β.
-  for (int i = warp; i < kChunk; i += kThreads / 32) {
-    const int64_t row = kda_token_row(d, b, h, t0 + i);  // meaningful only for i < c
-    float sum_q = 0.0f, sum_k = 0.0f;
-    if (i < c)
-      for (int col = lane; col < d.K; col += 32) {
-        const float qv = load_as_float(q, row * d.K + col), kv = load_as_float(k, row * d.K + col);
-        sum_q += qv * qv;
-        sum_k += kv * kv;
-      }
-    sum_q = warp_sum(sum_q);
-    sum_k = warp_sum(sum_k);
-    const float query_inv = 1.0f / sqrtf(sum_q + kL2NormEps);
-    const float key_inv = 1.0f / sqrtf(sum_k + kL2NormEps);
-    for (int col = lane; col < d.KP; col += 32) {
-      const bool valid = i < c && col < d.K;
-      sm.query_norm[i * ldk + col] = valid ? load_as_float(q, row * d.K + col) * query_inv * d.scale : 0.0f;
-      sm.key_norm[i * ldk + col] = valid ? load_as_float(k, row * d.K + col) * key_inv : 0.0f;
-      sm.gamma[i * ldk + col] = valid ? load_as_float(g, row * d.K + col) : 0.0f;
-    }
-    if (lane == 0) {
-      sm.beta[i] = i < c ? load_as_float(beta, row) : 0.0f;
-      sm.query_inv_norm[i] = query_inv;
-      sm.key_inv_norm[i] = key_inv;
-    }
+  // 1. Raw q, k, g rows and β, block-wide and coalesced (one round trip for the whole chunk;
+  //    a warp walking its rows would wait on one per row). Zero past the chunk end and K.
+  for (int idx = tid; idx < kChunk * d.KP; idx += kThreads) {
+    const int i = idx / d.KP, col = idx % d.KP;
+    const bool valid = i < c && col < d.K;
+    const int64_t at = valid ? kda_token_row(d, b, h, t0 + i) * d.K + col : 0;
+    sm.query_norm[i * ldk + col] = valid ? load_as_float(q, at) : 0.0f;
+    sm.key_norm[i * ldk + col] = valid ? load_as_float(k, at) : 0.0f;
+    sm.gamma[i * ldk + col] = valid ? load_as_float(g, at) : 0.0f;
   }
+  if (tid < kChunk) sm.beta[tid] = tid < c ? load_as_float(beta, kda_token_row(d, b, h, t0 + tid)) : 0.0f;
   if (tid == 0) {
     int segment = 0;
     for (int i = 0; i < kChunk; ++i) {
@@ -165,7 +150,28 @@ __device__ void kda_chunk_prepare(const Storage* q, const Storage* k, const Stor
   }
   __syncthreads();
 
-  // 2. Γ: inclusive cumsum down each column.
+  // 2. L2 norms (one warp per row, in place: q̂·scale, k̂) and Γ, the inclusive cumsum down
+  //    each column (threads by column; disjoint from the rows' data).
+  for (int i = warp; i < kChunk; i += kThreads / 32) {
+    float sum_q = 0.0f, sum_k = 0.0f;
+    for (int col = lane; col < d.K; col += 32) {
+      const float qv = sm.query_norm[i * ldk + col], kv = sm.key_norm[i * ldk + col];
+      sum_q += qv * qv;
+      sum_k += kv * kv;
+    }
+    sum_q = warp_sum(sum_q);
+    sum_k = warp_sum(sum_k);
+    const float query_inv = 1.0f / sqrtf(sum_q + kL2NormEps);
+    const float key_inv = 1.0f / sqrtf(sum_k + kL2NormEps);
+    for (int col = lane; col < d.K; col += 32) {
+      sm.query_norm[i * ldk + col] = sm.query_norm[i * ldk + col] * query_inv * d.scale;
+      sm.key_norm[i * ldk + col] = sm.key_norm[i * ldk + col] * key_inv;
+    }
+    if (lane == 0) {
+      sm.query_inv_norm[i] = query_inv;
+      sm.key_inv_norm[i] = key_inv;
+    }
+  }
   for (int col = tid; col < d.KP; col += kThreads) {
     float running = 0.0f;
     for (int i = 0; i < kChunk; ++i) {
