@@ -51,8 +51,9 @@ void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t*
 //   state (sequential over chunks, parallel over B·H and 32-column tiles of V):
 //     V' = U − W·S, S ← Diag(e^γ)·S + (K⊙e^{γ−Γ})ᵀ·V', storing S at every chunk start;
 //   output (parallel over chunks): O = (Q⊙e^Γ)·S + P·V'.
-// fp32 inputs run every product on CUDA cores in fp32; bf16 inputs run the state and output
-// products on tensor cores (bf16 operands, fp32 accumulation; the state itself stays fp32).
+// fp32 inputs run every product on CUDA cores in fp32; bf16 inputs run the state products on
+// tensor cores in tf32 (kda_chunk_state_tf32.cu; the state itself stays fp32) and the output
+// products in bf16 (fp32 accumulation).
 // `workspace`: kda_chunk_forward_workspace_bytes(s) bytes of device memory; after the call it
 // holds the chunk-start states and the intra-chunk quantities (kda_chunk_backward reads none of
 // them: it recomputes what it needs).
@@ -70,8 +71,11 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // kda_chunk_backward on CPU: dq, dk with respect to the raw (pre-L2-norm) q, k. Every gradient
 // is fp32 and ACCUMULATED (+=). dsT == nullptr means dsT = 0; ds0 == nullptr: not wanted.
 //   d_o [B,T,H,V] (input type), dsT/ds0 [B,H,K,V], dq/dk/dg [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H].
-// It runs the forward's prepare and state stages again (chunk-start states), then a sequential
-// stage over chunks for the state gradient at every chunk end, then one parallel stage per chunk.
+// It runs the forward's prepare and state stages again (chunk-start states; skipped with
+// workspace_holds_forward, below), then a sequential stage over chunks for the state gradient at
+// every chunk end, then one parallel stage per chunk. On the TensorCore path the two sequential
+// stages are tf32 tensor-core kernels (the state gradient needs V % 8 == 0 and falls back to the
+// fp32 kernel otherwise); the Reference path keeps all of stages 1–4 in fp32 on CUDA cores.
 // Stage 4 of the bf16 backward has two implementations: Reference (the fp32 CUDA-core kernel, one
 // block per chunk-head with a global scratch) and TensorCore (kda_chunk_backward_tc.cu: mma.sync
 // with operands in shared memory, pairwise decays factored through 16-token sub-blocks). The

@@ -1,11 +1,13 @@
 // Backward of the chunked KDA on CUDA (kda.h): the algebra of kda_piece_backward
 // (ops/cpu/kda_backward.cpp) on masked full chunks (kda_common.cuh), in four stages:
-//   1-2. the forward's prepare and state stages again (chunk-start states S_n, V', W, …);
+//   1-2. the forward's prepare and state stages again (chunk-start states S_n, V', W, …),
+//        unless the caller's workspace already holds them (workspace_holds_forward);
 //   3.   state gradient, sequential over chunks backwards, parallel over B·H and 32-column tiles
 //        of V (columns of dS are independent, like those of S):
 //          dS_start = Diag(e^γ)·dS' + Qdᵀ·dO − Wᵀ·(Ke·dS' + Pᵀ·dO),
 //        which is the CPU's dS after steps 1, 2 and 4 written with W = A·Diag(β)·Kd
-//        (Kdᵀ·dX = Kdᵀ·Diag(β)·M⁻ᵀ·dV' = Wᵀ·dV'); dS' of every chunk is stored;
+//        (Kdᵀ·dX = Kdᵀ·Diag(β)·M⁻ᵀ·dV' = Wᵀ·dV'); dS' of every chunk is stored. The fp32
+//        kernel below is the reference; the TensorCore path runs kda_chunk_state_tf32.cu's;
 //   4.   one block per chunk: every gradient of the chunk from S_n and its dS' (kda_piece_backward
 //        steps 1–6), with the block-level matmul of kda_common.cuh and a per-block global
 //        scratch. Pairwise sums over e^{Γ_i − Γ_j} are formed directly (an exp per pair and channel,
