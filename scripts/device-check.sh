@@ -13,12 +13,35 @@
 # says so. fla's Triton autotuning is the most expensive step: its first shape alone took ~110 s
 # on one fresh machine and more than 220 s on another (2026-11-29, sixth session), so with our
 # benchmarks in the same call it rarely fits the default budget. For fla's numbers, run
-# `scripts/device-check.sh --no-bench` as its own call (build, tests, then the peers). Wheels for missing Python peers
-# (fla-core) are installed from .whl/ when that folder exists.
+# `scripts/device-check.sh --no-bench` as its own call (build, tests, then the peers). Wheels for
+# missing Python peers (fla-core) are installed from .whl/ when that folder exists.
+#
+# Triton's compiled kernels and autotuning results (TRITON_CACHE_AUTOTUNING=1) are kept across
+# calls: the run leaves triton-cache.tgz beside its logs, and a .triton-cache.tgz in the checkout
+# (the previous call's archive, carried) is unpacked before the peers run, which then skip the
+# autotuning (its step is budgeted at 60 s instead of 230).
+#
+# Under the device tool ($OUT set; at most 8 files come back) the logs are written to
+# /tmp/device-check and $OUT receives summary.md, tests.log, logs.tgz (every log) and
+# triton-cache.tgz; elsewhere everything stays in out/device-check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOG=${OUT:-out/device-check}
+if [ -n "${OUT:-}" ]; then LOG=/tmp/device-check; else LOG=out/device-check; fi
 mkdir -p "$LOG"
+export TRITON_CACHE_DIR=/tmp/device-check-triton TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+TRITON_WARM=0
+if [ -f .triton-cache.tgz ] && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"; then TRITON_WARM=1; fi
+# On exit (also after a failed build): the Triton archive, and under the device tool the files
+# that come back.
+ship_logs() {
+  tar -czf "$LOG/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null || true
+  [ -n "${OUT:-}" ] || return 0
+  for f in summary.md tests.log triton-cache.tgz; do [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"; done
+  tar -czf "$OUT/logs.tgz" -C "$LOG" --exclude=triton-cache.tgz --exclude='*.safetensors' . 2>/dev/null
+  echo "back in \$OUT: $(ls "$OUT" | paste -sd' ') (carry triton-cache.tgz as .triton-cache.tgz next time)"
+}
+trap ship_logs EXIT
 BENCH=1 PEERS=1 BUDGET=560
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -96,14 +119,14 @@ if [ "$PEERS" = 1 ]; then
   bench peer_torch_train 60 python3 bench/peers/deltamoe_torch.py train-bench --config "$MODEL_CFG" \
     --batch 1 --seq 4096 --steps 3 --warmup 1 --device cuda --dtype bfloat16
   # fla's chunk_kda autotunes per shape: the first shape alone, the others only if time is left.
-  bench kda_peers 230 env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
+  bench kda_peers $([ $TRITON_WARM = 1 ] && echo 60 || echo 230) env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
     --shapes 1x8192x16x128
 fi
 [ "$BENCH" = 1 ] && bench bench_cuda_model 60 $B/bench_cuda_model --config "$MODEL_CFG" \
   --tokens 2048,8192 --slots 1,64 --context 1024
 if [ "$PEERS" = 1 ]; then
   bench mla_peers 60 env PYTHONUNBUFFERED=1 python3 bench/peers/mla_peers.py
-  bench kda_peers_more 200 env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
+  bench kda_peers_more $([ $TRITON_WARM = 1 ] && echo 60 || echo 200) env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
     --impl fla --shapes 1x8192x96x128,2x16384x16x128
   bench peer_torch_model 120 python3 bench/peers/deltamoe_torch.py forward-bench \
     --config "$MODEL_CFG" --seq 8192 --steps 3 --warmup 1 --device cuda --dtype bfloat16
