@@ -3,7 +3,39 @@
 #include <cmath>
 #include <limits>
 
+#include "core/fastmath.h"
+
 namespace dm {
+
+namespace {
+
+// One row's log-sum-exp and gradient. `fast`: exps through core/fastmath.h in Real (vectorised;
+// each z − max ≤ 0), the sum in double. The libm path (every exp in double) serves rows with a
+// non-finite logit, so NaN and ∞ still reach the loss (fast_exp maps NaN to a finite value).
+template <typename Real>
+double row_lse(const Real* z, int64_t V, Real mx, bool fast) {
+  double sum = 0;
+  if (fast) {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < V; ++v) sum += double(fast_exp(Real(z[v] - mx)));
+  } else {
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(double(z[v]) - double(mx));
+  }
+  return double(mx) + std::log(sum);
+}
+
+template <typename Real>
+void row_softmax_gradient(const Real* z, int64_t V, double lse, double scale, bool fast, Real* dz) {
+  if (fast) {
+    const Real lse_r = Real(lse), scale_r = Real(scale);
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) dz[v] = fast_exp(Real(z[v] - lse_r)) * scale_r;
+  } else {
+    for (int64_t v = 0; v < V; ++v) dz[v] = Real(std::exp(double(z[v]) - lse) * scale);
+  }
+}
+
+}  // namespace
 
 template <typename Real>
 CrossEntropyResult cross_entropy_forward_backward(const Real* logits, const int64_t* targets,
@@ -19,19 +51,21 @@ CrossEntropyResult cross_entropy_forward_backward(const Real* logits, const int6
         for (int64_t v = 0; v < V; ++v) dlogits[n * V + v] = Real(0);
       continue;
     }
-    double mx = -std::numeric_limits<double>::infinity();
+    Real mx = -std::numeric_limits<Real>::infinity();
     int64_t arg = 0;
     for (int64_t v = 0; v < V; ++v)
-      if (double(z[v]) > mx) mx = double(z[v]), arg = v;
-    double sum = 0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(double(z[v]) - mx);
-    const double lse = mx + std::log(sum);
+      if (z[v] > mx) mx = z[v], arg = v;
+    double total = 0;  // finite iff every logit is
+#pragma omp simd reduction(+ : total)
+    for (int64_t v = 0; v < V; ++v) total += double(z[v]);
+    const bool fast = std::isfinite(total) && std::isfinite(mx);
+    const double lse = row_lse(z, V, mx, fast);
     loss += lse - double(z[y]);
     count += 1;
     correct += arg == y;
     if (dlogits) {
       Real* dz = dlogits + n * V;
-      for (int64_t v = 0; v < V; ++v) dz[v] = Real(std::exp(double(z[v]) - lse) * scale);
+      row_softmax_gradient(z, V, lse, scale, fast, dz);
       dz[y] -= Real(scale);
     }
   }
