@@ -5,7 +5,10 @@
 # by side, and print one table (scripts/device-summary.py). Logs go to $OUT (or
 # out/device-check) so they come back even when a step fails.
 #
-#   scripts/device-check.sh [--no-bench] [--no-peers] [--budget SECONDS]
+#   scripts/device-check.sh [--no-bench] [--no-peers] [--budget SECONDS] [--prebuilt DIR]
+#
+# --prebuilt DIR: take the binaries from DIR (built here by scripts/device-prebuild.sh and
+# carried) instead of building; steps whose binary is missing there are skipped.
 #
 # The budget (default 560 s, so one call of the device tool keeps its transfers) is spent in
 # order of importance: build, tests, our benchmarks, then the peers. A step whose usual time
@@ -42,12 +45,13 @@ ship_logs() {
   echo "back in \$OUT: $(ls "$OUT" | paste -sd' ') (carry triton-cache.tgz as .triton-cache.tgz next time)"
 }
 trap ship_logs EXIT
-BENCH=1 PEERS=1 BUDGET=560
+BENCH=1 PEERS=1 BUDGET=560 PREBUILT=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0; shift ;;
     --no-peers) PEERS=0; shift ;;
     --budget) BUDGET=$2; shift 2 ;;
+    --prebuilt) PREBUILT=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -66,15 +70,21 @@ fits() {
 step "device"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader || true
 
-step "configure + build (CUDA, sm_90a)"
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDELTAMOE_CUDA=ON -DDELTAMOE_BENCH=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a >"$LOG/configure.log" 2>&1 || { tail -30 "$LOG/configure.log"; exit 1; }
-targets=(deltamoe deltamoe_tests)
-for b in bench/bench_cuda_*.cpp; do [ -e "$b" ] && targets+=("$(basename "$b" .cpp)"); done
-cmake --build build-gpu -j"$JOBS" --target "${targets[@]}" >"$LOG/build.log" 2>&1 || {
-  grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; }
-echo "built: ${targets[*]}"
-B=build-gpu/bin
+if [ -n "$PREBUILT" ]; then
+  step "prebuilt binaries from $PREBUILT (scripts/device-prebuild.sh)"
+  ls -la "$PREBUILT"
+  B=$PREBUILT
+else
+  step "configure + build (CUDA, sm_90a)"
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDELTAMOE_CUDA=ON -DDELTAMOE_BENCH=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a >"$LOG/configure.log" 2>&1 || { tail -30 "$LOG/configure.log"; exit 1; }
+  targets=(deltamoe deltamoe_tests)
+  for b in bench/bench_cuda_*.cpp; do [ -e "$b" ] && targets+=("$(basename "$b" .cpp)"); done
+  cmake --build build-gpu -j"$JOBS" --target "${targets[@]}" >"$LOG/build.log" 2>&1 || {
+    grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; }
+  echo "built: ${targets[*]}"
+  B=build-gpu/bin
+fi
 
 # Goldens: ../shared/goldens beside a checkout, or a copy carried in .goldens (the device tool
 # sends only the repository).
@@ -84,7 +94,7 @@ step "GPU op, layer and model tests vs the CPU reference (+ goldens on the GPU)"
 $B/deltamoe_tests --gtest_filter='Cuda*:*/Cuda*' --gtest_brief=1 2>&1 | tee "$LOG/tests.log" | \
   grep -vE "^\[ +(RUN|OK) +\]" | tail -40
 
-if [ -n "${DM_GOLDENS:-}" ] && [ -d "$DM_GOLDENS/kimi_k3_tiny" ] && fits "forward --device cuda vs cpu" 20; then
+if [ -x "$B/deltamoe" ] && [ -n "${DM_GOLDENS:-}" ] && [ -d "$DM_GOLDENS/kimi_k3_tiny" ] && fits "forward --device cuda vs cpu" 20; then
   step "deltamoe forward --device cuda vs --device cpu (golden K3 tiny)"
   for dev in cuda cpu; do
     $B/deltamoe forward --model "$DM_GOLDENS/kimi_k3_tiny" --device $dev \
@@ -97,6 +107,7 @@ MODEL_CFG=${MODEL_CFG:-configs/gpu_1b.json}
 # bench NAME COST COMMAND...: runs COMMAND into $LOG/NAME.log when COST seconds still fit.
 bench() {
   local name=$1 cost=$2; shift 2
+  if [[ "$1" == "$B/"* && ! -x "$1" ]]; then echo; echo "=== skipped: $name (no $1)"; return 0; fi
   fits "$name" "$cost" || return 0
   step "$name"
   timeout $((cost * 2)) "$@" 2>&1 | tee "$LOG/$name.log"

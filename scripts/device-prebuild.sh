@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds the GPU test and benchmark binaries on this machine (nvcc 13.0, no GPU needed) so that
+# a call of the device tool can skip its own build (~110 s of a call's ~210 s on the H200):
+#
+#   scripts/device-prebuild.sh [TARGET ...]      # default: deltamoe_tests bench_cuda_kda
+#   device tool: carry [".devbuild/bin/deltamoe_tests", ".devbuild/bin/bench_cuda_kda", ".goldens"],
+#                command `scripts/device-check.sh --prebuilt .devbuild/bin`
+# Sizes (2026-11-29): deltamoe_tests 17 MB and bench_cuda_kda 12 MB stripped; with the goldens
+# (28 MB) and the tree that is ~60 of the 64 MiB a call carries. Name the files, not the folder:
+# the test target also builds the (unstripped) deltamoe CLI there.
+#
+# The binaries are configured to need only libraries the device image has (its notes: OpenBLAS,
+# libstdc++, CUDA 13.0 with cuBLASLt; no PCRE2, no cpp-httplib): PCRE2 and the HTTP server are
+# left out here, so the tokenizer uses its ASCII splitter and the tests that need either skip.
+# They are stripped (the device tool carries at most 64 MiB, goldens included), and the script
+# fails if one of them links a library outside that set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(deltamoe_tests bench_cuda_kda)
+cmake -S . -B .devbuild -DCMAKE_BUILD_TYPE=Release -DDELTAMOE_CUDA=ON -DDELTAMOE_BENCH=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90a -DDELTAMOE_WITH_PCRE2=OFF -DDELTAMOE_WITH_HTTP=OFF >/dev/null
+cmake --build .devbuild -j"$(nproc)" --target "${targets[@]}"
+status=0
+for t in "${targets[@]}"; do
+  strip --strip-unneeded ".devbuild/bin/$t"
+  if ldd ".devbuild/bin/$t" | grep -E "not found|pcre2|httplib|ssl|brotli"; then
+    echo "device-prebuild: .devbuild/bin/$t links a library the device image lacks" >&2
+    status=1
+  fi
+done
+du -ch "${targets[@]/#/.devbuild/bin/}" | tail -1
+exit $status
