@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <random>
 #include <vector>
@@ -154,6 +155,22 @@ TEST(AttentionCausal, LargeMagnitudeScoresStayFinite) {
   const double err = test::rel_rms(flash_out.data(), ref_out.data(), flash_out.size());
   std::printf("  large-magnitude rel RMS %.3g\n", err);
   EXPECT_LE(err, 2e-5);
+}
+
+// A NaN in one key's vector must reach every output row that sees that key (and no earlier
+// row): the softmax exps are vectorised approximations that would map a NaN score to a finite
+// weight if the NaN were not carried through explicitly (core/fastmath.h, fast_exp_keep_nan).
+TEST(AttentionCausal, NanKeyReachesTheRowsThatSeeIt) {
+  const AttnShape shape{1, 40, 1, 8, 8};
+  AttentionInputs in = make_attention_inputs(shape, 5u);
+  const int64_t bad = 20;
+  in.k[size_t(bad * shape.Dqk + 3)] = std::numeric_limits<float>::quiet_NaN();
+  Arena ws(attention_causal_workspace_bytes(shape, 16), "attn-test");
+  std::vector<float> out(in.v.size());
+  attention_causal_forward(in.q.data(), in.k.data(), in.v.data(), out.data(), nullptr, shape,
+                           0.35f, ws, 16);
+  for (int64_t t = 0; t < shape.T; ++t)
+    EXPECT_EQ(std::isnan(out[size_t(t * shape.Dv)]), t >= bad) << "row " << t;
 }
 
 TEST(AttentionCausal, WorkspaceTooSmallThrows) {

@@ -84,6 +84,15 @@ inline double fast_exp(double x) {
   return poly * std::bit_cast<double>(two_to_n_bits);
 }
 
+// fast_exp for arguments that are finite unless something upstream already failed (softmax
+// scores minus their row max or log-sum-exp): fast_exp maps NaN and ±∞ to finite values, and
+// x − x (exactly 0 for finite x, NaN otherwise) puts the NaN back, so non-finite guards further
+// down still see it. Vectorises like fast_exp.
+template <typename Real>
+inline Real fast_exp_keep_nan(Real x) {
+  return fast_exp(x) + (x - x);
+}
+
 // σ(x) = 1/(1 + e^{−x}): full relative precision on both sides (for x < 0, e^{−x} ≥ 1 and the
 // sum is exact to rounding). fast_exp clamps its argument, so below −limit σ is set to exactly 0
 // (the true value is below the smallest normal number), and ±1e4 never gives NaN.

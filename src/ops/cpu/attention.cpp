@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fastmath.h"
 #include "core/gemm.h"
 #include "core/threading.h"
 
@@ -173,8 +174,9 @@ void attention_causal_forward(const Real* q, const Real* k, const Real* v, Real*
           Real tile_sum = 0;
           // Masked keys contribute nothing to P·V.
           for (int64_t j = 0; j < first_visible; ++j) score_row[j] = Real(0);
+#pragma omp simd reduction(+ : tile_sum)
           for (int64_t j = first_visible; j < end_visible; ++j) {
-            const Real p = std::exp(score_row[j] - new_max);
+            const Real p = fast_exp_keep_nan(Real(score_row[j] - new_max));  // visible: finite
             score_row[j] = p;
             tile_sum += p;
           }

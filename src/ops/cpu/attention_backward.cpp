@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fastmath.h"
 #include "core/gemm.h"
 #include "core/threading.h"
 #include "ops/cpu/attention.h"
@@ -109,9 +110,10 @@ struct AttentionBackwardProblem {
       // Masked keys (before the document start, after the diagonal): P = dS = 0.
       for (int64_t j = 0; j < std::min(first_visible, key_rows); ++j)
         prob_row[j] = dscore_row[j] = Real(0);
+#pragma omp simd
       for (int64_t j = first_visible; j < end_visible; ++j) {
         // exp(S − lse) ≤ 1 for visible keys: lse is the log of a sum that contains exp(S).
-        const Real p = std::exp(prob_row[j] - row_lse);
+        const Real p = fast_exp_keep_nan(Real(prob_row[j] - row_lse));
         prob_row[j] = p;
         dscore_row[j] = p * (dscore_row[j] - row_delta);
       }
