@@ -386,6 +386,19 @@ KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& w
   return got;
 }
 
+// Two GPU backwards of the same inputs agree: every gradient within `tolerance` relative RMS,
+// ds0 within `tolerance_ds0`.
+void expect_gradients_close(const KdaGradientsF& got, const KdaGradientsF& want, double tolerance,
+                            double tolerance_ds0, const std::string& what) {
+  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  EXPECT_LE(rel_rms(got.dq, as_double(want.dq)), tolerance) << what << " dq";
+  EXPECT_LE(rel_rms(got.dk, as_double(want.dk)), tolerance) << what << " dk";
+  EXPECT_LE(rel_rms(got.dv, as_double(want.dv)), tolerance) << what << " dv";
+  EXPECT_LE(rel_rms(got.dg, as_double(want.dg)), tolerance) << what << " dg";
+  EXPECT_LE(rel_rms(got.dbeta, as_double(want.dbeta)), tolerance) << what << " dbeta";
+  EXPECT_LE(rel_rms(got.ds0, as_double(want.ds0)), tolerance_ds0) << what << " ds0";
+}
+
 TEST(CudaKdaBackward, MatchesCpuF32) {
   DM_SKIP_WITHOUT_GPU();
   uint64_t seed = 400;
@@ -460,14 +473,8 @@ TEST(CudaKdaBackward, TensorCoreMatchesReferenceRealisticBf16) {
                                                  cu::KdaBackwardPath::Reference);
   const KdaGradientsF tensor_cores = check_backward(p, true, "realistic bf16 tc", true,
                                                     cu::KdaBackwardPath::TensorCore);
-  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
-  EXPECT_LE(rel_rms(tensor_cores.dq, as_double(reference.dq)), 1e-2) << "tc vs ref dq";
-  EXPECT_LE(rel_rms(tensor_cores.dk, as_double(reference.dk)), 1e-2) << "tc vs ref dk";
-  EXPECT_LE(rel_rms(tensor_cores.dv, as_double(reference.dv)), 1e-2) << "tc vs ref dv";
-  EXPECT_LE(rel_rms(tensor_cores.dg, as_double(reference.dg)), 1e-2) << "tc vs ref dg";
-  EXPECT_LE(rel_rms(tensor_cores.dbeta, as_double(reference.dbeta)), 1e-2) << "tc vs ref dbeta";
   // Stages 1–3 differ too (tf32 tensor cores against fp32 CUDA cores): ds0 within bf16 tolerance.
-  EXPECT_LE(rel_rms(tensor_cores.ds0, as_double(reference.ds0)), 1e-2) << "tc vs ref ds0";
+  expect_gradients_close(tensor_cores, reference, 1e-2, 1e-2, "tc vs ref");
 }
 
 // workspace_holds_forward: the backward after a forward into the same workspace skips its
@@ -483,11 +490,7 @@ TEST(CudaKdaBackward, ReusesTheForwardWorkspaceBf16) {
       check_backward(p, true, "recomputing tc", true, cu::KdaBackwardPath::TensorCore, false);
   const KdaGradientsF reused =
       check_backward(p, true, "reusing tc", true, cu::KdaBackwardPath::TensorCore, true);
-  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
-  EXPECT_LE(rel_rms(reused.dq, as_double(recomputed.dq)), 1e-5) << "reuse vs recompute dq";
-  EXPECT_LE(rel_rms(reused.dg, as_double(recomputed.dg)), 1e-5) << "reuse vs recompute dg";
-  EXPECT_LE(rel_rms(reused.dbeta, as_double(recomputed.dbeta)), 1e-5) << "reuse vs recompute dbeta";
-  EXPECT_LE(rel_rms(reused.ds0, as_double(recomputed.ds0)), 1e-6) << "reuse vs recompute ds0";
+  expect_gradients_close(reused, recomputed, 1e-5, 1e-6, "reuse vs recompute");
 }
 
 // The tf32 state stages (kda_chunk_state_tf32.cu) pick 16- or 32-column tiles by the SM count;
