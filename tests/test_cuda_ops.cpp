@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #if DELTAMOE_HAVE_CUDA
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -332,6 +333,70 @@ TEST(CudaOpsAdamW, MatchesCpuRuleOverSteps) {
       for (int64_t i = 0; i < n; ++i) mismatches += p16[size_t(i)] != cu::float_to_bf16(p_gpu[size_t(i)]);
       EXPECT_EQ(mismatches, 0);
     }
+  }
+}
+
+// One launch over arena ranges (the GPU optimizer step) against adamw_update per range on the
+// pre-scaled gradients: the same bits, and elements between the ranges untouched.
+TEST(CudaOpsAdamW, RangesMatchPerRangeUpdatesBitForBit) {
+  DM_SKIP_WITHOUT_GPU();
+  const int64_t n = 100003;
+  // Unaligned starts and ends, a gap of 4, a merged-looking pair with different decay flags, and
+  // a range longer than one 16K tile.
+  const std::vector<cu::AdamWRange> ranges = {{3, 40000, true}, {40000, 70001, false},
+                                              {70005, 100000, true}};
+  const cu::AdamWRangePlan plan(ranges);
+  EXPECT_EQ(plan.elements(), 39997 + 30001 + 29995);
+  std::vector<float> p = random_normal(size_t(n), 61), m(size_t(n), 0.0f), v(size_t(n), 0.0f);
+  DeviceScratch dev(size_t(n) * 4 * 12 + (1 << 16));
+  float* p_fused = dev.upload(p);
+  float* m_fused = dev.upload(m);
+  float* v_fused = dev.upload(v);
+  uint16_t* p16_fused = dev.zeros<uint16_t>(size_t(n));
+  float* p_each = dev.upload(p);
+  float* m_each = dev.upload(m);
+  float* v_each = dev.upload(v);
+  uint16_t* p16_each = dev.zeros<uint16_t>(size_t(n));
+  float* g_d = dev.zeros<float>(size_t(n));
+  std::vector<float> p_host = p, m_host = m, v_host = v;
+  cu::AdamWStep s;
+  s.lr = 1e-2f;
+  for (int64_t step = 1; step <= 3; ++step) {
+    s.step = step;
+    const float grad_scale = step == 2 ? 0.37f : 1.0f;
+    std::vector<float> g = random_normal(size_t(n), 80 + uint64_t(step), 0.1f);
+    cu::copy_to_device(g_d, g.data(), size_t(n) * 4);
+    cu::adamw_update_ranges(plan, p_fused, g_d, m_fused, v_fused, p16_fused, s, grad_scale);
+    std::vector<float> scaled = g;
+    for (float& x : scaled) x *= grad_scale;
+    cu::copy_to_device(g_d, scaled.data(), size_t(n) * 4);
+    for (const cu::AdamWRange& r : ranges) {
+      cu::AdamWStep sr = s;
+      sr.decay = r.decay;
+      cu::adamw_update(p_each + r.begin, g_d + r.begin, m_each + r.begin, v_each + r.begin,
+                       p16_each + r.begin, r.end - r.begin, sr);
+      std::vector<float> pr(p_host.begin() + r.begin, p_host.begin() + r.end);
+      std::vector<float> gr(scaled.begin() + r.begin, scaled.begin() + r.end);
+      std::vector<float> mr(m_host.begin() + r.begin, m_host.begin() + r.end);
+      std::vector<float> vr(v_host.begin() + r.begin, v_host.begin() + r.end);
+      adamw_reference(pr, gr, mr, vr, sr);
+      std::copy(pr.begin(), pr.end(), p_host.begin() + r.begin);
+      std::copy(mr.begin(), mr.end(), m_host.begin() + r.begin);
+      std::copy(vr.begin(), vr.end(), v_host.begin() + r.begin);
+    }
+  }
+  const auto p_gpu = DeviceScratch::download(p_fused, size_t(n));
+  EXPECT_EQ(p_gpu, DeviceScratch::download(p_each, size_t(n)));
+  EXPECT_EQ(DeviceScratch::download(m_fused, size_t(n)), DeviceScratch::download(m_each, size_t(n)));
+  EXPECT_EQ(DeviceScratch::download(v_fused, size_t(n)), DeviceScratch::download(v_each, size_t(n)));
+  EXPECT_EQ(DeviceScratch::download(p16_fused, size_t(n)),
+            DeviceScratch::download(p16_each, size_t(n)));
+  EXPECT_LE(rel_rms(p_gpu, p_host), 1e-6);
+  // Between the ranges nothing moved (p keeps its start values, the bf16 copy stays zero).
+  const auto p16 = DeviceScratch::download(p16_fused, size_t(n));
+  for (int64_t i : {0, 1, 2, 70001, 70002, 70003, 70004, 100000, 100001, 100002}) {
+    EXPECT_EQ(p_gpu[size_t(i)], p[size_t(i)]) << i;
+    EXPECT_EQ(p16[size_t(i)], 0) << i;
   }
 }
 

@@ -373,30 +373,8 @@ struct AdamWScalars {
   float lr, beta1, beta2, eps, weight_decay_lr, bias_correction1, bias_correction2;
 };
 
-template <typename GradStorage>
-__global__ void adamw_kernel(float* p, const GradStorage* g, float* m, float* v,
-                             uint16_t* p_bf16, int64_t n, AdamWScalars s) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float gradient = load_as_float(g, i);
-    const float m_new = s.beta1 * m[i] + (1.0f - s.beta1) * gradient;
-    const float v_new = s.beta2 * v[i] + (1.0f - s.beta2) * gradient * gradient;
-    m[i] = m_new;
-    v[i] = v_new;
-    const float m_hat = m_new / s.bias_correction1, v_hat = v_new / s.bias_correction2;
-    const float weight = p[i];
-    const float updated = weight - (s.lr * m_hat / (sqrtf(v_hat) + s.eps) + s.weight_decay_lr * weight);
-    p[i] = updated;
-    if (p_bf16) store_from_float(p_bf16, i, updated);
-  }
-}
-
-template <typename GradStorage>
-void adamw_launch(float* p, const GradStorage* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
-                  const AdamWStep& st, Stream stream) {
-  DM_CHECK(n >= 0, "cuda adamw_update: bad size ", n);
+AdamWScalars adamw_scalars(const AdamWStep& st) {
   DM_CHECK(st.step >= 1, "cuda adamw_update: step must be ≥ 1 (bias correction), got ", st.step);
-  if (n == 0) return;
   AdamWScalars s;
   s.lr = st.lr;
   s.beta1 = st.beta1;
@@ -406,11 +384,126 @@ void adamw_launch(float* p, const GradStorage* g, float* m, float* v, uint16_t* 
   // Same expressions as Optimizer::adamw_update (powers in double, then rounded to float).
   s.bias_correction1 = 1.0f - float(std::pow(double(st.beta1), double(st.step)));
   s.bias_correction2 = 1.0f - float(std::pow(double(st.beta2), double(st.step)));
+  return s;
+}
+
+// The update of one element (adamw_update and adamw_update_ranges share it, so both give the
+// same bits).
+__device__ __forceinline__ float adamw_element(float weight, float gradient, float& m, float& v,
+                                               const AdamWScalars& s, float weight_decay_lr) {
+  m = s.beta1 * m + (1.0f - s.beta1) * gradient;
+  v = s.beta2 * v + (1.0f - s.beta2) * gradient * gradient;
+  const float m_hat = m / s.bias_correction1, v_hat = v / s.bias_correction2;
+  return weight - (s.lr * m_hat / (sqrtf(v_hat) + s.eps) + weight_decay_lr * weight);
+}
+
+template <typename GradStorage>
+__global__ void adamw_kernel(float* p, const GradStorage* g, float* m, float* v,
+                             uint16_t* p_bf16, int64_t n, AdamWScalars s) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float m_i = m[i], v_i = v[i];
+    const float updated = adamw_element(p[i], load_as_float(g, i), m_i, v_i, s, s.weight_decay_lr);
+    m[i] = m_i;
+    v[i] = v_i;
+    p[i] = updated;
+    if (p_bf16) store_from_float(p_bf16, i, updated);
+  }
+}
+
+template <typename GradStorage>
+void adamw_launch(float* p, const GradStorage* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
+                  const AdamWStep& st, Stream stream) {
+  DM_CHECK(n >= 0, "cuda adamw_update: bad size ", n);
+  const AdamWScalars s = adamw_scalars(st);
+  if (n == 0) return;
   adamw_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(p, g, m, v, p_bf16, n, s);
   check_last_error("cuda adamw_update");
 }
 
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+// One tile of adamw_update_ranges: elements [begin, begin + length) of one range.
+struct AdamWTile {
+  int64_t begin;
+  int32_t length;
+  int32_t decay;
+};
+constexpr int kAdamWTileElements = 16384;  // 256 threads × 4 × 16
+
+// One block per tile; the 4-aligned middle of the tile with float4 loads (uint2 bf16 stores),
+// the unaligned ends element by element.
+__global__ void adamw_tiles_kernel(const AdamWTile* tiles, float* p, const float* g, float* m,
+                                   float* v, uint16_t* p_bf16, AdamWScalars s, float grad_scale) {
+  const AdamWTile tile = tiles[blockIdx.x];
+  const float weight_decay_lr = tile.decay ? s.weight_decay_lr : 0.0f;
+  const int64_t begin = tile.begin, end = tile.begin + tile.length;
+  const int64_t up = (begin + 3) & ~int64_t(3), down = end & ~int64_t(3);
+  const int64_t vec_begin = up < end ? up : end;
+  const int64_t vec_end = down > vec_begin ? down : vec_begin;
+  auto scalar = [&](int64_t i) {
+    float m_i = m[i], v_i = v[i];
+    const float updated = adamw_element(p[i], g[i] * grad_scale, m_i, v_i, s, weight_decay_lr);
+    m[i] = m_i;
+    v[i] = v_i;
+    p[i] = updated;
+    if (p_bf16) store_from_float(p_bf16, i, updated);
+  };
+  if (threadIdx.x < vec_begin - begin) scalar(begin + threadIdx.x);
+  if (threadIdx.x < end - vec_end) scalar(vec_end + threadIdx.x);
+  for (int64_t i = vec_begin + 4 * int64_t(threadIdx.x); i < vec_end; i += 4 * int64_t(blockDim.x)) {
+    float4 weight = *reinterpret_cast<const float4*>(p + i);
+    const float4 gradient = *reinterpret_cast<const float4*>(g + i);
+    float4 m4 = *reinterpret_cast<const float4*>(m + i);
+    float4 v4 = *reinterpret_cast<const float4*>(v + i);
+    weight.x = adamw_element(weight.x, gradient.x * grad_scale, m4.x, v4.x, s, weight_decay_lr);
+    weight.y = adamw_element(weight.y, gradient.y * grad_scale, m4.y, v4.y, s, weight_decay_lr);
+    weight.z = adamw_element(weight.z, gradient.z * grad_scale, m4.z, v4.z, s, weight_decay_lr);
+    weight.w = adamw_element(weight.w, gradient.w * grad_scale, m4.w, v4.w, s, weight_decay_lr);
+    *reinterpret_cast<float4*>(p + i) = weight;
+    *reinterpret_cast<float4*>(m + i) = m4;
+    *reinterpret_cast<float4*>(v + i) = v4;
+    if (p_bf16) {
+      uint2 packed;
+      packed.x = uint32_t(bf16_bits(weight.x)) | (uint32_t(bf16_bits(weight.y)) << 16);
+      packed.y = uint32_t(bf16_bits(weight.z)) | (uint32_t(bf16_bits(weight.w)) << 16);
+      *reinterpret_cast<uint2*>(p_bf16 + i) = packed;
+    }
+  }
+}
+
 }  // namespace
+
+AdamWRangePlan::AdamWRangePlan(const std::vector<AdamWRange>& ranges) {
+  std::vector<AdamWTile> tiles;
+  for (const AdamWRange& r : ranges) {
+    DM_CHECK(r.begin >= 0 && r.end >= r.begin, "AdamWRangePlan: bad range [", r.begin, ", ",
+             r.end, ")");
+    elements_ += r.end - r.begin;
+    for (int64_t at = r.begin; at < r.end; at += kAdamWTileElements)
+      tiles.push_back({at, int32_t(std::min<int64_t>(kAdamWTileElements, r.end - at)),
+                       r.decay ? 1 : 0});
+  }
+  tiles_ = int64_t(tiles.size());
+  DM_CHECK(tiles_ < (int64_t(1) << 31), "AdamWRangePlan: too many tiles (", tiles_, ")");
+  table_ = std::make_unique<DeviceArena>(std::max<size_t>(256, tiles.size() * sizeof(AdamWTile)));
+  void* device_tiles = table_->alloc_bytes(tiles.size() * sizeof(AdamWTile));
+  if (!tiles.empty()) copy_to_device(device_tiles, tiles.data(), tiles.size() * sizeof(AdamWTile));
+  device_tiles_ = device_tiles;
+}
+
+AdamWRangePlan::~AdamWRangePlan() = default;
+
+void adamw_update_ranges(const AdamWRangePlan& plan, float* p, const float* g, float* m, float* v,
+                         uint16_t* p_bf16, const AdamWStep& st, float grad_scale, Stream stream) {
+  const AdamWScalars s = adamw_scalars(st);
+  if (plan.tiles() == 0) return;
+  adamw_tiles_kernel<<<unsigned(plan.tiles()), kElementThreads, 0, stream>>>(
+      static_cast<const AdamWTile*>(plan.device_tiles()), p, g, m, v, p_bf16, s, grad_scale);
+  check_last_error("cuda adamw_update_ranges");
+}
 
 // ---------------------------------------------------------------------------------------------
 // Public entry points.

@@ -10,6 +10,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 struct CUstream_st;  // = cudaStream_t's pointee (cuda_runtime.h), so no CUDA include is needed
 
@@ -106,5 +108,35 @@ void adamw_update(float* p, const float* g, float* m, float* v, uint16_t* p_bf16
                   const AdamWStep& s, Stream stream = nullptr);
 void adamw_update(float* p, const uint16_t* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
                   const AdamWStep& s, Stream stream = nullptr);
+
+// ---- AdamW over many parameters in one launch (the GPU optimizer step) ----------------------
+// The parameters are element ranges [begin, end) of arenas that share one layout: master p,
+// gradient g (fp32), moments m, v and the bf16 copy p_bf16 (nullable). Each range gets exactly
+// adamw_update's update with its own `decay` (s.decay is ignored), after its gradient is
+// multiplied by grad_scale (global-norm clipping folded into the step: one pass fewer over the
+// gradients; 1 leaves them as they are). Elements outside the ranges are not touched.
+// Work is cut into tiles of ≤ 16K elements, one block each, with 16-byte loads where aligned:
+// one launch instead of one per parameter, at ~30 bytes of traffic per element.
+struct AdamWRange {
+  int64_t begin = 0, end = 0;
+  bool decay = true;
+};
+class DeviceArena;
+class AdamWRangePlan {  // the ranges' tile table in device memory, built once per layout
+ public:
+  explicit AdamWRangePlan(const std::vector<AdamWRange>& ranges);  // disjoint ranges
+  ~AdamWRangePlan();
+  int64_t tiles() const { return tiles_; }
+  int64_t elements() const { return elements_; }
+  const void* device_tiles() const { return device_tiles_; }
+
+ private:
+  std::unique_ptr<DeviceArena> table_;
+  const void* device_tiles_ = nullptr;
+  int64_t tiles_ = 0, elements_ = 0;
+};
+void adamw_update_ranges(const AdamWRangePlan& plan, float* p, const float* g, float* m, float* v,
+                         uint16_t* p_bf16, const AdamWStep& s, float grad_scale,
+                         Stream stream = nullptr);
 
 }  // namespace dm::cuda

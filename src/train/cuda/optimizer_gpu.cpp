@@ -22,6 +22,26 @@ size_t muon_scratch_bytes(const ModelWeights& w, const OptimizerConfig& oc) {
   return bytes;
 }
 
+// The AdamW-updated parameters as arena ranges (adjacent ones with the same decay merged).
+std::vector<AdamWRange> adamw_ranges(const ModelWeights& w, const OptimizerConfig& oc) {
+  std::vector<AdamWRange> ranges;
+  for (const ParamEntry& e : w.params) {
+    if (!e.trainable || (oc.kind == OptimizerKind::Muon && is_muon_matrix(e))) continue;
+    const int64_t begin = w.offset_of(e.data);
+    ranges.push_back({begin, begin + e.numel(), e.decay});
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const AdamWRange& a, const AdamWRange& b) { return a.begin < b.begin; });
+  std::vector<AdamWRange> merged;
+  for (const AdamWRange& r : ranges) {
+    if (!merged.empty() && merged.back().end == r.begin && merged.back().decay == r.decay)
+      merged.back().end = r.end;
+    else
+      merged.push_back(r);
+  }
+  return merged;
+}
+
 }  // namespace
 
 GpuOptimizer::GpuOptimizer(const ModelWeights& host, const OptimizerConfig& oc)
@@ -30,6 +50,7 @@ GpuOptimizer::GpuOptimizer(const ModelWeights& host, const OptimizerConfig& oc)
       host_format_(host.cfg, oc),
       m_(host),
       v_(host),
+      adamw_ranges_(adamw_ranges(host, oc)),
       scratch_(std::max(sum_squares_workspace_bytes(m_.numel()), muon_scratch_bytes(host, oc)) +
                4096) {}
 
@@ -50,20 +71,18 @@ double GpuOptimizer::grad_norm(GpuRun& run, const DeviceGrads& grads) {
   return std::sqrt(s);
 }
 
-void GpuOptimizer::scale_grads(GpuRun& run, DeviceGrads& grads, float s) {
-  scale_inplace(grads.data(), grads.numel(), s, run.stream);
-}
-
 void GpuOptimizer::step(GpuRun& run, DeviceParamArena& master, DeviceWeights& weights,
                         const DeviceGrads& grads, float lr) {
   ++step_;
+  const float grad_scale = pending_grad_scale_;
+  pending_grad_scale_ = 1.0f;
   uint16_t* bf16 = weights.bf16_data();
-  for (const ParamEntry& e : host_.params) {
-    if (!e.trainable) continue;
-    const int64_t off = host_.offset_of(e.data);
-    float* p = master.at(e.data);
-    const float* g = grads.at(e.data);
-    if (oc_.kind == OptimizerKind::Muon && is_muon_matrix(e)) {
+  if (oc_.kind == OptimizerKind::Muon) {
+    for (const ParamEntry& e : host_.params) {
+      if (!e.trainable || !is_muon_matrix(e)) continue;
+      const int64_t off = host_.offset_of(e.data);
+      float* g = grads.at(e.data);
+      if (grad_scale != 1.0f) scale_inplace(g, e.numel(), grad_scale, run.stream);
       MuonStep ms;
       ms.lr = lr;
       ms.momentum = oc_.muon_momentum;
@@ -72,20 +91,19 @@ void GpuOptimizer::step(GpuRun& run, DeviceParamArena& master, DeviceWeights& we
       DeviceArenaScope scope(scratch_);
       void* ws = scratch_.alloc_bytes(
           muon_workspace_bytes(e.shape[0], e.shape[1], muon_head_rows(e, host_.cfg)));
-      muon_update(run.gemm, p, g, m_.at(e.data), bf16 + off, e.shape[0], e.shape[1],
-                  muon_head_rows(e, host_.cfg), ms, ws, run.stream);
-    } else {
-      AdamWStep s;
-      s.lr = lr;
-      s.beta1 = oc_.beta1;
-      s.beta2 = oc_.beta2;
-      s.eps = oc_.eps;
-      s.weight_decay = oc_.weight_decay;
-      s.step = step_;
-      s.decay = e.decay;
-      adamw_update(p, g, m_.at(e.data), v_.at(e.data), bf16 + off, e.numel(), s, run.stream);
+      muon_update(run.gemm, master.at(e.data), g, m_.at(e.data), bf16 + off, e.shape[0],
+                  e.shape[1], muon_head_rows(e, host_.cfg), ms, ws, run.stream);
     }
   }
+  AdamWStep s;
+  s.lr = lr;
+  s.beta1 = oc_.beta1;
+  s.beta2 = oc_.beta2;
+  s.eps = oc_.eps;
+  s.weight_decay = oc_.weight_decay;
+  s.step = step_;
+  adamw_update_ranges(adamw_ranges_, master.data(), grads.data(), m_.data(), v_.data(), bf16, s,
+                      grad_scale, run.stream);
   weights.refresh_f32_from_master(master.data(), run.stream);
 }
 

@@ -2,6 +2,7 @@
 // GpuTrainModel. AdamW (and Muon for the hidden matrices when configured) update the fp32 master
 // weights from the fp32 gradients, write the bf16 compute copy in the same pass and refresh the
 // packed fp32 copies of the element-wise parameters; moments live on the device (8 B/param).
+// Every AdamW parameter is updated by one launch (adamw_update_ranges over the arena's ranges).
 // Global-norm clipping reads the gradient norm with one deterministic reduction.
 // Checkpoints use the CPU optimizer's file (optimizer.safetensors), so a run can resume on either.
 #pragma once
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "model/cuda/gpu_run.h"
+#include "ops/cuda/elementwise.h"
 #include "train/optimizer.h"
 
 namespace dm::cuda {
@@ -20,7 +22,10 @@ class GpuOptimizer {
   ~GpuOptimizer();
   // √(Σ g²) over the whole gradient arena (synchronises the stream).
   double grad_norm(GpuRun& run, const DeviceGrads& grads);
-  void scale_grads(GpuRun& run, DeviceGrads& grads, float s);
+  // Multiplies the gradients by s, lazily: the next step() applies the factor as it reads them
+  // (inside the AdamW pass; Muon's matrices are scaled just before their update), which saves a
+  // read and a write of the whole gradient arena. Nothing else may read the gradients between.
+  void scale_grads(float s) { pending_grad_scale_ *= s; }
   // One update with learning rate lr: master ← update(master, grads); weights' mirrors refreshed.
   void step(GpuRun& run, DeviceParamArena& master, DeviceWeights& weights,
             const DeviceGrads& grads, float lr);
@@ -34,6 +39,8 @@ class GpuOptimizer {
   OptimizerConfig oc_;
   Optimizer host_format_;  // host moments: the checkpoint format (staging for save / load)
   DeviceParamArena m_, v_;
+  AdamWRangePlan adamw_ranges_;  // every AdamW-updated parameter: one launch per step
+  float pending_grad_scale_ = 1.0f;
   DeviceArena scratch_;    // norm reduction + Newton–Schulz workspace
   int64_t step_ = 0;
 };

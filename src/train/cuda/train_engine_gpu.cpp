@@ -23,7 +23,7 @@ class GpuTrainEngine final : public TrainEngine {
     return r;
   }
   double grad_norm() override { return opt_.grad_norm(gpu_.run(), gpu_.grads()); }
-  void scale_grads(float s) override { opt_.scale_grads(gpu_.run(), gpu_.grads(), s); }
+  void scale_grads(float s) override { opt_.scale_grads(s); }  // applied by the next step
   void optimizer_step(float lr) override {
     opt_.step(gpu_.run(), gpu_.master(), gpu_.weights(), gpu_.grads(), lr);
   }
