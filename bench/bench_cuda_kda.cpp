@@ -4,7 +4,8 @@
 // path reusing the forward's workspace (workspace_holds_forward).
 // Plain main (no Google Benchmark fixtures): CUDA-event timing, 2 warm-up runs, median of 10.
 // Without a GPU (or without the CUDA backend) it prints why and exits 0.
-//   bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only]
+//   bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only] [--phases]
+// --phases: after each bf16 shape, the SM-cycle split of one block of the backward's stage 4.
 // (fewer shapes and repetitions keep a kernel profiler's run short, e.g. under ncu).
 //
 // FLOP convention (shared with bench/peers/kda_peers.py so the columns compare): per chunk of
@@ -51,6 +52,7 @@ struct Lcg {
 
 // Median of `reps` timings of fn() in milliseconds, after `warmup` untimed runs.
 int g_reps = 10;
+bool g_phases = false;  // --phases: print the stage-4 phase clock after each bf16 shape
 
 template <typename Fn>
 double time_median_ms(Fn&& fn, int warmup = 2, int reps = g_reps) {
@@ -141,6 +143,19 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
     tensor_core_ms = time_forward_backward(cu::KdaBackwardPath::TensorCore);
     reuse_ms = time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
     cu::check_last_error("bench kda_chunk_backward (tensor cores)");
+    if (g_phases) {  // one more reusing backward with the stage-4 phase clock on
+      cu::kda_stage4_phase_clock(true);
+      time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
+      cu::kda_stage4_phase_clock(false);
+      long long cycles[32];
+      const char* names[32];
+      const int n = cu::kda_stage4_phase_cycles(cycles, names, 32);
+      std::printf("stage 4 phases, one block (cycles since its start; phase: its own cycles):");
+      for (int i = 1; i < n; ++i)
+        std::printf(" %s: %lld (%.0f%%);", names[i], cycles[i] - cycles[i - 1],
+                    100.0 * double(cycles[i] - cycles[i - 1]) / double(cycles[n - 1]));
+      std::printf(" total %lld\n", cycles[n - 1]);
+    }
   }
   double best_ms = reference_ms;
   for (double t : {tensor_core_ms, reuse_ms})
@@ -193,6 +208,8 @@ int main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--bf16-only") {
       bf16_only = true;
+    } else if (arg == "--phases") {
+      g_phases = true;
     } else if (arg == "--reps" && i + 1 < argc) {
       g_reps = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--shapes" && i + 1 < argc) {
@@ -212,7 +229,7 @@ int main(int argc, char** argv) {
         at = end + 1;
       }
     } else {
-      std::fprintf(stderr, "usage: bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only]\n");
+      std::fprintf(stderr, "usage: bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only] [--phases]\n");
       return 2;
     }
   }

@@ -105,4 +105,12 @@ void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         KdaBackwardPath path = kda_backward_default_path(),
                         bool workspace_holds_forward = false);
 
+// ---- Diagnostics (bench_cuda_kda --phases). While enabled, thread 0 of one block of the
+// tensor-core stage 4 (the middle chunk of the first batch-head) stamps the SM clock at each of
+// the kernel's phase boundaries. _cycles copies up to max_phases of the last backward's stamps,
+// as cycles since the block's start, with the phase names (static strings); returns the count.
+// Synchronous (a symbol copy).
+void kda_stage4_phase_clock(bool enable);
+int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases);
+
 }  // namespace dm::cuda

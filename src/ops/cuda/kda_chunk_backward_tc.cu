@@ -72,6 +72,16 @@ struct TcGradLayout {
 };
 constexpr int kVectorFloats = 8 * kChunk + 2 * kKdaCudaMaxHeadDim;
 
+// Phase clock (diagnostics, bench_cuda_kda --phases): SM cycle stamps at the phase boundaries,
+// taken by thread 0 of one block (the middle chunk of the first batch-head) while enabled.
+constexpr int kPhaseStamps = 15;
+__device__ int g_phase_clock_on;
+__device__ long long g_phase_clock[kPhaseStamps];
+const char* const kPhaseNames[kPhaseStamps] = {
+    "start", "rows, dO, dgamma", "norms, Gamma cumsum", "L, Kd", "dV', dP", "dR solve",
+    "dM, X, dbeta", "dL, dX, dv", "dQd, dKd, dKe", "F, G, Gq", "pairwise sums", "dGamma, dots",
+    "E", "dg scans", "dg, dq, dk writes"};
+
 __host__ __device__ inline TcGradLayout tc_grad_layout(const KdaDims& d) {
   TcGradLayout l;
   l.ldk = d.KP + 4;
@@ -127,6 +137,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
   const int64_t ch = bh * d.num_chunks + n;
   const int c_len = kda_chunk_length(d, n);
+  const bool stamping = g_phase_clock_on && blockIdx.y == 0 && blockIdx.x == gridDim.x / 2 && tid == 0;
+  auto stamp = [&](int phase) {
+    if (stamping) g_phase_clock[phase] = clock64();
+  };
+  stamp(0);
   const float* state = ws.states + ch * KP * VP;            // [KP, VP] S
   const float* d_state = d_states + ch * KP * VP;           // [KP, VP] dS'
   const float* value_new = ws.value_new + ch * kChunk * VP; // [C, VP]  V'
@@ -199,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) d_gamma_last[col] = decay_whole[col] * dot;
   }
   __syncthreads();
+  stamp(1);
 
   // Inverse L2 norms (warp per row, from the staged bf16 rows) and Γ = cumsum g (by column).
   for (int i = warp; i < kChunk; i += kWarps) {
@@ -224,6 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  stamp(2);
   const int last_segment = seg[kChunk - 1];
 
   // ---- 0'. L across sub-blocks: warp w < 6 takes the (s, t) block below, through b = 16(t+1).
@@ -270,6 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     key_decay[i * ldw + c] = seg[i] == 0 ? key_hat(i, c) * __expf(gamma_at(i, c)) : 0.0f;
   }
   __syncthreads();
+  stamp(3);
 
   // Warp tiles over [C, VP] and [C, C] outputs: rows 16·(warp/2), the warp's half of the columns.
   const int row_block = warp >> 1, r0 = 16 * row_block;
@@ -304,6 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     });
   }
   __syncthreads();
+  stamp(4);
   // dP keeps its strictly lower same-segment part; the diagonal enters dq̂, dk̂ only.
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
@@ -339,6 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     __syncthreads();
   }
+  stamp(5);
 
   // dM = −dR·V'ᵀ (tf32); dβ_i = dR_i·X_i with X = V − Kd·S (tf32) formed in registers.
   {
@@ -374,6 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  stamp(6);
 
   // dβ_i += Σ_j L_ij·dM_ij; dL_ij = β_i·dM_ij (j < i, same segment); dX = β·dR; dv += dX.
   for (int i = warp; i < kChunk; i += kWarps) {
@@ -394,6 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  stamp(7);
 
   // ---- 2. Key side. Warp tile: rows r0..r0+15, channels col0_k + [0, 8·tiles_k), kept in
   // registers through stage 3: dq̂ (acc_q), dk̂ (acc_k), dΓ (acc_gamma).
@@ -441,6 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     });
   }
   __syncthreads();  // Kd and dX are dead: slots a, b, c take F, G, G^q
+  stamp(8);
 
   // ---- 3. Pairwise sums of dL and dP.
   float* f_key = slot_a;    // F_j = k̂_j e^{Γ_b − Γ_j}, b = first token after j's sub-block
@@ -456,6 +479,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     g_query[i * ldw + c] = query_hat(i, c) * from_start;
   }
   __syncthreads();
+  stamp(9);
   {
     // Diagonal of dP: dq̂_i += dP_ii k̂_i, dk̂_i += dP_ii q̂_i (its dΓ terms cancel).
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
@@ -551,6 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();  // F is dead: slot a takes dΓ
+  stamp(10);
 
   // ---- 4. dΓ to shared memory; row dots q·dq̂, k·dk̂ for the L2-norm backward.
   float* d_gamma = slot_a;
@@ -576,6 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  stamp(11);
 
   // E_i = dKe_i ⊙ Ke_i again (the stage-2 product; G is dead, slot b takes E).
   float* key_end_terms = slot_b;
@@ -592,6 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     });
   }
   __syncthreads();
+  stamp(12);
 
   // dg = the exclusive forward prefix of E (zero outside the last segment, where Ke is) + the
   // reverse cumsum of dΓ restarting at document starts, seeded (last segment) with dγ.
@@ -610,6 +637,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  stamp(13);
   // dg += that, row-coalesced by the whole block (the sequential scans above stay in shared
   // memory: a global read-modify-write per step would put 64 dependent round trips on them).
   for (int idx = tid; idx < c_len * d.K; idx += kThreads) {
@@ -627,6 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     dk[at] += k_inv * (acc_k[j][e4] - k_raw * k_inv * (dot_key[i] * k_inv));
   });
   if (tid < c_len) dbeta[token_row(tid)] += d_beta_s[tid];
+  stamp(14);
 }
 
 }  // namespace
@@ -634,6 +663,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 size_t kda_chunk_grad_tensor_cores_shared_bytes(const KdaDims& d) {
   return size_t(tc_grad_layout(d).total);
 }
+
+}  // namespace kda_detail
+
+void kda_stage4_phase_clock(bool enable) {
+  const int on = enable ? 1 : 0;
+  DM_CUDA_CHECK(cudaMemcpyToSymbol(kda_detail::g_phase_clock_on, &on, sizeof on));
+}
+
+int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases) {
+  long long stamps[kda_detail::kPhaseStamps];
+  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, kda_detail::g_phase_clock, sizeof stamps));
+  const int n = std::min(max_phases, kda_detail::kPhaseStamps);
+  for (int i = 0; i < n; ++i) {
+    cycles[i] = stamps[i] - stamps[0];
+    names[i] = kda_detail::kPhaseNames[i];
+  }
+  return n;
+}
+
+namespace kda_detail {
 
 void kda_chunk_grad_tensor_cores(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                  const uint16_t* g, const uint16_t* beta, const uint16_t* d_o,
