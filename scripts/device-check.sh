@@ -7,8 +7,9 @@
 #
 #   scripts/device-check.sh [--no-bench] [--no-peers] [--budget SECONDS] [--prebuilt DIR]
 #
-# --prebuilt DIR: take the binaries from DIR (built here by scripts/device-prebuild.sh and
-# carried) instead of building; steps whose binary is missing there are skipped.
+# --prebuilt DIR|ARCHIVE.tar.xz: take the binaries from DIR, or unpack them from the archive
+# (built here by scripts/device-prebuild.sh and carried), instead of building; steps whose
+# binary is missing there are skipped.
 #
 # The budget (default 560 s, so one call of the device tool keeps its transfers) is spent in
 # order of importance: build, tests, our benchmarks, then the peers. A step whose usual time
@@ -22,7 +23,8 @@
 # Triton's compiled kernels and autotuning results (TRITON_CACHE_AUTOTUNING=1) are kept across
 # calls: the run leaves triton-cache.tgz beside its logs, and a .triton-cache.tgz in the checkout
 # (the previous call's archive, carried) is unpacked before the peers run, which then skip the
-# autotuning (its step is budgeted at 60 s instead of 230).
+# autotuning (its step is budgeted at 90 s instead of 230). Past 16 MiB (the most one returned
+# file may be) the archive holds only the autotuning results, so the chosen kernels compile again.
 #
 # Under the device tool ($OUT set; at most 8 files come back) the logs are written to
 # /tmp/device-check and $OUT receives summary.md, tests.log, logs.tgz (every log) and
@@ -39,6 +41,13 @@ if [ -f .triton-cache.tgz ] && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
 # that come back.
 ship_logs() {
   tar -czf "$LOG/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null || true
+  # The device tool returns files of at most 16 MiB: past that, keep the autotuning results
+  # alone (the chosen configs; their kernels are compiled again, without the benchmarking).
+  if [ "$(stat -c %s "$LOG/triton-cache.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
+      tar -czf "$LOG/triton-cache.tgz" --null -T -) 2>/dev/null || true
+    echo "triton-cache.tgz: autotuning results only ($(tar -tzf "$LOG/triton-cache.tgz" | wc -l) files)"
+  fi
   [ -n "${OUT:-}" ] || return 0
   for f in summary.md tests.log triton-cache.tgz; do [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"; done
   tar -czf "$OUT/logs.tgz" -C "$LOG" --exclude=triton-cache.tgz --exclude='*.safetensors' . 2>/dev/null
@@ -72,8 +81,14 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 
 if [ -n "$PREBUILT" ]; then
   step "prebuilt binaries from $PREBUILT (scripts/device-prebuild.sh)"
-  ls -la "$PREBUILT"
-  B=$PREBUILT
+  if [ -f "$PREBUILT" ]; then
+    mkdir -p /tmp/device-check-bin && tar -xJf "$PREBUILT" -C /tmp/device-check-bin || exit 1
+    B=/tmp/device-check-bin
+  else
+    B=$(cd "$PREBUILT" && pwd)
+  fi
+  ls -la "$B"
+  export DM_CLI=$B/deltamoe  # the CLI tests run this one, not the path compiled in
 else
   step "configure + build (CUDA, sm_90a)"
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDELTAMOE_CUDA=ON -DDELTAMOE_BENCH=ON \
@@ -130,7 +145,7 @@ if [ "$PEERS" = 1 ]; then
   bench peer_torch_train 60 python3 bench/peers/deltamoe_torch.py train-bench --config "$MODEL_CFG" \
     --batch 1 --seq 4096 --steps 3 --warmup 1 --device cuda --dtype bfloat16
   # fla's chunk_kda autotunes per shape: the first shape alone, the others only if time is left.
-  bench kda_peers $([ $TRITON_WARM = 1 ] && echo 60 || echo 230) env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
+  bench kda_peers $([ $TRITON_WARM = 1 ] && echo 90 || echo 230) env PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py \
     --shapes 1x8192x16x128
 fi
 [ "$BENCH" = 1 ] && bench bench_cuda_model 60 $B/bench_cuda_model --config "$MODEL_CFG" \

@@ -2,12 +2,12 @@
 # Builds the GPU test and benchmark binaries on this machine (nvcc 13.0, no GPU needed) so that
 # a call of the device tool can skip its own build (~110 s of a call's ~210 s on the H200):
 #
-#   scripts/device-prebuild.sh [TARGET ...]      # default: deltamoe_tests bench_cuda_kda
-#   device tool: carry [".devbuild/bin/deltamoe_tests", ".devbuild/bin/bench_cuda_kda", ".goldens"],
-#                command `scripts/device-check.sh --prebuilt .devbuild/bin`
-# Sizes (2026-11-29): deltamoe_tests 17 MB and bench_cuda_kda 12 MB stripped; with the goldens
-# (28 MB) and the tree that is ~60 of the 64 MiB a call carries. Name the files, not the folder:
-# the test target also builds the (unstripped) deltamoe CLI there.
+#   scripts/device-prebuild.sh [TARGET ...]
+#       default: deltamoe deltamoe_tests bench_cuda_kda bench_cuda_train
+#   device tool: carry [".devbuild/prebuilt.tar.xz", ".goldens", ".whl"],
+#                command `scripts/device-check.sh --prebuilt .devbuild/prebuilt.tar.xz`
+# The stripped binaries are packed with xz (~4× smaller): unpacked they are ~50 MB, which with
+# the goldens (28 MB) would not fit the 64 MiB a call carries.
 #
 # The binaries are configured to need only libraries the device image has (its notes: OpenBLAS,
 # libstdc++, CUDA 13.0 with cuBLASLt; no PCRE2, no cpp-httplib): PCRE2 and the HTTP server are
@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(deltamoe_tests bench_cuda_kda)
+[ ${#targets[@]} -gt 0 ] || targets=(deltamoe deltamoe_tests bench_cuda_kda bench_cuda_train)
 cmake -S . -B .devbuild -DCMAKE_BUILD_TYPE=Release -DDELTAMOE_CUDA=ON -DDELTAMOE_BENCH=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DDELTAMOE_WITH_PCRE2=OFF -DDELTAMOE_WITH_HTTP=OFF >/dev/null
 cmake --build .devbuild -j"$(nproc)" --target "${targets[@]}"
@@ -29,5 +29,7 @@ for t in "${targets[@]}"; do
     status=1
   fi
 done
+tar -cJf .devbuild/prebuilt.tar.xz -C .devbuild/bin "${targets[@]}"
 du -ch "${targets[@]/#/.devbuild/bin/}" | tail -1
+du -h .devbuild/prebuilt.tar.xz
 exit $status

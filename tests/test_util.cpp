@@ -16,7 +16,11 @@ std::string goldens_dir() {
   return e ? e : DM_GOLDENS_DIR;
 }
 std::string source_dir() { return DM_SOURCE_DIR; }
-std::string cli_path() { return DM_CLI_PATH; }
+// DM_CLI overrides the build's path (binaries built elsewhere and carried, scripts/device-check.sh).
+std::string cli_path() {
+  const char* env = std::getenv("DM_CLI");
+  return env != nullptr && *env != '\0' ? env : DM_CLI_PATH;
+}
 bool goldens_available() {
   return std::filesystem::exists(goldens_dir() + "/kda_op_small.safetensors");
 }
