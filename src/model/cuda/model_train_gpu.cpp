@@ -28,8 +28,10 @@ int64_t lm_head_rows(const ModelConfig& c, int64_t N) {
 }
 
 // Activation arena (see the carve in forward_backward): token ids, targets, doc_start; the
-// layer inputs p_in [L, N, d]; blocks and their gradients [nb, N, d]; the running stream p,
-// final_in, the current layer's record (x, p_mid, y, m fp32; xn, yn bf16), the stream
+// layer inputs p_in [L, N, d] and mixer outputs p_mid [L, N, d] (the stream after the mixer
+// sub-layer, so the backward rebuilds a layer's record without running its mixer or FFN);
+// blocks and their gradients [nb, N, d]; the running stream p, final_in, the current layer's
+// record (x, y, m fp32; xn, yn bf16), the stream
 // gradients dp, dx, dxn, dh; final_h bf16; one LM-head tile (fp32 logits + bf16 gradient) and
 // the per-tile cross-entropy results.
 size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
@@ -38,9 +40,9 @@ size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
   const int64_t rows = lm_head_rows(c, N), tiles = (N + rows - 1) / rows;
   const size_t row32 = round_up(size_t(N * d) * 4), row16 = round_up(size_t(N * d) * 2);
   size_t b = 2 * round_up(size_t(N) * 8) + round_up(size_t(N) * 4);
-  b += size_t(L) * row32;                              // p_in
+  b += 2 * size_t(L) * row32;                          // p_in, p_mid
   b += 2 * round_up(size_t(nb * N * d) * 4);           // blocks, dblocks
-  b += 2 * row32 + 4 * row32 + 2 * row16;              // p, final_in; x, p_mid, y, m; xn, yn
+  b += 2 * row32 + 3 * row32 + 2 * row16;              // p, final_in; x, y, m; xn, yn
   b += 4 * row32 + row16;                              // dp, dx, dxn, dh; final_h
   b += round_up(size_t(rows * V) * 4) + round_up(size_t(rows * V) * 2);
   b += round_up(size_t(tiles) * sizeof(CrossEntropyDeviceResult));
@@ -180,12 +182,13 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   else doc_dev = nullptr;
   std::vector<float*> p_in(static_cast<size_t>(L));
   for (auto& q : p_in) q = act.alloc<float>(nd);
+  std::vector<float*> p_mids(static_cast<size_t>(L));
+  for (auto& q : p_mids) q = act.alloc<float>(nd);
   float* blocks = act.alloc<float>(nd * size_t(nb));
   float* dblocks = act.alloc<float>(nd * size_t(nb));
   float* p = act.alloc<float>(nd);
   float* final_in = act.alloc<float>(nd);
   float* x = act.alloc<float>(nd);
-  float* p_mid = act.alloc<float>(nd);
   float* y = act.alloc<float>(nd);
   float* m = act.alloc<float>(nd);
   uint16_t* xn = act.alloc<uint16_t>(nd);
@@ -221,10 +224,14 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   auto zero = [&](void* dst, size_t bytes) { fill_zero_async(dst, bytes, stream); };
 
   // Runs layer i's forward from (pp = p_in[i], sealed_in[i], p_empty_in[i]) leaving the record
-  // (x, xn, p_mid, y, yn) and pp = the layer's output; returns the sealed count after it.
-  // `report`: hand the MoE routing to the sink (first pass only).
-  auto layer_forward = [&](int i, float* pp, bool report) {
+  // (x, xn, p_mids[i], y, yn) and pp = the layer's output; returns the sealed count after it.
+  // `report`: hand the MoE routing to the sink (first pass only). `rebuild` (the backward):
+  // only the record, from the p_mids[i] the forward saved: neither the mixer (its backward
+  // recomputes what it needs) nor the FFN (its output is not part of the record) runs again,
+  // and pp is left as the stream after the mixer.
+  auto layer_forward = [&](int i, float* pp, bool report, bool rebuild) {
     const LayerWeights& Lw = W.layers[size_t(i)];
+    float* p_mid = p_mids[size_t(i)];
     int s = sealed_in[size_t(i)];
     bool empty = p_empty_in[size_t(i)];
     if (attnres && s > 0) {
@@ -240,11 +247,13 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       empty = true;
     }
     rmsnorm_to_bf16(x, dw_.f32(Lw.input_norm), xn, N, d, eps, stream);
-    if (c.mixers[size_t(i)] == MixerKind::KDA)
-      timer("kda_fwd", stream, [&] { kda_layer_forward_gpu(run, dw_, Lw.kda, xn, p_mid, B, T, doc_dev); });
-    else
-      timer("mla_fwd", stream, [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, xn, p_mid, B, T, doc_dev); });
-    if (!empty) add_inplace(p_mid, pp, int64_t(nd), stream);
+    if (!rebuild) {
+      if (c.mixers[size_t(i)] == MixerKind::KDA)
+        timer("kda_fwd", stream, [&] { kda_layer_forward_gpu(run, dw_, Lw.kda, xn, p_mid, B, T, doc_dev); });
+      else
+        timer("mla_fwd", stream, [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, xn, p_mid, B, T, doc_dev); });
+      if (!empty) add_inplace(p_mid, pp, int64_t(nd), stream);
+    }
     copy(pp, p_mid);
     if (attnres) {
       sources_of(s, true, pp);
@@ -254,6 +263,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       copy(y, pp);
     }
     rmsnorm_to_bf16(y, dw_.f32(Lw.post_norm), yn, N, d, eps, stream);
+    if (rebuild) return s;
     if (c.ffns[size_t(i)] == FfnKind::MoE) {
       DeviceArenaScope scope(run.scratch);
       MoeRoutingDevice r;
@@ -291,7 +301,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     copy(p_in[size_t(i)], p);
     sealed_in[size_t(i)] = sealed;
     p_empty_in[size_t(i)] = p_empty;
-    sealed = layer_forward(i, p, true);
+    sealed = layer_forward(i, p, true, false);
     p_empty = false;
   }
   if (attnres) {
@@ -352,7 +362,8 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     const LayerWeights& Lw = W.layers[size_t(i)];
     const int s_in = sealed_in[size_t(i)];
     copy(p, p_in[size_t(i)]);  // rebuild layer i's record from its input
-    layer_forward(i, p, false);
+    layer_forward(i, p, false, true);
+    const float* p_mid = p_mids[size_t(i)];
     const bool seals = attnres && i % c.attn_res_block == 0;
     const int s_mid = s_in + (seals ? 1 : 0);
     // FFN sub-layer: p_out = p_mid + FFN(norm(y)), y = mix(blocks[0..s_mid), p_mid).

@@ -1,9 +1,10 @@
 // The whole-model training step on one GPU (SPEC §2, §5): forward + backward of the summed
 // cross-entropy over one micro-batch, the twin of ModelT<float>::forward_backward (model/model.h)
-// with the CPU's per-layer recompute: the forward keeps only each layer's input (fp32 [N, d]) and
-// the sealed AttnRes block sums; the backward re-runs one layer's forward from its input, then
-// back-propagates through its FFN and token mixer (layers.h *_backward_gpu, which recompute their
-// own internals from the normed rows).
+// with per-layer recompute: the forward keeps each layer's input and the stream after its mixer
+// (both fp32 [N, d]) and the sealed AttnRes block sums; the backward rebuilds one layer's record
+// from those (the AttnRes mixes and norms only: neither the mixer nor the FFN runs again there),
+// then back-propagates through its FFN and token mixer (layers.h *_backward_gpu, which recompute
+// their own internals from the normed rows). So each sub-layer's forward runs twice per step.
 //
 // Precision: bf16 GEMM operands and activations inside the sub-layers, fp32 residual stream,
 // fp32 stream gradients, fp32 parameter gradients (DeviceGrads, accumulated across micro-batches
