@@ -6,6 +6,8 @@
 // round trip (W, U, Q⊙e^Γ, K⊙e^{γ−Γ}, P, V', S: ≈ 246 KB per chunk-head in fp32) is what the
 // fused single-pass kernels of other implementations avoid; here clarity comes first.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 #include "ops/cuda/device.h"
@@ -258,6 +260,19 @@ void kda_chunk_prepare_and_state(const Storage* q, const Storage* k, const Stora
                                  const int32_t* doc_start, bool tensor_cores,
                                  cudaStream_t stream) {
   const int64_t bh_count = d.B * d.H;
+  // bf16 inputs with tensor cores take the tensor-core prepare; DM_KDA_PREPARE=fp32 forces the
+  // fp32 kernel (comparisons).
+  static const bool prepare_fp32_forced = [] {
+    const char* env = std::getenv("DM_KDA_PREPARE");
+    return env != nullptr && std::string(env) == "fp32";
+  }();
+  if constexpr (sizeof(Storage) == 2) {
+    if (tensor_cores && !prepare_fp32_forced) {
+      kda_chunk_prepare_tensor_cores(q, k, v, g, beta, doc_start, d, ws, stream);
+      kda_chunk_state_tf32(s0, sT, d, ws, stream);
+      return;
+    }
+  }
   if (d.num_chunks > 0) {
     const size_t prepare_bytes = kda_prepare_shared_bytes(d);
     DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_prepare_kernel<Storage>,

@@ -107,6 +107,62 @@ __device__ __forceinline__ int kda_chunk_length(const KdaDims& d, int64_t n) {
   return left < kChunk ? int(left) : kChunk;
 }
 
+// 8 bf16 (one 16-byte load) → 8 fp32 in shared memory (two 16-byte stores; dst 16-byte aligned).
+__device__ __forceinline__ void kda_store_8_bf16_as_float(float* dst, uint4 bits) {
+  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
+  float4 lo, hi;
+  lo.x = __uint_as_float(w[0] << 16); lo.y = __uint_as_float(w[0] & 0xffff0000u);
+  lo.z = __uint_as_float(w[1] << 16); lo.w = __uint_as_float(w[1] & 0xffff0000u);
+  hi.x = __uint_as_float(w[2] << 16); hi.y = __uint_as_float(w[2] & 0xffff0000u);
+  hi.z = __uint_as_float(w[3] << 16); hi.w = __uint_as_float(w[3] & 0xffff0000u);
+  *reinterpret_cast<float4*>(dst) = lo;
+  *reinterpret_cast<float4*>(dst + 4) = hi;
+}
+
+// True when rows of K (and V) bf16 values can be read 8 at a time from these pointers.
+__device__ __forceinline__ bool kda_rows_by_8(const KdaDims& d, const void* a, const void* b,
+                                              const void* c, const void* e) {
+  return d.K % 8 == 0 && d.V % 8 == 0 &&
+         ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+           reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(e)) & 15) == 0;
+}
+
+// The chunk's raw q, k rows as bf16 bits [C, ldr] and g as fp32 [C, ldg] in shared memory, by
+// the whole block (one round trip for the chunk; no barrier inside); zero past the chunk end
+// (c_len tokens) and K up to KP. by_8 (kda_rows_by_8): 16-byte loads; ldr, ldg keep 16-byte
+// aligned rows (KP + 8 and KP + 4 with KP a multiple of 16).
+__device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* g,
+                                           const KdaDims& d, int64_t b, int64_t h, int64_t t0,
+                                           int c_len, bool by_8, uint16_t* query_raw,
+                                           uint16_t* key_raw, int ldr, float* gamma, int ldg) {
+  const int tid = threadIdx.x;
+  if (by_8) {
+    const int per_row = d.KP / 8;
+    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+      const int i = idx / per_row, col = idx % per_row * 8;
+      uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
+      if (i < c_len && col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
+        const int64_t at = ((b * d.T + t0 + i) * d.H + h) * d.K + col;
+        query_bits = *reinterpret_cast<const uint4*>(q + at);
+        key_bits = *reinterpret_cast<const uint4*>(k + at);
+        gate_bits = *reinterpret_cast<const uint4*>(g + at);
+      }
+      *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
+      *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits;
+      kda_store_8_bf16_as_float(gamma + i * ldg + col, gate_bits);
+    }
+    return;
+  }
+  for (int idx = tid; idx < kChunk * d.KP; idx += kThreads) {
+    const int i = idx / d.KP, col = idx % d.KP;
+    const bool valid = i < c_len && col < d.K;
+    const int64_t at = valid ? ((b * d.T + t0 + i) * d.H + h) * d.K + col : 0;
+    query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
+    key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
+    gamma[i * ldg + col] = valid ? load_as_float(g, at) : 0.0f;
+  }
+}
+
 // The prepare stage for chunk n of head bh, by the whole block (kThreads threads); ends with a
 // barrier. Fills every KdaChunkShared view: rows past the chunk end are zero (q, k, g, β), so
 // they add nothing anywhere and Γ of those rows equals Γ of the last real token.
@@ -296,6 +352,12 @@ void kda_chunk_prepare_and_state(const Storage* q, const Storage* k, const Stora
                                  float* sT, const KdaDims& d, const KdaForwardWorkspace& ws,
                                  const int32_t* doc_start, bool tensor_cores,
                                  cudaStream_t stream);
+// Prepare stage for bf16 inputs (kda_chunk_prepare_tc.cu): the same workspace as the fp32
+// prepare kernel, L and P across sub-blocks on tensor cores (tf32), two blocks per SM.
+void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                    const uint16_t* g, const uint16_t* beta,
+                                    const int32_t* doc_start, const KdaDims& d,
+                                    const KdaForwardWorkspace& ws, cudaStream_t stream);
 // State stage on tensor cores (tf32 operands, fp32 state; kda_chunk_state_tf32.cu).
 void kda_chunk_state_tf32(const float* s0, float* sT, const KdaDims& d,
                           const KdaForwardWorkspace& ws, cudaStream_t stream);

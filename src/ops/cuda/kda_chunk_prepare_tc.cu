@@ -1,0 +1,247 @@
+// The prepare stage of the chunked KDA forward for bf16 inputs (kda.h; the fp32 twin is
+// kda_chunk_prepare_kernel in kda_chunk.cu, whose outputs this matches): per chunk of one head,
+// Γ = cumsum g, the masked intra-chunk products L (β-free, j < i) and P (j ≤ i), the forward
+// substitution W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with A = (I + Diag(β)L)⁻¹, and the
+// workspace rows Q⊙e^Γ, K⊙e^{γ−Γ}, P, e^γ. Grid: num_chunks × B·H, 256 threads.
+//
+// Why a second kernel: the fp32 one keeps q̂, k̂, Γ and two reference buffers in fp32 shared
+// memory (≈ 174 KB at K = 128: one block per SM) and forms every product on CUDA cores. Here
+//   - q, k stay as their raw bf16 bits with fp32 inverse norms beside them (exact: they are the
+//     inputs), Γ fp32: ≈ 105 KB at K = 128, two blocks per SM;
+//   - L and P across sub-blocks (t < s) are tf32 mma.sync products through the first token
+//     b = 16(t+1) after sub-block t, e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j} (i ≥ b > j: both
+//     exponents ≤ 0), formed in the fragment loaders (no reference buffers);
+//   - inside a sub-block one exponent per pair and channel, Γ_i − Γ_j ≤ 0 (j ≤ i), as before.
+// tf32 for L and P matches the backward's stage 4 (kda_chunk_backward_tc.cu), which forms the
+// same L the same way.
+#include <algorithm>
+
+#include "core/error.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda_common.cuh"
+#include "ops/cuda/kda_mma.cuh"
+
+namespace dm::cuda::kda_detail {
+namespace {
+
+constexpr int kWarps = kThreads / 32;
+constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
+
+// Byte offsets of the shared buffers (each a multiple of 16 bytes).
+struct TcPrepareLayout {
+  int ldk;  // fp32 Γ rows: KP + 4
+  int ldr;  // bf16 raw q, k rows: KP + 8
+  int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, total;
+};
+
+__host__ __device__ inline TcPrepareLayout tc_prepare_layout(const KdaDims& d) {
+  TcPrepareLayout l;
+  l.ldk = d.KP + 4;
+  l.ldr = d.KP + 8;
+  auto round16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
+  int at = 0;
+  l.gamma = at;           at += round16(kChunk * l.ldk * 4);
+  l.query_raw = at;       at += round16(kChunk * l.ldr * 2);
+  l.key_raw = at;         at += round16(kChunk * l.ldr * 2);
+  l.lower_key_key = at;   at += round16(kChunk * kLdPair * 4);
+  l.lower_query_key = at; at += round16(kChunk * kLdPair * 4);
+  l.vectors = at;         at += 4 * kChunk * 4;  // β, 1/‖q‖, 1/‖k‖, segments
+  l.total = at;
+  return l;
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    kda_chunk_prepare_tc_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                const uint16_t* g_in, const uint16_t* beta_in,
+                                const int32_t* doc_start, KdaDims d, KdaForwardWorkspace ws) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  const TcPrepareLayout l = tc_prepare_layout(d);
+  const int ldk = l.ldk, ldr = l.ldr;
+  float* gam = reinterpret_cast<float*>(shared_bytes + l.gamma);                  // [C, ldk] Γ
+  uint16_t* query_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.query_raw);  // [C, ldr]
+  uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);      // [C, ldr]
+  float* lower = reinterpret_cast<float*>(shared_bytes + l.lower_key_key);        // [C, 68] L
+  float* lower_qk = reinterpret_cast<float*>(shared_bytes + l.lower_query_key);   // [C, 68] P
+  float* beta_s = reinterpret_cast<float*>(shared_bytes + l.vectors);             // [C]
+  float* query_inv = beta_s + kChunk;                                             // [C]
+  float* key_inv = query_inv + kChunk;                                            // [C]
+  int* seg = reinterpret_cast<int*>(key_inv + kChunk);                            // [C]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int KP = d.KP;
+  const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
+  const int64_t ch = bh * d.num_chunks + n;
+  const int c_len = kda_chunk_length(d, n);
+  auto token_row = [&](int i) { return kda_token_row(d, b, h, t0 + i); };
+
+  // Adjacent channel pairs (c even): k̂, q̂ (incl. scale) from one 4-byte load, Γ likewise.
+  auto key_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(key_raw + i * ldr + c);
+    const float inv = key_inv[i];
+    return make_float2(__uint_as_float(bits << 16) * inv, __uint_as_float(bits & 0xffff0000u) * inv);
+  };
+  auto query_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(query_raw + i * ldr + c);
+    const float inv = query_inv[i] * d.scale;
+    return make_float2(__uint_as_float(bits << 16) * inv, __uint_as_float(bits & 0xffff0000u) * inv);
+  };
+  auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldk + c); };
+
+  // ---- 1. Rows (one round trip), β, segments; the parts of L, P that stay zero.
+  kda_stage_rows_bf16(q, k, g_in, d, b, h, t0, c_len, kda_rows_by_8(d, q, k, g_in, v), query_raw,
+                      key_raw, ldr, gam, ldk);
+  if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+  if (tid == 0) {
+    int segment = 0;
+    for (int i = 0; i < kChunk; ++i) {
+      const int64_t t = t0 + i;
+      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
+      seg[i] = segment;
+    }
+  }
+  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
+    const int i = idx / kChunk, j = idx % kChunk;
+    if (j >= i) lower[i * kLdPair + j] = 0.0f;
+    if (j > i) lower_qk[i * kLdPair + j] = 0.0f;
+  }
+  __syncthreads();
+
+  // ---- 2. Inverse L2 norms (warp per row) and Γ = cumsum g (thread per column).
+  for (int i = warp; i < kChunk; i += kWarps) {
+    float sum_q = 0.0f, sum_k = 0.0f;
+    for (int col = lane; col < d.K; col += 32) {
+      const float qv = bf16_bits_to_float(query_raw[i * ldr + col]);
+      const float kv = bf16_bits_to_float(key_raw[i * ldr + col]);
+      sum_q += qv * qv;
+      sum_k += kv * kv;
+    }
+    sum_q = warp_sum(sum_q);
+    sum_k = warp_sum(sum_k);
+    if (lane == 0) {
+      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
+      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
+    }
+  }
+  for (int col = tid; col < KP; col += kThreads) {
+    float running = 0.0f;
+    for (int i = 0; i < kChunk; ++i) {
+      running += gam[i * ldk + col];
+      gam[i * ldk + col] = running;
+    }
+  }
+  __syncthreads();
+
+  // ---- 3. L and P across sub-blocks: task = (s, t) block × {L, P}; warp w takes tasks w, w + 8.
+  for (int task = warp; task < 12; task += kWarps) {
+    const int pair = task % 6, query_side = task / 6;
+    const int s = pair < 1 ? 1 : (pair < 3 ? 2 : 3), t = pair - (s - 1) * s / 2;  // (1,0) … (3,2)
+    const int r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
+    float acc[2][4];
+    zero_tiles(acc);
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, 2, 0, KP,
+        [&](int r, int c) {
+          const float2 x = query_side ? query_hat2(r0 + r, c) : key_hat2(r0 + r, c);
+          const float2 gamma_i = gamma2(r0 + r, c), gamma_b = gamma2(ref, c);
+          return make_float2(x.x * __expf(gamma_i.x - gamma_b.x), x.y * __expf(gamma_i.y - gamma_b.y));
+        },
+        [&](int c, int nn) {
+          const float2 key = key_hat2(j0 + nn, c), gamma_j = gamma2(j0 + nn, c), gamma_b = gamma2(ref, c);
+          return make_float2(key.x * __expf(gamma_b.x - gamma_j.x), key.y * __expf(gamma_b.y - gamma_j.y));
+        });
+    float* out = query_side ? lower_qk : lower;
+    for_each_element<2>(2, r0, j0, [&](int j, int e4, int i, int jj) {
+      out[i * kLdPair + jj] = seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
+    });
+  }
+  // Inside a sub-block (j ≤ i): one exp per pair and channel, shared by L and P.
+  for (int p = tid; p < kNumSubBlocks * kPairsPerSubBlock; p += kThreads) {
+    const int block = p / kPairsPerSubBlock, r = p % kPairsPerSubBlock;
+    int ii = 0;
+    while ((ii + 1) * (ii + 2) / 2 <= r) ++ii;  // r = ii(ii+1)/2 + jj, jj ≤ ii
+    const int jj = r - ii * (ii + 1) / 2;
+    const int i = block * kSubBlock + ii, j = block * kSubBlock + jj;
+    float key_key = 0.0f, query_key = 0.0f;
+    for (int c = 0; c < KP; c += 2) {  // padded channels hold k = 0, Γ = 0: they add nothing
+      const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c), key_j = key_hat2(j, c);
+      const float2 gamma_i = gamma2(i, c), gamma_j = gamma2(j, c);
+      const float x = key_j.x * __expf(gamma_i.x - gamma_j.x);
+      const float y = key_j.y * __expf(gamma_i.y - gamma_j.y);
+      key_key += key_i.x * x + key_i.y * y;
+      query_key += query_i.x * x + query_i.y * y;
+    }
+    const bool same_segment = seg[i] == seg[j];
+    lower[i * kLdPair + j] = (j < i && same_segment) ? key_key : 0.0f;
+    lower_qk[i * kLdPair + j] = same_segment ? query_key : 0.0f;
+  }
+  __syncthreads();
+
+  // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V], forward substitution with
+  // a thread per column held in registers (the loops over the C = 64 rows are unrolled).
+  for (int col = tid; col < KP + d.VP; col += kThreads) {
+    const bool key_column = col < KP;
+    const int e = col - KP;  // value column when !key_column
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float rhs;
+      if (key_column) {
+        rhs = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
+                                __expf(gam[i * ldk + col])
+                          : 0.0f;
+      } else {
+        rhs = (i < c_len && e < d.V) ? load_as_float(v, token_row(i) * d.V + e) : 0.0f;
+      }
+      float lower_sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) lower_sum += lower[i * kLdPair + j] * x[j];
+      x[i] = beta_s[i] * (rhs - lower_sum);
+    }
+    if (key_column) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) ws.w[(ch * kChunk + i) * KP + col] = x[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) ws.u[(ch * kChunk + i) * d.VP + e] = x[i];
+    }
+  }
+
+  // ---- 5. The workspace rows the state and output stages (and the backward) read.
+  const int last_segment = seg[kChunk - 1];
+  for (int idx = tid; idx < kChunk * KP / 2; idx += kThreads) {
+    const int i = idx / (KP / 2), c = idx % (KP / 2) * 2;
+    const float2 gamma = gamma2(i, c), gamma_last = gamma2(kChunk - 1, c);
+    const float2 query = query_hat2(i, c), key = key_hat2(i, c);
+    const float2 query_decay = seg[i] == 0 ? make_float2(query.x * __expf(gamma.x), query.y * __expf(gamma.y))
+                                           : make_float2(0.0f, 0.0f);
+    const float2 key_to_end =
+        seg[i] == last_segment
+            ? make_float2(key.x * __expf(gamma_last.x - gamma.x), key.y * __expf(gamma_last.y - gamma.y))
+            : make_float2(0.0f, 0.0f);
+    *reinterpret_cast<float2*>(ws.query_decay + (ch * kChunk + i) * KP + c) = query_decay;
+    *reinterpret_cast<float2*>(ws.key_to_end + (ch * kChunk + i) * KP + c) = key_to_end;
+  }
+  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
+    const int i = idx / kChunk, j = idx % kChunk;
+    ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
+  }
+  for (int col = tid; col < KP; col += kThreads)
+    ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gam[(kChunk - 1) * ldk + col]) : 0.0f;
+}
+
+}  // namespace
+
+void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                    const uint16_t* g, const uint16_t* beta,
+                                    const int32_t* doc_start, const KdaDims& d,
+                                    const KdaForwardWorkspace& ws, cudaStream_t stream) {
+  if (d.num_chunks == 0 || d.B * d.H == 0) return;
+  const int shared = tc_prepare_layout(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_prepare_tc_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_prepare_tc_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads,
+                                size_t(shared), stream>>>(q, k, v, g, beta, doc_start, d, ws);
+  check_last_error("cuda kda_chunk_forward (prepare, tensor cores)");
+}
+
+}  // namespace dm::cuda::kda_detail
