@@ -172,15 +172,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto d_out = [&](int i, int e) { return d_out_s[i * ldw + e]; };
 
   // ---- 0. Raw q, k (bf16 bits), raw g and β, block-wide and coalesced (one round trip for the
-  // chunk); zero past the chunk end and K. The inverse norms follow after the barrier.
-  for (int idx = tid; idx < kChunk * KP; idx += kThreads) {
-    const int i = idx / KP, col = idx % KP;
-    const bool valid = i < c_len && col < d.K;
-    const int64_t at = valid ? token_row(i) * d.K + col : 0;
-    query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
-    key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
-    gam[i * ldk + col] = valid ? load_as_float(g_in, at) : 0.0f;
-  }
+  // chunk); zero past the chunk end and K. The inverse norms follow after the barrier. Rows go
+  // 8 elements (16 bytes) per load when K, V and the pointers allow it (the usual case).
+  const bool rows_by_8 = kda_rows_by_8(d, q, k, g_in, d_o);
+  kda_stage_rows_bf16(q, k, g_in, d, b, h, t0, c_len, rows_by_8, query_raw, key_raw, ldr, gam, ldk);
   if (tid < kChunk) {
     beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
     d_beta_s[tid] = 0.0f;
@@ -196,20 +191,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   // dO read once, row-coalesced (the products below read it from shared memory).
-  for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
-    const int i = idx / VP, e = idx % VP;
-    d_out_s[i * ldw + e] =
-        (i < c_len && e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e) : 0.0f;
+  if (rows_by_8) {
+    const int per_row = VP / 8;
+    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+      const int i = idx / per_row, e = idx % per_row * 8;
+      uint4 bits = make_uint4(0, 0, 0, 0);
+      if (i < c_len && e < d.V) bits = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e);
+      kda_store_8_bf16_as_float(d_out_s + i * ldw + e, bits);
+    }
+  } else {
+    for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
+      const int i = idx / VP, e = idx % VP;
+      d_out_s[i * ldw + e] =
+          (i < c_len && e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e) : 0.0f;
+    }
   }
   // L: the diagonal and above are zero (the lower part is written below, disjointly).
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
     if (j >= i) lower[i * kLdPair + j] = 0.0f;
   }
-  // dγ = e^γ ⊙ rowsum(S ⊙ dS') (warp per state row, coalesced over the columns).
+  // dγ = e^γ ⊙ rowsum(S ⊙ dS') (warp per state row, 16-byte loads over the columns; VP is a
+  // multiple of 16 and the workspace rows are 16-byte aligned). Unrolled over rows so that
+  // several rows' loads are in flight at once.
+#pragma unroll 4
   for (int col = warp; col < KP; col += kWarps) {
     float dot = 0.0f;
-    for (int e = lane; e < VP; e += 32) dot += state[col * VP + e] * d_state[col * VP + e];
+    for (int e = 4 * lane; e < VP; e += 128) {
+      const float4 a = *reinterpret_cast<const float4*>(state + col * VP + e);
+      const float4 b4 = *reinterpret_cast<const float4*>(d_state + col * VP + e);
+      dot += a.x * b4.x + a.y * b4.y + a.z * b4.z + a.w * b4.w;
+    }
     dot = warp_sum(dot);
     if (lane == 0) d_gamma_last[col] = decay_whole[col] * dot;
   }
@@ -528,48 +540,62 @@ __global__ void __launch_bounds__(kThreads, 1)
       });
     }
     // Inside the sub-block: pairwise exponents (≤ 0), shared by the dL and dP terms. A lane's
-    // accumulator elements come in channel pairs (c, c+1) of one row (e4 = 2·half + 0/1), which
-    // share the weights dL_ij, dP_ij and read k̂, q̂, Γ as pairs.
+    // accumulator elements come in channel pairs (c, c+1) of two rows i = r0 + g and r0 + g + 8
+    // (e4 = 2·half + 0/1). One fixed pass over the sub-block's 16 positions p serves both rows
+    // and both directions: rows take the weights dL_ip, dP_ip (zero unless p < i: structural
+    // zeros set above), columns dL_pi, dP_pi (zero unless p > i), and the one exponent
+    // −|Γ_i − Γ_p| is Γ_i − Γ_p for p < i and Γ_p − Γ_i for p > i, so it is ≤ 0 for every pair
+    // used. k̂, q̂, Γ at p are read once per pass for the two rows (the unrolled loop keeps the
+    // loads of the next positions in flight).
     {
       const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
       for (int j = 0; j < kMaxTiles; ++j) {
         if (j >= tiles_k) continue;
+        const int c = col0_k + 8 * j + 2 * tq;
+        int rows[2];
+        float2 gamma_row[2], row_lower[2], row_query_key[2], cols[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int i = r0 + g + 8 * half, c = col0_k + 8 * j + 2 * tq;
-          const float2 gamma_i = gamma2(i, c);
-          float2 row_lower = make_float2(0.0f, 0.0f), row_query_key = make_float2(0.0f, 0.0f);
-          float2 cols = make_float2(0.0f, 0.0f);
-          for (int jj = r0; jj < i; ++jj) {
-            const float w_lower = d_lkk[i * kLdPair + jj], w_query_key = d_pqk[i * kLdPair + jj];
-            if (w_lower != 0.0f || w_query_key != 0.0f) {
-              const float2 key = key_hat2(jj, c), gamma_j = gamma2(jj, c);
-              const float key_x = key.x * __expf(gamma_i.x - gamma_j.x);
-              const float key_y = key.y * __expf(gamma_i.y - gamma_j.y);
-              row_lower.x += w_lower * key_x;
-              row_lower.y += w_lower * key_y;
-              row_query_key.x += w_query_key * key_x;
-              row_query_key.y += w_query_key * key_y;
-            }
+          rows[half] = r0 + g + 8 * half;
+          gamma_row[half] = gamma2(rows[half], c);
+          row_lower[half] = row_query_key[half] = cols[half] = make_float2(0.0f, 0.0f);
+        }
+#pragma unroll 4
+        for (int p = 0; p < kSubBlock; ++p) {
+          const int position = r0 + p;
+          const float2 key = key_hat2(position, c), query = query_hat2(position, c);
+          const float2 gamma_p = gamma2(position, c);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int i = rows[half];
+            const float w_lower_row = d_lkk[i * kLdPair + position];
+            const float w_query_key_row = d_pqk[i * kLdPair + position];
+            const float w_lower_col = d_lkk[position * kLdPair + i];
+            const float w_query_key_col = d_pqk[position * kLdPair + i];
+            const float decay_x = __expf(-fabsf(gamma_row[half].x - gamma_p.x));
+            const float decay_y = __expf(-fabsf(gamma_row[half].y - gamma_p.y));
+            const float key_x = key.x * decay_x, key_y = key.y * decay_y;
+            row_lower[half].x += w_lower_row * key_x;
+            row_lower[half].y += w_lower_row * key_y;
+            row_query_key[half].x += w_query_key_row * key_x;
+            row_query_key[half].y += w_query_key_row * key_y;
+            cols[half].x += w_lower_col * key_x + w_query_key_col * (query.x * decay_x);
+            cols[half].y += w_lower_col * key_y + w_query_key_col * (query.y * decay_y);
           }
-          for (int later = i + 1; later < r0 + kSubBlock; ++later) {
-            const float w_lower = d_lkk[later * kLdPair + i], w_query_key = d_pqk[later * kLdPair + i];
-            if (w_lower != 0.0f || w_query_key != 0.0f) {
-              const float2 key = key_hat2(later, c), query = query_hat2(later, c);
-              const float2 gamma_l = gamma2(later, c);
-              cols.x += (w_lower * key.x + w_query_key * query.x) * __expf(gamma_l.x - gamma_i.x);
-              cols.y += (w_lower * key.y + w_query_key * query.y) * __expf(gamma_l.y - gamma_i.y);
-            }
-          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = rows[half];
           const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c);
-          acc_q[j][2 * half] += row_query_key.x;
-          acc_q[j][2 * half + 1] += row_query_key.y;
-          acc_k[j][2 * half] += row_lower.x + cols.x;
-          acc_k[j][2 * half + 1] += row_lower.y + cols.y;
-          acc_gamma[j][2 * half] += key_i.x * (row_lower.x - cols.x) + query_i.x * row_query_key.x;
+          acc_q[j][2 * half] += row_query_key[half].x;
+          acc_q[j][2 * half + 1] += row_query_key[half].y;
+          acc_k[j][2 * half] += row_lower[half].x + cols[half].x;
+          acc_k[j][2 * half + 1] += row_lower[half].y + cols[half].y;
+          acc_gamma[j][2 * half] +=
+              key_i.x * (row_lower[half].x - cols[half].x) + query_i.x * row_query_key[half].x;
           acc_gamma[j][2 * half + 1] +=
-              key_i.y * (row_lower.y - cols.y) + query_i.y * row_query_key.y;
+              key_i.y * (row_lower[half].y - cols[half].y) + query_i.y * row_query_key[half].y;
         }
       }
     }
@@ -603,8 +629,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   stamp(11);
 
-  // E_i = dKe_i ⊙ Ke_i again (the stage-2 product; G is dead, slot b takes E).
+  // E_i = dKe_i ⊙ Ke_i again (the stage-2 product; G is dead, slot b takes E). dq, dk through
+  // the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))) go from the registers to shared memory
+  // (slot c, dead since stage 3, and the three [C, C] matrices, dead too and contiguous), so
+  // that one block-wide coalesced pass adds dg, dq and dk to global memory at the end.
   float* key_end_terms = slot_b;
+  float* d_query_s = slot_c;                                                  // [C, ldw]
+  float* d_key_s = reinterpret_cast<float*>(shared_bytes + l.d_lower_query_key);  // [C, ldw]
+  for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    const float q_inv = query_inv[i], k_inv = key_inv[i];
+    const float q_raw = bf16_bits_to_float(query_raw[i * ldr + c]);
+    const float k_raw = bf16_bits_to_float(key_raw[i * ldr + c]);
+    d_query_s[i * ldw + c] = d.scale * q_inv * (acc_q[j][e4] - q_raw * q_inv * (dot_query[i] * q_inv));
+    d_key_s[i * ldw + c] = k_inv * (acc_k[j][e4] - k_raw * k_inv * (dot_key[i] * k_inv));
+  });
   {
     float acc[kMaxTiles][4];
     zero_tiles(acc);
@@ -638,22 +676,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   stamp(13);
-  // dg += that, row-coalesced by the whole block (the sequential scans above stay in shared
-  // memory: a global read-modify-write per step would put 64 dependent round trips on them).
-  for (int idx = tid; idx < c_len * d.K; idx += kThreads) {
-    const int i = idx / d.K, col = idx % d.K;
-    dg[token_row(i) * d.K + col] += d_gamma[i * ldw + col];
+  // dg, dq, dk += those, row-coalesced by the whole block (the sequential scans above stay in
+  // shared memory: a global read-modify-write per step would put 64 dependent round trips on
+  // them).
+  // 16-byte accesses when K and the gradient pointers allow (the usual case), unrolled so that
+  // several rows' loads are in flight.
+  auto add4 = [](float* dst, const float* src) {
+    float4 x = *reinterpret_cast<float4*>(dst);
+    const float4 y = *reinterpret_cast<const float4*>(src);
+    x.x += y.x; x.y += y.y; x.z += y.z; x.w += y.w;
+    *reinterpret_cast<float4*>(dst) = x;
+  };
+  if (d.K % 4 == 0 && ((reinterpret_cast<uintptr_t>(dg) | reinterpret_cast<uintptr_t>(dq) |
+                        reinterpret_cast<uintptr_t>(dk)) & 15) == 0) {
+    const int per_row = d.K / 4;
+#pragma unroll 4
+    for (int idx = tid; idx < c_len * per_row; idx += kThreads) {
+      const int i = idx / per_row, col = idx % per_row * 4;
+      const int64_t at = token_row(i) * d.K + col;
+      add4(dg + at, d_gamma + i * ldw + col);
+      add4(dq + at, d_query_s + i * ldw + col);
+      add4(dk + at, d_key_s + i * ldw + col);
+    }
+  } else {
+    for (int idx = tid; idx < c_len * d.K; idx += kThreads) {
+      const int i = idx / d.K, col = idx % d.K;
+      const int64_t at = token_row(i) * d.K + col;
+      dg[at] += d_gamma[i * ldw + col];
+      dq[at] += d_query_s[i * ldw + col];
+      dk[at] += d_key_s[i * ldw + col];
+    }
   }
-  // dq, dk through the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))), from the registers.
-  for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-    if (i >= c_len || c >= d.K) return;
-    const int64_t at = token_row(i) * d.K + c;
-    const float q_inv = query_inv[i], k_inv = key_inv[i];
-    const float q_raw = bf16_bits_to_float(query_raw[i * ldr + c]);
-    const float k_raw = bf16_bits_to_float(key_raw[i * ldr + c]);
-    dq[at] += d.scale * q_inv * (acc_q[j][e4] - q_raw * q_inv * (dot_query[i] * q_inv));
-    dk[at] += k_inv * (acc_k[j][e4] - k_raw * k_inv * (dot_key[i] * k_inv));
-  });
   if (tid < c_len) dbeta[token_row(tid)] += d_beta_s[tid];
   stamp(14);
 }
@@ -691,7 +744,11 @@ void kda_chunk_grad_tensor_cores(const uint16_t* q, const uint16_t* k, const uin
                                  const KdaForwardWorkspace& ws, const float* d_states,
                                  cudaStream_t stream) {
   if (d.num_chunks == 0 || d.B * d.H == 0) return;
-  const int shared = tc_grad_layout(d).total;
+  const TcGradLayout layout = tc_grad_layout(d);
+  const int shared = layout.total;
+  // The kernel's last phase keeps dk [C, ldw] fp32 in the three [C, C] matrices (contiguous).
+  DM_CHECK(layout.slot_a - layout.d_lower_query_key >= kChunk * layout.ldw * 4,
+           "kda stage 4: the [C, C] matrices cannot hold dk");
   DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_grad_tc_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
   kda_chunk_grad_tc_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads,
