@@ -2,7 +2,8 @@
 // forward + backward (per-layer recompute) + clip + AdamW per step; median tokens/s over --steps
 // steps after 2 warm-up steps, MFU, device memory. Mirrors
 // `bench/peers/deltamoe_torch.py train-bench --device cuda --dtype bfloat16`.
-//   bench_cuda_train --config configs/gpu_1b.json --batch 1 --seq 4096 --steps 5
+//   bench_cuda_train --config configs/gpu_1b.json --batch 1 --seq 4096 --steps 5 [--recompute off]
+// --recompute off: the KDA layers keep their forward internals instead of recomputing them.
 // MFU counts the model FLOPs of the step (no recompute): 6 · active parameters · tokens for the
 // matrices, plus 3 · 2 · 2 · (T/2) · H · (d_qk + d_v) per token and MLA layer for causal attention
 // (forward ×3 for the backward), over the H200's dense bf16 peak of 989 TFLOP/s.
@@ -27,12 +28,14 @@ int main(int argc, char** argv) {
   int64_t B = 1, T = 4096;
   int steps = 5;
   double peak_tflops = 989.0;
+  bool recompute = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--config")) config = argv[i + 1];
     else if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--seq")) T = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--peak-tflops")) peak_tflops = std::atof(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--recompute")) recompute = std::strcmp(argv[i + 1], "off") != 0;
   }
   try {
     if (!dm::cuda::device_available()) {
@@ -50,13 +53,15 @@ int main(int argc, char** argv) {
     std::vector<int64_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
     for (auto& t : tokens) t = int64_t(rng() % uint64_t(c.vocab_size));
     for (int64_t i = 0; i < N; ++i) targets[size_t(i)] = (i + 1) % T ? tokens[size_t(i + 1)] : -1;
+    dm::TrainOptions options;
+    options.recompute = recompute;
     std::vector<double> times, fb_times;
     double loss = 0;
     for (int s = 0; s < steps + 2; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       engine->zero_grads();
       const dm::TrainStepResult r = engine->forward_backward(
-          tokens.data(), targets.data(), nullptr, B, T, 1.0 / double(N - B), {}, nullptr);
+          tokens.data(), targets.data(), nullptr, B, T, 1.0 / double(N - B), options, nullptr);
       const double t_fb = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double gn = engine->grad_norm();  // synchronises
       if (gn > 1.0) engine->scale_grads(float(1.0 / gn));
@@ -80,9 +85,10 @@ int main(int argc, char** argv) {
                                         mla_layers;
     const double flops = (6.0 * double(pc.active) + attn_flops_per_token) * double(N);
     const double tflops = flops / t / 1e12;
-    std::printf("%s on %s: %s parameters, %s active; B=%lld T=%lld\n", config.c_str(),
-                dm::cuda::device_description().c_str(), dm::format_param_count(pc.total).c_str(),
-                dm::format_param_count(pc.active).c_str(), (long long)B, (long long)T);
+    std::printf("%s on %s: %s parameters, %s active; B=%lld T=%lld; recompute %s\n",
+                config.c_str(), dm::cuda::device_description().c_str(),
+                dm::format_param_count(pc.total).c_str(), dm::format_param_count(pc.active).c_str(),
+                (long long)B, (long long)T, recompute ? "on" : "off (KDA internals kept)");
     std::printf("forward+backward %.1f ms, optimizer (norm, clip, AdamW) %.1f ms\n", t_fb * 1e3,
                 (t - t_fb) * 1e3);
     std::printf("train step (fwd+bwd+AdamW, bf16 compute, fp32 master): %.1f ms, %.0f tokens/s, "

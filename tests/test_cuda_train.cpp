@@ -134,6 +134,40 @@ TEST(CudaTrain, GradientsMatchCpuWithPackedDocuments) {
   compare_gradients(test_config(), 1, 200, true, "test config, packed");
 }
 
+// Without recompute the KDA layers keep their forward internals for the backward: the same
+// kernels on the same inputs, so the loss is identical and the gradients agree to the last bits
+// (stage 4 sums dβ with shared-memory atomics, whose order is not fixed). Packed documents, two
+// steps (the kept memory is reused).
+TEST(CudaTrain, KeptKdaInternalsMatchRecompute) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = test_config();
+  auto W = weights_allocate<float>(c);
+  weights_init(*W, 5);
+  test::round_weights_to_bf16(*W);
+  const int64_t B = 1, T = 200;
+  const Batch b = random_batch(c, B, T, true, 11);
+  std::vector<float> grads[2];
+  double loss[2] = {0, 0};
+  for (int keep = 0; keep < 2; ++keep) {
+    cuda::GpuTrainModel gpu(*W);
+    for (int step = 0; step < 2; ++step) {
+      gpu.grads().zero();
+      const TrainStepResult r = gpu.forward_backward(b.tokens.data(), b.targets.data(),
+                                                     b.doc.data(), B, T, 1e-2, nullptr,
+                                                     /*recompute=*/keep == 0);
+      loss[keep] = r.loss_sum;
+    }
+    auto G = weights_allocate<float>(c);
+    gpu.grads().download(*G);
+    for (const auto& e : G->params) grads[keep].insert(grads[keep].end(), e.data, e.data + e.numel());
+  }
+  EXPECT_EQ(loss[0], loss[1]);
+  ASSERT_TRUE(test::all_finite(grads[1]));
+  const double e = test::rel_rms(grads[1].data(), grads[0].data(), grads[0].size());
+  std::printf("[          ] kept KDA internals vs recompute: gradient rel RMS %.2e\n", e);
+  EXPECT_LE(e, 1e-6);
+}
+
 TEST(CudaTrain, GradientsMatchCpuWithPlainResidual) {
   DM_SKIP_WITHOUT_GPU();
   ModelConfig c = test_config();

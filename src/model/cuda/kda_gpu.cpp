@@ -128,7 +128,7 @@ size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
 
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start, const KdaCarryOut* carry) {
+                           const int32_t* doc_start, const KdaCarryOut* carry, void* kept) {
   const ModelConfig& c = dw.config();
   kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   DM_CHECK(carry == nullptr || (B == 1 && doc_start == nullptr),
@@ -137,8 +137,12 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
   if (dims.N == 0) return;
   DeviceArenaScope scope(run.scratch);
   kda_gpu::ScratchPlan plan{&run.scratch};
-  const kda_gpu::ForwardViews v =
-      forward_carve(plan, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
+  kda_gpu::ScratchPlan kept_plan;
+  kept_plan.base = static_cast<char*>(kept);
+  const KdaShape shape{B, T, dims.H, dims.K, dims.K};
+  // Kept for the backward: every intermediate in its own buffer (as the backward recomputes them).
+  const kda_gpu::ForwardViews v = kept ? kda_gpu::keep_carve(kept_plan, c, dims, shape)
+                                       : forward_carve(plan, dims, shape);
   kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, carry, v);
   linear(run, v.normed, dw.bf16(w.o_proj), dims.N, dims.HK, dims.d, y, GemmOutType::F32);
 }

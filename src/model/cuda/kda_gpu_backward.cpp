@@ -1,6 +1,6 @@
 // KDA token mixer on the GPU, backward (training): the twin of model/kda.cpp kda_layer_backward
 // with the chunked operator. The forward is recomputed from xn (kda_gpu::forward_steps, every
-// intermediate kept), then each step is back-propagated in the reverse order of the forward:
+// intermediate kept), or taken from what the training forward kept (`kept`), then each step is back-propagated in the reverse order of the forward:
 //   y = o_proj·normed                 → d normed [N, H·K] fp32, d o_proj
 //   normed = RMSNorm(o)·o_norm ⊙ σ(G)  → d o (bf16: the operator takes it in its input type),
 //                                        d out_gate (bf16, a GEMM operand), d o_norm
@@ -43,22 +43,15 @@ struct BackwardBuffers {
   float* partial;       // fp32 row partials (the largest of the three ops' needs)
 };
 
-BackwardBuffers backward_carve(kda_gpu::ScratchPlan& plan, const ModelConfig& c,
-                               const kda_gpu::Dims& dims, const KdaShape& shape) {
+// The backward's buffers; the forward's views come from `forward_plan` (the scratch, or the
+// kept memory when the forward kept its internals), the rest from `plan`.
+BackwardBuffers backward_carve(kda_gpu::ScratchPlan& forward_plan, kda_gpu::ScratchPlan& plan,
+                               const ModelConfig& c, const kda_gpu::Dims& dims,
+                               const KdaShape& shape) {
   const int64_t N = dims.N, HK = dims.HK, H = dims.H, K = dims.K;
   BackwardBuffers b{};
-  kda_gpu::ForwardViews& f = b.fwd;
-  for (uint16_t** p : {&f.q_raw, &f.k_raw, &f.v_raw, &f.q, &f.k, &f.v, &f.gate_raw, &f.g, &f.o,
-                       &f.out_gate, &f.normed})
-    *p = plan.take<uint16_t>(N * HK);
-  f.gate_low = plan.take<uint16_t>(N * K);
-  f.out_gate_low = c.kda.full_rank_output_gate ? nullptr : plan.take<uint16_t>(N * K);
-  f.beta_logits = plan.take<float>(N * H);
-  f.beta = plan.take<uint16_t>(N * H);
-  // One workspace for the recomputed forward and the operator backward: the backward's carve
-  // starts with the forward's (kda_chunk_backward.cu), and the max covers both either way.
-  f.operator_workspace = plan.take_bytes(
-      std::max(kda_chunk_forward_workspace_bytes(shape), kda_chunk_backward_workspace_bytes(shape)));
+  b.fwd = kda_gpu::keep_carve(forward_plan, c, dims, shape);
+  const kda_gpu::ForwardViews& f = b.fwd;
 
   b.dy = plan.take<uint16_t>(N * dims.d);
   b.d_normed_then_dg = plan.take<float>(N * HK);
@@ -86,17 +79,48 @@ void backward_check(const ModelConfig& c, int64_t B, int64_t T) {
 
 }  // namespace
 
-size_t kda_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+namespace kda_gpu {
+
+ForwardViews keep_carve(ScratchPlan& plan, const ModelConfig& c, const Dims& dims,
+                        const KdaShape& shape) {
+  const int64_t N = dims.N, HK = dims.HK, H = dims.H, K = dims.K;
+  ForwardViews f{};
+  for (uint16_t** p : {&f.q_raw, &f.k_raw, &f.v_raw, &f.q, &f.k, &f.v, &f.gate_raw, &f.g, &f.o,
+                       &f.out_gate, &f.normed})
+    *p = plan.take<uint16_t>(N * HK);
+  f.gate_low = plan.take<uint16_t>(N * K);
+  f.out_gate_low = c.kda.full_rank_output_gate ? nullptr : plan.take<uint16_t>(N * K);
+  f.beta_logits = plan.take<float>(N * H);
+  f.beta = plan.take<uint16_t>(N * H);
+  // One workspace for the forward and the operator backward: the backward's carve starts with
+  // the forward's (kda_chunk_backward.cu), and the max covers both either way.
+  f.operator_workspace = plan.take_bytes(
+      std::max(kda_chunk_forward_workspace_bytes(shape), kda_chunk_backward_workspace_bytes(shape)));
+  return f;
+}
+
+}  // namespace kda_gpu
+
+size_t kda_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T, bool kept) {
+  backward_check(c, B, T);
+  const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
+  kda_gpu::ScratchPlan counter, kept_counter;
+  backward_carve(kept ? kept_counter : counter, counter, c, dims,
+                 KdaShape{B, T, dims.H, dims.K, dims.K});
+  return counter.bytes;
+}
+
+size_t kda_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   backward_check(c, B, T);
   const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
   kda_gpu::ScratchPlan counter;
-  backward_carve(counter, c, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
+  kda_gpu::keep_carve(counter, c, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
   return counter.bytes;
 }
 
 void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const KdaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t B, int64_t T, const int32_t* doc_start) {
+                            int64_t B, int64_t T, const int32_t* doc_start, void* kept) {
   const ModelConfig& c = dw.config();
   backward_check(c, B, T);
   const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
@@ -105,12 +129,15 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   const KdaShape shape{B, T, H, K, K};
   DeviceArenaScope scope(run.scratch);
   kda_gpu::ScratchPlan plan{&run.scratch};
-  const BackwardBuffers b = backward_carve(plan, c, dims, shape);
+  kda_gpu::ScratchPlan kept_plan;
+  kept_plan.base = static_cast<char*>(kept);
+  const BackwardBuffers b = backward_carve(kept ? kept_plan : plan, plan, c, dims, shape);
   const kda_gpu::ForwardViews& f = b.fwd;
   CUstream_st* stream = run.stream;
 
-  // Recompute the forward up to o_proj's input.
-  kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, /*carry=*/nullptr, f);
+  // Recompute the forward up to o_proj's input, unless the forward kept it
+  // (kda_layer_forward_gpu with the same `kept`; its o_proj input `normed` is read below).
+  if (!kept) kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, /*carry=*/nullptr, f);
 
   // y = normed · o_projᵀ: d normed [N, H·K] fp32 (it feeds the norm's element-wise backward).
   convert_f32_to_bf16(dy, b.dy, N * d, stream);

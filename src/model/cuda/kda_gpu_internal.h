@@ -25,12 +25,17 @@ void check(const ModelConfig& c, int64_t B, int64_t T, const char* what);
 // Carves from the scratch arena, or (arena == nullptr) only counts: the bytes functions run the
 // same sequence as the layer, so the two cannot disagree. Each view rounds up to the arena's
 // 256-byte alignment; `bytes` starts with 256 of slack for an unaligned arena mark.
+// With `base` instead (256-byte aligned memory of at least the counted bytes), views are carved
+// from it at the same offsets every time (the kept forward internals of training).
 struct ScratchPlan {
   DeviceArena* arena = nullptr;
   size_t bytes = 256;
+  char* base = nullptr;
   void* take_bytes(size_t n) {
+    const size_t at = bytes - 256;
     bytes += (n + 255) / 256 * 256;
-    return arena ? arena->alloc_bytes(n) : nullptr;
+    if (arena) return arena->alloc_bytes(n);
+    return base ? base + at : nullptr;
   }
   template <typename T>
   T* take(int64_t n) {
@@ -55,6 +60,12 @@ struct ForwardViews {
   uint16_t* normed;                 // [N, H·K] RMSNorm(o_h)·o_norm ⊙ σ(out_gate): o_proj's input
   void* operator_workspace;         // ≥ kda_chunk_forward_workspace_bytes
 };
+
+// The forward's views with every intermediate in its own buffer and an operator workspace big
+// enough for the operator's backward too: what the backward recomputes into, or what training
+// without the mixer recompute keeps from the forward (kda_layer_kept_gpu_bytes).
+ForwardViews keep_carve(ScratchPlan& plan, const ModelConfig& c, const Dims& dims,
+                        const KdaShape& shape);
 
 // Every step of the layer forward before o_proj, in the order of model/kda.cpp, into `v`
 // (carry: the decode carry of kda_layer_forward_gpu, nullable). N = B·T > 0.

@@ -26,11 +26,15 @@ struct KdaCarryOut {
   float* state = nullptr;  // [H, K, K] fp32 (written)
   uint16_t* tail[3] = {};  // q, k, v: [Kc−1, H·K] bf16 (written)
 };
+// kept (training without the mixer recompute; nullable): kda_layer_kept_gpu_bytes of device
+// memory, 256-byte aligned, where the forward leaves every intermediate for
+// kda_layer_backward_gpu with the same `kept`, which then skips its recompute.
 size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+size_t kda_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
                            const int32_t* doc_start = nullptr,
-                           const KdaCarryOut* carry = nullptr);
+                           const KdaCarryOut* carry = nullptr, void* kept = nullptr);
 
 size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
@@ -78,10 +82,13 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
 // takes. GEMM operands are bf16 (dy is rounded once for them), accumulation and the gradients
 // of element-wise parameters fp32. The MoE backward synchronises the stream once (its dispatch
 // plan), the others never.
-size_t kda_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+// kept: what kda_layer_forward_gpu kept (nullable: recompute); the scratch then excludes it.
+size_t kda_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
+                                    bool kept = false);
 void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const KdaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t B, int64_t T, const int32_t* doc_start = nullptr);
+                            int64_t B, int64_t T, const int32_t* doc_start = nullptr,
+                            void* kept = nullptr);
 
 size_t mla_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,

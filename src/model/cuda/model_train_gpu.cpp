@@ -116,7 +116,23 @@ GpuTrainModel::GpuTrainModel(ModelWeights& host)
 GpuTrainModel::~GpuTrainModel() = default;
 
 size_t GpuTrainModel::activation_bytes() const {
-  return (act_ ? act_->capacity() : 0) + (run_ ? run_->scratch.capacity() : 0);
+  return (act_ ? act_->capacity() : 0) + (run_ ? run_->scratch.capacity() : 0) +
+         (kept_ ? kept_->capacity() : 0);
+}
+
+// One KDA layer's kept forward internals, rounded to the arena's alignment.
+size_t kda_kept_stride(const ModelConfig& c, int64_t B, int64_t T) {
+  return round_up(kda_layer_kept_gpu_bytes(c, B, T));
+}
+
+void GpuTrainModel::ensure_kept(int64_t B, int64_t T) {
+  const ModelConfig& c = config();
+  int kda_layers = 0;
+  for (int i = 0; i < c.num_layers; ++i) kda_layers += c.mixers[size_t(i)] == MixerKind::KDA;
+  const size_t bytes = size_t(kda_layers) * kda_kept_stride(c, B, T) + 256;
+  if (kept_ && kept_->capacity() >= bytes) return;
+  kept_.reset();
+  kept_ = std::make_unique<DeviceArena>(bytes);
 }
 
 void GpuTrainModel::ensure_capacity(int64_t B, int64_t T) {
@@ -153,7 +169,8 @@ void GpuTrainModel::upload_router_biases() {
 
 TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int64_t* targets,
                                                 const int32_t* doc_start, int64_t B, int64_t T,
-                                                double loss_scale, RoutingSink* sink) {
+                                                double loss_scale, RoutingSink* sink,
+                                                bool recompute) {
   const ModelConfig& c = config();
   const ModelWeights& W = host_;
   DM_CHECK(B > 0 && T > 0, "train (cuda): empty batch");
@@ -161,6 +178,15 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
            " exceeds the context limit ", c.max_context);
   check_token_ids(tokens, B * T, c.vocab_size, "tokens");
   ensure_capacity(B, T);
+  // Without recompute, each KDA layer's forward keeps its internals for its backward.
+  std::vector<void*> kda_kept(static_cast<size_t>(c.num_layers), nullptr);
+  if (!recompute) {
+    ensure_kept(B, T);
+    kept_->reset();
+    for (int i = 0; i < c.num_layers; ++i)
+      if (c.mixers[size_t(i)] == MixerKind::KDA)
+        kda_kept[size_t(i)] = kept_->alloc_bytes(kda_kept_stride(c, B, T));
+  }
   GpuRun& run = *run_;
   CUstream_st* stream = run.stream;
   DeviceArena& act = *act_;
@@ -249,7 +275,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     rmsnorm_to_bf16(x, dw_.f32(Lw.input_norm), xn, N, d, eps, stream);
     if (!rebuild) {
       if (c.mixers[size_t(i)] == MixerKind::KDA)
-        timer("kda_fwd", stream, [&] { kda_layer_forward_gpu(run, dw_, Lw.kda, xn, p_mid, B, T, doc_dev); });
+        timer("kda_fwd", stream, [&] {
+          kda_layer_forward_gpu(run, dw_, Lw.kda, xn, p_mid, B, T, doc_dev, nullptr, kda_kept[size_t(i)]);
+        });
       else
         timer("mla_fwd", stream, [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, xn, p_mid, B, T, doc_dev); });
       if (!empty) add_inplace(p_mid, pp, int64_t(nd), stream);
@@ -381,7 +409,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     }
     // Mixer sub-layer: p_mid = [p_in +] Mixer(norm(x)); dp is now ∂L/∂p_mid = ∂L/∂(mixer out).
     if (c.mixers[size_t(i)] == MixerKind::KDA)
-      timer("kda_bwd", stream, [&] { kda_layer_backward_gpu(run, dw_, grads_, Lw.kda, xn, dp, dxn, B, T, doc_dev); });
+      timer("kda_bwd", stream, [&] {
+        kda_layer_backward_gpu(run, dw_, grads_, Lw.kda, xn, dp, dxn, B, T, doc_dev, kda_kept[size_t(i)]);
+      });
     else
       timer("mla_bwd", stream, [&] { mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, xn, dp, dxn, B, T, doc_dev); });
     norm_backward(x, Lw.input_norm, dxn);

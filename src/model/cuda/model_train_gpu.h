@@ -36,10 +36,14 @@ class GpuTrainModel {
   // tokens, targets [B, T] (host; −1 = no loss), doc_start [B·T] (host, nullable) → the loss sums
   // of this micro-batch; gradients of Σ CE · loss_scale ACCUMULATE into grads(). `sink` receives
   // each MoE layer's routing (host copies: scores [N, E], cutoff [N], idx [N, k]) for Quantile
-  // Balancing. Synchronises the stream before returning.
+  // Balancing. Synchronises the stream before returning. recompute = false: each KDA layer's
+  // forward keeps its internals (q, k, v, g, β, the operator's chunk states, …: ~0.5 GB per
+  // layer at T = 4096, d = 2048) so its backward skips the recompute; MLA and FFN sub-layers
+  // recompute either way.
   TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
                                    const int32_t* doc_start, int64_t B, int64_t T,
-                                   double loss_scale, RoutingSink* sink = nullptr);
+                                   double loss_scale, RoutingSink* sink = nullptr,
+                                   bool recompute = true);
 
   DeviceWeights& weights() { return dw_; }
   DeviceGrads& grads() { return grads_; }
@@ -56,12 +60,14 @@ class GpuTrainModel {
 
  private:
   void ensure_capacity(int64_t B, int64_t T);
+  void ensure_kept(int64_t B, int64_t T);
   ModelWeights& host_;
   DeviceWeights dw_;
   DeviceGrads grads_;
   DeviceParamArena master_;
   std::unique_ptr<GpuRun> run_;
   std::unique_ptr<DeviceArena> act_;
+  std::unique_ptr<DeviceArena> kept_;  // KDA layers' forward internals (recompute = false)
   int64_t capacity_B_ = 0, capacity_T_ = 0;
   // Host staging of one MoE layer's routing for the sink.
   std::vector<float> route_scores_, route_cutoff_;

@@ -15,10 +15,12 @@ class GpuTrainEngine final : public TrainEngine {
   void zero_grads() override { gpu_.grads().zero(stream()); }
   TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
                                    const int32_t* doc_start, int64_t B, int64_t T,
-                                   double loss_scale, const TrainOptions&,
+                                   double loss_scale, const TrainOptions& to,
                                    RoutingSink* sink) override {
-    // The GPU step always recomputes per layer and runs the chunked KDA operator (C = 64).
-    TrainStepResult r = gpu_.forward_backward(tokens, targets, doc_start, B, T, loss_scale, sink);
+    // The GPU step runs the chunked KDA operator (C = 64); without recompute only the KDA
+    // mixers keep their internals (GpuTrainModel::forward_backward).
+    TrainStepResult r =
+        gpu_.forward_backward(tokens, targets, doc_start, B, T, loss_scale, sink, to.recompute);
     peak_ = std::max(peak_, gpu_.activation_bytes());
     return r;
   }
