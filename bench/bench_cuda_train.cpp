@@ -96,8 +96,9 @@ int main(int argc, char** argv) {
                 "peak %.2f GB, optimizer %.2f GB\n",
                 t * 1e3, double(N) / t, tflops, 100.0 * tflops / peak_tflops, peak_tflops, loss,
                 engine->activation_peak() / 1e9, engine->optimizer_bytes() / 1e9);
-    std::printf("{\"impl\": \"deltamoe\", \"tokens_per_s\": %.1f, \"step_ms\": %.2f, \"mfu\": %.4f}\n",
-                double(N) / t, t * 1e3, tflops / peak_tflops);
+    std::printf("{\"impl\": \"deltamoe\", \"tokens_per_s\": %.1f, \"step_ms\": %.2f, \"mfu\": %.4f, "
+                "\"recompute\": %s}\n",
+                double(N) / t, t * 1e3, tflops / peak_tflops, recompute ? "true" : "false");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -132,6 +132,8 @@ bench() {
 if [ "$BENCH" = 1 ]; then
   bench bench_cuda_kda 25 $B/bench_cuda_kda
   bench bench_cuda_train 40 $B/bench_cuda_train --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3
+  bench bench_cuda_train_kept 40 $B/bench_cuda_train --config "$MODEL_CFG" --batch 1 --seq 4096 \
+    --steps 3 --recompute off
   bench bench_cuda_decode 50 $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
     --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
   bench bench_cuda_mla 45 $B/bench_cuda_mla

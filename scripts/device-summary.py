@@ -89,14 +89,18 @@ def main():
                        f"({ratio}× the {float(floor):.2f} ms floor) | | {target} |")
 
     # Training step: tokens/s and MFU against the PyTorch eager peer on the same GPU.
-    ours = [j for j in json_lines(read(d, "bench_cuda_train.log")) if j.get("impl") == "deltamoe"]
+    # One row per run: with per-layer recompute, and with the KDA internals kept (--recompute off).
     peer = [j for j in json_lines(read(d, "peer_torch_train.log")) if "tokens_per_s" in j]
-    if ours:
+    p = peer[-1]["tokens_per_s"] if peer else None
+    for log, label in (("bench_cuda_train.log", "training step (1B config)"),
+                       ("bench_cuda_train_kept.log", "training step (1B config, KDA internals kept)")):
+        ours = [j for j in json_lines(read(d, log)) if j.get("impl") == "deltamoe"]
+        if not ours:
+            continue
         o = ours[-1]
-        p = peer[-1]["tokens_per_s"] if peer else None
         vs = f" ({o['tokens_per_s'] / p:.1f}× torch)" if p else ""
         peer_cell = f"torch eager {p:.0f} tokens/s" if p else ""
-        out.append(f"| training step (1B config) | {o['tokens_per_s']:.0f} tokens/s, MFU "
+        out.append(f"| {label} | {o['tokens_per_s']:.0f} tokens/s, MFU "
                    f"{100 * o.get('mfu', 0):.1f}%{vs} | {peer_cell} | MFU ≥ 40% |")
 
     print("\n".join(out))
