@@ -45,6 +45,9 @@
 // vectors: ≈ 220 KB, one block per SM. Operands produced by earlier stages (S, dS', V', Ke, P)
 // are read from the workspace (L2) directly into fragments, as k-adjacent pairs (one 8-byte
 // load, warp_mma_pairs) wherever they are stored k-contiguous; dO is read once into slot c.
+// The last phase stages dq in slot c and dk in the three [C, C] matrices (dead by then), so one
+// coalesced pass adds dg, dq, dk to global memory. `bench_cuda_kda --phases` prints the cycles
+// of each phase of one block (the phase clock below).
 #include <algorithm>
 
 #include "core/error.h"
