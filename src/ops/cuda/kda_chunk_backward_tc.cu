@@ -232,28 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   stamp(1);
 
   // Inverse L2 norms (warp per row, from the staged bf16 rows) and Γ = cumsum g (by column).
-  for (int i = warp; i < kChunk; i += kWarps) {
-    float sum_q = 0.0f, sum_k = 0.0f;
-    for (int col = lane; col < d.K; col += 32) {
-      const float qv = bf16_bits_to_float(query_raw[i * ldr + col]);
-      const float kv = bf16_bits_to_float(key_raw[i * ldr + col]);
-      sum_q += qv * qv;
-      sum_k += kv * kv;
-    }
-    sum_q = warp_sum(sum_q);
-    sum_k = warp_sum(sum_k);
-    if (lane == 0) {
-      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
-      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
-    }
-  }
-  for (int col = tid; col < KP; col += kThreads) {
-    float running = 0.0f;
-    for (int i = 0; i < kChunk; ++i) {
-      running += gam[i * ldk + col];
-      gam[i * ldk + col] = running;
-    }
-  }
+  kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, gam, ldk, d, query_inv, key_inv);
   __syncthreads();
   stamp(2);
   const int last_segment = seg[kChunk - 1];

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* key_inv = query_inv + kChunk;                                            // [C]
   int* seg = reinterpret_cast<int*>(key_inv + kChunk);                            // [C]
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int KP = d.KP;
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
   const int64_t ch = bh * d.num_chunks + n;
@@ -107,28 +107,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
 
   // ---- 2. Inverse L2 norms (warp per row) and Γ = cumsum g (thread per column).
-  for (int i = warp; i < kChunk; i += kWarps) {
-    float sum_q = 0.0f, sum_k = 0.0f;
-    for (int col = lane; col < d.K; col += 32) {
-      const float qv = bf16_bits_to_float(query_raw[i * ldr + col]);
-      const float kv = bf16_bits_to_float(key_raw[i * ldr + col]);
-      sum_q += qv * qv;
-      sum_k += kv * kv;
-    }
-    sum_q = warp_sum(sum_q);
-    sum_k = warp_sum(sum_k);
-    if (lane == 0) {
-      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
-      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
-    }
-  }
-  for (int col = tid; col < KP; col += kThreads) {
-    float running = 0.0f;
-    for (int i = 0; i < kChunk; ++i) {
-      running += gam[i * ldk + col];
-      gam[i * ldk + col] = running;
-    }
-  }
+  kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, gam, ldk, d, query_inv, key_inv);
   __syncthreads();
 
   // ---- 3. L and P across sub-blocks: task = (s, t) block × {L, P}; warp w takes tasks w, w + 8.

@@ -163,6 +163,38 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
   }
 }
 
+// After kda_stage_rows_bf16 and a barrier: the rows' inverse L2 norms (warp per row, from the
+// bf16 bits) and Γ = cumsum g down each column in place (thread per column), by the whole block;
+// no barrier inside.
+__device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
+                                                    const uint16_t* key_raw, int ldr, float* gamma,
+                                                    int ldg, const KdaDims& d, float* query_inv,
+                                                    float* key_inv) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int i = warp; i < kChunk; i += kThreads / 32) {
+    float sum_q = 0.0f, sum_k = 0.0f;
+    for (int col = lane; col < d.K; col += 32) {
+      const float qv = __uint_as_float(uint32_t(query_raw[i * ldr + col]) << 16);
+      const float kv = __uint_as_float(uint32_t(key_raw[i * ldr + col]) << 16);
+      sum_q += qv * qv;
+      sum_k += kv * kv;
+    }
+    sum_q = warp_sum(sum_q);
+    sum_k = warp_sum(sum_k);
+    if (lane == 0) {
+      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
+      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
+    }
+  }
+  for (int col = tid; col < d.KP; col += kThreads) {
+    float running = 0.0f;
+    for (int i = 0; i < kChunk; ++i) {
+      running += gamma[i * ldg + col];
+      gamma[i * ldg + col] = running;
+    }
+  }
+}
+
 // The prepare stage for chunk n of head bh, by the whole block (kThreads threads); ends with a
 // barrier. Fills every KdaChunkShared view: rows past the chunk end are zero (q, k, g, β), so
 // they add nothing anywhere and Γ of those rows equals Γ of the last real token.
