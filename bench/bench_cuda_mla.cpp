@@ -33,6 +33,7 @@
 #include "ops/cpu/attention.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cuda/attention.h"
+#include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
@@ -148,15 +149,27 @@ int run(int reps, bool quick) {
       const double scale = 1.0 / std::sqrt(double(Dqk));
       const double pairs = double(T) * double(T + 1) / 2.0;
       const int bwd_reps = T > 8192 ? std::max(10, reps / 2) : reps;
-      const double fwd_ms = median_ms(
-          [&] { cuda::attention_causal_forward(q, k, v, o, lse, s, scale); }, reps);
-      rows.push_back({"mla prefill fwd", str_cat("T=", T, " H=", H), fwd_ms,
-                      2.0 * H * pairs * double(Dqk + Dv), 0});
-      const double bwd_ms = median_ms([&] {
-        cuda::attention_causal_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, ws);
-      }, bwd_reps, 2);
-      rows.push_back({"mla prefill bwd", str_cat("T=", T, " H=", H), bwd_ms,
-                      2.0 * H * pairs * double(3 * Dqk + 2 * Dv), 0});
+      // Ours (tiled) and cuDNN's fused engines side by side, when this build and GPU have cuDNN.
+      std::vector<std::pair<cuda::AttentionKernel, const char*>> kernels{
+          {cuda::AttentionKernel::Tiled, "ours"}};
+      if (cuda::cudnn_attention_available()) kernels.push_back({cuda::AttentionKernel::Cudnn, "cuDNN"});
+      for (auto [kernel, name] : kernels) {
+        const double fwd_ms = median_ms([&] {
+          cuda::attention_causal_forward(q, k, v, o, lse, s, scale, nullptr, nullptr, kernel);
+        }, reps);
+        rows.push_back({str_cat("mla prefill fwd (", name, ")"), str_cat("T=", T, " H=", H),
+                        fwd_ms, 2.0 * H * pairs * double(Dqk + Dv), 0});
+        const double bwd_ms = median_ms([&] {
+          cuda::attention_causal_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, ws,
+                                          nullptr, nullptr, kernel);
+        }, bwd_reps, 2);
+        rows.push_back({str_cat("mla prefill bwd (", name, ")"), str_cat("T=", T, " H=", H),
+                        bwd_ms, 2.0 * H * pairs * double(3 * Dqk + 2 * Dv), 0});
+        if (kernel == cuda::AttentionKernel::Cudnn)
+          std::printf("cuDNN T=%lld H=%lld: forward %s, backward %s\n", (long long)T,
+                      (long long)H, cuda::cudnn_attention_engine(false, s, scale).c_str(),
+                      cuda::cudnn_attention_engine(true, s, scale).c_str());
+      }
       arena.reset();
     }
   }

@@ -1,7 +1,8 @@
 // GPU MLA attention (ops/cuda/attention.h) against the CPU references of ops/cpu/attention.h:
-// tiled (tensor-core) and simple (one warp per row) kernels, forward output and lse, backward
-// gradients (accumulating, deterministic), packed documents, and the absorbed decode over a
-// paged latent cache against the expanded attention of the same positions. bf16 inputs: the CPU
+// tiled (tensor-core) and simple (one warp per row) kernels and cuDNN's fused engines, forward
+// output and lse, backward gradients (overwriting; tiled deterministic), packed documents, and
+// the absorbed decode over a paged latent cache against the expanded attention of the same
+// positions. bf16 inputs: the CPU
 // computes in double on the same bf16 values, tolerance relative RMS ≤ 1e-2, never NaN.
 // Without a GPU every test skips (CI compiles them).
 #include <gtest/gtest.h>
@@ -20,6 +21,7 @@
 #include "cuda_mla_test_util.h"
 #include "ops/cpu/attention.h"
 #include "ops/cuda/attention.h"
+#include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/device.h"
 
 namespace dm {
@@ -33,7 +35,12 @@ using test::mla::to_double;
 using test::mla::upload;
 
 const char* kernel_name(cuda::AttentionKernel kernel) {
-  return kernel == cuda::AttentionKernel::Tiled ? "tiled" : "simple";
+  switch (kernel) {
+    case cuda::AttentionKernel::Tiled: return "tiled";
+    case cuda::AttentionKernel::Simple: return "simple";
+    case cuda::AttentionKernel::Cudnn: return "cudnn";
+    default: return "auto";
+  }
 }
 
 // Packed documents: starts at 0, at random positions and right at / after a 64-token block edge,
@@ -64,6 +71,14 @@ std::vector<AttentionCase> attention_cases() {
     for (int64_t T : {1, 63, 64, 130, 300})
       for (bool docs : {false, true}) cases.push_back({Dqk, Dv, H, T, docs});
   return cases;
+}
+
+// Our two kernels on every case; cuDNN's fused engines where they apply (no packed documents).
+std::vector<cuda::AttentionKernel> kernels_for(const AttentionCase& c) {
+  std::vector<cuda::AttentionKernel> kernels{cuda::AttentionKernel::Tiled,
+                                             cuda::AttentionKernel::Simple};
+  if (!c.docs && cuda::cudnn_attention_available()) kernels.push_back(cuda::AttentionKernel::Cudnn);
+  return kernels;
 }
 
 std::string describe(const AttentionCase& c, cuda::AttentionKernel kernel) {
@@ -104,7 +119,7 @@ TEST(CudaMlaAttention, ForwardMatchesCpuReference) {
   const int64_t B = 2;
   uint32_t seed = 100;
   for (const AttentionCase& c : attention_cases()) {
-    for (auto kernel : {cuda::AttentionKernel::Tiled, cuda::AttentionKernel::Simple}) {
+    for (auto kernel : kernels_for(c)) {
       SCOPED_TRACE(describe(c, kernel));
       cuda::DeviceArena arena(size_t(64) << 20);
       const DeviceAttentionInputs in = make_inputs(c, B, seed += 10, arena);
@@ -143,7 +158,8 @@ struct BackwardResult {
   std::vector<float> dq, dk, dv;
 };
 
-// GPU forward (tiled) then backward with `kernel`, gradients accumulated into initial values.
+// GPU forward then backward with `kernel`; the gradients start from `initial_dq` / zero and are
+// overwritten.
 BackwardResult run_gpu_backward(const DeviceAttentionInputs& in, const Bf16Host& dout,
                                 const Bf16Host* initial_dq, cuda::AttentionKernel kernel,
                                 cuda::DeviceArena& arena) {
@@ -152,7 +168,7 @@ BackwardResult run_gpu_backward(const DeviceAttentionInputs& in, const Bf16Host&
   uint16_t* o_dev = arena.alloc<uint16_t>(vo);
   float* lse_dev = arena.alloc<float>(size_t(s.B * s.H * s.T));
   cuda::attention_causal_forward(in.q_dev, in.k_dev, in.v_dev, o_dev, lse_dev, s, in.scale,
-                                 in.doc_dev);
+                                 in.doc_dev, nullptr, kernel);
   const uint16_t* dout_dev = upload(arena, dout.bits);
   uint16_t* dq_dev = initial_dq ? upload(arena, initial_dq->bits)
                                 : test::mla::alloc_zeroed<uint16_t>(arena, qk);
@@ -173,7 +189,7 @@ TEST(CudaMlaAttention, BackwardMatchesCpuReference) {
   const int64_t B = 2;
   uint32_t seed = 500;
   for (const AttentionCase& c : attention_cases()) {
-    for (auto kernel : {cuda::AttentionKernel::Tiled, cuda::AttentionKernel::Simple}) {
+    for (auto kernel : kernels_for(c)) {
       SCOPED_TRACE(describe(c, kernel));
       cuda::DeviceArena arena(size_t(64) << 20);
       const DeviceAttentionInputs in = make_inputs(c, B, seed += 10, arena);
@@ -196,30 +212,43 @@ TEST(CudaMlaAttention, BackwardMatchesCpuReference) {
   }
 }
 
-// The backward adds into existing gradients and gives bit-identical results run to run.
-TEST(CudaMlaAttention, BackwardAccumulatesAndIsDeterministic) {
+// The backward overwrites whatever the gradient buffers held; our tiled kernel gives
+// bit-identical results run to run (cuDNN's dQ accumulation order is its own: overwrite only).
+TEST(CudaMlaAttention, BackwardOverwritesAndTiledIsDeterministic) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  const AttentionCase c{192, 128, 2, 130, true};
-  cuda::DeviceArena arena(size_t(64) << 20);
-  const DeviceAttentionInputs in = make_inputs(c, 1, 900, arena);
-  const size_t qk = size_t(c.T * c.H * c.Dqk), vo = size_t(c.T * c.H * c.Dv);
-  const Bf16Host dout = random_bf16(vo, 901);
-  const Bf16Host initial = random_bf16(qk, 902, 0.1f);
-  const BackwardResult first = run_gpu_backward(in, dout, &initial, cuda::AttentionKernel::Tiled,
-                                                arena);
-  const BackwardResult second = run_gpu_backward(in, dout, &initial,
-                                                 cuda::AttentionKernel::Tiled, arena);
-  EXPECT_EQ(first.dq, second.dq);
-  EXPECT_EQ(first.dk, second.dk);
-  EXPECT_EQ(first.dv, second.dv);
+  for (bool docs : {true, false}) {
+    const AttentionCase c{192, 128, 2, 130, docs};
+    cuda::DeviceArena arena(size_t(64) << 20);
+    const DeviceAttentionInputs in = make_inputs(c, 1, 900, arena);
+    const size_t qk = size_t(c.T * c.H * c.Dqk), vo = size_t(c.T * c.H * c.Dv);
+    const Bf16Host dout = random_bf16(vo, 901);
+    const Bf16Host initial = random_bf16(qk, 902, 0.1f);
+    const std::vector<double> q = to_double(in.q.values), k = to_double(in.k.values),
+                              v = to_double(in.v.values), g = to_double(dout.values);
+    std::vector<double> dq(qk, 0.0), dk(qk, 0.0), dv(vo, 0.0);
+    attention_causal_reference_backward<double>(q.data(), k.data(), v.data(), g.data(),
+                                                dq.data(), dk.data(), dv.data(), in.shape,
+                                                in.scale, docs ? in.doc.data() : nullptr);
+    for (auto kernel : kernels_for(c)) {
+      SCOPED_TRACE(describe(c, kernel));
+      const BackwardResult first = run_gpu_backward(in, dout, &initial, kernel, arena);
+      EXPECT_LE(rel_rms_vs(first.dq, dq), 1e-2);
+      EXPECT_LE(rel_rms_vs(first.dk, dk), 1e-2);
+      if (kernel != cuda::AttentionKernel::Tiled) continue;
+      const BackwardResult second = run_gpu_backward(in, dout, &initial, kernel, arena);
+      EXPECT_EQ(first.dq, second.dq);
+      EXPECT_EQ(first.dk, second.dk);
+      EXPECT_EQ(first.dv, second.dv);
+    }
+  }
+}
 
-  const std::vector<double> q = to_double(in.q.values), k = to_double(in.k.values),
-                            v = to_double(in.v.values), g = to_double(dout.values);
-  std::vector<double> dq = to_double(initial.values), dk(qk, 0.0), dv(vo, 0.0);
-  attention_causal_reference_backward<double>(q.data(), k.data(), v.data(), g.data(), dq.data(),
-                                              dk.data(), dv.data(), in.shape, in.scale,
-                                              in.doc.data());
-  EXPECT_LE(rel_rms_vs(first.dq, dq), 1e-2);
+// Built with cuDNN, a GPU machine must be able to use it (else the fused path silently vanishes).
+TEST(CudaMlaAttention, CudnnAvailableWhenBuiltWithIt) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const std::string status = cuda::cudnn_attention_status();
+  if (status == "built without cuDNN") GTEST_SKIP() << status;
+  EXPECT_TRUE(cuda::cudnn_attention_available()) << status;
 }
 
 // Argument checks run before any device work, so this part needs no GPU.
@@ -231,7 +260,14 @@ TEST(CudaMlaAttention, RejectsBadArguments) {
                Error);
   // Wider than the tiled kernels are instantiated for.
   EXPECT_THROW(cuda::attention_causal_forward(fake, fake, fake, fake, nullptr,
-                                              AttnShape{1, 4, 1, 256, 128}, 0.2),
+                                              AttnShape{1, 4, 1, 256, 128}, 0.2, nullptr,
+                                              nullptr, cuda::AttentionKernel::Tiled),
+               Error);
+  // cuDNN's causal mask knows no packed documents: asked for explicitly, it refuses them.
+  const auto* fake_doc = reinterpret_cast<const int32_t*>(fake);
+  EXPECT_THROW(cuda::attention_causal_forward(fake, fake, fake, fake, nullptr,
+                                              AttnShape{1, 4, 1, 16, 16}, 0.2, fake_doc, nullptr,
+                                              cuda::AttentionKernel::Cudnn),
                Error);
   // Misaligned tensors and a missing lse in the backward.
   EXPECT_THROW(cuda::attention_causal_forward(fake + 1, fake, fake, fake, nullptr,

@@ -162,10 +162,7 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                     grads.at(w.o_proj));
   }
 
-  // Attention: the op accumulates dq, dk, dv, so they start at zero.
-  fill_zero_async(b.dq, size_t(N * H * dq) * sizeof(uint16_t), stream);
-  fill_zero_async(b.dk, size_t(N * H * dq) * sizeof(uint16_t), stream);
-  fill_zero_async(b.dv, size_t(N * hdv) * sizeof(uint16_t), stream);
+  // Attention (writes dq, dk, dv; cuDNN's fused kernels when there are no packed documents).
   cuda::attention_causal_backward(f.q, f.k, f.v, f.o, b.lse, b.d_o, b.dq, b.dk, b.dv,
                                   AttnShape{s.B, s.T, H, dq, dv}, mla_gpu_softmax_scale(cfg),
                                   b.attention_workspace, doc_start, stream);

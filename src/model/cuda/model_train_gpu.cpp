@@ -204,7 +204,11 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   int32_t* doc_dev = act.alloc<int32_t>(size_t(N));
   copy_to_device(tokens_dev, tokens, size_t(N) * sizeof(int64_t));
   copy_to_device(targets_dev, targets, size_t(N) * sizeof(int64_t));
-  if (doc_start) copy_to_device(doc_dev, doc_start, size_t(N) * sizeof(int32_t));
+  // Rows of one document each (every start 0) need no document masks: nullptr lets the MLA
+  // layers take cuDNN's fused attention, which has none.
+  const bool packed = doc_start && std::any_of(doc_start, doc_start + N,
+                                               [](int32_t s) { return s != 0; });
+  if (packed) copy_to_device(doc_dev, doc_start, size_t(N) * sizeof(int32_t));
   else doc_dev = nullptr;
   std::vector<float*> p_in(static_cast<size_t>(L));
   for (auto& q : p_in) q = act.alloc<float>(nd);

@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
 #include "ops/cpu/attention.h"
+#include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/device.h"
 
@@ -45,6 +49,34 @@ void check_aligned(const char* who, const void* p, const char* name) {
            " must be 16-byte aligned (vector loads)");
 }
 
+// Auto → the kernel DM_ATTENTION pins it to ("ours" → Tiled, "cudnn" → Cudnn), else Auto.
+AttentionKernel pinned(AttentionKernel kernel) {
+  if (kernel != AttentionKernel::Auto) return kernel;
+  static const AttentionKernel from_env = [] {
+    const char* e = std::getenv("DM_ATTENTION");
+    if (!e || !*e || !std::strcmp(e, "auto")) return AttentionKernel::Auto;
+    if (!std::strcmp(e, "ours")) return AttentionKernel::Tiled;
+    if (!std::strcmp(e, "cudnn")) return AttentionKernel::Cudnn;
+    throw Error(str_cat("DM_ATTENTION must be auto, ours or cudnn, got '", e, "'"));
+  }();
+  return from_env;
+}
+
+// Runs the cuDNN path for Cudnn and Auto (true when it ran); Cudnn throws where Auto falls back.
+template <class Call>
+bool try_cudnn(const char* who, AttentionKernel kernel, const int32_t* doc_start, Call&& call) {
+  if (kernel != AttentionKernel::Auto && kernel != AttentionKernel::Cudnn) return false;
+  if (doc_start) {
+    DM_CHECK(kernel == AttentionKernel::Auto, who,
+             ": the cuDNN kernel takes no packed documents (doc_start)");
+    return false;
+  }
+  std::string why;
+  if (call(&why)) return true;
+  DM_CHECK(kernel == AttentionKernel::Auto, who, ": cuDNN cannot take this problem: ", why);
+  return false;
+}
+
 }  // namespace
 
 void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -55,7 +87,12 @@ void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16
   if (p.B == 0 || p.T == 0 || p.H == 0) return;
   for (auto [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {o, "o"}})
     check_aligned("attention_causal_forward (cuda)", ptr, name);
-  if (kernel == AttentionKernel::Tiled)
+  kernel = pinned(kernel);
+  if (try_cudnn("attention_causal_forward (cuda)", kernel, doc_start, [&](std::string* why) {
+        return cudnn_attention_forward(q, k, v, o, lse, s, scale, stream, why);
+      }))
+    return;
+  if (kernel != AttentionKernel::Simple)
     attention_detail::launch_attention_forward_tiled(p, q, k, v, o, lse, stream);
   else
     attention_detail::launch_attention_forward_simple(p, q, k, v, o, lse, stream);
@@ -78,7 +115,16 @@ void attention_causal_backward(const uint16_t* q, const uint16_t* k, const uint1
                            {o, "o"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"},
                            {workspace, "workspace"}})
     check_aligned(who, ptr, name);
-  if (kernel == AttentionKernel::Tiled)
+  kernel = pinned(kernel);
+  if (try_cudnn(who, kernel, doc_start, [&](std::string* why) {
+        return cudnn_attention_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, stream, why);
+      }))
+    return;
+  // Our kernels accumulate into the gradients: start them at zero.
+  fill_zero_async(dq, size_t(s.B * s.T * s.H * s.Dqk) * sizeof(uint16_t), stream);
+  fill_zero_async(dk, size_t(s.B * s.T * s.H * s.Dqk) * sizeof(uint16_t), stream);
+  fill_zero_async(dv, size_t(s.B * s.T * s.H * s.Dv) * sizeof(uint16_t), stream);
+  if (kernel != AttentionKernel::Simple)
     attention_detail::launch_attention_backward_tiled(p, q, k, v, o, lse, dout, dq, dk, dv,
                                                       workspace, stream);
   else

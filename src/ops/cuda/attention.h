@@ -24,30 +24,34 @@ struct AttnShape;  // ops/cpu/attention.h
 
 namespace dm::cuda {
 
-// Tiled: tensor-core flash kernels (the fast path). Simple: one warp per row, fp32, no tiles
-// (the GPU reference the tiled kernels are checked against; slow).
-enum class AttentionKernel : uint8_t { Tiled, Simple };
+// Tiled: our tensor-core flash kernels. Simple: one warp per row, fp32, no tiles (the GPU
+// reference the tiled kernels are checked against; slow). Cudnn: cuDNN's fused attention
+// engines (attention_cudnn.h; no packed documents; throws when cuDNN cannot take the problem).
+// Auto: Cudnn when there is no doc_start and cuDNN takes the problem, else Tiled; the
+// environment variable DM_ATTENTION=ours (or =cudnn) pins Auto to Tiled (or to Cudnn).
+enum class AttentionKernel : uint8_t { Auto, Tiled, Simple, Cudnn };
 
 // o (written) and lse (written when non-null) for the causal attention of q, k, v.
 void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                               uint16_t* o, float* lse, const AttnShape& s, double scale,
                               const int32_t* doc_start = nullptr, CUstream_st* stream = nullptr,
-                              AttentionKernel kernel = AttentionKernel::Tiled);
+                              AttentionKernel kernel = AttentionKernel::Auto);
 
 // Device scratch attention_causal_backward needs: Δ [B,H,T] fp32 and per-32-row minimum
 // document starts.
 size_t attention_causal_backward_workspace_bytes(const AttnShape& s);
 
-// Gradients for dout [B,T,H,Dv], ACCUMULATED (+=, bf16) into dq, dk [B,T,H,Dqk] and
-// dv [B,T,H,Dv] (callers zero them), given the forward's o and lse for the same inputs and
-// doc_start. Deterministic (no atomics: every gradient element has one writer).
+// Gradients for dout [B,T,H,Dv], WRITTEN (bf16) to dq, dk [B,T,H,Dqk] and dv [B,T,H,Dv],
+// given the forward's o and lse for the same inputs and doc_start (lse from any kernel: all
+// write the same statistics). Tiled and Simple are deterministic (no atomics: every gradient
+// element has one writer); cuDNN's dQ accumulation order is its own.
 // `workspace`: attention_causal_backward_workspace_bytes(s) bytes of device memory.
 void attention_causal_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                const uint16_t* o, const float* lse, const uint16_t* dout,
                                uint16_t* dq, uint16_t* dk, uint16_t* dv, const AttnShape& s,
                                double scale, void* workspace, const int32_t* doc_start = nullptr,
                                CUstream_st* stream = nullptr,
-                               AttentionKernel kernel = AttentionKernel::Tiled);
+                               AttentionKernel kernel = AttentionKernel::Auto);
 
 // Copies a device doc_start [B,T] to the host and runs the CPU check (throws dm::Error naming the
 // first bad token). Synchronous; for tests and debugging, not the hot path.

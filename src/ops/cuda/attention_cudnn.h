@@ -1,0 +1,45 @@
+// Causal MLA prefill attention through cuDNN's fused flash-attention engines: the same contract
+// as attention_causal_forward / attention_causal_backward (attention.h: q, k [B,T,H,Dqk],
+// v, o [B,T,H,Dv] bf16 bit patterns, lse [B,H,T] natural-log fp32), built as cuDNN backend
+// graphs (matmul → scale → causal mask → softmax → matmul, and the matching backward graph) that
+// cuDNN's runtime fusion engines compile into one kernel each. No packed documents (doc_start):
+// cuDNN's causal mask has no notion of them, so attention.cpp keeps our kernels there.
+//
+// Plans are built once per (direction, shape, scale, device) and cached; the scratch (cuDNN's
+// workspace, plus the backward's fp32 dQ accumulator and row sums) is one device buffer owned
+// here, grown outside graph capture when a bigger shape arrives. Plain C++ (no cuDNN headers).
+// Without cuDNN at build time every function reports "unavailable" and returns false.
+#pragma once
+#include <cstdint>
+#include <string>
+
+struct CUstream_st;
+
+namespace dm {
+struct AttnShape;  // ops/cpu/attention.h
+}
+
+namespace dm::cuda {
+
+// True when the engine was built with cuDNN and a handle can be created on the current device.
+bool cudnn_attention_available();
+// "cuDNN 9.19.0" or why it is unavailable.
+std::string cudnn_attention_status();
+
+// Each returns true after enqueueing the work on `stream`, or false (nothing enqueued, `why`
+// says why) when cuDNN cannot take the problem: no cuDNN, no engine for the shape, or a plan /
+// bigger scratch needed while `stream` is being captured into a CUDA graph.
+// Forward: writes o, and lse when non-null.
+bool cudnn_attention_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o,
+                             float* lse, const AttnShape& s, double scale, CUstream_st* stream,
+                             std::string* why = nullptr);
+// Backward: WRITES dq, dk [B,T,H,Dqk] and dv [B,T,H,Dv] from the forward's o and lse.
+bool cudnn_attention_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              const uint16_t* o, const float* lse, const uint16_t* dout,
+                              uint16_t* dq, uint16_t* dk, uint16_t* dv, const AttnShape& s,
+                              double scale, CUstream_st* stream, std::string* why = nullptr);
+
+// The engine cuDNN picked for the cached plan of this problem ("" when none is cached).
+std::string cudnn_attention_engine(bool backward, const AttnShape& s, double scale);
+
+}  // namespace dm::cuda
