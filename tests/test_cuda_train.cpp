@@ -134,11 +134,12 @@ TEST(CudaTrain, GradientsMatchCpuWithPackedDocuments) {
   compare_gradients(test_config(), 1, 200, true, "test config, packed");
 }
 
-// Without recompute the KDA layers keep their forward internals for the backward: the same
-// kernels on the same inputs, so the loss is identical and the gradients agree to the last bits
-// (stage 4 sums dβ with shared-memory atomics, whose order is not fixed). Packed documents, two
-// steps (the kept memory is reused).
-TEST(CudaTrain, KeptKdaInternalsMatchRecompute) {
+// Without recompute the KDA and MoE layers keep their forward internals for the backward: the
+// same kernels on the same inputs, so the loss is identical and the gradients agree to the last
+// bits (stage 4 sums dβ with shared-memory atomics, whose order is not fixed). Packed
+// documents, two steps (the kept memory is reused); the test config's MoE is latent with a norm,
+// so the kept u must be the pre-norm one.
+TEST(CudaTrain, KeptInternalsMatchRecompute) {
   DM_SKIP_WITHOUT_GPU();
   const ModelConfig c = test_config();
   auto W = weights_allocate<float>(c);
@@ -164,7 +165,7 @@ TEST(CudaTrain, KeptKdaInternalsMatchRecompute) {
   EXPECT_EQ(loss[0], loss[1]);
   ASSERT_TRUE(test::all_finite(grads[1]));
   const double e = test::rel_rms(grads[1].data(), grads[0].data(), grads[0].size());
-  std::printf("[          ] kept KDA internals vs recompute: gradient rel RMS %.2e\n", e);
+  std::printf("[          ] kept KDA + MoE internals vs recompute: gradient rel RMS %.2e\n", e);
   EXPECT_LE(e, 1e-6);
 }
 

@@ -13,9 +13,12 @@
 // softmax statistics and router scores; fp32 element-wise math.
 // Nothing here synchronises the stream unless its comment says so.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "model/cuda/gpu_run.h"
+#include "ops/cuda/moe.h"
 
 namespace dm::cuda {
 
@@ -62,12 +65,36 @@ struct MoeRoutingDevice {
 //             moe_decode_preferred (few rows per expert).
 // Everything else (router, latent projections and norm, shared experts) is the same code.
 enum class MoeExpertsPath : uint8_t { Grouped, Gathered };
+
+// What the MoE forward keeps for its backward when training without recompute (Grouped path
+// only): the routing (scores, idx, weights), the dispatch plan with the host copy of its
+// offsets, the latent input z and the combined expert output u (fp32, before the latent norm),
+// and the experts' intermediates (the workspace moe_experts_recompute fills: sorted rows, g, u,
+// h, outputs). The backward then runs no router GEMM, no dispatch plan (so no stream
+// synchronisation) and no expert GEMM of the forward again. `device` holds
+// moe_layer_kept_gpu_bytes (256-byte aligned); the views below are set by the forward.
+struct MoeKept {
+  void* device = nullptr;
+  size_t bytes = 0;
+  float* scores = nullptr;             // [N, E]
+  int32_t* idx = nullptr;              // [N, k]
+  float* weight = nullptr;             // [N, k]
+  MoeDispatchPlan plan;                // arrays in `device`, host_offsets → the vector below
+  std::vector<int64_t> host_offsets;   // [E + 1]
+  const uint16_t* z = nullptr;         // [N, ℓ] bf16 (latent; plain MoE: the caller's xn)
+  float* u = nullptr;                  // [N, ℓ] fp32 (latent only)
+  void* workspace = nullptr;           // moe_experts_backward_workspace_bytes
+  int64_t N = 0;                       // rows the forward kept (the backward checks it)
+};
+size_t moe_layer_kept_gpu_bytes(const ModelConfig& c, int64_t N);
+
 // Scratch for either path.
 size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N);
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N,
                            MoeRoutingDevice* routing = nullptr,
-                           MoeExpertsPath path = MoeExpertsPath::Grouped);
+                           MoeExpertsPath path = MoeExpertsPath::Grouped,
+                           MoeKept* kept = nullptr);
 
 // ---- Backward (training) ----------------------------------------------------------------------
 // Each sub-layer backward RECOMPUTES its forward internals from xn (the model keeps only each
@@ -100,9 +127,11 @@ void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                             const FfnWeights& w, const uint16_t* xn, const float* dy, float* dxn,
                             int64_t N);
 
+// kept: what moe_layer_forward_gpu kept (nullable: recompute, with one stream synchronisation
+// for the dispatch plan).
 size_t moe_layer_backward_gpu_bytes(const ModelConfig& c, int64_t N);
 void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const MoeWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t N);
+                            int64_t N, const MoeKept* kept = nullptr);
 
 }  // namespace dm::cuda

@@ -125,11 +125,20 @@ size_t kda_kept_stride(const ModelConfig& c, int64_t B, int64_t T) {
   return round_up(kda_layer_kept_gpu_bytes(c, B, T));
 }
 
+// One MoE layer's kept forward internals, rounded likewise.
+size_t moe_kept_stride(const ModelConfig& c, int64_t N) {
+  return round_up(moe_layer_kept_gpu_bytes(c, N));
+}
+
 void GpuTrainModel::ensure_kept(int64_t B, int64_t T) {
   const ModelConfig& c = config();
-  int kda_layers = 0;
-  for (int i = 0; i < c.num_layers; ++i) kda_layers += c.mixers[size_t(i)] == MixerKind::KDA;
-  const size_t bytes = size_t(kda_layers) * kda_kept_stride(c, B, T) + 256;
+  int kda_layers = 0, moe_layers = 0;
+  for (int i = 0; i < c.num_layers; ++i) {
+    kda_layers += c.mixers[size_t(i)] == MixerKind::KDA;
+    moe_layers += c.ffns[size_t(i)] == FfnKind::MoE;
+  }
+  const size_t bytes = size_t(kda_layers) * kda_kept_stride(c, B, T) +
+                       size_t(moe_layers) * moe_kept_stride(c, B * T) + 256;
   if (kept_ && kept_->capacity() >= bytes) return;
   kept_.reset();
   kept_ = std::make_unique<DeviceArena>(bytes);
@@ -178,14 +187,23 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
            " exceeds the context limit ", c.max_context);
   check_token_ids(tokens, B * T, c.vocab_size, "tokens");
   ensure_capacity(B, T);
-  // Without recompute, each KDA layer's forward keeps its internals for its backward.
+  // Without recompute, each KDA and MoE layer's forward keeps its internals for its backward.
   std::vector<void*> kda_kept(static_cast<size_t>(c.num_layers), nullptr);
+  moe_kept_.resize(size_t(c.num_layers));
+  std::vector<MoeKept*> moe_kept(static_cast<size_t>(c.num_layers), nullptr);
   if (!recompute) {
     ensure_kept(B, T);
     kept_->reset();
-    for (int i = 0; i < c.num_layers; ++i)
+    for (int i = 0; i < c.num_layers; ++i) {
       if (c.mixers[size_t(i)] == MixerKind::KDA)
         kda_kept[size_t(i)] = kept_->alloc_bytes(kda_kept_stride(c, B, T));
+      if (c.ffns[size_t(i)] == FfnKind::MoE) {
+        MoeKept& m = moe_kept_[size_t(i)];
+        m.bytes = moe_kept_stride(c, B * T);
+        m.device = kept_->alloc_bytes(m.bytes);
+        moe_kept[size_t(i)] = &m;
+      }
+    }
   }
   GpuRun& run = *run_;
   CUstream_st* stream = run.stream;
@@ -306,7 +324,10 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         r.cutoff = run.scratch.alloc<float>(size_t(N));
         r.idx = run.scratch.alloc<int32_t>(size_t(N * k));
       }
-      timer("moe_fwd", stream, [&] { moe_layer_forward_gpu(run, dw_, Lw.moe, yn, m, N, want ? &r : nullptr); });
+      timer("moe_fwd", stream, [&] {
+        moe_layer_forward_gpu(run, dw_, Lw.moe, yn, m, N, want ? &r : nullptr,
+                              MoeExpertsPath::Grouped, moe_kept[size_t(i)]);
+      });
       if (want) {
         route_scores_.resize(size_t(N * E));
         route_cutoff_.resize(size_t(N));
@@ -400,7 +421,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     const int s_mid = s_in + (seals ? 1 : 0);
     // FFN sub-layer: p_out = p_mid + FFN(norm(y)), y = mix(blocks[0..s_mid), p_mid).
     if (c.ffns[size_t(i)] == FfnKind::MoE)
-      timer("moe_bwd", stream, [&] { moe_layer_backward_gpu(run, dw_, grads_, Lw.moe, yn, dp, dxn, N); });
+      timer("moe_bwd", stream, [&] {
+        moe_layer_backward_gpu(run, dw_, grads_, Lw.moe, yn, dp, dxn, N, moe_kept[size_t(i)]);
+      });
     else
       timer("ffn_bwd", stream, [&] { dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, yn, dp, dxn, N); });
     norm_backward(y, Lw.post_norm, dxn);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "model/cuda/gpu_run.h"
+#include "model/cuda/layers.h"
 #include "model/model.h"
 
 namespace dm::cuda {
@@ -38,8 +39,9 @@ class GpuTrainModel {
   // each MoE layer's routing (host copies: scores [N, E], cutoff [N], idx [N, k]) for Quantile
   // Balancing. Synchronises the stream before returning. recompute = false: each KDA layer's
   // forward keeps its internals (q, k, v, g, β, the operator's chunk states, …: ~0.5 GB per
-  // layer at T = 4096, d = 2048) so its backward skips the recompute; MLA and FFN sub-layers
-  // recompute either way.
+  // layer at T = 4096, d = 2048) and each MoE layer its routing, dispatch plan and expert
+  // intermediates (~0.25 GB per layer there), so their backwards skip the recompute (and the
+  // MoE backward its stream synchronisation); MLA and dense FFN sub-layers recompute either way.
   TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
                                    const int32_t* doc_start, int64_t B, int64_t T,
                                    double loss_scale, RoutingSink* sink = nullptr,
@@ -67,7 +69,8 @@ class GpuTrainModel {
   DeviceParamArena master_;
   std::unique_ptr<GpuRun> run_;
   std::unique_ptr<DeviceArena> act_;
-  std::unique_ptr<DeviceArena> kept_;  // KDA layers' forward internals (recompute = false)
+  std::unique_ptr<DeviceArena> kept_;  // KDA and MoE layers' forward internals (recompute = false)
+  std::vector<MoeKept> moe_kept_;      // per layer (views into kept_; host offsets)
   int64_t capacity_B_ = 0, capacity_T_ = 0;
   // Host staging of one MoE layer's routing for the sink.
   std::vector<float> route_scores_, route_cutoff_;

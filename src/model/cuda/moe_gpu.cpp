@@ -16,6 +16,9 @@
 //   [routing: scores, cutoff, idx] | scope: logits, weight, plan (Grouped), z, u |
 //       then either the experts' workspace (Grouped or Gathered), or (after it is released)
 //       bf16(u) and the shared experts' gate/up buffers.
+// With `kept` (training without recompute) the weights, plan, z, u and the experts' workspace
+// are carved from the kept memory instead, and the experts run moe_experts_recompute (the same
+// GEMMs, keeping g, u, h and the outputs); the latent norm then writes a scratch copy.
 #include <algorithm>
 #include <vector>
 
@@ -26,6 +29,7 @@
 #include "ops/cpu/ffn.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/moe_backward.h"
 #include "ops/cuda/moe_decode.h"
 #include "ops/cuda/moe_layer_ops.h"
 
@@ -73,6 +77,15 @@ int64_t* host_offsets_buffer(int64_t E) {
 
 }  // namespace
 
+size_t moe_layer_kept_gpu_bytes(const ModelConfig& c, int64_t N) {
+  const MoeShape s = moe_shape(c);
+  size_t b = n_bytes(N * s.E, 4) + 2 * n_bytes(N * s.k, 4) +
+             aligned(moe_dispatch_plan_bytes(N, int(s.k), int(s.E)));
+  if (s.has_latent) b += n_bytes(N * s.latent, 2) + n_bytes(N * s.latent, 4);  // z, u
+  b += aligned(moe_experts_backward_workspace_bytes(N, int(s.k), expert_weights(nullptr, nullptr, s)));
+  return b + 256;
+}
+
 size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
   const MoeShape s = moe_shape(c);
   // +256: the caller's arena mark may sit mid-way through a 256-byte block.
@@ -81,7 +94,7 @@ size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
 
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N, MoeRoutingDevice* routing,
-                           MoeExpertsPath path) {
+                           MoeExpertsPath path, MoeKept* kept) {
   const ModelConfig& cfg = dw.config();
   const MoeShape s = moe_shape(cfg);
   const int64_t E = s.E, k = s.k, d = s.d, l = s.latent;
@@ -97,8 +110,12 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   DM_CHECK(!gathered || moe_decode_supported(N, int(k), expert_weights(nullptr, nullptr, s)),
            "moe_layer_forward_gpu: the gathered expert path does not take E=", E, " k=", k,
            " (see moe_decode_supported)");
+  DM_CHECK(!(gathered && kept), "moe_layer_forward_gpu: keeping internals needs the grouped path");
   CUstream_st* stream = run.stream;
   DeviceArena& arena = run.scratch;
+  // Kept internals (training without recompute) are carved from the caller's memory instead.
+  DeviceArena kept_arena(kept ? kept->device : nullptr, kept ? kept->bytes : 0);
+  DeviceArena& keep = kept ? kept_arena : arena;
 
   // Routing outputs the caller keeps: carved below the scope so they survive the call.
   MoeRoutingDevice r;
@@ -110,7 +127,15 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   }
   if (N == 0) return;
   DeviceArenaScope scope(arena);
-  if (!routing) {
+  if (kept) {
+    // The backward reads the routing from here; the caller's report points at it too.
+    r.scores = keep.alloc<float>(size_t(N * E));
+    r.idx = keep.alloc<int32_t>(size_t(N * k));
+    if (routing) {
+      routing->scores = r.scores;
+      routing->idx = r.idx;
+    }
+  } else if (!routing) {
     r.scores = arena.alloc<float>(size_t(N * E));
     r.idx = arena.alloc<int32_t>(size_t(N * k));
     // cutoff stays nullptr: moe_route skips it (the CPU computes it for QB only).
@@ -118,31 +143,50 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
 
   // Router on the full-width normed x, fp32 logits; the bias only steers selection.
   float* logits = arena.alloc<float>(size_t(N * E));
-  float* weight = arena.alloc<float>(size_t(N * k));
+  float* weight = keep.alloc<float>(size_t(N * k));
   linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
   const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
   moe_route(logits, bias, N, router_params(cfg), r.scores, r.idx, weight, r.cutoff, stream);
-  MoeDispatchPlan plan;
+  MoeDispatchPlan local_plan;
+  MoeDispatchPlan& plan = kept ? kept->plan : local_plan;
+  int64_t* host_offsets = host_offsets_buffer(E);
+  if (kept) {
+    kept->host_offsets.resize(size_t(E) + 1);
+    host_offsets = kept->host_offsets.data();
+  }
   if (!gathered)
-    moe_dispatch_plan_build(r.idx, N, int(k), int(E), &plan, arena, host_offsets_buffer(E),
-                            stream);
+    moe_dispatch_plan_build(r.idx, N, int(k), int(E), &plan, keep, host_offsets, stream);
 
   // Routed path in the latent space z = xn·W↓ᵀ [N,ℓ] (or xn itself for plain MoE).
   const uint16_t* z = xn;
   if (s.has_latent) {
-    uint16_t* latent_in = arena.alloc<uint16_t>(size_t(N * l));
+    uint16_t* latent_in = keep.alloc<uint16_t>(size_t(N * l));
     linear(run, xn, dw.bf16(w.latent_down), N, d, l, latent_in, GemmOutType::Bf16);
     z = latent_in;
   }
   // Combined expert output u [N,ℓ]: plain MoE writes y directly; latent MoE keeps u fp32 when
-  // the norm follows (norm statistics in fp32), else bf16 (the up-projection's operand).
+  // the norm follows (norm statistics in fp32) or when the backward keeps it, else bf16 (the
+  // up-projection's operand).
   void* u = y;
   GemmOutType u_type = GemmOutType::F32;
   if (s.has_latent) {
-    u_type = s.has_latent_norm ? GemmOutType::F32 : GemmOutType::Bf16;
-    u = arena.alloc_bytes(size_t(N * l) * (s.has_latent_norm ? 4 : 2));
+    const bool u_f32 = s.has_latent_norm || kept;
+    u_type = u_f32 ? GemmOutType::F32 : GemmOutType::Bf16;
+    u = (kept ? keep : arena).alloc_bytes(size_t(N * l) * (u_f32 ? 4 : 2));
   }
-  {
+  if (kept) {
+    // The forward's expert GEMMs, leaving their intermediates in the kept workspace.
+    const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
+    kept->workspace = keep.alloc_bytes(moe_experts_backward_workspace_bytes(N, int(k), ew));
+    moe_experts_recompute(run.gemm, z, plan, weight, ew, glu_activation(cfg),
+                          static_cast<float*>(u), kept->workspace, MoeGemmPath::Grouped, stream);
+    kept->scores = r.scores;
+    kept->idx = r.idx;
+    kept->weight = weight;
+    kept->z = z;
+    kept->u = s.has_latent ? static_cast<float*>(u) : nullptr;
+    kept->N = N;
+  } else {
     DeviceArenaScope experts_scope(arena);
     const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
     if (gathered) {
@@ -160,12 +204,17 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   if (s.has_latent) {
     const uint16_t* up_in = static_cast<const uint16_t*>(u);
     if (s.has_latent_norm) {
-      // RMSNorm(u) in fp32, in place (inference: u is not needed afterwards), then bf16.
+      // RMSNorm(u) in fp32 (in place unless u is kept for the backward), then bf16.
       float* u32 = static_cast<float*>(u);
-      rmsnorm_forward(u32, dw.f32(w.latent_norm), u32, N, l, double(cfg.rms_eps), stream);
+      float* normed32 = kept ? arena.alloc<float>(size_t(N * l)) : u32;
+      rmsnorm_forward(u32, dw.f32(w.latent_norm), normed32, N, l, double(cfg.rms_eps), stream);
       uint16_t* normed = arena.alloc<uint16_t>(size_t(N * l));
-      convert_f32_to_bf16(u32, normed, N * l, stream);
+      convert_f32_to_bf16(normed32, normed, N * l, stream);
       up_in = normed;
+    } else if (kept) {
+      uint16_t* rounded = arena.alloc<uint16_t>(size_t(N * l));
+      convert_f32_to_bf16(static_cast<const float*>(u), rounded, N * l, stream);
+      up_in = rounded;
     }
     linear(run, up_in, dw.bf16(w.latent_up), N, l, d, y, GemmOutType::F32);
   }

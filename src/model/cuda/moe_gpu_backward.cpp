@@ -18,7 +18,9 @@
 //   router:  dlogits [N,E] fp32 (selection fixed);  dW_r [E,d] += bf16(dlogits)ᵀ·xn;
 //            dxn += bf16(dlogits)·W_r
 //   shared:  the gated FFN backward at full width, dxn += its input gradient
-// The routing bias gets nothing (QB sets it).
+// The routing bias gets nothing (QB sets it). With `kept` (training without recompute) the
+// routing, plan, z, u and the experts' intermediates come from the forward instead: no router,
+// latent-down or expert forward GEMM and no stream synchronisation here.
 //
 // Scratch (run.scratch, one scope; a sub-scope per phase, so the byte count is the base plus the
 // largest phase):
@@ -103,7 +105,7 @@ size_t moe_layer_backward_gpu_bytes(const ModelConfig& c, int64_t N) {
 
 void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const MoeWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t N) {
+                            int64_t N, const MoeKept* kept) {
   const ModelConfig& cfg = dw.config();
   const MoeShape s = moe_shape(cfg);
   const int64_t E = s.E, k = s.k, d = s.d, l = s.latent;
@@ -117,6 +119,8 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
            "moe_layer_backward_gpu: shared experts missing");
   if (N == 0) return;
   DM_CHECK(xn && dy && dxn, "moe_layer_backward_gpu: null argument");
+  DM_CHECK(!kept || kept->N == N, "moe_layer_backward_gpu: kept internals are for ",
+           kept ? kept->N : 0, " rows, not ", N);
   CUstream_st* stream = run.stream;
   DeviceArena& arena = run.scratch;
   const GluActivation act = glu_activation(cfg);
@@ -127,28 +131,44 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   fill_zero_async(dxn, size_t(N * d) * sizeof(float), stream);
   const uint16_t* dy_b = (s.has_latent || s.has_shared) ? dy_to_bf16(run, dy, N, d) : nullptr;
 
-  // ---- Recompute the routing exactly as the forward (same ops, same inputs).
-  float* scores = arena.alloc<float>(size_t(N * E));
-  int32_t* idx = arena.alloc<int32_t>(size_t(N * k));
-  float* weight = arena.alloc<float>(size_t(N * k));
+  // ---- The routing: kept by the forward, or recomputed exactly as the forward did it (same
+  // ops, same inputs).
+  const float* scores = kept ? kept->scores : nullptr;
+  const int32_t* idx = kept ? kept->idx : nullptr;
+  const float* weight = kept ? kept->weight : nullptr;
   float* dweight = arena.alloc<float>(size_t(N * k));
-  {
-    DeviceArenaScope routing_scope(arena);
-    float* logits = arena.alloc<float>(size_t(N * E));
-    linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
-    const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
-    moe_route(logits, bias, N, router_params(cfg), scores, idx, weight, nullptr, stream);
+  MoeDispatchPlan recomputed_plan;
+  if (!kept) {
+    float* scores_new = arena.alloc<float>(size_t(N * E));
+    int32_t* idx_new = arena.alloc<int32_t>(size_t(N * k));
+    float* weight_new = arena.alloc<float>(size_t(N * k));
+    {
+      DeviceArenaScope routing_scope(arena);
+      float* logits = arena.alloc<float>(size_t(N * E));
+      linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
+      const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
+      moe_route(logits, bias, N, router_params(cfg), scores_new, idx_new, weight_new, nullptr,
+                stream);
+    }
+    // Synchronises the stream once: the per-expert row counts go to the host.
+    moe_dispatch_plan_build(idx_new, N, int(k), int(E), &recomputed_plan, arena,
+                            host_offsets_buffer(E), stream);
+    scores = scores_new;
+    idx = idx_new;
+    weight = weight_new;
   }
-  // Synchronises the stream once: the per-expert row counts go to the host.
-  MoeDispatchPlan plan;
-  moe_dispatch_plan_build(idx, N, int(k), int(E), &plan, arena, host_offsets_buffer(E), stream);
+  const MoeDispatchPlan& plan = kept ? kept->plan : recomputed_plan;
 
   const uint16_t* z = xn;  // the experts' input: z = xn·W↓ᵀ [N,ℓ] (latent) or xn (plain)
   float* dz = nullptr;     // ∂L/∂z [N,ℓ] fp32 (latent only; plain accumulates into dxn)
   if (s.has_latent) {
-    uint16_t* latent_in = arena.alloc<uint16_t>(size_t(N * l));
-    linear(run, xn, dw.bf16(w.latent_down), N, d, l, latent_in, GemmOutType::Bf16);
-    z = latent_in;
+    if (kept) {
+      z = kept->z;
+    } else {
+      uint16_t* latent_in = arena.alloc<uint16_t>(size_t(N * l));
+      linear(run, xn, dw.bf16(w.latent_down), N, d, l, latent_in, GemmOutType::Bf16);
+      z = latent_in;
+    }
     dz = arena.alloc<float>(size_t(N * l));
   }
 
@@ -156,18 +176,19 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   {
     DeviceArenaScope experts_scope(arena);
     const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
-    void* workspace =
-        arena.alloc_bytes(moe_experts_backward_workspace_bytes(N, int(k), ew));
+    void* workspace = kept ? kept->workspace
+                           : arena.alloc_bytes(moe_experts_backward_workspace_bytes(N, int(k), ew));
     const float* du = dy;  // ∂L/∂u [N,ℓ] fp32; plain MoE: y = u (+ shared), so du = dy
     float* u = nullptr;
     float* du_latent = nullptr;
     if (s.has_latent) {
-      u = arena.alloc<float>(size_t(N * l));
+      u = kept ? kept->u : arena.alloc<float>(size_t(N * l));
       du_latent = arena.alloc<float>(size_t(N * l));
       du = du_latent;
     }
-    moe_experts_recompute(run.gemm, z, plan, weight, ew, act, u, workspace, MoeGemmPath::Grouped,
-                          stream);
+    if (!kept)
+      moe_experts_recompute(run.gemm, z, plan, weight, ew, act, u, workspace,
+                            MoeGemmPath::Grouped, stream);
     if (s.has_latent) {
       DeviceArenaScope latent_scope(arena);
       // y = up_in·W↑ᵀ with up_in = bf16(RMSNorm(u)) or bf16(u), the forward's rounding.

@@ -80,7 +80,7 @@ DeviceArena::DeviceArena(size_t capacity_bytes) : capacity_(capacity_bytes) {
 }
 
 DeviceArena::~DeviceArena() {
-  if (base_) cudaFree(base_);
+  if (base_ && owned_) cudaFree(base_);
 }
 
 void* DeviceArena::alloc_bytes(size_t bytes) {

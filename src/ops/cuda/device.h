@@ -42,6 +42,9 @@ float bf16_to_float(uint16_t x);
 class DeviceArena {
  public:
   explicit DeviceArena(size_t capacity_bytes);
+  // A view over device memory someone else owns (a slice of a larger arena): carves, never frees.
+  DeviceArena(void* base, size_t capacity_bytes)
+      : base_(static_cast<char*>(base)), capacity_(capacity_bytes), owned_(false) {}
   ~DeviceArena();
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
@@ -60,6 +63,7 @@ class DeviceArena {
  private:
   char* base_ = nullptr;
   size_t capacity_ = 0, used_ = 0;
+  bool owned_ = true;
 };
 
 // Scratch carved inside a scope is released at its end (layers use the run's scratch arena).
