@@ -140,14 +140,13 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
                    1.0f, grads.down + e * Din * F, GemmOutType::F32, F, stream);
   };
   if (path == MoeGemmPath::Grouped) {
-    // dW_down has an fp32 C (no grouped form, see moe_backward.h): per expert, all queued first;
-    // then every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
+    // dW_down has an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B: every
+    // expert's in one launch of our grouped kernel, queued before the dh GEMMs overwrite h; then
+    // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
     // (stream order), so the dh arrays reuse the first 3E entries of the same region.
     if (grads.down)
-      for (int64_t e = 0; e < ew.E; ++e) {
-        const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
-        if (n > 0) down_weight_grad(e, begin, n);
-      }
+      moe_detail::launch_grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F,
+                                             grads.down, stream);
     DM_CHECK(rows <= std::numeric_limits<int32_t>::max(), who, ": ", rows,
              " rows exceed the grouped GEMM's int32 sizes");
     moe_detail::DownBackwardGemm g;
@@ -176,18 +175,25 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   const uint16_t* dg = buf.h;
   const uint16_t* du = buf.up;
 
-  // Gate/up projections g = x·W_gateᵀ, u = x·W_upᵀ per expert (both paths: every GEMM here has
-  // an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B):
-  //   dW_gate[e] [F, Din] += dgᵀ[F, n]·x[n, Din] (dW_up likewise with du);
-  //   dx rows [n, Din] fp32 = dg·W_gate[e] + du·W_up[e].
+  // Gate/up projections g = x·W_gateᵀ, u = x·W_upᵀ per expert (every GEMM here has an fp32 C):
+  //   dW_gate[e] [F, Din] += dgᵀ[F, n]·x[n, Din] (dW_up likewise with du): grouped path, one
+  //   launch of our grouped kernel each; loop path, per expert through cuBLAS (the reference);
+  //   dx rows [n, Din] fp32 = dg·W_gate[e] + du·W_up[e], per expert through cuBLAS.
+  const bool grouped = path == MoeGemmPath::Grouped;
+  if (grouped && grads.gate)
+    moe_detail::launch_grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
+                                           Din, grads.gate, stream);
+  if (grouped && grads.up)
+    moe_detail::launch_grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
+                                           Din, grads.up, stream);
   for (int64_t e = 0; e < ew.E; ++e) {
     const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
     if (n == 0) continue;
     const uint16_t* x_rows = buf.x_sorted + begin * Din;
-    if (grads.gate)
+    if (!grouped && grads.gate)
       gemm.gemm_bf16(true, false, F, Din, n, 1.0f, dg + begin * F, F, x_rows, Din, 1.0f,
                      grads.gate + e * F * Din, GemmOutType::F32, Din, stream);
-    if (grads.up)
+    if (!grouped && grads.up)
       gemm.gemm_bf16(true, false, F, Din, n, 1.0f, du + begin * F, F, x_rows, Din, 1.0f,
                      grads.up + e * F * Din, GemmOutType::F32, Din, stream);
     if (dx) {

@@ -46,6 +46,15 @@ void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, c
                            int64_t N, int k, int64_t D, void* y, bool y_f32,
                            CUstream_st* stream);
 
+// Expert weight gradients for every expert in one launch (moe_weight_grad.cu):
+//   C_e [M, N] fp32 += A_eᵀ·B_e,  A_e = rows [offsets[e], offsets[e+1]) of A [R, M] bf16 (row
+//   stride lda), B_e the same rows of B [R, N] bf16 (row stride ldb), C_e = C + e·M·N row-major.
+// offsets: the plan's DEVICE offsets [E+1] (no host copy needed). M, N, lda, ldb multiples of 8,
+// A and B 16-byte aligned. Deterministic: each C element has one writer, no atomics.
+void launch_grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                                const int64_t* offsets, int E, int64_t M, int64_t N, float* C,
+                                CUstream_st* stream);
+
 // Grouped expert GEMMs over the non-empty experts (host_offsets [E+1] is the host copy of the
 // plan's offsets, device_offsets the device one), bf16 in and out, fp32 accumulate:
 //   gate_out[r] = x_sorted[r]·gate_eᵀ, up_out[r] = x_sorted[r]·up_eᵀ   (rows r of expert e) ...
