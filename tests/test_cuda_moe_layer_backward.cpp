@@ -9,8 +9,8 @@
 // SwiGLU MoE (no latent, routed scaling 2.5, like Kimi-Linear). Dense FFN: SiTU and SwiGLU.
 // Routing near ties: tokens whose k-th and (k+1)-th biased scores are within 1e-4 are redrawn
 // until none is left, so CPU and GPU select the same experts (checked before the backward).
-// Op level: moe_experts_backward's Grouped path (grouped dh GEMM, our grouped weight-gradient
-// kernel) against its Loop path (one cuBLAS GEMM per expert) on random data with empty experts,
+// Op level: moe_experts_backward's Grouped path (grouped dh GEMM, our grouped fp32-output
+// kernels) against its Loop path (one cuBLAS GEMM per expert) on random data with empty experts,
 // after the same recompute (the layer always runs the Grouped path, so the choice is only
 // reachable here).
 // Skips without a GPU.
@@ -381,11 +381,12 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
       const ExpertsBackwardResult loop = run(cuda::MoeGemmPath::Loop);
       // Same kernel in both paths: dweights (upstream of the dh GEMM).
       expect_paths_agree("dweights", grouped.dweights, loop.dweights, 0.0);
-      // dW_down comes from our grouped kernel against one cuBLAS GEMM per expert (fp32 sums; on
-      // an H200 bitwise equal at both shapes). dx, dW_gate and dW_up sit downstream of the dh
-      // GEMM, whose kernel differs (grouped vs cuBLASLt): at the larger shape a few dh elements
-      // round to the neighbouring bf16 value, which moves them by ~5e-6 relative RMS. 1e-5 leaves
-      // room for that; a wrong group mapping, tile edge or skipped expert gives O(0.1–1).
+      // The weight gradients and dx rows come from our grouped kernels against one cuBLAS GEMM
+      // per expert (fp32 sums in another order; dW_down was bitwise equal on an H200 at both
+      // shapes). dx, dW_gate and dW_up also sit downstream of the dh GEMM, whose kernel differs
+      // (grouped vs cuBLASLt): at the larger shape a few dh elements round to the neighbouring
+      // bf16 value, which moves them by ~5e-6 relative RMS. 1e-5 leaves room for that; a wrong
+      // group mapping, tile edge or skipped expert gives O(0.1–1).
       expect_paths_agree("expert_down", grouped.down, loop.down, 1e-5);
       expect_paths_agree("dx", grouped.dx, loop.dx, 1e-5);
       expect_paths_agree("expert_gate", grouped.gate, loop.gate, 1e-5);

@@ -62,6 +62,11 @@ AttentionKernel pinned(AttentionKernel kernel) {
   return from_env;
 }
 
+// Auto builds a cuDNN plan only for shapes that recur (attention_cudnn.h); Cudnn at once.
+int build_after(AttentionKernel kernel) {
+  return kernel == AttentionKernel::Auto ? kAttentionCudnnBuildAfter : 1;
+}
+
 // Runs the cuDNN path for Cudnn and Auto (true when it ran); Cudnn throws where Auto falls back.
 template <class Call>
 bool try_cudnn(const char* who, AttentionKernel kernel, const int32_t* doc_start, Call&& call) {
@@ -89,7 +94,7 @@ void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16
     check_aligned("attention_causal_forward (cuda)", ptr, name);
   kernel = pinned(kernel);
   if (try_cudnn("attention_causal_forward (cuda)", kernel, doc_start, [&](std::string* why) {
-        return cudnn_attention_forward(q, k, v, o, lse, s, scale, stream, why);
+        return cudnn_attention_forward(q, k, v, o, lse, s, scale, stream, why, build_after(kernel));
       }))
     return;
   if (kernel != AttentionKernel::Simple)
@@ -117,7 +122,8 @@ void attention_causal_backward(const uint16_t* q, const uint16_t* k, const uint1
     check_aligned(who, ptr, name);
   kernel = pinned(kernel);
   if (try_cudnn(who, kernel, doc_start, [&](std::string* why) {
-        return cudnn_attention_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, stream, why);
+        return cudnn_attention_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, stream, why,
+                                        build_after(kernel));
       }))
     return;
   // Our kernels accumulate into the gradients: start them at zero.

@@ -27,8 +27,9 @@ namespace dm::cuda {
 // Tiled: our tensor-core flash kernels. Simple: one warp per row, fp32, no tiles (the GPU
 // reference the tiled kernels are checked against; slow). Cudnn: cuDNN's fused attention
 // engines (attention_cudnn.h; no packed documents; throws when cuDNN cannot take the problem).
-// Auto: Cudnn when there is no doc_start and cuDNN takes the problem, else Tiled; the
-// environment variable DM_ATTENTION=ours (or =cudnn) pins Auto to Tiled (or to Cudnn).
+// Auto: Cudnn when there is no doc_start, the shape recurs (its third call: a cuDNN plan build
+// costs ~0.1 s, which a one-off prompt length would not earn back) and cuDNN takes it, else
+// Tiled; the environment variable DM_ATTENTION=ours (or =cudnn) pins Auto to Tiled (or Cudnn).
 enum class AttentionKernel : uint8_t { Auto, Tiled, Simple, Cudnn };
 
 // o (written) and lse (written when non-null) for the causal attention of q, k, v.

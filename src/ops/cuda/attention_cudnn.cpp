@@ -68,6 +68,7 @@ struct State {
   std::mutex mu;
   std::map<int, cudnnHandle_t> handles;
   std::map<PlanKey, CachedPlan> plans;
+  std::map<PlanKey, int> requests;  // calls per shape without a plan yet (build_after)
   void* buffer = nullptr;
   size_t buffer_bytes = 0;
 };
@@ -244,13 +245,23 @@ bool debug_log() {
 
 // The cached plan for the problem, building it on first use (not while capturing).
 CachedPlan* plan_for(State& st, cudnnHandle_t handle, const PlanKey& key, const AttnShape& s,
-                     bool capturing, std::string* why) {
+                     bool capturing, int build_after, std::string* why) {
   auto it = st.plans.find(key);
   if (it == st.plans.end()) {
     if (capturing) {
       if (why) *why = "no cached cuDNN plan and the stream is being captured";
       return nullptr;
     }
+    const int seen = ++st.requests[key];
+    if (seen < build_after) {
+      if (why) *why = str_cat("shape requested ", seen, " time(s); its plan is built at ", build_after);
+      return nullptr;
+    }
+    if (st.plans.size() >= size_t(kAttentionCudnnMaxPlans)) {
+      if (why) *why = str_cat("the cuDNN plan cache is full (", kAttentionCudnnMaxPlans, " shapes)");
+      return nullptr;
+    }
+    st.requests.erase(key);
     CachedPlan entry;
     const std::vector<cudnnDataType_t> variants =
         key.backward ? std::vector<cudnnDataType_t>{CUDNN_DATA_FLOAT, CUDNN_DATA_BFLOAT16}
@@ -330,7 +341,7 @@ struct Session {
 };
 
 bool open_session(Session& ses, bool backward, const AttnShape& s, double scale,
-                  CUstream_st* stream, std::string* why) {
+                  CUstream_st* stream, int build_after, std::string* why) {
   State& st = state();
   ses.lock = std::unique_lock<std::mutex>(st.mu);
   int device = 0;
@@ -342,7 +353,7 @@ bool open_session(Session& ses, bool backward, const AttnShape& s, double scale,
   if (!ses.handle) return false;
   const bool capturing = stream_capturing(stream);
   const PlanKey key{backward, device, s.B, s.T, s.H, s.Dqk, s.Dv, float(scale)};
-  ses.plan = plan_for(st, ses.handle, key, s, capturing, why);
+  ses.plan = plan_for(st, ses.handle, key, s, capturing, build_after, why);
   if (!ses.plan) return false;
   const size_t ws = align256(size_t(ses.plan->plan->workspace_bytes));
   ses.workspace = static_cast<char*>(scratch(st, ws + ses.plan->scratch_bytes, capturing, why));
@@ -375,9 +386,9 @@ std::string cudnn_attention_status() {
 
 bool cudnn_attention_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o,
                              float* lse, const AttnShape& s, double scale, CUstream_st* stream,
-                             std::string* why) {
+                             std::string* why, int build_after) {
   Session ses;
-  if (!open_session(ses, false, s, scale, stream, why)) return false;
+  if (!open_session(ses, false, s, scale, stream, build_after, why)) return false;
   const Ports& p = ses.plan->ports;
   float scale_value = float(scale), neg_inf = negative_infinity();
   char* extra = ses.workspace + align256(size_t(ses.plan->plan->workspace_bytes));
@@ -393,9 +404,10 @@ bool cudnn_attention_forward(const uint16_t* q, const uint16_t* k, const uint16_
 bool cudnn_attention_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                               const uint16_t* o, const float* lse, const uint16_t* dout,
                               uint16_t* dq, uint16_t* dk, uint16_t* dv, const AttnShape& s,
-                              double scale, CUstream_st* stream, std::string* why) {
+                              double scale, CUstream_st* stream, std::string* why,
+                              int build_after) {
   Session ses;
-  if (!open_session(ses, true, s, scale, stream, why)) return false;
+  if (!open_session(ses, true, s, scale, stream, build_after, why)) return false;
   const Ports& p = ses.plan->ports;
   float scale_value = float(scale), neg_inf = negative_infinity(), one = 1.0f;
   char* extra = ses.workspace + align256(size_t(ses.plan->plan->workspace_bytes));
@@ -430,14 +442,14 @@ bool cudnn_attention_available() { return false; }
 std::string cudnn_attention_status() { return "built without cuDNN"; }
 
 bool cudnn_attention_forward(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, float*,
-                             const AttnShape&, double, CUstream_st*, std::string* why) {
+                             const AttnShape&, double, CUstream_st*, std::string* why, int) {
   if (why) *why = "built without cuDNN";
   return false;
 }
 
 bool cudnn_attention_backward(const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*,
                               const float*, const uint16_t*, uint16_t*, uint16_t*, uint16_t*,
-                              const AttnShape&, double, CUstream_st*, std::string* why) {
+                              const AttnShape&, double, CUstream_st*, std::string* why, int) {
   if (why) *why = "built without cuDNN";
   return false;
 }

@@ -27,17 +27,24 @@ bool cudnn_attention_available();
 std::string cudnn_attention_status();
 
 // Each returns true after enqueueing the work on `stream`, or false (nothing enqueued, `why`
-// says why) when cuDNN cannot take the problem: no cuDNN, no engine for the shape, or a plan /
-// bigger scratch needed while `stream` is being captured into a CUDA graph.
+// says why) when cuDNN cannot take the problem: no cuDNN, no engine for the shape, a plan /
+// bigger scratch needed while `stream` is being captured into a CUDA graph, or a shape not yet
+// requested `build_after` times. A plan build takes ~0.1 s, so the automatic choice passes
+// kAttentionCudnnBuildAfter: shapes that recur (training steps) move to cuDNN on their third
+// call, while one-off shapes (a prompt length seen once) keep our kernel and build nothing.
+// At most kAttentionCudnnMaxPlans plans are kept; past that, new shapes are refused.
+inline constexpr int kAttentionCudnnBuildAfter = 3;
+inline constexpr int kAttentionCudnnMaxPlans = 256;
 // Forward: writes o, and lse when non-null.
 bool cudnn_attention_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o,
                              float* lse, const AttnShape& s, double scale, CUstream_st* stream,
-                             std::string* why = nullptr);
+                             std::string* why = nullptr, int build_after = 1);
 // Backward: WRITES dq, dk [B,T,H,Dqk] and dv [B,T,H,Dv] from the forward's o and lse.
 bool cudnn_attention_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                               const uint16_t* o, const float* lse, const uint16_t* dout,
                               uint16_t* dq, uint16_t* dk, uint16_t* dv, const AttnShape& s,
-                              double scale, CUstream_st* stream, std::string* why = nullptr);
+                              double scale, CUstream_st* stream, std::string* why = nullptr,
+                              int build_after = 1);
 
 // The engine cuDNN picked for the cached plan of this problem ("" when none is cached).
 std::string cudnn_attention_engine(bool backward, const AttnShape& s, double scale);

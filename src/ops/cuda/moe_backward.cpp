@@ -4,6 +4,8 @@
 #include "ops/cuda/moe_backward.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 
@@ -107,6 +109,15 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
   if (y) moe_unpermute_rows(buf.out, plan, w, Din, y, GemmOutType::F32, stream);
 }
 
+// DM_MOE_GROUPED_F32=cublas: the grouped path's fp32-output GEMMs one cuBLAS call per expert.
+static bool grouped_f32_kernels() {
+  static const bool on = [] {
+    const char* e = std::getenv("DM_MOE_GROUPED_F32");
+    return !(e && std::strcmp(e, "cublas") == 0);
+  }();
+  return on;
+}
+
 void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const float* w,
                           const ExpertWeightsBf16& ew, const GluActivation& act, const float* dy,
                           float* dweights, float* dx, bool dx_accumulate,
@@ -139,14 +150,22 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
     gemm.gemm_bf16(true, false, Din, F, n, 1.0f, dout + begin * Din, Din, buf.h + begin * F, F,
                    1.0f, grads.down + e * Din * F, GemmOutType::F32, F, stream);
   };
+  // The grouped path's fp32-output GEMMs run as our grouped kernels (one launch each), unless
+  // DM_MOE_GROUPED_F32=cublas asks for one cuBLAS GEMM per expert (A/B timing).
+  const bool ours = path == MoeGemmPath::Grouped && grouped_f32_kernels();
   if (path == MoeGemmPath::Grouped) {
     // dW_down has an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B: every
     // expert's in one launch of our grouped kernel, queued before the dh GEMMs overwrite h; then
     // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
     // (stream order), so the dh arrays reuse the first 3E entries of the same region.
-    if (grads.down)
+    if (grads.down && ours)
       moe_detail::launch_grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F,
                                              grads.down, stream);
+    if (grads.down && !ours)
+      for (int64_t e = 0; e < ew.E; ++e) {
+        const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
+        if (n > 0) down_weight_grad(e, begin, n);
+      }
     DM_CHECK(rows <= std::numeric_limits<int32_t>::max(), who, ": ", rows,
              " rows exceed the grouped GEMM's int32 sizes");
     moe_detail::DownBackwardGemm g;
@@ -176,24 +195,29 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   const uint16_t* du = buf.up;
 
   // Gate/up projections g = x·W_gateᵀ, u = x·W_upᵀ per expert (every GEMM here has an fp32 C):
-  //   dW_gate[e] [F, Din] += dgᵀ[F, n]·x[n, Din] (dW_up likewise with du): grouped path, one
-  //   launch of our grouped kernel each; loop path, per expert through cuBLAS (the reference);
-  //   dx rows [n, Din] fp32 = dg·W_gate[e] + du·W_up[e], per expert through cuBLAS.
-  const bool grouped = path == MoeGemmPath::Grouped;
-  if (grouped && grads.gate)
-    moe_detail::launch_grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
-                                           Din, grads.gate, stream);
-  if (grouped && grads.up)
-    moe_detail::launch_grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
-                                           Din, grads.up, stream);
-  for (int64_t e = 0; e < ew.E; ++e) {
+  //   dW_gate[e] [F, Din] += dgᵀ[F, n]·x[n, Din] (dW_up likewise with du);
+  //   dx rows [n, Din] fp32 = dg·W_gate[e] + du·W_up[e].
+  // Grouped path: one launch of our grouped kernels each; loop path: per expert through cuBLAS
+  // (the reference).
+  if (ours) {
+    if (grads.gate)
+      moe_detail::launch_grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
+                                             Din, grads.gate, stream);
+    if (grads.up)
+      moe_detail::launch_grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
+                                             Din, grads.up, stream);
+    if (dx)
+      moe_detail::launch_grouped_rows_f32(dg, ew.gate, du, ew.up, plan.offsets, int(ew.E), rows,
+                                          F, Din, buf.dx_sorted, stream);
+  }
+  for (int64_t e = 0; e < ew.E && !ours; ++e) {
     const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
     if (n == 0) continue;
     const uint16_t* x_rows = buf.x_sorted + begin * Din;
-    if (!grouped && grads.gate)
+    if (grads.gate)
       gemm.gemm_bf16(true, false, F, Din, n, 1.0f, dg + begin * F, F, x_rows, Din, 1.0f,
                      grads.gate + e * F * Din, GemmOutType::F32, Din, stream);
-    if (!grouped && grads.up)
+    if (grads.up)
       gemm.gemm_bf16(true, false, F, Din, n, 1.0f, du + begin * F, F, x_rows, Din, 1.0f,
                      grads.up + e * F * Din, GemmOutType::F32, Din, stream);
     if (dx) {

@@ -60,13 +60,14 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
 //   grads.* += ∂L/∂W (fp32).
 // GEMMs over the non-empty experts only, never over a dense mask:
 //   Grouped: dh [rows_e, F] bf16 = dout_e·W_down_e is one cublasGemmGroupedBatchedEx call;
-//     dW_down, dW_gate and dW_up (fp32 C, beta = 1) are one launch each of our grouped kernel
-//     (moe_kernels.h launch_grouped_weight_grad): cuBLAS' grouped GEMM has no bf16 A/B → fp32 C
-//     form (cuBLAS 13.1 returns CUBLAS_STATUS_NOT_SUPPORTED for it under CUBLAS_COMPUTE_32F).
-//     The fp32 dx rows stay one cuBLASLt GEMM per expert.
+//     dW_down, dW_gate and dW_up (fp32 C, beta = 1) and the fp32 dx rows are one launch each of
+//     our grouped kernels (moe_kernels.h launch_grouped_weight_grad, launch_grouped_rows_f32):
+//     cuBLAS' grouped GEMM has no bf16 A/B → fp32 C form (cuBLAS 13.1 returns
+//     CUBLAS_STATUS_NOT_SUPPORTED for it under CUBLAS_COMPUTE_32F). DM_MOE_GROUPED_F32=cublas
+//     runs those as one cuBLASLt GEMM per expert instead (for A/B timing).
 //   Loop: every GEMM per expert through cuBLAS (the reference path).
 // The two paths differ in the dh GEMM's kernel (same bf16 rounding of an fp32 sum) and in the
-// weight gradients' summation order (fp32 either way).
+// fp32 summation order of the weight gradients and dx rows.
 // Overwrites the workspace's h and out buffers and its grouped-GEMM pointer arrays. `path` comes
 // after `stream` so existing (…, workspace, stream) calls keep their meaning.
 void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const float* w,

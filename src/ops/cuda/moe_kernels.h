@@ -46,7 +46,7 @@ void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, c
                            int64_t N, int k, int64_t D, void* y, bool y_f32,
                            CUstream_st* stream);
 
-// Expert weight gradients for every expert in one launch (moe_weight_grad.cu):
+// Expert weight gradients for every expert in one launch (moe_grouped_gemm.cu):
 //   C_e [M, N] fp32 += A_eᵀ·B_e,  A_e = rows [offsets[e], offsets[e+1]) of A [R, M] bf16 (row
 //   stride lda), B_e the same rows of B [R, N] bf16 (row stride ldb), C_e = C + e·M·N row-major.
 // offsets: the plan's DEVICE offsets [E+1] (no host copy needed). M, N, lda, ldb multiples of 8,
@@ -54,6 +54,14 @@ void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, c
 void launch_grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                                 const int64_t* offsets, int E, int64_t M, int64_t N, float* C,
                                 CUstream_st* stream);
+// Per-expert products over each expert's rows in one launch (moe_grouped_gemm.cu), WRITTEN:
+//   Y[r, :] = A1[r, :]·B1_e (+ A2[r, :]·B2_e)  for r in [offsets[e], offsets[e+1]),
+// A1, A2 [R, K] bf16 (row stride K), B1_e = B1 + e·K·N, B2_e likewise, [K, N] bf16 row-major,
+// Y [R, N] fp32 (row stride N). A2 / B2 nullptr: one product. offsets: the plan's DEVICE offsets
+// [E+1] with offsets[E] = R. K, N multiples of 8; pointers 16-byte aligned. Deterministic.
+void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
+                             const uint16_t* B2, const int64_t* offsets, int E, int64_t R,
+                             int64_t K, int64_t N, float* Y, CUstream_st* stream);
 
 // Grouped expert GEMMs over the non-empty experts (host_offsets [E+1] is the host copy of the
 // plan's offsets, device_offsets the device one), bf16 in and out, fp32 accumulate:
