@@ -49,22 +49,30 @@ void check_aligned(const char* who, const void* p, const char* name) {
            " must be 16-byte aligned (vector loads)");
 }
 
-// Auto → the kernel DM_ATTENTION pins it to ("ours" → Tiled, "cudnn" → Cudnn), else Auto.
-AttentionKernel pinned(AttentionKernel kernel) {
-  if (kernel != AttentionKernel::Auto) return kernel;
-  static const AttentionKernel from_env = [] {
+// DM_ATTENTION: "ours" pins Auto to our tiled kernel; "cudnn" makes Auto eager (a cuDNN plan on
+// a shape's first call, our kernel still where cuDNN cannot go, e.g. packed documents).
+enum class EnvAttention : uint8_t { Auto, Ours, CudnnEager };
+EnvAttention env_attention() {
+  static const EnvAttention choice = [] {
     const char* e = std::getenv("DM_ATTENTION");
-    if (!e || !*e || !std::strcmp(e, "auto")) return AttentionKernel::Auto;
-    if (!std::strcmp(e, "ours")) return AttentionKernel::Tiled;
-    if (!std::strcmp(e, "cudnn")) return AttentionKernel::Cudnn;
+    if (!e || !*e || !std::strcmp(e, "auto")) return EnvAttention::Auto;
+    if (!std::strcmp(e, "ours")) return EnvAttention::Ours;
+    if (!std::strcmp(e, "cudnn")) return EnvAttention::CudnnEager;
     throw Error(str_cat("DM_ATTENTION must be auto, ours or cudnn, got '", e, "'"));
   }();
-  return from_env;
+  return choice;
 }
 
-// Auto builds a cuDNN plan only for shapes that recur (attention_cudnn.h); Cudnn at once.
+AttentionKernel pinned(AttentionKernel kernel) {
+  if (kernel != AttentionKernel::Auto) return kernel;
+  return env_attention() == EnvAttention::Ours ? AttentionKernel::Tiled : AttentionKernel::Auto;
+}
+
+// Auto builds a cuDNN plan only for shapes that recur (attention_cudnn.h), unless DM_ATTENTION
+// asks for eager plans; Cudnn builds at once.
 int build_after(AttentionKernel kernel) {
-  return kernel == AttentionKernel::Auto ? kAttentionCudnnBuildAfter : 1;
+  if (kernel == AttentionKernel::Cudnn || env_attention() == EnvAttention::CudnnEager) return 1;
+  return kAttentionCudnnBuildAfter;
 }
 
 // Runs the cuDNN path for Cudnn and Auto (true when it ran); Cudnn throws where Auto falls back.

@@ -55,6 +55,79 @@ __device__ __forceinline__ void load_stage(__nv_bfloat16* a_s, __nv_bfloat16* b_
   }
 }
 
+constexpr int kRowsLd = kTileK + 8;  // [m][k] A tile row (bf16): 80 bytes, conflict-free ldmatrix
+
+// The warp's 64 × 32 share of a 128 × 128 output tile: warps 2 (rows) × 4 (columns).
+struct WarpTile {
+  int lane, wm, wn;
+  __device__ __forceinline__ WarpTile()
+      : lane(threadIdx.x & 31), wm(threadIdx.x >> 7), wn((threadIdx.x >> 5) & 3) {}
+};
+
+// acc += one 32-deep stage. B is stored [k][n] (ldmatrix.trans); A is stored [k][m] with row
+// stride kLd when kAByK (ldmatrix.trans: matrix i = lane/8 takes k half i/2, m half i%2), else
+// [m][k] with row stride kRowsLd (plain ldmatrix: row lane%16, k half lane/16).
+template <bool kAByK>
+__device__ __forceinline__ void mma_stage(float (&acc)[4][4][4], const __nv_bfloat16* as,
+                                          const __nv_bfloat16* bs, const WarpTile& w) {
+  const int lane = w.lane;
+  const int b_k = (lane & 7) + (((lane >> 3) & 1) << 3), b_n = (lane >> 4) << 3;
+#pragma unroll
+  for (int kk = 0; kk < kTileK; kk += 16) {
+    uint32_t a[4][4], b[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (kAByK)
+        ldmatrix_x4_trans(a[i], as + (kk + (lane & 7) + ((lane >> 4) << 3)) * kLd + w.wm * 64 +
+                                    i * 16 + (((lane >> 3) & 1) << 3));
+      else
+        attention_detail::ldmatrix_x4(
+            a[i], as + (w.wm * 64 + i * 16 + (lane & 15)) * kRowsLd + kk + ((lane >> 4) << 3));
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      ldmatrix_x4_trans(b[j], bs + (kk + b_k) * kLd + w.wn * 32 + j * 16 + b_n);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma_bf16_16x8x16(acc[i][j], a[i], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
+  }
+}
+
+// `steps` stages through two smem buffers: load(step, stage) issues the cp.async copies of a
+// step, compute(stage) consumes one; the next step's copies overlap this step's products.
+template <class Load, class Compute>
+__device__ __forceinline__ void double_buffered(int64_t steps, Load&& load, Compute&& compute) {
+  load(int64_t(0), 0);
+  cp_async_commit();
+  for (int64_t t = 0; t < steps; ++t) {
+    const int stage = int(t & 1);
+    if (t + 1 < steps) load(t + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    compute(stage);
+    __syncthreads();  // the next iteration's copies overwrite this stage
+  }
+}
+
+// out(row, col, x, y) for each pair of adjacent accumulator elements, (row, col) relative to the
+// output tile: element (row g / g+8, columns 2tq, 2tq+1) of each 16 × 8 mma tile.
+template <class Out>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[4][4][4], const WarpTile& w,
+                                              Out&& out) {
+  const int g = w.lane >> 2, tq = w.lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        out(w.wm * 64 + i * 16 + g + half * 8, w.wn * 32 + j * 8 + 2 * tq, acc[i][j][2 * half],
+            acc[i][j][2 * half + 1]);
+}
+
 __global__ void __launch_bounds__(kThreads)
     grouped_weight_grad_kernel(const __nv_bfloat16* __restrict__ A, int64_t lda,
                                const __nv_bfloat16* __restrict__ B, int64_t ldb,
@@ -66,77 +139,29 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row_begin = offsets[e], row_end = offsets[e + 1];
   if (row_end <= row_begin) return;
   const int64_t m0 = int64_t(blockIdx.y) * kTileM, n0 = int64_t(blockIdx.x) * kTileN;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm·64, columns wn·32
-  // ldmatrix.trans lane addresses: A from [k][m] (matrix i = lane/8: k half i/2, m half i%2),
-  // B from [k][n] (matrix i: k half i%2, n half i/2).
-  const int a_k = (lane & 7) + ((lane >> 4) << 3), a_m = ((lane >> 3) & 1) << 3;
-  const int b_k = (lane & 7) + (((lane >> 3) & 1) << 3), b_n = (lane >> 4) << 3;
-
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-
-  const int64_t k_tiles = (row_end - row_begin + kTileK - 1) / kTileK;
-  load_stage(a_s[0], b_s[0], A, lda, B, ldb, row_begin, row_end, m0, M, n0, N);
-  cp_async_commit();
-  for (int64_t t = 0; t < k_tiles; ++t) {
-    const int stage = int(t & 1);
-    if (t + 1 < k_tiles)
-      load_stage(a_s[stage ^ 1], b_s[stage ^ 1], A, lda, B, ldb, row_begin + (t + 1) * kTileK,
-                 row_end, m0, M, n0, N);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    const __nv_bfloat16* as = a_s[stage];
-    const __nv_bfloat16* bs = b_s[stage];
-#pragma unroll
-    for (int kk = 0; kk < kTileK; kk += 16) {
-      uint32_t a[4][4], b[2][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        ldmatrix_x4_trans(a[i], as + (kk + a_k) * kLd + wm * 64 + i * 16 + a_m);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        ldmatrix_x4_trans(b[j], bs + (kk + b_k) * kLd + wn * 32 + j * 16 + b_n);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          mma_bf16_16x8x16(acc[i][j], a[i], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
-    }
-    __syncthreads();  // the next iteration's loads overwrite this stage
-  }
-
-  // C_e += acc: element (row g / g+8, columns 2tq, 2tq+1) of each 16 × 8 tile.
+  const WarpTile w;
+  float acc[4][4][4] = {};
+  double_buffered(
+      (row_end - row_begin + kTileK - 1) / kTileK,
+      [&](int64_t step, int stage) {
+        load_stage(a_s[stage], b_s[stage], A, lda, B, ldb, row_begin + step * kTileK, row_end,
+                   m0, M, n0, N);
+      },
+      [&](int stage) { mma_stage<true>(acc, a_s[stage], b_s[stage], w); });
+  // C_e += acc (N is even: a pair never straddles the last column).
   float* c_e = C + int64_t(e) * M * N;
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = m0 + wm * 64 + i * 16 + g + half * 8;
-      if (row >= M) continue;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t col = n0 + wn * 32 + j * 8 + 2 * tq;
-        if (col >= N) continue;  // N is even: col + 1 < N as well
-        float2* p = reinterpret_cast<float2*>(c_e + row * N + col);
-        float2 v = *p;
-        v.x += acc[i][j][2 * half];
-        v.y += acc[i][j][2 * half + 1];
-        *p = v;
-      }
-    }
+  for_each_pair(acc, w, [&](int r, int c, float x, float y) {
+    const int64_t row = m0 + r, col = n0 + c;
+    if (row >= M || col >= N) return;
+    float2* p = reinterpret_cast<float2*>(c_e + row * N + col);
+    float2 v = *p;
+    v.x += x;
+    v.y += y;
+    *p = v;
+  });
 }
 
 // ---- Y_e = A1_e·B1_e (+ A2_e·B2_e) over each expert's rows ---------------------------------
-
-constexpr int kRowsLd = kTileK + 8;  // [m][k] A tile row (bf16): 80 bytes, conflict-free ldmatrix
 
 // Row tile `tile` of the grouped problem → its expert and first row (false: past the last tile).
 // Experts own ceil(n_e / 128) consecutive tiles in expert order; E is small (≤ 8192), so every
@@ -194,72 +219,25 @@ __global__ void __launch_bounds__(kThreads)
   int64_t row0 = 0, row_end = 0;
   if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
   const int64_t n0 = int64_t(blockIdx.x) * kTileN;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
-  // A [m][k]: plain ldmatrix (row = lane % 16, k half = lane / 16); B [k][n]: ldmatrix.trans.
-  const int a_m = lane & 15, a_k = (lane >> 4) << 3;
-  const int b_k = (lane & 7) + (((lane >> 3) & 1) << 3), b_n = (lane >> 4) << 3;
+  const WarpTile w;
   const __nv_bfloat16* B1_e = B1 + int64_t(e) * K * N;
   const __nv_bfloat16* B2_e = B2 ? B2 + int64_t(e) * K * N : nullptr;
-
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-
+  float acc[4][4][4] = {};
   // Steps over K for the first product, then (A2 given) over K again for the second.
-  const int64_t k_steps = (K + kTileK - 1) / kTileK, steps = A2 ? 2 * k_steps : k_steps;
-  auto load = [&](int64_t step, int stage) {
-    const bool second = step >= k_steps;
-    load_rows_stage(a_s[stage], b_s[stage], second ? A2 : A1, second ? B2_e : B1_e, row0,
-                    row_end, (second ? step - k_steps : step) * kTileK, K, n0, N);
-  };
-  load(0, 0);
-  cp_async_commit();
-  for (int64_t t = 0; t < steps; ++t) {
-    const int stage = int(t & 1);
-    if (t + 1 < steps) load(t + 1, stage ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    const __nv_bfloat16* as = a_s[stage];
-    const __nv_bfloat16* bs = b_s[stage];
-#pragma unroll
-    for (int kk = 0; kk < kTileK; kk += 16) {
-      uint32_t a[4][4], b[2][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        attention_detail::ldmatrix_x4(a[i], as + (wm * 64 + i * 16 + a_m) * kRowsLd + kk + a_k);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        ldmatrix_x4_trans(b[j], bs + (kk + b_k) * kLd + wn * 32 + j * 16 + b_n);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          mma_bf16_16x8x16(acc[i][j], a[i], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
-    }
-    __syncthreads();
-  }
-
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = row0 + wm * 64 + i * 16 + g + half * 8;
-      if (row >= row_end) continue;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t col = n0 + wn * 32 + j * 8 + 2 * tq;
-        if (col >= N) continue;
-        *reinterpret_cast<float2*>(Y + row * N + col) =
-            make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
-      }
-    }
+  const int64_t k_steps = (K + kTileK - 1) / kTileK;
+  double_buffered(
+      A2 ? 2 * k_steps : k_steps,
+      [&](int64_t step, int stage) {
+        const bool second = step >= k_steps;
+        load_rows_stage(a_s[stage], b_s[stage], second ? A2 : A1, second ? B2_e : B1_e, row0,
+                        row_end, (second ? step - k_steps : step) * kTileK, K, n0, N);
+      },
+      [&](int stage) { mma_stage<false>(acc, a_s[stage], b_s[stage], w); });
+  for_each_pair(acc, w, [&](int r, int c, float x, float y) {
+    const int64_t row = row0 + r, col = n0 + c;
+    if (row >= row_end || col >= N) return;
+    *reinterpret_cast<float2*>(Y + row * N + col) = make_float2(x, y);
+  });
 }
 
 }  // namespace
