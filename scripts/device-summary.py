@@ -89,11 +89,13 @@ def main():
                        f"({ratio}× the {float(floor):.2f} ms floor) | | {target} |")
 
     # Training step: tokens/s and MFU against the PyTorch eager peer on the same GPU.
-    # One row per run: with per-layer recompute, and with the KDA internals kept (--recompute off).
+    # One row per run: with per-layer recompute, and with the KDA and MoE internals kept
+    # (--recompute off).
     peer = [j for j in json_lines(read(d, "peer_torch_train.log")) if "tokens_per_s" in j]
     p = peer[-1]["tokens_per_s"] if peer else None
     for log, label in (("bench_cuda_train.log", "training step (1B config)"),
-                       ("bench_cuda_train_kept.log", "training step (1B config, KDA internals kept)")):
+                       ("bench_cuda_train_kept.log",
+                        "training step (1B config, KDA and MoE internals kept)")):
         ours = [j for j in json_lines(read(d, log)) if j.get("impl") == "deltamoe"]
         if not ours:
             continue
