@@ -7,7 +7,10 @@
 //
 // Plans are built once per (direction, shape, scale, device) and cached; the scratch (cuDNN's
 // workspace, plus the backward's fp32 dQ accumulator and row sums) is one device buffer owned
-// here, grown outside graph capture when a bigger shape arrives. Plain C++ (no cuDNN headers).
+// here, grown outside graph capture when a bigger shape arrives. Calls are serialised by a
+// mutex, but their kernels run later on the caller's stream, so calls on different streams must
+// not overlap in time (the engine runs attention on one stream per process). Plain C++ (no cuDNN
+// headers).
 // Without cuDNN at build time every function reports "unavailable" and returns false.
 #pragma once
 #include <cstdint>
