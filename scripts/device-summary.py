@@ -72,10 +72,18 @@ def main():
             out.append(f"| KDA fwd+bwd {r[0]} | {ours:.2f} ms{ratio} | "
                        f"{f'fla {peer:.2f} ms' if peer else ''} | ≥ 2× faster than fla |")
 
-    # MLA prefill: % of the measured bf16 GEMM peak.
+    # MLA prefill: % of the measured bf16 GEMM peak, beside torch SDPA's cuDNN backend (the
+    # peer of the same run, when mla_peers ran).
+    torch_cudnn = {}
+    for r in table_rows(read(d, "mla_peers.log")):
+        m = re.match(r"torch sdpa (fwd|bwd) \(cudnn", r[0]) if r else None
+        if m and len(r) >= 5:
+            torch_cudnn[(m.group(1), r[1])] = f"torch cuDNN {r[3]} TF/s ({r[4]})"
     for r in table_rows(read(d, "bench_cuda_mla.log")):
         if len(r) >= 5 and r[0].startswith("mla prefill"):
-            out.append(f"| {r[0]} {r[1]} | {r[3]} TF/s ({r[4]} of peak) | | ≥ 50% of peak |")
+            direction = "bwd" if " bwd" in r[0] else "fwd"
+            peer = torch_cudnn.get((direction, r[1]), "")
+            out.append(f"| {r[0]} {r[1]} | {r[3]} TF/s ({r[4]} of peak) | {peer} | ≥ 50% of peak |")
 
     # Decode, Kimi-Linear-48B shape: ms/step against the HBM floor.
     for line in read(d, "bench_cuda_decode.log").splitlines():
