@@ -73,11 +73,12 @@ std::vector<AttentionCase> attention_cases() {
   return cases;
 }
 
-// Our two kernels on every case; cuDNN's fused engines where they apply (no packed documents).
-std::vector<cuda::AttentionKernel> kernels_for(const AttentionCase& c) {
+// Our two kernels on every case, and cuDNN's fused engines where this build and GPU have cuDNN
+// (packed documents through its ragged batch).
+std::vector<cuda::AttentionKernel> kernels_for(const AttentionCase&) {
   std::vector<cuda::AttentionKernel> kernels{cuda::AttentionKernel::Tiled,
                                              cuda::AttentionKernel::Simple};
-  if (!c.docs && cuda::cudnn_attention_available()) kernels.push_back(cuda::AttentionKernel::Cudnn);
+  if (cuda::cudnn_attention_available()) kernels.push_back(cuda::AttentionKernel::Cudnn);
   return kernels;
 }
 
@@ -262,12 +263,6 @@ TEST(CudaMlaAttention, RejectsBadArguments) {
   EXPECT_THROW(cuda::attention_causal_forward(fake, fake, fake, fake, nullptr,
                                               AttnShape{1, 4, 1, 256, 128}, 0.2, nullptr,
                                               nullptr, cuda::AttentionKernel::Tiled),
-               Error);
-  // cuDNN's causal mask knows no packed documents: asked for explicitly, it refuses them.
-  const auto* fake_doc = reinterpret_cast<const int32_t*>(fake);
-  EXPECT_THROW(cuda::attention_causal_forward(fake, fake, fake, fake, nullptr,
-                                              AttnShape{1, 4, 1, 16, 16}, 0.2, fake_doc, nullptr,
-                                              cuda::AttentionKernel::Cudnn),
                Error);
   // Misaligned tensors and a missing lse in the backward.
   EXPECT_THROW(cuda::attention_causal_forward(fake + 1, fake, fake, fake, nullptr,

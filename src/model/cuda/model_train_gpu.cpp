@@ -282,19 +282,23 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     float* p_mid = p_mids[size_t(i)];
     int s = sealed_in[size_t(i)];
     bool empty = p_empty_in[size_t(i)];
-    if (attnres && s > 0) {
-      sources_of(s, !empty, pp);
-      attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.attn_site.query),
-                      dw_.f32(Lw.attn_site.norm), x, N, d, eps, stream);
-    } else {
-      copy(x, pp);
-    }
-    if (attnres && i % c.attn_res_block == 0) {  // seal: blocks[s] = p
-      copy(blocks + size_t(s) * nd, pp);
-      ++s;
-      empty = true;
-    }
-    rmsnorm_to_bf16(x, dw_.f32(Lw.input_norm), xn, N, d, eps, stream);
+    // The residual-stream work around the sub-layers (AttnRes mixes, seals, norms, copies).
+    const char* residual = rebuild ? "res_rebuild" : "res_fwd";
+    timer(residual, stream, [&] {
+      if (attnres && s > 0) {
+        sources_of(s, !empty, pp);
+        attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.attn_site.query),
+                        dw_.f32(Lw.attn_site.norm), x, N, d, eps, stream);
+      } else {
+        copy(x, pp);
+      }
+      if (attnres && i % c.attn_res_block == 0) {  // seal: blocks[s] = p
+        copy(blocks + size_t(s) * nd, pp);
+        ++s;
+        empty = true;
+      }
+      rmsnorm_to_bf16(x, dw_.f32(Lw.input_norm), xn, N, d, eps, stream);
+    });
     if (!rebuild) {
       if (c.mixers[size_t(i)] == MixerKind::KDA)
         timer("kda_fwd", stream, [&] {
@@ -304,15 +308,17 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         timer("mla_fwd", stream, [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, xn, p_mid, B, T, doc_dev); });
       if (!empty) add_inplace(p_mid, pp, int64_t(nd), stream);
     }
-    copy(pp, p_mid);
-    if (attnres) {
-      sources_of(s, true, pp);
-      attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.ffn_site.query),
-                      dw_.f32(Lw.ffn_site.norm), y, N, d, eps, stream);
-    } else {
-      copy(y, pp);
-    }
-    rmsnorm_to_bf16(y, dw_.f32(Lw.post_norm), yn, N, d, eps, stream);
+    timer(residual, stream, [&] {
+      copy(pp, p_mid);
+      if (attnres) {
+        sources_of(s, true, pp);
+        attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.ffn_site.query),
+                        dw_.f32(Lw.ffn_site.norm), y, N, d, eps, stream);
+      } else {
+        copy(y, pp);
+      }
+      rmsnorm_to_bf16(y, dw_.f32(Lw.post_norm), yn, N, d, eps, stream);
+    });
     if (rebuild) return s;
     if (c.ffns[size_t(i)] == FfnKind::MoE) {
       DeviceArenaScope scope(run.scratch);

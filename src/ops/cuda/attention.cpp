@@ -75,17 +75,25 @@ int build_after(AttentionKernel kernel) {
   return kAttentionCudnnBuildAfter;
 }
 
+// DM_CUDNN_PACKED=1: Auto also sends packed documents to cuDNN's ragged batch (not yet run on a
+// GPU, so off by default; the explicit Cudnn kernel always takes them).
+bool packed_on_cudnn() {
+  static const bool on = [] {
+    const char* e = std::getenv("DM_CUDNN_PACKED");
+    return e && *e && std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
 // Runs the cuDNN path for Cudnn and Auto (true when it ran); Cudnn throws where Auto falls back.
-template <class Call>
-bool try_cudnn(const char* who, AttentionKernel kernel, const int32_t* doc_start, Call&& call) {
+// dense(why) runs one document per row, packed(why) the documents of doc_start.
+template <class Dense, class Packed>
+bool try_cudnn(const char* who, AttentionKernel kernel, const int32_t* doc_start, Dense&& dense,
+               Packed&& packed) {
   if (kernel != AttentionKernel::Auto && kernel != AttentionKernel::Cudnn) return false;
-  if (doc_start) {
-    DM_CHECK(kernel == AttentionKernel::Auto, who,
-             ": the cuDNN kernel takes no packed documents (doc_start)");
-    return false;
-  }
+  if (doc_start && kernel == AttentionKernel::Auto && !packed_on_cudnn()) return false;
   std::string why;
-  if (call(&why)) return true;
+  if (doc_start ? packed(&why) : dense(&why)) return true;
   DM_CHECK(kernel == AttentionKernel::Auto, who, ": cuDNN cannot take this problem: ", why);
   return false;
 }
@@ -101,9 +109,16 @@ void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16
   for (auto [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {o, "o"}})
     check_aligned("attention_causal_forward (cuda)", ptr, name);
   kernel = pinned(kernel);
-  if (try_cudnn("attention_causal_forward (cuda)", kernel, doc_start, [&](std::string* why) {
-        return cudnn_attention_forward(q, k, v, o, lse, s, scale, stream, why, build_after(kernel));
-      }))
+  if (try_cudnn(
+          "attention_causal_forward (cuda)", kernel, doc_start,
+          [&](std::string* why) {
+            return cudnn_attention_forward(q, k, v, o, lse, s, scale, stream, why,
+                                           build_after(kernel));
+          },
+          [&](std::string* why) {
+            return cudnn_attention_forward_packed(q, k, v, o, lse, s, scale, doc_start, stream,
+                                                  why, build_after(kernel));
+          }))
     return;
   if (kernel != AttentionKernel::Simple)
     attention_detail::launch_attention_forward_tiled(p, q, k, v, o, lse, stream);
@@ -129,10 +144,16 @@ void attention_causal_backward(const uint16_t* q, const uint16_t* k, const uint1
                            {workspace, "workspace"}})
     check_aligned(who, ptr, name);
   kernel = pinned(kernel);
-  if (try_cudnn(who, kernel, doc_start, [&](std::string* why) {
-        return cudnn_attention_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, stream, why,
-                                        build_after(kernel));
-      }))
+  if (try_cudnn(
+          who, kernel, doc_start,
+          [&](std::string* why) {
+            return cudnn_attention_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, stream,
+                                            why, build_after(kernel));
+          },
+          [&](std::string* why) {
+            return cudnn_attention_backward_packed(q, k, v, o, lse, dout, dq, dk, dv, s, scale,
+                                                   doc_start, stream, why, build_after(kernel));
+          }))
     return;
   // Our kernels accumulate into the gradients: start them at zero.
   fill_zero_async(dq, size_t(s.B * s.T * s.H * s.Dqk) * sizeof(uint16_t), stream);

@@ -49,6 +49,23 @@ bool cudnn_attention_backward(const uint16_t* q, const uint16_t* k, const uint16
                               double scale, CUstream_st* stream, std::string* why = nullptr,
                               int build_after = 1);
 
+// Packed documents (doc_start [B,T], device, as attention.h) as cuDNN's ragged batch: one batch
+// entry per document, bounded by its length (GEMM extents and a padding mask), the causal mask
+// inside it; the softmax statistics go through a dense scratch to our lse layout. Copies
+// doc_start to the host first (one stream synchronisation) to lay the batch out; plans are
+// bucketed by document count and longest document (powers of two). Same returns as above.
+// NOT YET RUN ON A GPU (written when this session's device time was spent): attention.cpp
+// takes it for the explicit Cudnn kernel only, and for Auto only with DM_CUDNN_PACKED=1.
+bool cudnn_attention_forward_packed(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                    uint16_t* o, float* lse, const AttnShape& s, double scale,
+                                    const int32_t* doc_start, CUstream_st* stream,
+                                    std::string* why = nullptr, int build_after = 1);
+bool cudnn_attention_backward_packed(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                     const uint16_t* o, const float* lse, const uint16_t* dout,
+                                     uint16_t* dq, uint16_t* dk, uint16_t* dv, const AttnShape& s,
+                                     double scale, const int32_t* doc_start, CUstream_st* stream,
+                                     std::string* why = nullptr, int build_after = 1);
+
 // The engine cuDNN picked for the cached plan of this problem ("" when none is cached).
 std::string cudnn_attention_engine(bool backward, const AttnShape& s, double scale);
 

@@ -55,6 +55,15 @@ constexpr int kDecodePageTokens = 64;
 constexpr int kDecodeMaxDk = 576, kDecodeMaxDv = 512;
 // Multiprocessor count of the current device (for the decode plan).
 int current_device_multiprocessors();
+
+// Packed documents as a ragged batch (attention_cudnn.cpp): entry i is the doc_len[i] tokens of
+// row doc_row[i] from token doc_begin[i] (length 0 for padding entries). Moves the softmax
+// statistics between a dense [entries, H, S] buffer and our lse [B, H, T]:
+//   to_lse:   lse[row, h, begin + t] = dense[i, h, t]   (t < len)
+//   from_lse: dense[i, h, t] = lse[row, h, begin + t]   (t < len; the rest untouched)
+void launch_ragged_stats(const int32_t* doc_row, const int32_t* doc_begin,
+                         const int32_t* doc_len, int entries, int H, int S, int T, float* dense,
+                         float* lse, bool to_lse, CUstream_st* stream);
 void launch_attention_decode(const DecodeProblem& p, const uint16_t* q, const uint16_t* cache,
                              const int32_t* page_table, const int32_t* seq_len, uint16_t* out,
                              float* lse, float* partial_o, float* partial_lse,

@@ -58,6 +58,8 @@ int64_t GraphBuilder::tensor(const TensorSpec& s) {
   const bool is_virtual = s.is_virtual, by_value = s.by_value;
   d->set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual);
   if (by_value) d->set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value);
+  if (s.ragged_offset >= 0)
+    d->set_descriptor(CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, desc(s.ragged_offset));
   d->finalize("tensor descriptor");
   specs_.push_back(s);
   tensors_.push_back(std::move(d));
@@ -73,7 +75,8 @@ int64_t GraphBuilder::scalar(cudnnDataType_t type) {
   return tensor(TensorSpec{{1, 1, 1, 1}, {1, 1, 1, 1}, type, false, true});
 }
 
-void GraphBuilder::matmul(int64_t a, int64_t b, int64_t c) {
+void GraphBuilder::matmul(int64_t a, int64_t b, int64_t c, int64_t m_override,
+                          int64_t n_override, int64_t k_override) {
   auto m = std::make_unique<Descriptor>(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
   const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
   m->set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
@@ -83,6 +86,12 @@ void GraphBuilder::matmul(int64_t a, int64_t b, int64_t c) {
   op->set_descriptor(CUDNN_ATTR_OPERATION_MATMUL_BDESC, desc(b));
   op->set_descriptor(CUDNN_ATTR_OPERATION_MATMUL_CDESC, desc(c));
   op->set_descriptor(CUDNN_ATTR_OPERATION_MATMUL_DESC, *m);
+  if (m_override >= 0)
+    op->set_descriptor(CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, desc(m_override));
+  if (n_override >= 0)
+    op->set_descriptor(CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, desc(n_override));
+  if (k_override >= 0)
+    op->set_descriptor(CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, desc(k_override));
   op->finalize("matmul operation");
   op_parts_.push_back(std::move(m));
   ops_.push_back(std::move(op));

@@ -45,6 +45,9 @@ struct TensorSpec {
   cudnnDataType_t type = CUDNN_DATA_FLOAT;
   bool is_virtual = false;
   bool by_value = false;  // a host scalar passed in the variant pack (dims all 1)
+  // Ragged (packed) batch: uid of an int32 [batch + 1, 1, 1, 1] tensor of the element offsets at
+  // which the batch entries start (-1: dense, the batch stride applies).
+  int64_t ragged_offset = -1;
 };
 
 // Builds one operation graph. Tensors get unique ids in creation order (returned by tensor());
@@ -57,7 +60,10 @@ class GraphBuilder {
                        cudnnDataType_t type = CUDNN_DATA_FLOAT);
   int64_t scalar(cudnnDataType_t type = CUDNN_DATA_FLOAT);
 
-  void matmul(int64_t a, int64_t b, int64_t c);
+  // c = a·b over the trailing two dims; m/n/k_override: uids of int32 [batch, 1, 1, 1] tensors of
+  // per-entry extents (variable-length batches; -1: none).
+  void matmul(int64_t a, int64_t b, int64_t c, int64_t m_override = -1, int64_t n_override = -1,
+              int64_t k_override = -1);
   // x → y (one input), x, b → y (two) or x, b, t → y (three: BINARY_SELECT picks x where t else b).
   void pointwise(cudnnPointwiseMode_t mode, int64_t x, int64_t y, int64_t b = -1, int64_t t = -1,
                  cudnnDataType_t math = CUDNN_DATA_FLOAT, int64_t axis = -1);
