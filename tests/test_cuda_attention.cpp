@@ -439,15 +439,22 @@ TEST(CudaMlaDecode, AbsorbedMatchesExpandedTestDims) {
   check_absorbed_decode(dims, lengths, 0, 11);  // the plan's own split
   check_absorbed_decode(dims, lengths, 1, 12);  // one page per split: 5 splits, combine kernel
   check_absorbed_decode(dims, {300, 0, 65}, 2, 13);  // empty splits and an empty sequence
+  // 33 splits: the combine kernel's unrolled steps over splits and their remainder.
+  check_absorbed_decode(dims, {2100, 1000, 7}, 1, 14);
+  // 17 heads: two 16-head groups per CTA, the second holding one head.
+  check_absorbed_decode(DecodeDims{17, 16, 8, 16, 32}, {1, 130, 300}, 0, 15);
+  check_absorbed_decode(DecodeDims{17, 16, 8, 16, 32}, {1, 130, 300}, 1, 16);
 }
 
 TEST(CudaMlaDecode, AbsorbedMatchesExpandedFullDims) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   // K3 / Kimi-Linear MLA: nope 128, rope 64, v 128, kv_lora 512 (576-wide cache rows); 20 heads
-  // = one full and one partial 16-head group.
+  // = one CTA of two 16-head groups, the second partial.
   const DecodeDims dims{20, 128, 64, 128, 512};
   check_absorbed_decode(dims, {1, 130, 300}, 0, 21);
   check_absorbed_decode(dims, {1, 130, 300}, 1, 22);
+  // 40 heads: two CTAs of 32, the second with 8 heads in its first group and none in its second.
+  check_absorbed_decode(DecodeDims{40, 128, 64, 128, 512}, {1, 300}, 1, 23);
 }
 
 TEST(CudaMlaDecode, PlanCoversThePageTable) {

@@ -405,14 +405,18 @@ std::vector<int32_t> shared_routing(int64_t N, int k, int E, uint32_t seed) {
 TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
   DM_SKIP_WITHOUT_GPU();
   namespace mla = test::mla;
-  const int64_t Din = 520, F = 264;
   int case_index = 0;
-  for (auto [N, k, E] :
-       {std::tuple<int64_t, int, int64_t>{1, 2, 16}, {1, 8, 64}, {3, 2, 16}, {3, 8, 16},
-        {3, 8, 64}, {64, 2, 64}, {64, 8, 16}, {64, 8, 64}}) {
+  // Din, F: rows of 65 and 33 16-byte chunks, short of the kernels' unrolled 128-chunk steps;
+  // 1160 and 1048 (145 and 131 chunks) run one unrolled step and a remainder.
+  for (auto [N, k, E, Din, F] :
+       {std::tuple<int64_t, int, int64_t, int64_t, int64_t>{1, 2, 16, 520, 264},
+        {1, 8, 64, 520, 264}, {3, 2, 16, 520, 264}, {3, 8, 16, 520, 264}, {3, 8, 64, 520, 264},
+        {64, 2, 64, 520, 264}, {64, 8, 16, 520, 264}, {64, 8, 64, 520, 264},
+        {1, 8, 16, 1160, 1048}, {5, 2, 16, 1160, 1048}}) {
     const bool situ = case_index % 2 == 1, f32_out = case_index % 3 != 2;
     ++case_index;
-    SCOPED_TRACE(str_cat("N=", N, " k=", k, " E=", E, " situ=", situ, " f32=", f32_out));
+    SCOPED_TRACE(str_cat("N=", N, " k=", k, " E=", E, " Din=", Din, " F=", F, " situ=", situ,
+                         " f32=", f32_out));
     GluActivation act;
     act.kind = situ ? Activation::SiTU : Activation::SwiGLU;
     cuda::GluKernelParams params;

@@ -22,6 +22,7 @@
 #include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
 #include "test_util.h"
 #include "train/balance.h"
@@ -77,6 +78,48 @@ TEST(CudaGemm, MatchesCpuGemmOnOddShapes) {
             gpu = test::mla::bf16_bits_to_floats(download(static_cast<uint16_t*>(C_dev), C.size()));
           ASSERT_TRUE(test::mla::all_finite(gpu));
           EXPECT_LE(test::rel_rms(gpu.data(), C.data(), C.size()),
+                    out == cuda::GemmOutType::F32 ? 1e-5 : 1e-2);
+        }
+      }
+    }
+  }
+}
+
+// The few-row GEMV that GemmContext routes decode-sized linears to (gemv.h), called directly so
+// the test cannot fall through to cuBLAS: every row count it takes, outputs not a multiple of a
+// warp's columns, K with and without a remainder past the unrolled chunks, padded leading
+// dimensions, both output types, beta 0 and 0.5. Same tolerances as the cuBLAS test above.
+TEST(CudaGemm, FewRowGemvMatchesCpuGemm) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  uint32_t seed = 900;
+  for (int64_t M = 1; M <= cuda::kGemvMaxRows; ++M) {
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{1, 8}, {7, 136}, {1000, 2304}, {33, 4104}}) {
+      for (auto out : {cuda::GemmOutType::F32, cuda::GemmOutType::Bf16}) {
+        for (float beta : {0.0f, 0.5f}) {
+          SCOPED_TRACE(str_cat("M=", M, " N=", N, " K=", K,
+                               " f32=", out == cuda::GemmOutType::F32, " beta=", beta));
+          const int64_t ldx = K + 8, ldw = K + 16, ldy = N + 3;
+          const Bf16Host x = random_bf16(size_t(M * ldx), seed++);
+          const Bf16Host w = random_bf16(size_t(N * ldw), seed++);
+          const Bf16Host y0 = random_bf16(size_t(M * ldy), seed++);
+          cuda::DeviceArena arena(size_t(32) << 20);
+          const uint16_t* x_dev = upload(arena, x.bits);
+          const uint16_t* w_dev = upload(arena, w.bits);
+          void* y_dev = out == cuda::GemmOutType::F32 ? static_cast<void*>(upload(arena, y0.values))
+                                                      : static_cast<void*>(upload(arena, y0.bits));
+          ASSERT_TRUE(cuda::gemv_applies(M, K, x_dev, ldx, w_dev, ldw));
+          cuda::launch_gemv_bf16(M, N, K, 1.25f, x_dev, ldx, w_dev, ldw, beta, y_dev, out, ldy,
+                                 nullptr);
+          cuda::synchronize();
+          std::vector<float> y = y0.values;
+          gemm(false, true, M, N, K, 1.25f, x.values.data(), ldx, w.values.data(), ldw, beta,
+               y.data(), ldy);
+          const std::vector<float> gpu =
+              out == cuda::GemmOutType::F32
+                  ? download(static_cast<float*>(y_dev), y.size())
+                  : test::mla::bf16_bits_to_floats(download(static_cast<uint16_t*>(y_dev), y.size()));
+          ASSERT_TRUE(test::mla::all_finite(gpu));
+          EXPECT_LE(test::rel_rms(gpu.data(), y.data(), y.size()),
                     out == cuda::GemmOutType::F32 ? 1e-5 : 1e-2);
         }
       }
@@ -160,7 +203,9 @@ TEST(CudaMoeRoute, MatchesCpuRouter) {
   const int64_t N = 777;
   uint32_t seed = 40;
   for (RouteCase c : {RouteCase{64, 6, 1, 1, 2.5f}, RouteCase{64, 6, 8, 3, 1.0f},
-                      RouteCase{256, 8, 1, 1, 2.446f}, RouteCase{7, 7, 1, 1, 1.0f}}) {
+                      RouteCase{256, 8, 1, 1, 2.446f}, RouteCase{7, 7, 1, 1, 1.0f},
+                      // past the kernel's register-held 256 experts (Kimi-K2 has 384)
+                      RouteCase{384, 8, 1, 1, 2.827f}, RouteCase{384, 8, 8, 4, 1.0f}}) {
     SCOPED_TRACE(str_cat("E=", c.E, " k=", c.k, " groups=", c.n_group, "/", c.topk_group));
     RouterParams p;
     p.num_experts = c.E;

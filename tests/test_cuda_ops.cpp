@@ -17,6 +17,7 @@
 #include "ops/cpu/rmsnorm.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/residual_ops.h"
 #include "cuda_test_util.h"
 #include "test_util.h"
 
@@ -116,6 +117,35 @@ TEST(CudaOpsRmsnorm, ForwardBackwardBf16MatchesCpu) {
     EXPECT_LE(rel_rms(y, y_ref), 1e-2) << "N=" << c.N << " D=" << c.D;
     EXPECT_LE(rel_rms(dx, dx_ref), 1e-2) << "N=" << c.N << " D=" << c.D;
     EXPECT_LE(rel_rms(dw, dw_ref), 1e-4) << "N=" << c.N << " D=" << c.D;  // fp32 output
+  }
+}
+
+// The residual stream's fp32 → bf16 norm (residual_ops.h): the float4 kernel (D % 4 == 0 and
+// D ≤ 4096, the model widths) and the scalar one (the rest), against the CPU norm in fp32.
+TEST(CudaOpsRmsnorm, ToBf16MatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const RmsnormCase& c : {RmsnormCase{1, 7}, RmsnormCase{1, 2304}, RmsnormCase{3, 4096},
+                               RmsnormCase{5, 4100}, RmsnormCase{4, 300}, RmsnormCase{2, 1028}}) {
+    const size_t nd = size_t(c.N * c.D);
+    const std::vector<float> x = random_normal(nd, 31 + uint64_t(c.D));
+    std::vector<float> w = random_normal(size_t(c.D), 32, 0.5f);
+    for (float& e : w) e += 1.0f;
+    const float eps = 1e-5f;
+    std::vector<float> y_ref(nd);
+    dm::rmsnorm_forward(x.data(), w.data(), y_ref.data(), c.N, c.D, double(eps));
+    DeviceScratch dev(nd * 8 + size_t(c.D) * 4 + (1 << 16));
+    const float* x_d = dev.upload(x);
+    const float* w_d = dev.upload(w);
+    uint16_t* y_d = dev.zeros<uint16_t>(nd);
+    cu::rmsnorm_to_bf16(x_d, w_d, y_d, c.N, c.D, eps, nullptr);
+    const auto y = from_bf16(DeviceScratch::download(y_d, nd));
+    EXPECT_TRUE(all_finite(y));
+    EXPECT_LE(rel_rms(y, y_ref), 1e-2) << "N=" << c.N << " D=" << c.D;
+    // bf16 rounding of each element is at most 2^-9 relative: a wrong element would show.
+    double worst = 0.0;
+    for (size_t i = 0; i < nd; ++i)
+      worst = std::max(worst, std::abs(double(y[i]) - y_ref[i]) / (std::abs(y_ref[i]) + 1e-3));
+    EXPECT_LE(worst, 5e-3) << "N=" << c.N << " D=" << c.D;
   }
 }
 

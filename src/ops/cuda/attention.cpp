@@ -183,8 +183,9 @@ MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_
   MlaDecodePlan plan;
   plan.max_pages = max_pages;
   if (S == 0 || H == 0 || max_pages == 0) return plan;
-  constexpr int kHeadsPerCta = 16, kMinPagesPerSplit = 4;
-  const int64_t ctas_without_split = int64_t(S) * ((H + kHeadsPerCta - 1) / kHeadsPerCta);
+  constexpr int kMinPagesPerSplit = 4;
+  const int64_t heads_per_cta = attention_detail::decode_heads_per_cta(H);
+  const int64_t ctas_without_split = int64_t(S) * ((H + heads_per_cta - 1) / heads_per_cta);
   int64_t splits = (2 * int64_t(num_sms) + ctas_without_split - 1) / ctas_without_split;
   splits = std::min<int64_t>(splits, std::max(1, max_pages / kMinPagesPerSplit));
   splits = std::clamp<int64_t>(splits, 1, max_splits);

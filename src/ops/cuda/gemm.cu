@@ -13,6 +13,7 @@
 
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/gemv.h"
 
 namespace dm::cuda {
 
@@ -126,6 +127,12 @@ void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t 
   DM_CHECK(ldb >= (trans_b ? K : N), "gemm_bf16: ldb=", ldb, " too small (tb=", trans_b, ", K=", K,
            ", N=", N, ")");
   DM_CHECK(A && B && C, "gemm_bf16: null matrix pointer");
+  // Few-row linear layers (decoding): bandwidth-bound, our GEMV streams the weights faster than
+  // the tiles cuBLASLt picks for them (gemv.h).
+  if (batch == 1 && !trans_a && trans_b && gemv_applies(M, K, A, lda, B, ldb)) {
+    launch_gemv_bf16(M, N, K, alpha, A, lda, B, ldb, beta, C, c_type, ldc, stream);
+    return;
+  }
 
   // Column-major problem: m' = N, n' = M, A' = B (op = tb), B' = A (op = ta).
   const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;

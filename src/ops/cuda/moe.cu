@@ -19,6 +19,7 @@ namespace dm::cuda::moe_detail {
 namespace {
 
 constexpr int kRouteWarps = 4;
+constexpr int kRouteLaneSlots = 8;  // experts per lane kept in registers (E ≤ 256)
 constexpr int kScanThreads = 1024;
 
 // Selection order of the router: larger value first, ties to the lower index (ops/cpu/moe.cpp
@@ -103,20 +104,40 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
     __syncwarp();
   }
 
-  // Top-(k+1) over the eligible experts: k picks, the (k+1)-th value is the QB cutoff.
+  // Top-(k+1) over the eligible experts: k picks, the (k+1)-th value is the QB cutoff. Up to
+  // 32·kRouteLaneSlots experts the lane's biased values stay in registers across the k + 1
+  // rounds (at decode the rounds re-reading them from memory were most of the kernel's 10 µs).
+  const bool in_registers = E <= 32 * kRouteLaneSlots;
+  float cached[kRouteLaneSlots];
+  unsigned eligible = 0u;
+  if (in_registers) {
+#pragma unroll
+    for (int slot = 0; slot < kRouteLaneSlots; ++slot) {
+      const int e = lane + 32 * slot;
+      const bool ok = e < E && (!grouped || group_kept[warp][e / group_size]);
+      cached[slot] = ok ? biased(e) : 0.0f;
+      eligible |= ok ? 1u << slot : 0u;
+    }
+  }
   float previous_value = INFINITY, cutoff_value = -INFINITY;
   int previous_index = -1, count = 0;
   for (int i = 0; i <= k; ++i) {
     float best_value = -INFINITY;
     int best_index = INT_MAX;
-    for (int e = lane; e < E; e += 32) {
-      if (grouped && !group_kept[warp][e / group_size]) continue;
-      const float v = biased(e);
+    auto consider = [&](float v, int e) {
       if (comes_before(previous_value, previous_index, v, e) &&
           comes_before(v, e, best_value, best_index)) {
         best_value = v;
         best_index = e;
       }
+    };
+    if (in_registers) {
+#pragma unroll
+      for (int slot = 0; slot < kRouteLaneSlots; ++slot)
+        if (eligible >> slot & 1u) consider(cached[slot], lane + 32 * slot);
+    } else {
+      for (int e = lane; e < E; e += 32)
+        if (!grouped || group_kept[warp][e / group_size]) consider(biased(e), e);
     }
     warp_best(best_value, best_index);
     if (best_index == INT_MAX) break;

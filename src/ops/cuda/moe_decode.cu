@@ -162,8 +162,32 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
 }
 
 // acc[i][j] = W_i · X_j over `chunks` 16-byte chunks (8 bf16 each), summed over the warp (every
-// lane gets the sums). Lane l takes chunks l, l + 32, …; the next chunk of each weight row is
-// loaded before the current one is used, so 2·kWeightRows 16-byte loads are in flight per lane.
+// lane gets the sums). Lane l takes chunks l, l + 32, …, kDotUnroll of them per weight row
+// loaded before any is used: kDotUnroll·kWeightRows 16-byte loads in flight per lane (an expert
+// row here is only 128–288 chunks, so a shallower pipeline spends most of it filling: the
+// kernels ran at 1.9–2.7 TB/s with two loads per row in flight).
+constexpr int kDotUnroll = 4;
+
+template <int MT>
+__device__ __forceinline__ void dot_chunk(const uint4 (&wv)[kWeightRows],
+                                          const uint4* const (&x)[MT], int c,
+                                          float (&acc)[kWeightRows][MT]) {
+  // Weights are unpacked once per token (cheap next to the loads; keeps registers for the
+  // loads in flight).
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+    float xf[8];
+    bf16x8_to_float(__ldg(x[j] + c), xf);
+#pragma unroll
+    for (int i = 0; i < kWeightRows; ++i) {
+      float wf[8];
+      bf16x8_to_float(wv[i], wf);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[i][j] = fmaf(wf[q], xf[q], acc[i][j]);
+    }
+  }
+}
+
 template <int MT>
 __device__ __forceinline__ void warp_rows_dot(const uint4* const (&w)[kWeightRows],
                                               const uint4* const (&x)[MT], int chunks, int lane,
@@ -172,33 +196,21 @@ __device__ __forceinline__ void warp_rows_dot(const uint4* const (&w)[kWeightRow
   for (int i = 0; i < kWeightRows; ++i)
 #pragma unroll
     for (int j = 0; j < MT; ++j) acc[i][j] = 0.0f;
-  uint4 current[kWeightRows], next[kWeightRows];
+  int c = lane;
+  for (; c + (kDotUnroll - 1) * 32 < chunks; c += kDotUnroll * 32) {
+    uint4 wv[kDotUnroll][kWeightRows];
 #pragma unroll
-  for (int i = 0; i < kWeightRows; ++i) {
-    current[i] = lane < chunks ? __ldg(w[i] + lane) : make_uint4(0u, 0u, 0u, 0u);
-    next[i] = make_uint4(0u, 0u, 0u, 0u);
+    for (int u = 0; u < kDotUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < kWeightRows; ++i) wv[u][i] = __ldcs(w[i] + c + u * 32);
+#pragma unroll
+    for (int u = 0; u < kDotUnroll; ++u) dot_chunk<MT>(wv[u], x, c + u * 32, acc);
   }
-  for (int c = lane; c < chunks; c += 32) {
-    if (c + 32 < chunks) {
+  for (; c < chunks; c += 32) {
+    uint4 wv[kWeightRows];
 #pragma unroll
-      for (int i = 0; i < kWeightRows; ++i) next[i] = __ldg(w[i] + c + 32);
-    }
-    // Weights are unpacked once per token (cheap next to the loads; keeps registers for the
-    // loads in flight).
-#pragma unroll
-    for (int j = 0; j < MT; ++j) {
-      float xf[8];
-      bf16x8_to_float(__ldg(x[j] + c), xf);
-#pragma unroll
-      for (int i = 0; i < kWeightRows; ++i) {
-        float wf[8];
-        bf16x8_to_float(current[i], wf);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[i][j] = fmaf(wf[q], xf[q], acc[i][j]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kWeightRows; ++i) current[i] = next[i];
+    for (int i = 0; i < kWeightRows; ++i) wv[i] = __ldcs(w[i] + c);
+    dot_chunk<MT>(wv, x, c, acc);
   }
 #pragma unroll
   for (int i = 0; i < kWeightRows; ++i)

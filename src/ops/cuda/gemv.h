@@ -1,0 +1,33 @@
+// Matrix-vector products for the few-row GEMMs of decoding: y[M, N] = alpha·x[M, K]·W[N, K]ᵀ
+// + beta·y with M ≤ kGemvMaxRows (bf16 x and W, fp32 accumulate, bf16 or fp32 y), row-major
+// like gemm.h. At batch 1 every linear layer of a decode step is such a product: it reads the
+// whole weight once and does 2 FLOP per weight, so it is bound by HBM bandwidth alone. cuBLASLt's
+// heuristic picks tensor-core tiles for these shapes that reach 0.4–2.7 TB/s of the H200's
+// ~4.2 (measured under ncu, Kimi-Linear-48B shapes); this kernel streams each weight row with
+// 16-byte loads, several in flight per lane, and reduces with warp shuffles.
+// GemmContext::gemm_bf16 routes here by itself (gemv_applies), unless DM_GEMV=cublas.
+// Plain C++ (no CUDA headers); implemented in gemv.cu.
+#pragma once
+#include <cstdint>
+
+#include "ops/cuda/gemm.h"
+
+struct CUstream_st;
+
+namespace dm::cuda {
+
+constexpr int64_t kGemvMaxRows = 4;
+
+// Whether launch_gemv_bf16 takes this product: M in [1, kGemvMaxRows], K a multiple of 8, the
+// leading dimensions multiples of 8 (elements) and x, W 16-byte aligned; and DM_GEMV is not
+// "cublas" (read once).
+bool gemv_applies(int64_t M, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* W,
+                  int64_t ldw);
+
+// y[m, n] = alpha·Σ_k x[m·ldx + k]·W[n·ldw + k] + beta·y[m·ldy + n]  (beta = 0: y is not read).
+// Preconditions: gemv_applies(M, K, x, ldx, W, ldw).
+void launch_gemv_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* x,
+                      int64_t ldx, const uint16_t* W, int64_t ldw, float beta, void* y,
+                      GemmOutType y_type, int64_t ldy, CUstream_st* stream);
+
+}  // namespace dm::cuda
