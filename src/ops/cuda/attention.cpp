@@ -187,9 +187,12 @@ MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_
   const int64_t heads_per_cta = attention_detail::decode_heads_per_cta(H);
   const int64_t ctas_without_split = int64_t(S) * ((H + heads_per_cta - 1) / heads_per_cta);
   int64_t splits = (2 * int64_t(num_sms) + ctas_without_split - 1) / ctas_without_split;
-  splits = std::min<int64_t>(splits, std::max(1, max_pages / kMinPagesPerSplit));
   splits = std::clamp<int64_t>(splits, 1, max_splits);
-  plan.pages_per_split = int((max_pages + splits - 1) / splits);
+  // At least kMinPagesPerSplit pages per split; the split count follows from the page count
+  // rounded that way (rounding the count first left 103 CTAs of 5 pages for 513 pages on 132
+  // SMs, where 129 of 4 fill one wave).
+  plan.pages_per_split =
+      int(std::max<int64_t>(kMinPagesPerSplit, (max_pages + splits - 1) / splits));
   plan.num_splits = (max_pages + plan.pages_per_split - 1) / plan.pages_per_split;
   return plan;
 }

@@ -1,9 +1,12 @@
-// Few-row bf16 GEMV (gemv.h). One warp owns kCols consecutive outputs n (rows of W) for all M
-// rows of x: lane ℓ reads W[n, 8j .. 8j+7] for every j ≡ ℓ (mod 32) as one 16-byte load
-// (kUnroll chunks per column in flight before any arithmetic), x's matching 8 elements likewise
-// (they hit L1: every warp of the block reads the same x), accumulates M·kCols fp32 sums and
-// reduces them across the warp with shuffles. The weights are read with evict-first loads:
-// nothing in one decode step reads a weight twice.
+// Few-row bf16 GEMV (gemv.h). A block of kWarps warps owns kCols consecutive outputs n (rows of
+// W) for all M rows of x; its warps split K in kWarps ranges (split-K inside the block), so every
+// load of a weight row is issued in the block's first step for K ≤ kWarps·kUnroll·32·8 = 4096
+// (a warp's range is then at most kUnroll·32 16-byte chunks: one step of kUnroll predicated loads
+// per lane and column). (With one warp walking all of K the loads came in four dependent
+// rounds and a [2304, 4096] weight streamed at 1.5 TB/s.) x's matching chunks hit L1: every warp
+// of the block reads the same x. fp32 sums, reduced across the warp with shuffles and across
+// the warps in shared memory. The weights are read with evict-first loads: nothing in one decode
+// step reads a weight twice.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,10 +21,10 @@
 namespace dm::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kCols = 2;        // outputs per warp
-constexpr int kUnroll = 4;      // 16-byte chunks per column in flight
-constexpr int kChunk = 8;       // bf16 per 16-byte load
+constexpr int kWarps = 4;   // K ranges per block
+constexpr int kCols = 2;    // outputs per block
+constexpr int kUnroll = 4;  // 16-byte chunks per lane and column in one step
+constexpr int kChunk = 8;   // bf16 per 16-byte load
 
 __device__ __forceinline__ float bf16_lo(uint32_t bits) { return __uint_as_float(bits << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t bits) {
@@ -52,9 +55,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     gemv_bf16_kernel(const uint16_t* __restrict__ x, int64_t ldx, const uint16_t* __restrict__ W,
                      int64_t ldw, Out* __restrict__ y, int64_t ldy, int64_t N, int64_t K,
                      float alpha, float beta) {
+  __shared__ float partial[kWarps][kRows * kCols];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t n0 = (int64_t(blockIdx.x) * kWarps + warp) * kCols;
-  if (n0 >= N) return;
+  const int64_t n0 = int64_t(blockIdx.x) * kCols;
   // A column past N re-reads the last row (in bounds) and is not written.
   const uint4* w_rows[kCols];
 #pragma unroll
@@ -70,46 +73,44 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
 
-  // Chunk index j (of 8 elements): lane, lane + 32, ...; kUnroll of them per step.
-  const int64_t chunks = K / kChunk;
-  int64_t j = lane;
-  for (; j + (kUnroll - 1) * 32 < chunks; j += kUnroll * 32) {
+  // This warp's chunks (of 8 elements): [begin, end); lane takes begin + lane + 32·i.
+  const int64_t chunks = K / kChunk, per_warp = (chunks + kWarps - 1) / kWarps;
+  const int64_t begin = warp * per_warp, end = begin + per_warp < chunks ? begin + per_warp : chunks;
+  for (int64_t j = begin + lane; j < end; j += kUnroll * 32) {
     uint4 wv[kUnroll][kCols];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) wv[u][c] = __ldcs(w_rows[c] + j + u * 32);
+      for (int c = 0; c < kCols; ++c)
+        wv[u][c] = j + u * 32 < end ? __ldcs(w_rows[c] + j + u * 32) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * 32 >= end) break;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const uint4 xv = __ldg(x_rows[r] + j + u * 32);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) acc[r][c] = dot8(xv, wv[u][c], acc[r][c]);
       }
-  }
-  for (; j < chunks; j += 32) {
-    uint4 wv[kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) wv[c] = __ldcs(w_rows[c] + j);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const uint4 xv = __ldg(x_rows[r] + j);
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[r][c] = dot8(xv, wv[c], acc[r][c]);
     }
   }
 
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[r][c] = warp_sum(acc[r][c]);
-  if (lane == 0) {
+    for (int c = 0; c < kCols; ++c) {
+      const float v = warp_sum(acc[r][c]);
+      if (lane == 0) partial[warp][r * kCols + c] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x < kRows * kCols) {
+    const int r = threadIdx.x / kCols, c = threadIdx.x % kCols;
+    if (n0 + c < N) {
+      float sum = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int c = 0; c < kCols; ++c)
-        if (n0 + c < N) store_out(y + r * ldy + n0 + c, alpha * acc[r][c], beta);
+      for (int w = 0; w < kWarps; ++w) sum += partial[w][threadIdx.x];
+      store_out(y + r * ldy + n0 + c, alpha * sum, beta);
+    }
   }
 }
 
@@ -117,7 +118,7 @@ template <int kRows>
 void launch_rows(int64_t N, int64_t K, float alpha, const uint16_t* x, int64_t ldx,
                  const uint16_t* W, int64_t ldw, float beta, void* y, GemmOutType y_type,
                  int64_t ldy, CUstream_st* stream) {
-  const int blocks = ceil_div(N, kWarps * kCols);
+  const int blocks = ceil_div(N, kCols);
   if (y_type == GemmOutType::F32)
     gemv_bf16_kernel<kRows, float><<<blocks, kWarps * 32, 0, stream>>>(
         x, ldx, W, ldw, static_cast<float*>(y), ldy, N, K, alpha, beta);

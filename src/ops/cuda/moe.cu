@@ -53,6 +53,7 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   __shared__ unsigned char group_kept[kRouteWarps][kRouteMaxGroups];
   __shared__ int pick_expert[kRouteWarps][kRouteMaxPicks];
   __shared__ int sorted_expert[kRouteWarps][kRouteMaxPicks];
+  __shared__ float sorted_score[kRouteWarps][kRouteMaxPicks];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
   if (t >= p.N) return;  // uniform per warp; the kernel has no block-wide barrier
@@ -153,25 +154,27 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   if (cutoff && lane == 0) cutoff[t] = count == k + 1 ? cutoff_value : -INFINITY;
   __syncwarp();
 
-  // Ascending expert order: each pick's position is the number of smaller picked ids.
+  // Ascending expert order: each pick's position is the number of smaller picked ids. The
+  // picks' scores are read here once, in parallel (a serial walk through score_row cost one
+  // memory round trip per pick).
   for (int i = lane; i < k; i += 32) {
     const int e = pick_expert[warp][i];
     int position = 0;
     for (int j = 0; j < k; ++j) position += pick_expert[warp][j] < e;
     sorted_expert[warp][position] = e;
+    sorted_score[warp][position] = score_row[e];
   }
   __syncwarp();
   float scale = p.scaling;
   if (p.renormalize) {
     // Summed in ascending expert order, as the CPU op does.
     float sum = 0.0f;
-    for (int i = 0; i < k; ++i) sum += score_row[sorted_expert[warp][i]];
+    for (int i = 0; i < k; ++i) sum += sorted_score[warp][i];
     scale = p.scaling / (sum + 1e-20f);
   }
   for (int i = lane; i < k; i += 32) {
-    const int e = sorted_expert[warp][i];
-    idx[t * k + i] = e;
-    w[t * k + i] = score_row[e] * scale;
+    idx[t * k + i] = sorted_expert[warp][i];
+    w[t * k + i] = sorted_score[warp][i] * scale;
   }
 }
 
