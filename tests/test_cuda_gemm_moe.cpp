@@ -127,6 +127,49 @@ TEST(CudaGemm, FewRowGemvMatchesCpuGemm) {
   }
 }
 
+// Several weights on one x in one launch (a decode layer's input projections): outputs of
+// different widths (one empty, one narrower than a block's columns) and types, every row count.
+TEST(CudaGemm, GemvManyMatchesCpuGemm) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t K = 1048;
+  const std::vector<std::pair<int64_t, cuda::GemmOutType>> widths = {
+      {4096, cuda::GemmOutType::Bf16}, {1, cuda::GemmOutType::F32}, {0, cuda::GemmOutType::F32},
+      {130, cuda::GemmOutType::F32}, {33, cuda::GemmOutType::Bf16}};
+  uint32_t seed = 950;
+  for (int64_t M = 1; M <= cuda::kGemvMaxRows; ++M) {
+    SCOPED_TRACE(str_cat("M=", M));
+    cuda::DeviceArena arena(size_t(64) << 20);
+    const Bf16Host x = random_bf16(size_t(M * K), seed++);
+    const uint16_t* x_dev = upload(arena, x.bits);
+    std::vector<Bf16Host> weights;
+    std::vector<cuda::GemvOutput> outputs;
+    for (const auto& [N, type] : widths) {
+      weights.push_back(random_bf16(size_t(std::max<int64_t>(N, 1) * K), seed++));
+      void* y = type == cuda::GemmOutType::F32
+                    ? static_cast<void*>(test::mla::alloc_poisoned<float>(arena, size_t(M * std::max<int64_t>(N, 1))))
+                    : static_cast<void*>(test::mla::alloc_poisoned<uint16_t>(arena, size_t(M * std::max<int64_t>(N, 1))));
+      outputs.push_back(cuda::GemvOutput{upload(arena, weights.back().bits), K, N, y, type, N});
+    }
+    cuda::launch_gemv_bf16_many(M, K, x_dev, K, outputs.data(), int(outputs.size()), nullptr);
+    cuda::synchronize();
+    for (size_t i = 0; i < widths.size(); ++i) {
+      const auto [N, type] = widths[i];
+      if (N == 0) continue;
+      SCOPED_TRACE(str_cat("output ", i, " N=", N));
+      std::vector<float> y(size_t(M * N), 0.0f);
+      gemm(false, true, M, N, K, 1.0f, x.values.data(), K, weights[i].values.data(), K, 0.0f,
+           y.data(), N);
+      const std::vector<float> gpu =
+          type == cuda::GemmOutType::F32
+              ? download(static_cast<float*>(outputs[i].y), y.size())
+              : test::mla::bf16_bits_to_floats(download(static_cast<uint16_t*>(outputs[i].y), y.size()));
+      ASSERT_TRUE(test::mla::all_finite(gpu));
+      EXPECT_LE(test::rel_rms(gpu.data(), y.data(), y.size()),
+                type == cuda::GemmOutType::F32 ? 1e-5 : 1e-2);
+    }
+  }
+}
+
 // The MLA decode's absorption pattern: per head h, C[:, h·Nc..] = A[:, h·da..]·op(B_h), heads
 // interleaved in A and C (ld = H·width) and stacked in B: one strided-batched call must equal the
 // per-head loop bitwise (same algorithm family, same sums) or to bf16 rounding.

@@ -123,7 +123,9 @@ DecodeStepBuffers carve_step(Carver& cv, const ModelConfig& c, int64_t n, int64_
 struct KdaStepBuffers {
   uint16_t* raw[3] = {};  // [n, H·K] W_{q,k,v} x
   uint16_t* qkv[3] = {};  // [n, H·K] SiLU(conv)
-  uint16_t* low = nullptr;          // [n, K]
+  uint16_t* low = nullptr;          // [n, K]   W_f↓ x
+  uint16_t* low_gate = nullptr;     // [n, K]   W_g↓ x (low-rank output gate)
+  uint16_t* out_gate = nullptr;     // [n, H·K] the output gate's logits
   float* beta_logits = nullptr;     // [n, H]
   uint16_t* beta = nullptr;         // [n, H]
   uint16_t* o = nullptr;            // [n, H·K]
@@ -135,6 +137,8 @@ KdaStepBuffers carve_kda(Carver& cv, const ModelConfig& c, int64_t n) {
   for (auto*& r : b.raw) r = cv.take<uint16_t>(n * HK);
   for (auto*& q : b.qkv) q = cv.take<uint16_t>(n * HK);
   b.low = cv.take<uint16_t>(n * K);
+  b.low_gate = cv.take<uint16_t>(n * K);
+  b.out_gate = cv.take<uint16_t>(n * HK);
   b.beta_logits = cv.take<float>(n * H);
   b.beta = cv.take<uint16_t>(n * H);
   b.o = cv.take<uint16_t>(n * HK);
@@ -734,14 +738,26 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   Carver cv{&run.scratch};
   const KdaStepBuffers b = carve_kda(cv, c, n);
 
-  // q, k, v = SiLU(conv(tail ; W x)), the tails advancing by this token's raw projections.
-  const float* proj[3] = {w.q_proj, w.k_proj, w.v_proj};
+  // Every projection of x in one pass over the weights (one GEMV launch at decode sizes):
+  // raw q, k, v; the gate's and the output gate's low-rank inputs (or the full-rank output
+  // gate); β's logits in fp32.
+  const bool full_gate = c.kda.full_rank_output_gate;
+  const LinearOut projections[] = {
+      {dw.bf16(w.q_proj), HK, b.raw[0], GemmOutType::Bf16},
+      {dw.bf16(w.k_proj), HK, b.raw[1], GemmOutType::Bf16},
+      {dw.bf16(w.v_proj), HK, b.raw[2], GemmOutType::Bf16},
+      {dw.bf16(w.f_a), K, b.low, GemmOutType::Bf16},
+      {dw.bf16(w.b_proj), H, b.beta_logits, GemmOutType::F32},
+      full_gate ? LinearOut{dw.bf16(w.g_full), HK, b.out_gate, GemmOutType::Bf16}
+                : LinearOut{dw.bf16(w.g_a), K, b.low_gate, GemmOutType::Bf16}};
+  linear_many(run, xn, n, d, projections, 6);
+
+  // q, k, v = SiLU(conv(tail ; raw)), the tails advancing by this token's raw projections.
   const float* conv[3] = {w.q_conv, w.k_conv, w.v_conv};
   uint16_t* tails[3] = {kda_tail_q_[size_t(layer)], kda_tail_k_[size_t(layer)],
                         kda_tail_v_[size_t(layer)]};
   KdaConvStepArgs args;
   for (int br = 0; br < 3; ++br) {
-    linear(run, xn, dw.bf16(proj[br]), n, d, HK, b.raw[br], GemmOutType::Bf16);
     args.raw[br] = b.raw[br];
     args.weight[br] = dw.f32(conv[br]);
     args.tail[br] = tails[br];
@@ -749,13 +765,11 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   }
   decode_kda_conv_step(args, rows.slots, n, HK, c.kda.conv_kernel, stream);
 
-  // g = gate(W_f↑ W_f↓ x) in place in raw[0]; β = sigmoid(W_β x) from fp32 logits.
+  // g = gate(W_f↑ W_f↓ x) in place in raw[0] (free after the conv); β = sigmoid(logits).
   uint16_t* g = b.raw[0];
-  linear(run, xn, dw.bf16(w.f_a), n, d, K, b.low, GemmOutType::Bf16);
   linear(run, b.low, dw.bf16(w.f_b), n, K, HK, g, GemmOutType::Bf16);
   kda_gate_forward(g, dw.f32(w.A_log), dw.f32(w.dt_bias), g, n, H, K,
                   c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
-  linear(run, xn, dw.bf16(w.b_proj), n, d, H, b.beta_logits, GemmOutType::F32);
   kda_beta_sigmoid_forward(b.beta_logits, b.beta, n * H, stream);
 
   // The recurrent operator, T = 1, row r against slot slots[r]'s state in place.
@@ -763,14 +777,9 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   decode_kda_recurrent_step(b.qkv[0], b.qkv[1], b.qkv[2], g, b.beta, kda_state_[size_t(layer)],
                             rows.slots, b.o, n, H, K, K, scale, stream);
 
-  // Output gate into raw[1], per-head RMSNorm ⊙ sigmoid(gate) in place, then W_o (fp32 out).
-  uint16_t* out_gate = b.raw[1];
-  if (c.kda.full_rank_output_gate) {
-    linear(run, xn, dw.bf16(w.g_full), n, d, HK, out_gate, GemmOutType::Bf16);
-  } else {
-    linear(run, xn, dw.bf16(w.g_a), n, d, K, b.low, GemmOutType::Bf16);
-    linear(run, b.low, dw.bf16(w.g_b), n, K, HK, out_gate, GemmOutType::Bf16);
-  }
+  // Per-head RMSNorm ⊙ sigmoid(output gate) in place, then W_o (fp32 out).
+  uint16_t* out_gate = b.out_gate;
+  if (!full_gate) linear(run, b.low_gate, dw.bf16(w.g_b), n, K, HK, out_gate, GemmOutType::Bf16);
   kda_rmsnorm_gated_forward(b.o, dw.f32(w.o_norm), out_gate, b.o, n * H, K, c.rms_eps, stream);
   linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
 }
@@ -794,17 +803,23 @@ void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& r
   const float* cos = rope_on(m) ? rope_cos_ : nullptr;
   const float* sin = rope_on(m) ? rope_sin_ : nullptr;
 
-  // q [n, H, dq]: the q LoRA's GEMM writes fp32 so its norm sees unrounded values.
+  // The projections of x in one pass (one GEMV launch at decode sizes): q (through the q LoRA,
+  // whose GEMM writes fp32 so its norm sees unrounded values), [c ; kr] = W_kva x (fp32), and
+  // the output gate.
+  LinearOut projections[3];
+  int count = 0;
+  projections[count++] = ql > 0 ? LinearOut{dw.bf16(w.q_a), ql, b.q_a, GemmOutType::F32}
+                                : LinearOut{dw.bf16(w.q_proj), H * dq, b.q, GemmOutType::Bf16};
+  projections[count++] = LinearOut{dw.bf16(w.kv_a), Wd, b.kv_a, GemmOutType::F32};
+  if (m.output_gate)
+    projections[count++] = LinearOut{dw.bf16(w.gate), H * dv, b.gate, GemmOutType::Bf16};
+  linear_many(run, xn, n, d, projections, count);
   if (ql > 0) {
-    linear(run, xn, dw.bf16(w.q_a), n, d, ql, b.q_a, GemmOutType::F32);
-    mla_rmsnorm_rows(b.q_a, ql, dw.f32(w.q_a_norm), b.q_a_normed, n, ql,
-                                m.latent_norm_eps, stream);
+    mla_rmsnorm_rows(b.q_a, ql, dw.f32(w.q_a_norm), b.q_a_normed, n, ql, m.latent_norm_eps,
+                     stream);
     linear(run, b.q_a_normed, dw.bf16(w.q_b), n, ql, H * dq, b.q, GemmOutType::Bf16);
-  } else {
-    linear(run, xn, dw.bf16(w.q_proj), n, d, H * dq, b.q, GemmOutType::Bf16);
   }
-  // [c ; kr] = W_kva x (fp32) → the slot's cache row [RMSNorm(c) ; RoPE(kr)] at its position.
-  linear(run, xn, dw.bf16(w.kv_a), n, d, Wd, b.kv_a, GemmOutType::F32);
+  // The slot's cache row [RMSNorm(c) ; RoPE(kr)] at its position.
   decode_mla_write_latent(b.kv_a, dw.f32(w.kv_a_norm), n, kvl, rope, m.latent_norm_eps, cos, sin,
                           rows.positions, rows.row_table, P, kPageTokens,
                           mla_pages_[size_t(layer)], stream);
@@ -835,10 +850,7 @@ void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& r
   run.gemm.gemm_bf16_strided_batched(false, true, n, dv, kvl, 1.0f, b.latent, H * kvl, kvl,
                                      kv_b + nope * kvl, kvl, kvb_rows_per_head * kvl, 0.0f, b.o,
                                      GemmOutType::Bf16, H * dv, dv, H, stream);
-  if (m.output_gate) {
-    linear(run, xn, dw.bf16(w.gate), n, d, H * dv, b.gate, GemmOutType::Bf16);
-    mla_gate_multiply(b.o, b.gate, n * H * dv, stream);
-  }
+  if (m.output_gate) mla_gate_multiply(b.o, b.gate, n * H * dv, stream);
   linear(run, b.o, dw.bf16(w.o_proj), n, H * dv, d, y, GemmOutType::F32);
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/cuda/gemv.h"
 #include "ops/cuda/random_fill.h"
 
 namespace dm::cuda {
@@ -198,6 +199,23 @@ void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_
             void* y, GemmOutType y_type, float beta) {
   run.gemm.gemm_bf16(false, true, N, out, in, 1.0f, x, in, W, in, beta, y, y_type, out,
                      run.stream);
+}
+
+void linear_many(GpuRun& run, const uint16_t* x, int64_t N, int64_t in, const LinearOut* outs,
+                 int count) {
+  DM_CHECK(count >= 0 && count <= kGemvMaxOutputs, "linear_many: ", count, " outputs");
+  bool one_launch = N > 0;
+  for (int i = 0; i < count && one_launch; ++i)
+    one_launch = gemv_applies(N, in, x, in, outs[i].W, in);
+  if (!one_launch) {
+    for (int i = 0; i < count; ++i)
+      linear(run, x, outs[i].W, N, in, outs[i].out, outs[i].y, outs[i].y_type);
+    return;
+  }
+  GemvOutput g[kGemvMaxOutputs];
+  for (int i = 0; i < count; ++i)
+    g[i] = GemvOutput{outs[i].W, in, outs[i].out, outs[i].y, outs[i].y_type, outs[i].out};
+  launch_gemv_bf16_many(N, in, x, in, g, count, run.stream);
 }
 
 }  // namespace dm::cuda

@@ -105,6 +105,18 @@ struct GpuRun {
 void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in, int64_t out,
             void* y, GemmOutType y_type, float beta = 0.0f);
 
+// Several linears of the same x: y_i[N, out_i] = x[N, in]·W_iᵀ (beta 0). At decode sizes
+// (N ≤ kGemvMaxRows) one GEMV launch computes them all (ops/cuda/gemv.h); otherwise one GEMM
+// each. At most kGemvMaxOutputs outputs.
+struct LinearOut {
+  const uint16_t* W;  // [out, in] bf16
+  int64_t out;
+  void* y;            // [N, out]
+  GemmOutType y_type;
+};
+void linear_many(GpuRun& run, const uint16_t* x, int64_t N, int64_t in, const LinearOut* outs,
+                 int count);
+
 // Backward of y = x·Wᵀ given dy [N, out] bf16:
 //   dx [N, in] (x_type fp32 or bf16) = dy·W, ACCUMULATED when dx_beta = 1 (else written);
 //   dW [out, in] fp32 += dyᵀ·x (always accumulated; the DeviceGrads slot of W).

@@ -28,6 +28,7 @@
 #include "model/moe.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_backward.h"
 #include "ops/cuda/moe_decode.h"
@@ -44,10 +45,18 @@ size_t routing_bytes(const MoeShape& s, int64_t N) {
   return n_bytes(N * s.E, 4) + n_bytes(N, 4) + n_bytes(N * s.k, 4);
 }
 
-// Bytes live across the whole layer scope: logits, routing weights, plan, z, u.
+// Decode-sized layers (N ≤ kGemvMaxRows, nothing kept) run the router and the shared experts'
+// gate and up projections of x as one GEMV launch; their outputs then live across the scope.
+bool fused_input_projections(const MoeShape& s, int64_t N, bool kept) {
+  return !kept && s.has_shared && N >= 1 && N <= kGemvMaxRows;
+}
+
+// Bytes live across the whole layer scope: logits, routing weights, plan, z, u (and the shared
+// experts' gate and up when fused_input_projections).
 size_t scope_base_bytes(const MoeShape& s, int64_t N) {
   size_t b = n_bytes(N * s.E, 4) + n_bytes(N * s.k, 4) +
              moe_dispatch_plan_bytes(N, int(s.k), int(s.E));
+  if (fused_input_projections(s, N, false)) b += 2 * n_bytes(N * s.shared_F, 2);
   if (s.has_latent) {
     b += n_bytes(N * s.latent, 2);                             // z bf16
     b += n_bytes(N * s.latent, s.has_latent_norm ? 4 : 2);     // u: fp32 for the norm, else bf16
@@ -141,10 +150,22 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     // cutoff stays nullptr: moe_route skips it (the CPU computes it for QB only).
   }
 
-  // Router on the full-width normed x, fp32 logits; the bias only steers selection.
+  // Router on the full-width normed x, fp32 logits; the bias only steers selection. At decode
+  // sizes the shared experts' gate and up projections of x ride in the same launch.
   float* logits = arena.alloc<float>(size_t(N * E));
   float* weight = keep.alloc<float>(size_t(N * k));
-  linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
+  uint16_t *shared_gate = nullptr, *shared_up = nullptr;
+  if (fused_input_projections(s, N, kept != nullptr)) {
+    shared_gate = arena.alloc<uint16_t>(size_t(N * s.shared_F));
+    shared_up = arena.alloc<uint16_t>(size_t(N * s.shared_F));
+    const LinearOut projections[] = {
+        {dw.bf16(w.router), E, logits, GemmOutType::F32},
+        {dw.bf16(w.shared.gate), s.shared_F, shared_gate, GemmOutType::Bf16},
+        {dw.bf16(w.shared.up), s.shared_F, shared_up, GemmOutType::Bf16}};
+    linear_many(run, xn, N, d, projections, 3);
+  } else {
+    linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
+  }
   const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
   moe_route(logits, bias, N, router_params(cfg), r.scores, r.idx, weight, r.cutoff, stream);
   MoeDispatchPlan local_plan;
@@ -222,10 +243,14 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   if (s.has_shared) {
     // Fused shared experts at full width: h = act(g, u) over [N, Fs], y += h·W_dᵀ.
     const int64_t Fs = s.shared_F;
-    uint16_t* gate = arena.alloc<uint16_t>(size_t(N * Fs));
-    uint16_t* up = arena.alloc<uint16_t>(size_t(N * Fs));
-    linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
-    linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
+    uint16_t* gate = shared_gate;
+    uint16_t* up = shared_up;
+    if (!gate) {
+      gate = arena.alloc<uint16_t>(size_t(N * Fs));
+      up = arena.alloc<uint16_t>(size_t(N * Fs));
+      linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
+      linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
+    }
     glu_forward(gate, up, gate, N * Fs, glu_activation(cfg), stream);
     linear(run, gate, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
   }

@@ -50,14 +50,28 @@ __device__ __forceinline__ void store_out(__nv_bfloat16* y, float v, float beta)
   *y = __float2bfloat16(beta != 0.0f ? fmaf(beta, __bfloat162float(*y), v) : v);
 }
 
-template <int kRows, typename Out>
+// The products of one launch (gemv.h GemvOutput), with the first block of each: blocks
+// [block_begin[i], block_begin[i + 1]) compute kCols outputs each of product i.
+struct GemvBatch {
+  const uint16_t* W[kGemvMaxOutputs];
+  void* y[kGemvMaxOutputs];
+  int64_t ldw[kGemvMaxOutputs], N[kGemvMaxOutputs], ldy[kGemvMaxOutputs];
+  int block_begin[kGemvMaxOutputs + 1];
+  bool f32[kGemvMaxOutputs];
+  int count;
+};
+
+template <int kRows>
 __global__ void __launch_bounds__(kWarps * 32)
-    gemv_bf16_kernel(const uint16_t* __restrict__ x, int64_t ldx, const uint16_t* __restrict__ W,
-                     int64_t ldw, Out* __restrict__ y, int64_t ldy, int64_t N, int64_t K,
-                     float alpha, float beta) {
+    gemv_bf16_kernel(const uint16_t* __restrict__ x, int64_t ldx, int64_t K, float alpha,
+                     float beta, const GemvBatch batch) {
   __shared__ float partial[kWarps][kRows * kCols];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t n0 = int64_t(blockIdx.x) * kCols;
+  int target = 0;
+  while (target + 1 < batch.count && int(blockIdx.x) >= batch.block_begin[target + 1]) ++target;
+  const uint16_t* __restrict__ W = batch.W[target];
+  const int64_t ldw = batch.ldw[target], N = batch.N[target], ldy = batch.ldy[target];
+  const int64_t n0 = int64_t(int(blockIdx.x) - batch.block_begin[target]) * kCols;
   // A column past N re-reads the last row (in bounds) and is not written.
   const uint4* w_rows[kCols];
 #pragma unroll
@@ -109,23 +123,32 @@ __global__ void __launch_bounds__(kWarps * 32)
       float sum = 0.0f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += partial[w][threadIdx.x];
-      store_out(y + r * ldy + n0 + c, alpha * sum, beta);
+      const int64_t at = r * ldy + n0 + c;
+      if (batch.f32[target])
+        store_out(static_cast<float*>(batch.y[target]) + at, alpha * sum, beta);
+      else
+        store_out(static_cast<__nv_bfloat16*>(batch.y[target]) + at, alpha * sum, beta);
     }
   }
 }
 
 template <int kRows>
-void launch_rows(int64_t N, int64_t K, float alpha, const uint16_t* x, int64_t ldx,
-                 const uint16_t* W, int64_t ldw, float beta, void* y, GemmOutType y_type,
-                 int64_t ldy, CUstream_st* stream) {
-  const int blocks = ceil_div(N, kCols);
-  if (y_type == GemmOutType::F32)
-    gemv_bf16_kernel<kRows, float><<<blocks, kWarps * 32, 0, stream>>>(
-        x, ldx, W, ldw, static_cast<float*>(y), ldy, N, K, alpha, beta);
-  else
-    gemv_bf16_kernel<kRows, __nv_bfloat16><<<blocks, kWarps * 32, 0, stream>>>(
-        x, ldx, W, ldw, static_cast<__nv_bfloat16*>(y), ldy, N, K, alpha, beta);
+void launch_rows(int64_t K, float alpha, const uint16_t* x, int64_t ldx, float beta,
+                 const GemvBatch& batch, CUstream_st* stream) {
+  gemv_bf16_kernel<kRows><<<batch.block_begin[batch.count], kWarps * 32, 0, stream>>>(
+      x, ldx, K, alpha, beta, batch);
   check_last_error("gemv_bf16_kernel");
+}
+
+void launch_batch(int64_t M, int64_t K, float alpha, const uint16_t* x, int64_t ldx, float beta,
+                  const GemvBatch& batch, CUstream_st* stream) {
+  if (batch.block_begin[batch.count] == 0) return;
+  switch (M) {
+    case 1: launch_rows<1>(K, alpha, x, ldx, beta, batch, stream); break;
+    case 2: launch_rows<2>(K, alpha, x, ldx, beta, batch, stream); break;
+    case 3: launch_rows<3>(K, alpha, x, ldx, beta, batch, stream); break;
+    default: launch_rows<4>(K, alpha, x, ldx, beta, batch, stream); break;
+  }
 }
 
 bool gemv_enabled() {
@@ -150,15 +173,36 @@ bool gemv_applies(int64_t M, int64_t K, const uint16_t* x, int64_t ldx, const ui
 void launch_gemv_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* x,
                       int64_t ldx, const uint16_t* W, int64_t ldw, float beta, void* y,
                       GemmOutType y_type, int64_t ldy, CUstream_st* stream) {
-  DM_CHECK(gemv_applies(M, K, x, ldx, W, ldw), "launch_gemv_bf16: unsupported product M=", M,
-           " K=", K, " ldx=", ldx, " ldw=", ldw);
-  if (N == 0) return;
-  switch (M) {
-    case 1: launch_rows<1>(N, K, alpha, x, ldx, W, ldw, beta, y, y_type, ldy, stream); break;
-    case 2: launch_rows<2>(N, K, alpha, x, ldx, W, ldw, beta, y, y_type, ldy, stream); break;
-    case 3: launch_rows<3>(N, K, alpha, x, ldx, W, ldw, beta, y, y_type, ldy, stream); break;
-    default: launch_rows<4>(N, K, alpha, x, ldx, W, ldw, beta, y, y_type, ldy, stream); break;
+  const GemvOutput out{W, ldw, N, y, y_type, ldy};
+  launch_gemv_bf16_many(M, K, x, ldx, &out, 1, stream, alpha, beta);
+}
+
+void launch_gemv_bf16_many(int64_t M, int64_t K, const uint16_t* x, int64_t ldx,
+                           const GemvOutput* outputs, int count, CUstream_st* stream, float alpha,
+                           float beta) {
+  DM_CHECK(count >= 1 && count <= kGemvMaxOutputs, "launch_gemv_bf16_many: ", count,
+           " outputs (1 to ", kGemvMaxOutputs, ")");
+  GemvBatch batch{};
+  batch.count = count;
+  int64_t blocks = 0;
+  for (int i = 0; i < count; ++i) {
+    const GemvOutput& o = outputs[i];
+    DM_CHECK(gemv_applies(M, K, x, ldx, o.W, o.ldw), "launch_gemv_bf16: unsupported product M=",
+             M, " K=", K, " ldx=", ldx, " ldw=", o.ldw);
+    DM_CHECK(o.N >= 0 && (o.N == 0 || o.ldy >= o.N), "launch_gemv_bf16: output ", i, " has N=",
+             o.N, ", ldy=", o.ldy);
+    batch.W[i] = o.W;
+    batch.y[i] = o.y;
+    batch.ldw[i] = o.ldw;
+    batch.N[i] = o.N;
+    batch.ldy[i] = o.ldy;
+    batch.f32[i] = o.y_type == GemmOutType::F32;
+    batch.block_begin[i] = int(blocks);
+    blocks += (o.N + kCols - 1) / kCols;
   }
+  DM_CHECK(blocks < (int64_t(1) << 31), "launch_gemv_bf16: ", blocks, " blocks");
+  batch.block_begin[count] = int(blocks);
+  launch_batch(M, K, alpha, x, ldx, beta, batch, stream);
 }
 
 }  // namespace dm::cuda

@@ -30,4 +30,20 @@ void launch_gemv_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16
                       int64_t ldx, const uint16_t* W, int64_t ldw, float beta, void* y,
                       GemmOutType y_type, int64_t ldy, CUstream_st* stream);
 
+// Several weights applied to the same x in one launch (a decode layer's input projections: one
+// kernel instead of up to six, and the small ones' load latency hidden behind the large ones').
+constexpr int kGemvMaxOutputs = 8;
+struct GemvOutput {
+  const uint16_t* W;  // [N, ldw] bf16
+  int64_t ldw, N;
+  void* y;            // [M, ldy], bf16 or fp32 per y_type
+  GemmOutType y_type;
+  int64_t ldy;
+};
+// y_i = alpha·x·W_iᵀ + beta·y_i for i < count ≤ kGemvMaxOutputs, all of width K.
+// Preconditions: gemv_applies(M, K, x, ldx, W_i, ldw_i) for every i.
+void launch_gemv_bf16_many(int64_t M, int64_t K, const uint16_t* x, int64_t ldx,
+                           const GemvOutput* outputs, int count, CUstream_st* stream,
+                           float alpha = 1.0f, float beta = 0.0f);
+
 }  // namespace dm::cuda
