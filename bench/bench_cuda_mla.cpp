@@ -5,6 +5,8 @@
 //   gemm      cuBLASLt bf16 8192³ (bf16 out): the measured peak every other row is compared to.
 //   mla fwd   causal prefill forward, B = 1, Dqk = 192 (128 nope + 64 rope), Dv = 128.
 //   mla bwd   its backward (dQ, dK, dV; includes the Δ preprocessing).
+//   ... 8 docs  the same over a row of 8 packed documents (doc_start), ours and cuDNN's ragged
+//             batch; FLOP counted over the pairs inside documents.
 //             FLOP counted: causal pairs P = T(T+1)/2 per head;
 //               forward  = 2·H·P·(Dqk + Dv)          (S = QKᵀ and O = PV)
 //               backward = 2·H·P·(3·Dqk + 2·Dv)      (S, dP = dO Vᵀ, dV, dK, dQ: 5 products;
@@ -172,6 +174,52 @@ int run(int reps, bool quick) {
       }
       arena.reset();
     }
+  }
+
+  // ---- MLA prefill over packed documents: 8 equal documents per row, H = 32 (the training
+  // layout: documents packed into one row, attention restarting at each). Ours takes doc_start
+  // in its tiles; cuDNN runs the documents as one ragged batch (attention_cudnn.h).
+  for (int64_t T : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 32768}) {
+    const int64_t H = 32, docs = 8, L = T / docs;
+    const AttnShape s{1, T, H, Dqk, Dv};
+    const size_t qk = size_t(T * H * Dqk), vo = size_t(T * H * Dv);
+    auto* q = arena.alloc<uint16_t>(qk);
+    auto* k = arena.alloc<uint16_t>(qk);
+    auto* v = arena.alloc<uint16_t>(vo);
+    auto* o = arena.alloc<uint16_t>(vo);
+    auto* dout = arena.alloc<uint16_t>(vo);
+    auto* dq = arena.alloc<uint16_t>(qk);
+    auto* dk = arena.alloc<uint16_t>(qk);
+    auto* dv = arena.alloc<uint16_t>(vo);
+    auto* lse = arena.alloc<float>(size_t(H * T));
+    void* ws = arena.alloc_bytes(cuda::attention_causal_backward_workspace_bytes(s));
+    std::vector<int32_t> starts(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) starts[size_t(t)] = int32_t(t / L * L);
+    auto* doc_start = arena.alloc<int32_t>(starts.size());
+    cuda::copy_to_device(doc_start, starts.data(), starts.size() * sizeof(int32_t));
+    fill_random_bf16(q, qk, 3);
+    fill_random_bf16(k, qk, 4);
+    fill_random_bf16(v, vo, 5);
+    fill_random_bf16(dout, vo, 6);
+    const double scale = 1.0 / std::sqrt(double(Dqk));
+    const double pairs = double(docs) * double(L) * double(L + 1) / 2.0;
+    std::vector<std::pair<cuda::AttentionKernel, const char*>> kernels{
+        {cuda::AttentionKernel::Tiled, "ours"}};
+    if (cuda::cudnn_attention_available()) kernels.push_back({cuda::AttentionKernel::Cudnn, "cuDNN"});
+    for (auto [kernel, name] : kernels) {
+      const double fwd_ms = median_ms([&] {
+        cuda::attention_causal_forward(q, k, v, o, lse, s, scale, doc_start, nullptr, kernel);
+      }, reps);
+      rows.push_back({str_cat("mla prefill fwd, 8 docs (", name, ")"), str_cat("T=", T, " H=", H),
+                      fwd_ms, 2.0 * H * pairs * double(Dqk + Dv), 0});
+      const double bwd_ms = median_ms([&] {
+        cuda::attention_causal_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, ws,
+                                        doc_start, nullptr, kernel);
+      }, reps, 2);
+      rows.push_back({str_cat("mla prefill bwd, 8 docs (", name, ")"), str_cat("T=", T, " H=", H),
+                      bwd_ms, 2.0 * H * pairs * double(3 * Dqk + 2 * Dv), 0});
+    }
+    arena.reset();
   }
 
   // ---- absorbed decode, 32K context
