@@ -75,12 +75,14 @@ int build_after(AttentionKernel kernel) {
   return kAttentionCudnnBuildAfter;
 }
 
-// DM_CUDNN_PACKED=1: Auto also sends packed documents to cuDNN's ragged batch (not yet run on a
-// GPU, so off by default; the explicit Cudnn kernel always takes them).
+// Auto sends packed documents to cuDNN's ragged batch too (H200, 8 documents per row, H = 32:
+// forward+backward 0.51 vs 1.04 ms at T = 4K, 11.5 vs 39.2 ms at T = 32K, the doc_start copy to
+// the host included); DM_CUDNN_PACKED=0 keeps them on our kernel. The explicit Cudnn kernel
+// always takes them.
 bool packed_on_cudnn() {
   static const bool on = [] {
     const char* e = std::getenv("DM_CUDNN_PACKED");
-    return e && *e && std::strcmp(e, "0") != 0;
+    return !(e && *e && std::strcmp(e, "0") == 0);
   }();
   return on;
 }

@@ -26,11 +26,11 @@ namespace dm::cuda {
 
 // Tiled: our tensor-core flash kernels. Simple: one warp per row, fp32, no tiles (the GPU
 // reference the tiled kernels are checked against; slow). Cudnn: cuDNN's fused attention
-// engines (attention_cudnn.h; packed documents through its ragged batch, not yet run on a GPU;
-// throws when cuDNN cannot take the problem).
-// Auto: Cudnn when there is no doc_start (or DM_CUDNN_PACKED=1), the shape recurs (its third
-// call: a cuDNN plan build costs ~0.1 s, which a one-off prompt length would not earn back) and
-// cuDNN takes it, else Tiled. The environment variable DM_ATTENTION=ours pins Auto to Tiled;
+// engines (attention_cudnn.h; packed documents through its ragged batch; throws when cuDNN
+// cannot take the problem).
+// Auto: Cudnn when the shape recurs (its third call: a cuDNN plan build costs ~0.1 s, which a
+// one-off prompt length would not earn back) and cuDNN takes it, else Tiled; packed documents
+// too, unless DM_CUDNN_PACKED=0. The environment variable DM_ATTENTION=ours pins Auto to Tiled;
 // DM_ATTENTION=cudnn makes it eager (plans on a shape's first call).
 enum class AttentionKernel : uint8_t { Auto, Tiled, Simple, Cudnn };
 

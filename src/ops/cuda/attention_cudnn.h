@@ -54,8 +54,8 @@ bool cudnn_attention_backward(const uint16_t* q, const uint16_t* k, const uint16
 // inside it; the softmax statistics go through a dense scratch to our lse layout. Copies
 // doc_start to the host first (one stream synchronisation) to lay the batch out; plans are
 // bucketed by document count and longest document (powers of two). Same returns as above.
-// NOT YET RUN ON A GPU (written when this session's device time was spent): attention.cpp
-// takes it for the explicit Cudnn kernel only, and for Auto only with DM_CUDNN_PACKED=1.
+// The fp32 dQ accumulator is token-major where cuDNN handles that (Dqk, Dv multiples of 16,
+// cuDNN ≥ 9.6), else [entries, H, S, Dqk]. Auto takes this path unless DM_CUDNN_PACKED=0.
 bool cudnn_attention_forward_packed(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     uint16_t* o, float* lse, const AttnShape& s, double scale,
                                     const int32_t* doc_start, CUstream_st* stream,
