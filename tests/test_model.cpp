@@ -1,5 +1,6 @@
 // Whole-model properties that need no reference file: AttnRes with zero pseudo-queries equals the
-// plain pre-norm network, init → save → load round trips, and malformed checkpoints / inputs are
+// plain pre-norm network, the residual walk fused (add + norm in one op) equals the plain walk,
+// init → save → load round trips, and malformed checkpoints / inputs are
 // rejected with exit code 1 and a line naming the culprit (never a crash).
 #include <gtest/gtest.h>
 
@@ -8,10 +9,13 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "io/config.h"
 #include "io/safetensors.h"
 #include "model/model.h"
+#include "model/residual.h"
 #include "test_util.h"
 
 using namespace dm;
@@ -68,6 +72,84 @@ TEST(Model, AttnResWithZeroQueriesEqualsPlainResidual) {
   attnres2.weights().layers[2].attn_site.query[0] = 5.0f;
   const auto l2 = run_logits(attnres2, ids, 2);
   EXPECT_GT(test::rel_rms(l2.data(), lp.data(), l2.size()), 1e-4);
+}
+
+namespace {
+
+// CpuResidualOps plus the optional fused add + norm (as the GPU ops have it), counting calls.
+struct FusedCountingOps : CpuResidualOps<float> {
+  mutable int fused = 0, norms = 0;
+  void rmsnorm(const float* x, const float* w, float* y, int64_t N, int64_t d, float eps) const {
+    ++norms;
+    CpuResidualOps<float>::rmsnorm(x, w, y, N, d, eps);
+  }
+  void add_rmsnorm(float* p, const float* out, const float* w, float* xn, int64_t N, int64_t d,
+                   float eps) const {
+    ++fused;
+    add(p, out, N * d);
+    CpuResidualOps<float>::rmsnorm(p, w, xn, N, d, eps);
+  }
+};
+
+struct WalkRecord {
+  std::vector<std::string> names;
+  std::vector<std::vector<float>> rows;
+  std::vector<float> final_hidden;
+};
+
+// The residual walk over fake sub-layers (out = a smooth function of the normed rows and the
+// layer) with `ops`; every emitted intermediate recorded.
+template <typename Ops>
+WalkRecord walk(const ModelConfig& c, const ModelWeights& W, const Ops& ops) {
+  const int64_t N = 5, d = c.hidden;
+  std::vector<float> p(size_t(N * d)), x(p.size()), xn(p.size()), out(p.size());
+  std::vector<float> blocks(p.size() * size_t(std::max(1, residual_num_blocks(c))));
+  for (size_t k = 0; k < p.size(); ++k) p[k] = std::sin(0.37f * float(k) + 0.1f);
+  auto sub_layer = [&](int i, const float* in, float* o, float scale) {
+    for (int64_t k = 0; k < N * d; ++k)
+      o[k] = 0.5f * std::tanh(scale * float(i + 1) * in[k] + 0.01f * float(k % 7));
+  };
+  auto mixer = [&](int i, const float* in, float* o) { sub_layer(i, in, o, 0.8f); };
+  auto ffn = [&](int i, const float* in, float* o) { sub_layer(i, in, o, -1.3f); };
+  WalkRecord r;
+  auto emit = [&](const char* name, int i, const float* rows) {
+    r.names.push_back(std::string(name) + std::to_string(i));
+    r.rows.emplace_back(rows, rows + N * d);
+  };
+  const float* final_hidden = residual_stack_forward<float>(
+      c, W, N, p.data(), x.data(), xn.data(), out.data(), blocks.data(), mixer, ffn, emit, ops);
+  r.final_hidden.assign(final_hidden, final_hidden + N * d);
+  return r;
+}
+
+}  // namespace
+
+// Ops with add_rmsnorm (the GPU's) take the fused walk without AttnRes: the same emitted
+// intermediates and final rows bit for bit, one plain norm (layer 0's input) and one fused
+// add + norm per sub-layer; with AttnRes the fused op is never used.
+TEST(Model, FusedAddNormWalkEqualsPlainWalk) {
+  for (ResidualKind kind : {ResidualKind::Plain, ResidualKind::AttnRes}) {
+    SCOPED_TRACE(kind == ResidualKind::Plain ? "plain" : "attnres");
+    ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+    c.residual = kind;
+    auto w = weights_allocate(c);
+    weights_init(*w, 11);
+    const WalkRecord plain = walk(c, *w, CpuResidualOps<float>{});
+    FusedCountingOps ops;
+    const WalkRecord fused = walk(c, *w, ops);
+    EXPECT_EQ(plain.names, fused.names);
+    ASSERT_EQ(plain.rows.size(), fused.rows.size());
+    for (size_t k = 0; k < plain.rows.size(); ++k)
+      EXPECT_EQ(plain.rows[k], fused.rows[k]) << plain.names[k];
+    EXPECT_EQ(plain.final_hidden, fused.final_hidden);
+    if (kind == ResidualKind::Plain) {
+      EXPECT_EQ(ops.fused, 2 * c.num_layers);
+      EXPECT_EQ(ops.norms, 1);
+    } else {
+      EXPECT_EQ(ops.fused, 0);
+      EXPECT_EQ(ops.norms, 2 * c.num_layers + 1);
+    }
+  }
 }
 
 TEST(Model, InitSaveLoadRoundTrip) {

@@ -55,6 +55,17 @@ typename Ops::Normed* residual_stack_forward(const ModelConfig& c, const ModelWe
   using Normed = typename Ops::Normed;
   const int64_t d = c.hidden;
   const bool attnres = c.residual == ResidualKind::AttnRes;
+  // Ops may offer add_rmsnorm(p, out, w, xn, N, d, eps): p += out, then xn = RMSNorm(p)·w, in
+  // one pass (a decode step's rows are short: two launches per sub-layer cost more than the
+  // work). Without AttnRes every add of a sub-layer's output is followed by the norm of p for
+  // the next sub-layer (or the final norm), so the walk fuses them; the emits in between see the
+  // same p either way.
+  constexpr bool kFusedAddNorm =
+      requires(const Ops& o, Real* a, const Real* b, const WReal* w, Normed* y) {
+        o.add_rmsnorm(a, b, w, y, int64_t(0), int64_t(0), 0.0f);
+      };
+  const bool fuse = kFusedAddNorm && !attnres;
+  bool normed_ready = false;  // xn already holds RMSNorm(p) for the next norm site
   std::vector<const Real*> sources;
   sources.reserve(size_t(std::max(1, residual_num_blocks(c))) + 1);
   int sealed = 0;       // number of sealed block sums
@@ -87,12 +98,16 @@ typename Ops::Normed* residual_stack_forward(const ModelConfig& c, const ModelWe
       }
     }
     emit("attn_in_", i, attn_in);
-    ops.rmsnorm(attn_in, L.input_norm, xn, N, d, c.rms_eps);
+    if (!normed_ready) ops.rmsnorm(attn_in, L.input_norm, xn, N, d, c.rms_eps);
+    normed_ready = false;
     mixer(i, static_cast<const Normed*>(xn), out);
     emit("attn_out_", i, out);
     if (p_empty) {
       ops.copy(p, out, N * d);
       p_empty = false;
+    } else if (fuse) {
+      if constexpr (kFusedAddNorm) ops.add_rmsnorm(p, out, L.post_norm, xn, N, d, c.rms_eps);
+      normed_ready = true;
     } else {
       ops.add(p, out, N * d);
     }
@@ -103,10 +118,19 @@ typename Ops::Normed* residual_stack_forward(const ModelConfig& c, const ModelWe
       mlp_in = x;
     }
     emit("mlp_in_", i, mlp_in);
-    ops.rmsnorm(mlp_in, L.post_norm, xn, N, d, c.rms_eps);
+    if (!normed_ready) ops.rmsnorm(mlp_in, L.post_norm, xn, N, d, c.rms_eps);
+    normed_ready = false;
     ffn(i, static_cast<const Normed*>(xn), out);
     emit("mlp_out_", i, out);
-    ops.add(p, out, N * d);
+    if (fuse) {
+      // The next norm site: layer i+1's input norm, or the final norm.
+      const WReal* next_norm =
+          i + 1 < c.num_layers ? W.layers[size_t(i) + 1].input_norm : W.final_norm;
+      if constexpr (kFusedAddNorm) ops.add_rmsnorm(p, out, next_norm, xn, N, d, c.rms_eps);
+      normed_ready = true;
+    } else {
+      ops.add(p, out, N * d);
+    }
     emit("layer_out_", i, p);
   }
   const Real* final_in = p;
@@ -115,7 +139,7 @@ typename Ops::Normed* residual_stack_forward(const ModelConfig& c, const ModelWe
     final_in = x;
   }
   emit("final_norm_in", -1, final_in);
-  ops.rmsnorm(final_in, W.final_norm, xn, N, d, c.rms_eps);
+  if (!normed_ready) ops.rmsnorm(final_in, W.final_norm, xn, N, d, c.rms_eps);
   if constexpr (std::is_same_v<Normed, Real>) emit("final_hidden", -1, xn);
   return xn;
 }
