@@ -5,11 +5,13 @@
 # by side, and print one table (scripts/device-summary.py). Logs go to $OUT (or
 # out/device-check) so they come back even when a step fails.
 #
-#   scripts/device-check.sh [--no-bench] [--no-peers] [--budget SECONDS] [--prebuilt DIR]
+#   scripts/device-check.sh [--no-bench] [--no-peers] [--ncu] [--budget SECONDS] [--prebuilt DIR]
 #
 # --prebuilt DIR|ARCHIVE.tar.xz: take the binaries from DIR, or unpack them from the archive
 # (built here by scripts/device-prebuild.sh and carried), instead of building; steps whose
 # binary is missing there are skipped.
+# --ncu: after the benchmarks, one batch-1 decode step of the 48B shape under Nsight Compute,
+# split per kernel by scripts/ncu-kernels.py (ncu.md; ~40 s).
 #
 # The budget (default 560 s, so one call of the device tool keeps its transfers) is spent in
 # order of importance: build, tests, our benchmarks, then the peers. A step whose usual time
@@ -49,16 +51,17 @@ ship_logs() {
     echo "triton-cache.tgz: autotuning results only ($(tar -tzf "$LOG/triton-cache.tgz" | wc -l) files)"
   fi
   [ -n "${OUT:-}" ] || return 0
-  for f in summary.md tests.log triton-cache.tgz; do [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"; done
+  for f in summary.md tests.log ncu.md triton-cache.tgz; do [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"; done
   tar -czf "$OUT/logs.tgz" -C "$LOG" --exclude=triton-cache.tgz --exclude='*.safetensors' . 2>/dev/null
   echo "back in \$OUT: $(ls "$OUT" | paste -sd' ') (carry triton-cache.tgz as .triton-cache.tgz next time)"
 }
 trap ship_logs EXIT
-BENCH=1 PEERS=1 BUDGET=560 PREBUILT=
+BENCH=1 PEERS=1 NCU=0 BUDGET=560 PREBUILT=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0; shift ;;
     --no-peers) PEERS=0; shift ;;
+    --ncu) NCU=1; shift ;;
     --budget) BUDGET=$2; shift 2 ;;
     --prebuilt) PREBUILT=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -137,6 +140,13 @@ if [ "$BENCH" = 1 ]; then
   bench bench_cuda_decode 50 $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
     --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
   bench bench_cuda_mla 45 $B/bench_cuda_mla
+fi
+if [ "$NCU" = 1 ] && [ -x "$B/bench_cuda_decode" ] && command -v ncu >/dev/null && fits "ncu decode" 45; then
+  step "ncu: one decode step, batch 1, 32K context, per kernel"
+  timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+    --print-summary per-kernel $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
+    --cases 1x32768 --steps 1 --warmup 0 --graphs off >"$LOG/ncu_decode.log" 2>&1
+  python3 scripts/ncu-kernels.py "$LOG/ncu_decode.log" --skip random_fill | tee "$LOG/ncu.md" | head -30
 fi
 if [ "$PEERS" = 1 ]; then
   if ls .whl/*.whl >/dev/null 2>&1; then
