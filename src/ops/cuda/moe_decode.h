@@ -17,7 +17,7 @@
 //             [N·k, Din]
 //   combine   y[t, :] = Σ_slot w[t, slot]·o[t·k + slot, :] in slot order (deterministic)
 // Blocks past the device count of hit experts exit at once. A warp owns whole weight rows and
-// streams them with 16-byte loads (lane i takes 16-byte chunks i, i + 32, …, two chunks in flight
+// streams them with 16-byte loads (lane i takes 16-byte chunks i, i + 32, …, four chunks in flight
 // per row), dot products in fp32, one warp reduction per (row, token).
 //
 // Bytes: each hit expert's 3·F·Din bf16 weights once (+ the tiny x, h, o); FLOPs 6·F·Din per
