@@ -118,8 +118,7 @@ DecodeStepBuffers carve_step(Carver& cv, const ModelConfig& c, int64_t n, int64_
   return b;
 }
 
-// KDA step temporaries. raw[0] later holds the gate input f and then g (in place); raw[1] the
-// output gate; `low` f_a x, then g_a x.
+// KDA step temporaries. raw[0] later holds g (in place, once the conv has read it).
 struct KdaStepBuffers {
   uint16_t* raw[3] = {};  // [n, H·K] W_{q,k,v} x
   uint16_t* qkv[3] = {};  // [n, H·K] SiLU(conv)
