@@ -125,63 +125,14 @@ int run(int reps, bool quick) {
     arena.reset();
   }
 
-  // ---- MLA prefill forward / backward
+  // ---- MLA prefill forward / backward: one row of T tokens, one document or `docs` equal packed
+  // documents (doc_start; the training layout, attention restarting at each). Ours takes
+  // doc_start in its tiles; cuDNN runs packed documents as one ragged batch (attention_cudnn.h).
+  // FLOP counted over the causal pairs inside documents.
   const int64_t Dqk = 192, Dv = 128;
-  for (int64_t T : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 32768}) {
-    for (int64_t H : {16, 32}) {
-      const AttnShape s{1, T, H, Dqk, Dv};
-      const size_t qk = size_t(T * H * Dqk), vo = size_t(T * H * Dv);
-      auto* q = arena.alloc<uint16_t>(qk);
-      auto* k = arena.alloc<uint16_t>(qk);
-      auto* v = arena.alloc<uint16_t>(vo);
-      auto* o = arena.alloc<uint16_t>(vo);
-      auto* dout = arena.alloc<uint16_t>(vo);
-      auto* dq = arena.alloc<uint16_t>(qk);
-      auto* dk = arena.alloc<uint16_t>(qk);
-      auto* dv = arena.alloc<uint16_t>(vo);
-      auto* lse = arena.alloc<float>(size_t(H * T));
-      void* ws = arena.alloc_bytes(cuda::attention_causal_backward_workspace_bytes(s));
-      fill_random_bf16(q, qk, 3);
-      fill_random_bf16(k, qk, 4);
-      fill_random_bf16(v, vo, 5);
-      fill_random_bf16(dout, vo, 6);
-      cuda::fill_zero(dq, qk * 2);
-      cuda::fill_zero(dk, qk * 2);
-      cuda::fill_zero(dv, vo * 2);
-      const double scale = 1.0 / std::sqrt(double(Dqk));
-      const double pairs = double(T) * double(T + 1) / 2.0;
-      const int bwd_reps = T > 8192 ? std::max(10, reps / 2) : reps;
-      // Ours (tiled) and cuDNN's fused engines side by side, when this build and GPU have cuDNN.
-      std::vector<std::pair<cuda::AttentionKernel, const char*>> kernels{
-          {cuda::AttentionKernel::Tiled, "ours"}};
-      if (cuda::cudnn_attention_available()) kernels.push_back({cuda::AttentionKernel::Cudnn, "cuDNN"});
-      for (auto [kernel, name] : kernels) {
-        const double fwd_ms = median_ms([&] {
-          cuda::attention_causal_forward(q, k, v, o, lse, s, scale, nullptr, nullptr, kernel);
-        }, reps);
-        rows.push_back({str_cat("mla prefill fwd (", name, ")"), str_cat("T=", T, " H=", H),
-                        fwd_ms, 2.0 * H * pairs * double(Dqk + Dv), 0});
-        const double bwd_ms = median_ms([&] {
-          cuda::attention_causal_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, ws,
-                                          nullptr, nullptr, kernel);
-        }, bwd_reps, 2);
-        rows.push_back({str_cat("mla prefill bwd (", name, ")"), str_cat("T=", T, " H=", H),
-                        bwd_ms, 2.0 * H * pairs * double(3 * Dqk + 2 * Dv), 0});
-        if (kernel == cuda::AttentionKernel::Cudnn)
-          std::printf("cuDNN T=%lld H=%lld: forward %s, backward %s\n", (long long)T,
-                      (long long)H, cuda::cudnn_attention_engine(false, s, scale).c_str(),
-                      cuda::cudnn_attention_engine(true, s, scale).c_str());
-      }
-      arena.reset();
-    }
-  }
-
-  // ---- MLA prefill over packed documents: 8 equal documents per row, H = 32 (the training
-  // layout: documents packed into one row, attention restarting at each). Ours takes doc_start
-  // in its tiles; cuDNN runs the documents as one ragged batch (attention_cudnn.h).
-  for (int64_t T : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 32768}) {
-    const int64_t H = 32, docs = 8, L = T / docs;
+  auto prefill = [&](int64_t T, int64_t H, int64_t docs) {
     const AttnShape s{1, T, H, Dqk, Dv};
+    const int64_t L = T / docs;
     const size_t qk = size_t(T * H * Dqk), vo = size_t(T * H * Dv);
     auto* q = arena.alloc<uint16_t>(qk);
     auto* k = arena.alloc<uint16_t>(qk);
@@ -193,16 +144,22 @@ int run(int reps, bool quick) {
     auto* dv = arena.alloc<uint16_t>(vo);
     auto* lse = arena.alloc<float>(size_t(H * T));
     void* ws = arena.alloc_bytes(cuda::attention_causal_backward_workspace_bytes(s));
-    std::vector<int32_t> starts(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) starts[size_t(t)] = int32_t(t / L * L);
-    auto* doc_start = arena.alloc<int32_t>(starts.size());
-    cuda::copy_to_device(doc_start, starts.data(), starts.size() * sizeof(int32_t));
+    int32_t* doc_start = nullptr;
+    if (docs > 1) {
+      std::vector<int32_t> starts(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) starts[size_t(t)] = int32_t(t / L * L);
+      doc_start = arena.alloc<int32_t>(starts.size());
+      cuda::copy_to_device(doc_start, starts.data(), starts.size() * sizeof(int32_t));
+    }
     fill_random_bf16(q, qk, 3);
     fill_random_bf16(k, qk, 4);
     fill_random_bf16(v, vo, 5);
     fill_random_bf16(dout, vo, 6);
     const double scale = 1.0 / std::sqrt(double(Dqk));
     const double pairs = double(docs) * double(L) * double(L + 1) / 2.0;
+    const int bwd_reps = T > 8192 ? std::max(10, reps / 2) : reps;
+    const std::string what = docs > 1 ? str_cat(", ", docs, " docs") : std::string();
+    // Ours (tiled) and cuDNN's fused engines side by side, when this build and GPU have cuDNN.
     std::vector<std::pair<cuda::AttentionKernel, const char*>> kernels{
         {cuda::AttentionKernel::Tiled, "ours"}};
     if (cuda::cudnn_attention_available()) kernels.push_back({cuda::AttentionKernel::Cudnn, "cuDNN"});
@@ -210,17 +167,26 @@ int run(int reps, bool quick) {
       const double fwd_ms = median_ms([&] {
         cuda::attention_causal_forward(q, k, v, o, lse, s, scale, doc_start, nullptr, kernel);
       }, reps);
-      rows.push_back({str_cat("mla prefill fwd, 8 docs (", name, ")"), str_cat("T=", T, " H=", H),
+      rows.push_back({str_cat("mla prefill fwd", what, " (", name, ")"), str_cat("T=", T, " H=", H),
                       fwd_ms, 2.0 * H * pairs * double(Dqk + Dv), 0});
       const double bwd_ms = median_ms([&] {
         cuda::attention_causal_backward(q, k, v, o, lse, dout, dq, dk, dv, s, scale, ws,
                                         doc_start, nullptr, kernel);
-      }, reps, 2);
-      rows.push_back({str_cat("mla prefill bwd, 8 docs (", name, ")"), str_cat("T=", T, " H=", H),
+      }, bwd_reps, 2);
+      rows.push_back({str_cat("mla prefill bwd", what, " (", name, ")"), str_cat("T=", T, " H=", H),
                       bwd_ms, 2.0 * H * pairs * double(3 * Dqk + 2 * Dv), 0});
+      if (kernel == cuda::AttentionKernel::Cudnn && docs == 1)
+        std::printf("cuDNN T=%lld H=%lld: forward %s, backward %s\n", (long long)T,
+                    (long long)H, cuda::cudnn_attention_engine(false, s, scale).c_str(),
+                    cuda::cudnn_attention_engine(true, s, scale).c_str());
     }
     arena.reset();
-  }
+  };
+  const std::vector<int64_t> lengths =
+      quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 32768};
+  for (int64_t T : lengths)
+    for (int64_t H : {16, 32}) prefill(T, H, 1);
+  for (int64_t T : lengths) prefill(T, 32, 8);
 
   // ---- absorbed decode, 32K context
   {
