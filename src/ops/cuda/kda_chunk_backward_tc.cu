@@ -56,6 +56,7 @@
 #include "ops/cuda/kda_backward_detail.cuh"
 #include "ops/cuda/kda_common.cuh"
 #include "ops/cuda/kda_mma.cuh"
+#include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
 
 namespace dm::cuda {
 namespace kda_detail {
@@ -64,6 +65,18 @@ namespace {
 constexpr int kWarps = kThreads / 32;
 constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
 constexpr int kMaxTiles = 8;         // 8-column mma tiles per warp (64 columns)
+
+using attention_detail::cp_async_16;
+using attention_detail::cp_async_commit;
+using attention_detail::cp_async_wait;
+
+// Stage 2's products take their [KP, VP] right operand (S or dS', rows = channels) from the
+// workspace in column slabs of kSlab, staged in shared memory by the whole block (16-byte
+// cp.async, double-buffered) instead of per-warp 8-byte fragment loads from L2: those made each
+// warp wait on L2 latency once per k-step, and the four warps sharing a channel half each read
+// the whole matrix. Row stride kSlabLd ≡ 8 (mod 32) floats: a half-warp's 8-byte fragment loads
+// (rows g, columns 2tq) hit 32 distinct banks.
+constexpr int kSlab = 32, kSlabLd = kSlab + 8;
 
 // Byte offsets of the shared buffers (each a multiple of 16 bytes).
 struct TcGradLayout {
@@ -104,6 +117,49 @@ __host__ __device__ inline TcGradLayout tc_grad_layout(const KdaDims& d) {
   l.vectors = at;           at += kVectorFloats * 4;
   l.total = at;
   return l;
+}
+
+// Copies columns [s·kSlab, (s+1)·kSlab) of the [KP, VP] matrix B into dst [KP, kSlabLd].
+__device__ __forceinline__ void stage_slab(float* dst, const float* B, int KP, int VP, int s) {
+  constexpr int kPerRow = kSlab / 4;
+  for (int idx = threadIdx.x; idx < KP * kPerRow; idx += kThreads) {
+    const int r = idx / kPerRow, c4 = idx % kPerRow;
+    cp_async_16(dst + r * kSlabLd + 4 * c4, B + int64_t(r) * VP + s * kSlab + 4 * c4, true);
+  }
+}
+
+// acc[j] += Σ_e A[r0 + r][e] · B[col0 + 8j + n][e] over e < VP (the warp's 16 rows × 8·n_tiles
+// channels), A through load_a2(r, e) (k-adjacent pairs). slabs == nullptr: B's fragments come
+// from global memory directly; otherwise B is staged slab by slab in `slabs` (two buffers of
+// [KP, kSlabLd] fp32; VP % kSlab == 0). With slabs every thread of the block must call it.
+template <MmaPrecision kPrecision, typename LoadA2>
+__device__ __forceinline__ void key_side_product(float (&acc)[kMaxTiles][4], int n_tiles,
+                                                 int col0, int KP, int VP, const float* B,
+                                                 float* slabs, LoadA2&& load_a2) {
+  if (slabs == nullptr) {
+    warp_mma_pairs<kPrecision>(acc, n_tiles, 0, VP, load_a2, [&](int e, int nn) {
+      return load_pair(B + (col0 + nn) * VP + e);
+    });
+    return;
+  }
+  const int count = VP / kSlab, buffer = KP * kSlabLd;
+  stage_slab(slabs, B, KP, VP, 0);
+  cp_async_commit();
+  for (int s = 0; s < count; ++s) {
+    if (s + 1 < count) {
+      // Buffer (s+1)&1 was last read by slab s−1, before the barrier that ended its step.
+      stage_slab(slabs + ((s + 1) & 1) * buffer, B, KP, VP, s + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* slab = slabs + (s & 1) * buffer - s * kSlab;  // indexed by absolute e
+    warp_mma_pairs<kPrecision>(acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2,
+                               [&](int e, int nn) { return load_pair(slab + (col0 + nn) * kSlabLd + e); });
+    __syncthreads();
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -420,11 +476,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   zero_tiles(acc_gamma);
   {
     float acc[kMaxTiles][4];
+    // L (lower) and Kd (slot a) are dead since stage 1, and F is written only after this
+    // stage: the two contiguous buffers hold the slabs of S and dS' (key_side_product).
+    float* slabs = nullptr;
+    if (VP % kSlab == 0 && 2 * KP * kSlabLd * 4 <= l.slot_b - l.lower_key_key)
+      slabs = reinterpret_cast<float*>(shared_bytes + l.lower_key_key);
     // dQd = dO·Sᵀ (bf16: dO exact).
     zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Bf16>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldw + e); },
-        [&](int e, int nn) { return load_pair(state + (col0_k + nn) * VP + e); });
+    key_side_product<MmaPrecision::Bf16>(
+        acc, tiles_k, col0_k, KP, VP, state, slabs,
+        [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldw + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = acc[j][e4] * decay_from_start;
@@ -433,9 +494,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     });
     // dKd = −dX·Sᵀ (tf32).
     zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldw + e); },
-        [&](int e, int nn) { return load_pair(state + (col0_k + nn) * VP + e); });
+    key_side_product<MmaPrecision::Tf32>(
+        acc, tiles_k, col0_k, KP, VP, state, slabs,
+        [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldw + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = -acc[j][e4] * decay_from_start;
@@ -447,9 +508,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // into the reverse cumsum as total − suffix cancels: under strong decay E is O(1) at the
     // chunk end while dg there is tiny (that form was off by 0.36 relative in the test).
     zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); },
-        [&](int e, int nn) { return load_pair(d_state + (col0_k + nn) * VP + e); });
+    key_side_product<MmaPrecision::Tf32>(
+        acc, tiles_k, col0_k, KP, VP, d_state, slabs,
+        [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
           seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
