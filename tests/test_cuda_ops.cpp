@@ -149,6 +149,37 @@ TEST(CudaOpsRmsnorm, ToBf16MatchesCpu) {
   }
 }
 
+// The residual walk's fused add + norm equals add_inplace then rmsnorm_to_bf16 bit for bit
+// (same arithmetic), on the float4 path and the two-kernel fallback (D % 4 != 0).
+TEST(CudaOpsRmsnorm, FusedAddNormEqualsAddThenNorm) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const RmsnormCase& c : {RmsnormCase{1, 2304}, RmsnormCase{3, 4096}, RmsnormCase{2, 300},
+                               RmsnormCase{4, 1001}}) {
+    const size_t nd = size_t(c.N * c.D);
+    const std::vector<float> p0 = random_normal(nd, 41 + uint64_t(c.D)),
+                             out = random_normal(nd, 42);
+    std::vector<float> w = random_normal(size_t(c.D), 43, 0.5f);
+    for (float& e : w) e += 1.0f;
+    DeviceScratch dev(nd * 20 + size_t(c.D) * 4 + (1 << 16));
+    float* p_fused = dev.upload(p0);
+    float* p_plain = dev.upload(p0);
+    const float* out_d = dev.upload(out);
+    const float* w_d = dev.upload(w);
+    uint16_t* y_fused = dev.zeros<uint16_t>(nd);
+    uint16_t* y_plain = dev.zeros<uint16_t>(nd);
+    cu::add_rmsnorm_to_bf16(p_fused, out_d, w_d, y_fused, c.N, c.D, 1e-5f, nullptr);
+    cu::add_inplace(p_plain, out_d, int64_t(nd), nullptr);
+    cu::rmsnorm_to_bf16(p_plain, w_d, y_plain, c.N, c.D, 1e-5f, nullptr);
+    EXPECT_EQ(DeviceScratch::download(p_fused, nd), DeviceScratch::download(p_plain, nd))
+        << "N=" << c.N << " D=" << c.D;
+    EXPECT_EQ(DeviceScratch::download(y_fused, nd), DeviceScratch::download(y_plain, nd))
+        << "N=" << c.N << " D=" << c.D;
+    std::vector<float> sum(nd);
+    for (size_t i = 0; i < nd; ++i) sum[i] = p0[i] + out[i];
+    EXPECT_EQ(DeviceScratch::download(p_fused, nd), sum) << "N=" << c.N << " D=" << c.D;
+  }
+}
+
 TEST(CudaOpsRmsnorm, RejectsBadShape) {
   DM_SKIP_WITHOUT_GPU();
   EXPECT_THROW(cu::rmsnorm_forward(static_cast<const float*>(nullptr), nullptr, nullptr, 4, 0, 1e-5),

@@ -25,6 +25,11 @@ struct GpuResidualOps {
                float eps) const {
     rmsnorm_to_bf16(x, dw->f32(w), y, N, d, eps, stream);
   }
+  // The walk's fused p += out, xn = RMSNorm(p) (model/residual.h; used without AttnRes).
+  void add_rmsnorm(float* p, const float* out, const float* w, uint16_t* y, int64_t N, int64_t d,
+                   float eps) const {
+    add_rmsnorm_to_bf16(p, out, dw->f32(w), y, N, d, eps, stream);
+  }
 };
 
 }  // namespace dm::cuda

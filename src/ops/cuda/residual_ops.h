@@ -25,6 +25,11 @@ void rmsnorm_to_bf16(const float* x, const float* w, uint16_t* y, int64_t N, int
 // dst[i] += src[i] (fp32).
 void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream = nullptr);
 
+// p[n, :] += out[n, :], then y[n, :] = bf16(p[n, :] · r_n · w) as rmsnorm_to_bf16, in one pass
+// (the residual walk's add_rmsnorm: one launch instead of two per sub-layer of a decode step).
+void add_rmsnorm_to_bf16(float* p, const float* out, const float* w, uint16_t* y, int64_t N,
+                         int64_t D, float eps, CUstream_st* stream = nullptr);
+
 // Block AttnRes (ops/cpu/attnres.h): for each row n over S sources V_j = src[j][n, :],
 //   logit_j = r_j · Σ_d V_jd γ_d w_d,  r_j = rsqrt(mean(V_j²) + eps),
 //   out[n] = Σ_j softmax_j(logit) V_j.
