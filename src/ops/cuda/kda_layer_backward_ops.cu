@@ -1,9 +1,10 @@
 // CUDA backwards of the KDA layer's per-token pieces (formulas in kda_layer_backward_ops.h; CPU
-// twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp).
+// twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp). The short conv's backward is in
+// short_conv.cu.
 //
 // Layouts of the launches:
-//   element kernels (β, conv d-pre-activation, conv dx): one thread per element, grid-stride;
-//   row-reducing kernels (gate, conv dw): blocks of 32 channels × 8 row lanes over a grid of
+//   element kernels (β): one thread per element, grid-stride;
+//   row-reducing kernels (gate): blocks of 32 channels × 8 row lanes over a grid of
 //     channel tiles × R row ranges; consecutive threads on consecutive channels (coalesced), the
 //     8 row lanes summed in shared memory in a fixed order, one partial per (range, channel);
 //   norm: one warp per row (a head of K ≤ 256), 8 warps per block over one row range, each lane
@@ -46,12 +47,6 @@ int64_t rows_per_range(int64_t rows) {
 }
 
 __device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
-
-// First position the conv of the token at flat row `bt` reads: its document start (or 0).
-__device__ __forceinline__ int64_t conv_first_readable(const int32_t* doc_start, int64_t bt) {
-  const int64_t start = doc_start ? int64_t(doc_start[bt]) : 0;
-  return start > 0 ? start : 0;
-}
 
 // ---- stage 2 of every parameter gradient ------------------------------------------------------
 // out[m] += Σ_{r<R} Σ_{i<group} partial[r·row_stride + m·group + i]; one block per m (grid = M).
@@ -206,80 +201,6 @@ __global__ void beta_sigmoid_backward_kernel(const float* __restrict__ z,
   }
 }
 
-// ---- short conv + SiLU -------------------------------------------------------------------------
-// 1. da = dy · SiLU'(a) in place, a recomputed exactly as the forward kernel forms it (same taps,
-//    same order). x, dy_da [B, T, C]; element i = (b·T + t)·C + c.
-__global__ void conv_silu_preactivation_grad_kernel(const uint16_t* __restrict__ x,
-                                                    const float* __restrict__ w,
-                                                    float* __restrict__ dy_da, int64_t T,
-                                                    int64_t C, int Kc,
-                                                    const int32_t* __restrict__ doc_start,
-                                                    int64_t total) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % C, bt = i / C, t = bt % T;
-    const int64_t row_start = bt - t;
-    const int64_t first = conv_first_readable(doc_start, bt);
-    float a = 0.0f;
-    for (int j = 0; j < Kc; ++j) {
-      const int64_t src = t - (Kc - 1) + j;
-      if (src < first) continue;
-      a += w[c * Kc + j] * load_as_float(x, (row_start + src) * C + c);
-    }
-    const float sig = sigmoid_f32(a);
-    dy_da[i] = dy_da[i] * sig * (1.0f + a * (1.0f - sig));  // SiLU'(a) = σ(1 + a(1−σ))
-  }
-}
-
-// 2. dw partials: grid ceil(C/32) × R × Kc (tap j = blockIdx.z), block 32 × 8. partial
-//    [R, C, Kc]: the range's Σ_t da[t,c]·x[t−Kc+1+j, c] over the positions token t reads.
-__global__ void __launch_bounds__(kThreads)
-    conv_weight_grad_kernel(const uint16_t* __restrict__ x, const float* __restrict__ da,
-                            float* __restrict__ partial, int64_t N, int64_t T, int64_t C, int Kc,
-                            const int32_t* __restrict__ doc_start, int64_t range_rows) {
-  __shared__ float sums[kRowLanes][kLanes];
-  const int64_t c = int64_t(blockIdx.x) * kLanes + threadIdx.x;
-  const int j = int(blockIdx.z);
-  const int64_t r0 = int64_t(blockIdx.y) * range_rows;
-  const int64_t r1 = r0 + range_rows < N ? r0 + range_rows : N;
-  float acc = 0.0f;
-  if (c < C) {
-    for (int64_t n = r0 + threadIdx.y; n < r1; n += kRowLanes) {
-      const int64_t t = n % T, src = t - (Kc - 1) + j;
-      if (src < conv_first_readable(doc_start, n)) continue;
-      acc += da[n * C + c] * load_as_float(x, (n - t + src) * C + c);
-    }
-  }
-  sums[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float s = 0.0f;
-    for (int y = 0; y < kRowLanes; ++y) s += sums[y][threadIdx.x];  // fixed order
-    partial[(int64_t(blockIdx.y) * C + c) * Kc + j] = s;
-  }
-}
-
-// 3. dx[s,c] = Σ_j w[c,j]·da[t = s+Kc−1−j, c] over the tokens t < T of the row whose conv reads
-//    position s (s ≥ their document start): a gather, so every dx element has one writer.
-__global__ void conv_input_grad_kernel(const float* __restrict__ w, const float* __restrict__ da,
-                                       uint16_t* __restrict__ dx, int64_t T, int64_t C, int Kc,
-                                       const int32_t* __restrict__ doc_start, int64_t total) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % C, bs = i / C, s = bs % T;
-    const int64_t row_start = bs - s;
-    float acc = 0.0f;
-    for (int j = 0; j < Kc; ++j) {
-      const int64_t t = s + (Kc - 1) - j;
-      if (t >= T) continue;
-      const int64_t token = row_start + t;
-      if (s < conv_first_readable(doc_start, token)) continue;
-      acc += w[c * Kc + j] * da[token * C + c];
-    }
-    store_from_float(dx, i, acc);
-  }
-}
-
 }  // namespace
 
 size_t kda_rmsnorm_gated_backward_partial_floats(int64_t rows, int64_t D) {
@@ -329,33 +250,6 @@ void kda_beta_sigmoid_backward(const float* z, const float* dbeta, uint16_t* dz,
   if (n == 0) return;
   beta_sigmoid_backward_kernel<<<grid_blocks(n), kThreads, 0, stream>>>(z, dbeta, dz, n);
   check_last_error("cuda kda_beta_sigmoid_backward");
-}
-
-size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc) {
-  return size_t(row_ranges(N) * C * Kc);
-}
-
-void kda_short_conv_silu_backward(const uint16_t* x, const float* w, float* dy_then_da,
-                                  uint16_t* dx, float* dw, float* partial, int64_t B, int64_t T,
-                                  int64_t C, int Kc, const int32_t* doc_start,
-                                  CUstream_st* stream) {
-  DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0 && Kc <= 65535,
-           "cuda kda_short_conv_silu_backward: bad shape B=", B, " T=", T, " C=", C, " Kc=", Kc);
-  const int64_t N = B * T, total = N * C;
-  if (total == 0) return;
-  conv_silu_preactivation_grad_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(
-      x, w, dy_then_da, T, C, Kc, doc_start, total);
-  check_last_error("cuda kda_short_conv_silu_backward (pre-activation)");
-  const int64_t R = row_ranges(N);
-  const dim3 grid(unsigned(ceil_div(C, kLanes)), unsigned(R), unsigned(Kc));
-  conv_weight_grad_kernel<<<grid, dim3(kLanes, kRowLanes), 0, stream>>>(
-      x, dy_then_da, partial, N, T, C, Kc, doc_start, rows_per_range(N));
-  check_last_error("cuda kda_short_conv_silu_backward (weights)");
-  conv_input_grad_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(w, dy_then_da, dx, T, C,
-                                                                      Kc, doc_start, total);
-  check_last_error("cuda kda_short_conv_silu_backward (input)");
-  reduce_partials(partial, R, C * int64_t(Kc), 1, dw, C * int64_t(Kc), stream,
-                  "cuda kda_short_conv_silu_backward (dw)");
 }
 
 }  // namespace dm::cuda

@@ -53,11 +53,11 @@ void kda_beta_sigmoid_backward(const float* z, const float* dbeta, uint16_t* dz,
 
 // Short conv + SiLU backward (kda_short_conv_silu_forward: no carried tail, positions before 0
 // or before doc_start[b·T+t] read zeros). x [B, T, C] bf16 (the raw projection of the forward);
-// w [C, Kc] fp32. dy_then_da [B, T, C] fp32: the gradient of the SiLU output on entry, OVERWRITTEN
-// with the gradient of the pre-activation. dx [B, T, C] bf16 WRITTEN (≠ x); dw [C, Kc] fp32 (+=).
+// w [C, Kc] fp32 (Kc ≤ 8). dy [B, T, C] fp32: the gradient of the SiLU output (read only).
+// dx [B, T, C] bf16 WRITTEN (≠ x); dw [C, Kc] fp32 (+=). One fused pass (short_conv.cu).
 // partial: kda_short_conv_silu_backward_partial_floats.
 size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc);
-void kda_short_conv_silu_backward(const uint16_t* x, const float* w, float* dy_then_da,
+void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy,
                                   uint16_t* dx, float* dw, float* partial, int64_t B, int64_t T,
                                   int64_t C, int Kc, const int32_t* doc_start,
                                   CUstream_st* stream = nullptr);

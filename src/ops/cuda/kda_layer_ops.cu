@@ -1,10 +1,10 @@
-// CUDA short conv + SiLU, KDA decay gate, β sigmoid and gated per-head RMSNorm (formulas in
-// kda_layer_ops.h; CPU twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp).
+// CUDA KDA decay gate, β sigmoid and gated per-head RMSNorm (formulas in kda_layer_ops.h; CPU
+// twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp). The short conv is in short_conv.cu.
 //
 // All memory-bound: element kernels run one thread per output element over a grid-stride loop,
 // with consecutive threads on consecutive channels so every load and store is coalesced; the
 // norm runs one warp per row (a row is one head, K ≤ a few hundred elements, too short to give a
-// whole block work). Sums are taken in the CPU's order where it is cheap (the conv taps).
+// whole block work).
 #include <algorithm>
 #include <cmath>
 
@@ -30,27 +30,6 @@ __device__ __forceinline__ float silu_f32(float x) { return x * sigmoid_f32(x); 
 
 // log(1 + e^z), linear above PyTorch's threshold 20 (as kda_softplus on the CPU).
 __device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
-
-// x, y [B, T, C]; w [C, Kc]. Element i = (b·T + t)·C + c.
-__global__ void short_conv_silu_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w,
-                                       uint16_t* __restrict__ y, int64_t T, int64_t C, int Kc,
-                                       const int32_t* __restrict__ doc_start, int64_t total) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % C, bt = i / C, t = bt % T;
-    const int64_t row_start = bt - t;  // b·T: token 0 of this row
-    // The conv of token t reads nothing before its document's first token (nor before 0).
-    const int64_t start = doc_start ? int64_t(doc_start[bt]) : 0;
-    const int64_t first = start > 0 ? start : 0;
-    float acc = 0.0f;
-    for (int j = 0; j < Kc; ++j) {  // taps in the CPU's order
-      const int64_t src = t - (Kc - 1) + j;
-      if (src < first) continue;
-      acc += w[c * Kc + j] * load_as_float(x, (row_start + src) * C + c);
-    }
-    store_from_float(y, i, silu_f32(acc));
-  }
-}
 
 // f, g [N, H·K]; A_log [H]; dt_bias [H·K].
 __global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_log,
@@ -97,18 +76,6 @@ __global__ void rmsnorm_gated_kernel(const uint16_t* x, const float* __restrict_
 }
 
 }  // namespace
-
-void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y, int64_t B,
-                                 int64_t T, int64_t C, int Kc, const int32_t* doc_start,
-                                 KdaLayerStream stream) {
-  DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0, "cuda kda_short_conv_silu_forward: bad shape B=",
-           B, " T=", T, " C=", C, " Kc=", Kc);
-  const int64_t total = B * T * C;
-  if (total == 0) return;
-  short_conv_silu_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(x, w, y, T, C, Kc,
-                                                                      doc_start, total);
-  check_last_error("cuda kda_short_conv_silu_forward");
-}
 
 void kda_gate_forward(const uint16_t* f, const float* A_log, const float* dt_bias, uint16_t* g,
                       int64_t N, int64_t H, int64_t K, bool safe_gate, float lower_bound,

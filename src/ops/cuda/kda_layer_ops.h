@@ -18,8 +18,9 @@ using KdaLayerStream = CUstream_st*;
 
 // Depthwise causal conv (kernel Kc, no bias) + SiLU, per row of B:
 //   y[b,t,c] = SiLU(Σ_j w[c,j]·x[b, t−Kc+1+j, c])   over positions ≥ max(0, doc_start[b·T+t])
-// x, y [B, T, C] bf16; w [C, Kc] fp32; doc_start [B·T] int32 (nullable: one document per row).
-// Positions before 0 read zeros (no carried tail: that is the prefill/decode path). y ≠ x.
+// x, y [B, T, C] bf16; w [C, Kc] fp32 (Kc ≤ 8); doc_start [B·T] int32 (nullable: one document
+// per row). Positions before 0 read zeros (no carried tail: that is the prefill/decode path).
+// y ≠ x.
 void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y, int64_t B,
                                  int64_t T, int64_t C, int Kc, const int32_t* doc_start,
                                  KdaLayerStream stream = nullptr);

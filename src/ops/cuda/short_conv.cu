@@ -1,0 +1,268 @@
+// The KDA layer's depthwise causal short conv + SiLU on CUDA, forward and backward (formulas in
+// kda_layer_ops.h / kda_layer_backward_ops.h; CPU twins in ops/cpu/kda_prep.cpp).
+//
+// Layout, both directions: a thread owns one channel c and a RUN of kConvRun consecutive tokens
+// of one row, and walks it in token order with the Kc-tap window of x in registers, so each input
+// is loaded once (plus a Kc−1 halo per run) and no per-element index division is left. Blocks
+// are 32 channels × 8 runs: a warp reads 32 consecutive channels of one token (coalesced), and
+// the 8 runs of a block meet in shared memory for the weight gradient. The tap count is a
+// template argument (1…kConvMaxTaps) so the window lives in registers.
+//
+// (The first version ran one thread per output element with three 64-bit divisions and Kc loads
+// each, and the backward took three passes over [N, C] fp32: at N = 4096, C = 2048 on the H200
+// the forward took 70 µs and the backward 290 µs per call; ~20 µs is the byte floor of the fused
+// backward: x and dx bf16, dy fp32, each once.)
+//
+// Backward, fused into one pass: the thread recomputes a[t] = Σ_j w_j x[t−Kc+1+j] and
+// da[t] = dy[t]·SiLU'(a[t]) for t in [t0, t1 + Kc − 1) (its run plus the Kc − 1 tokens whose conv
+// reads the run's last positions; the halo is recomputed, ~Kc/kConvRun extra work), and from them
+//   dw[c, j] partial  = Σ_{t in run} da[t]·x[t−Kc+1+j]   (registers, then the block's 8 runs in a
+//                       fixed order, then the R block rows by a second kernel in a fixed order)
+//   dx[s]             = Σ_j w_j·da[s+Kc−1−j]             (finalised once da[s+Kc−1] is known)
+// Deterministic: every sum has a fixed order that depends only on the shape.
+#include <algorithm>
+#include <type_traits>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/kda_layer_backward_ops.h"
+#include "ops/cuda/kda_layer_ops.h"
+
+namespace dm::cuda {
+namespace {
+
+constexpr int kConvRun = 16;         // tokens per thread
+constexpr int kConvLanes = 32;       // channels per block (one warp row)
+constexpr int kConvRunsPerBlock = 8; // runs per block (block = 32 × 8 = 256 threads)
+constexpr int kConvMaxTaps = 8;
+constexpr int64_t kConvMaxRunGroups = 256;  // backward: bound on the dw partial rows
+
+// Runs of a [B, T] token grid: ceil(T / kConvRun) per row, so a run never crosses rows.
+struct ConvRuns {
+  int64_t T, per_row, total;
+  __host__ __device__ ConvRuns(int64_t B, int64_t T_)
+      : T(T_), per_row((T_ + kConvRun - 1) / kConvRun), total(B * per_row) {}
+  // Run r → flat index of its row's token 0, and its token range [t0, t1) in the row.
+  __device__ void locate(int64_t r, int64_t& row_base, int64_t& t0, int64_t& t1) const {
+    const int64_t row = r / per_row;
+    row_base = row * T;
+    t0 = (r - row * per_row) * kConvRun;
+    t1 = min(T, t0 + kConvRun);
+  }
+};
+
+// Backward's grid rows R (the dw partial rows), a function of N only.
+int64_t conv_run_groups(int64_t N) {
+  const int64_t groups = (N + kConvRun * kConvRunsPerBlock - 1) / (kConvRun * kConvRunsPerBlock);
+  return std::clamp<int64_t>(groups, 1, kConvMaxRunGroups);
+}
+
+// First position the conv of token t of the row at row_base reads: its document start, or 0.
+__device__ __forceinline__ int64_t first_readable(const int32_t* doc_start, int64_t row_base,
+                                                  int64_t t) {
+  const int64_t start = doc_start ? int64_t(doc_start[row_base + t]) : 0;
+  return start > 0 ? start : 0;
+}
+
+__device__ __forceinline__ float x_at(const uint16_t* x, int64_t row_base, int64_t t, int64_t T,
+                                      int64_t C, int64_t c) {
+  return t >= 0 && t < T ? load_as_float(x, (row_base + t) * C + c) : 0.0f;
+}
+
+// a[t] = Σ_j w_j·win[j] over the taps whose position t−KC+1+j ≥ first, in tap order (the CPU's).
+template <int KC>
+__device__ __forceinline__ float conv_taps(const float (&w)[KC], const float (&win)[KC],
+                                           int64_t t, int64_t first) {
+  float a = 0.0f;
+#pragma unroll
+  for (int j = 0; j < KC; ++j)
+    if (t - (KC - 1) + j >= first) a += w[j] * win[j];
+  return a;
+}
+
+template <int KC>
+__device__ __forceinline__ void shift_in(float (&win)[KC], float value) {
+#pragma unroll
+  for (int j = 0; j + 1 < KC; ++j) win[j] = win[j + 1];
+  win[KC - 1] = value;
+}
+
+// x, y [B, T, C]; w [C, KC]. Grid (ceil(C / 32), ≤ 65535), block (32, 8); grid-stride over runs.
+template <int KC>
+__global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
+    short_conv_silu_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w_all,
+                           uint16_t* __restrict__ y, ConvRuns runs, int64_t C,
+                           const int32_t* __restrict__ doc_start) {
+  const int64_t c = int64_t(blockIdx.x) * kConvLanes + threadIdx.x;
+  if (c >= C) return;  // no barrier in this kernel
+  float w[KC];
+#pragma unroll
+  for (int j = 0; j < KC; ++j) w[j] = w_all[c * KC + j];
+  const int64_t T = runs.T;
+  for (int64_t r = int64_t(blockIdx.y) * kConvRunsPerBlock + threadIdx.y; r < runs.total;
+       r += int64_t(gridDim.y) * kConvRunsPerBlock) {
+    int64_t base, t0, t1;
+    runs.locate(r, base, t0, t1);
+    float win[KC];  // x at t−KC+1 … t once t's value is shifted in
+#pragma unroll
+    for (int j = 0; j + 1 < KC; ++j) win[j + 1] = x_at(x, base, t0 - (KC - 1) + j, T, C, c);
+    for (int64_t t = t0; t < t1; ++t) {
+      shift_in(win, x_at(x, base, t, T, C, c));
+      const float a = conv_taps(w, win, t, first_readable(doc_start, base, t));
+      store_from_float(y, (base + t) * C + c, a * sigmoid_f32(a));
+    }
+  }
+}
+
+// Fused backward (file comment). Grid (ceil(C / 32), R = conv_run_groups(N)), block (32, 8);
+// partial [R, C·KC]: block row blockIdx.y's Σ over its runs of da·x per (c, j).
+template <int KC>
+__global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
+    short_conv_silu_backward_kernel(const uint16_t* __restrict__ x,
+                                    const float* __restrict__ w_all, const float* __restrict__ dy,
+                                    uint16_t* __restrict__ dx, float* __restrict__ partial,
+                                    ConvRuns runs, int64_t C, const int32_t* __restrict__ doc_start) {
+  __shared__ float dw_runs[kConvRunsPerBlock][KC][kConvLanes];
+  const int64_t c = int64_t(blockIdx.x) * kConvLanes + threadIdx.x;
+  const bool active = c < C;  // inactive lanes still reach the barrier
+  float w[KC], dw[KC];
+#pragma unroll
+  for (int j = 0; j < KC; ++j) {
+    w[j] = active ? w_all[c * KC + j] : 0.0f;
+    dw[j] = 0.0f;
+  }
+  const int64_t T = runs.T;
+  for (int64_t r = int64_t(blockIdx.y) * kConvRunsPerBlock + threadIdx.y; active && r < runs.total;
+       r += int64_t(gridDim.y) * kConvRunsPerBlock) {
+    int64_t base, t0, t1;
+    runs.locate(r, base, t0, t1);
+    float win[KC];   // x at t−KC+1 … t
+    float das[KC];   // da at t−KC+1 … t (0 outside [t0, T))
+    int64_t firsts[KC];  // first readable position of those tokens
+#pragma unroll
+    for (int j = 0; j + 1 < KC; ++j) {
+      win[j + 1] = x_at(x, base, t0 - (KC - 1) + j, T, C, c);
+      das[j + 1] = 0.0f;
+      firsts[j + 1] = 0;
+    }
+    const int64_t t_end = min(T, t1 + (KC - 1));  // last token whose conv reads the run, + 1
+    for (int64_t t = t0; t < t1 + (KC - 1); ++t) {
+      float da = 0.0f;
+      int64_t first = 0;
+      if (t < t_end) {
+        shift_in(win, x_at(x, base, t, T, C, c));
+        first = first_readable(doc_start, base, t);
+        const float a = conv_taps(w, win, t, first);
+        const float sig = sigmoid_f32(a);
+        da = dy[(base + t) * C + c] * sig * (1.0f + a * (1.0f - sig));  // SiLU'(a)
+        if (t < t1) {
+#pragma unroll
+          for (int j = 0; j < KC; ++j)
+            if (t - (KC - 1) + j >= first) dw[j] += da * win[j];
+        }
+      }
+      shift_in(das, da);
+#pragma unroll
+      for (int j = 0; j + 1 < KC; ++j) firsts[j] = firsts[j + 1];
+      firsts[KC - 1] = first;
+      // Every token that reads s = t − KC + 1 is known now: dx[s] = Σ_j w_j da[s+KC−1−j] over
+      // those tokens (< T) whose document starts at or before s; j ascending as on the CPU.
+      const int64_t s = t - (KC - 1);
+      if (s >= t0) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KC; ++j) {
+          const int i = KC - 1 - j;  // das[i] holds da[s + i], i.e. token s + KC − 1 − j
+          if (s + i < T && s >= firsts[i]) acc += w[j] * das[i];
+        }
+        store_from_float(dx, (base + s) * C + c, acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < KC; ++j) dw_runs[threadIdx.y][j][threadIdx.x] = dw[j];
+  __syncthreads();
+  if (threadIdx.y == 0 && active) {
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      float sum = 0.0f;
+      for (int q = 0; q < kConvRunsPerBlock; ++q) sum += dw_runs[q][j][threadIdx.x];  // fixed order
+      partial[int64_t(blockIdx.y) * C * KC + c * KC + j] = sum;
+    }
+  }
+}
+
+// dw[m] += Σ_{g<R} partial[g, m] in g order; one thread per m of C·Kc (reads coalesced over m).
+__global__ void conv_weight_grad_reduce_kernel(const float* __restrict__ partial, int64_t R,
+                                               int64_t M, float* __restrict__ dw) {
+  const int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (m >= M) return;
+  float sum = 0.0f;
+  for (int64_t g = 0; g < R; ++g) sum += partial[g * M + m];
+  dw[m] += sum;
+}
+
+// Calls f(std::integral_constant<int, Kc>) for Kc in 1…kConvMaxTaps.
+template <class F>
+void with_taps(int Kc, F&& f) {
+  switch (Kc) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 7: return f(std::integral_constant<int, 7>());
+    case 8: return f(std::integral_constant<int, 8>());
+    default:
+      throw Error(str_cat("cuda short conv: ", Kc, " taps (supported: 1…", kConvMaxTaps, ")"));
+  }
+}
+
+}  // namespace
+
+void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y, int64_t B,
+                                 int64_t T, int64_t C, int Kc, const int32_t* doc_start,
+                                 KdaLayerStream stream) {
+  DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0, "cuda kda_short_conv_silu_forward: bad shape B=",
+           B, " T=", T, " C=", C, " Kc=", Kc);
+  if (B * T == 0) return;
+  const ConvRuns runs(B, T);
+  const dim3 grid(unsigned(ceil_div(C, kConvLanes)),
+                  unsigned(std::min<int64_t>(ceil_div(runs.total, kConvRunsPerBlock), 65535)));
+  with_taps(Kc, [&](auto taps) {
+    short_conv_silu_kernel<decltype(taps)::value>
+        <<<grid, dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
+  });
+  check_last_error("cuda kda_short_conv_silu_forward");
+}
+
+size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc) {
+  return size_t(conv_run_groups(N) * C * Kc);
+}
+
+void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy,
+                                  uint16_t* dx, float* dw, float* partial, int64_t B, int64_t T,
+                                  int64_t C, int Kc, const int32_t* doc_start,
+                                  CUstream_st* stream) {
+  DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0,
+           "cuda kda_short_conv_silu_backward: bad shape B=", B, " T=", T, " C=", C, " Kc=", Kc);
+  const int64_t N = B * T;
+  if (N == 0) return;
+  const ConvRuns runs(B, T);
+  const int64_t R = conv_run_groups(N), M = C * Kc;
+  const dim3 grid(unsigned(ceil_div(C, kConvLanes)), unsigned(R));
+  with_taps(Kc, [&](auto taps) {
+    short_conv_silu_backward_kernel<decltype(taps)::value>
+        <<<grid, dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, dy, dx, partial, runs, C,
+                                                                   doc_start);
+  });
+  check_last_error("cuda kda_short_conv_silu_backward");
+  conv_weight_grad_reduce_kernel<<<unsigned(ceil_div(M, 256)), 256, 0, stream>>>(partial, R, M,
+                                                                               dw);
+  check_last_error("cuda kda_short_conv_silu_backward (dw)");
+}
+
+}  // namespace dm::cuda

@@ -1,0 +1,118 @@
+// The KDA short conv + SiLU on the GPU (ops/cuda/short_conv.cu) against the double CPU reference
+// (ops/cpu/kda_prep.h short_conv_silu_forward / _backward) on the same bf16 inputs:
+//   forward y (bf16) and backward dx (bf16): relative RMS ≤ 1e-2 (bf16 output rounding);
+//   dw (fp32, accumulated onto a nonzero start): relative RMS ≤ 1e-5;
+//   dy is left untouched (read only).
+// Shapes walk every edge of the run layout (16 tokens per thread, 32 channels per block): T below,
+// at and past one run, C not a multiple of 32, every tap count 1…8, packed documents whose starts
+// fall inside the conv window and on run edges, B = 2 rows, and a taller grid with several runs per
+// thread in the backward. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#if DELTAMOE_HAVE_CUDA
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/cpu/kda_prep.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda_layer_backward_ops.h"
+#include "ops/cuda/kda_layer_ops.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace dm {
+namespace {
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+double rel_rms_vs(const std::vector<float>& got, const std::vector<double>& want) {
+  return test::rel_rms(to_double(got).data(), want.data(), want.size());
+}
+
+void run_conv_case(int64_t B, int64_t T, int64_t C, int Kc, bool packed) {
+  const std::string name = "B=" + std::to_string(B) + " T=" + std::to_string(T) + " C=" +
+                           std::to_string(C) + " Kc=" + std::to_string(Kc) +
+                           (packed ? " packed" : "");
+  SCOPED_TRACE(name);
+  const int64_t N = B * T;
+  const std::vector<float> x = test::round_bf16(test::random_normal(size_t(N * C), 11 + Kc));
+  const std::vector<float> w = test::random_normal(size_t(C * Kc), 13 + Kc, 0.5f);
+  const std::vector<float> dy = test::random_normal(size_t(N * C), 17 + Kc);
+  const std::vector<float> dw0 = test::random_normal(size_t(C * Kc), 19 + Kc);
+  std::vector<int32_t> doc_start;
+  if (packed)
+    doc_start = test::packed_documents(
+        B, T, {{1, 2, 16, 17, int32_t(T / 2)}, {int32_t(T - 1), 5, 32, 33}});
+  const int32_t* docs_host = packed ? doc_start.data() : nullptr;
+
+  // CPU reference in double.
+  const std::vector<double> xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
+  std::vector<double> y_ref(size_t(N * C)), dx_ref(size_t(N * C), 0.0), dw_ref = to_double(dw0);
+  short_conv_silu_forward<double>(xd.data(), wd.data(), nullptr, y_ref.data(), B, T, C, Kc,
+                                  docs_host);
+  short_conv_silu_backward<double>(xd.data(), wd.data(), nullptr, dyd.data(), dx_ref.data(),
+                                   dw_ref.data(), B, T, C, Kc, docs_host);
+
+  test::DeviceScratch dev(size_t(N * C) * 12 + size_t(C * Kc) * 8 +
+                          cuda::kda_short_conv_silu_backward_partial_floats(N, C, Kc) * 4 +
+                          size_t(N) * 4 + 8192);
+  const uint16_t* x_d = dev.upload(test::to_bf16(x));
+  const float* w_d = dev.upload(w);
+  const float* dy_d = dev.upload(dy);
+  float* dw_d = dev.upload(dw0);
+  const int32_t* docs_d = packed ? dev.upload(doc_start) : nullptr;
+  uint16_t* y_d = dev.zeros<uint16_t>(size_t(N * C));
+  uint16_t* dx_d = dev.zeros<uint16_t>(size_t(N * C));
+  float* partial =
+      dev.zeros<float>(cuda::kda_short_conv_silu_backward_partial_floats(N, C, Kc));
+  cuda::kda_short_conv_silu_forward(x_d, w_d, y_d, B, T, C, Kc, docs_d);
+  cuda::kda_short_conv_silu_backward(x_d, w_d, dy_d, dx_d, dw_d, partial, B, T, C, Kc, docs_d);
+
+  const std::vector<float> y = test::from_bf16(test::DeviceScratch::download(y_d, size_t(N * C)));
+  const std::vector<float> dx =
+      test::from_bf16(test::DeviceScratch::download(dx_d, size_t(N * C)));
+  const std::vector<float> dw = test::DeviceScratch::download(dw_d, size_t(C * Kc));
+  const std::vector<float> dy_after = test::DeviceScratch::download(dy_d, size_t(N * C));
+  ASSERT_TRUE(test::all_finite(y) && test::all_finite(dx) && test::all_finite(dw));
+  EXPECT_LE(rel_rms_vs(y, y_ref), 1e-2);
+  EXPECT_LE(rel_rms_vs(dx, dx_ref), 1e-2);
+  EXPECT_LE(rel_rms_vs(dw, dw_ref), 1e-5);
+  EXPECT_EQ(dy_after, dy);
+}
+
+TEST(CudaShortConv, MatchesCpuAcrossRunAndChannelEdges) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int64_t T : {1, 3, 15, 16, 17, 47})
+    for (int64_t C : {5, 64, 70}) run_conv_case(2, T, C, 4, false);
+}
+
+TEST(CudaShortConv, EveryTapCount) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int Kc = 1; Kc <= 8; ++Kc) run_conv_case(2, 37, 40, Kc, false);
+}
+
+TEST(CudaShortConv, PackedDocuments) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int Kc : {1, 3, 4, 8}) run_conv_case(2, 70, 36, Kc, true);
+}
+
+TEST(CudaShortConv, SeveralRunsPerThread) {
+  DM_SKIP_WITHOUT_GPU();
+  // N = 2·33000 rows: 4126 runs, more than the backward's 256 block rows × 8 runs per pass.
+  run_conv_case(2, 33000, 34, 4, true);
+}
+
+TEST(CudaShortConv, TooManyTapsIsAClearError) {
+  DM_SKIP_WITHOUT_GPU();
+  test::DeviceScratch dev(4096);
+  uint16_t* x = dev.zeros<uint16_t>(16);
+  float* w = dev.zeros<float>(16);
+  EXPECT_THROW(cuda::kda_short_conv_silu_forward(x, w, x + 8, 1, 1, 1, 9, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace dm
+#else
+TEST(CudaShortConv, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+#endif
