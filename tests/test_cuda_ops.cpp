@@ -245,6 +245,10 @@ TEST(CudaOpsGlu, ForwardBackwardMatchesCpu) {
       EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(h_b, size_t(n))), h_ref), 1e-2) << name;
       EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(dg_b, size_t(n))), dg_ref), 1e-2) << name;
       EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(du_b, size_t(n))), du_ref), 1e-2) << name;
+      // bf16 in place (n = 1000 takes the 8-wide kernel, the others the scalar one).
+      cu::glu_backward(g_b, u_b, dh_b, dh_b, u_b, n, a);
+      EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(dh_b, size_t(n))), dg_ref), 1e-2) << name;
+      EXPECT_LE(rel_rms(from_bf16(DeviceScratch::download(u_b, size_t(n))), du_ref), 1e-2) << name;
 
       // In place: dg overwrites dh, du overwrites u (allowed by the contract).
       cu::glu_backward(g_d, u_d, dh_d, dh_d, u_d, n, a);

@@ -6,6 +6,8 @@
 // deterministic run to run.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
@@ -161,17 +163,38 @@ void glu_check(const GluKernelParams& p, const char* who) {
              ": SiTU-GLU needs beta1 > 0 and beta2 > 0, got ", p.beta1, ", ", p.beta2);
 }
 
+// One element of the GLU: h = a(g)·b(u) (SiTU: a = β1 tanh(g/β1) σ(g), b = β2 tanh(u/β2);
+// SwiGLU: a = g σ(g), b = u), and its gradients. Shared by the scalar and the 8-wide kernels so
+// both give the same bits.
+__device__ __forceinline__ float glu_value(float gate, float up, const GluKernelParams& p) {
+  const float sig = sigmoid_f32(gate);
+  return p.situ ? (p.beta1 * tanhf(gate / p.beta1) * sig) * (p.beta2 * tanhf(up / p.beta2))
+                : gate * sig * up;
+}
+
+__device__ __forceinline__ void glu_grads(float gate, float up, float d_h,
+                                          const GluKernelParams& p, float& d_gate, float& d_up) {
+  const float sig = sigmoid_f32(gate);
+  const float sig_complement = sigmoid_f32(-gate);  // 1 − σ(g) without cancellation
+  if (p.situ) {
+    const float tanh_g = tanhf(gate / p.beta1), tanh_u = tanhf(up / p.beta2);
+    const float gate_half = p.beta1 * tanh_g * sig;
+    const float up_half = p.beta2 * tanh_u;
+    // a'(g) = (1 − tanh²(g/β1))σ(g) + β1 tanh(g/β1) σ(g)(1 − σ(g)); b'(u) = 1 − tanh²(u/β2)
+    d_gate = d_h * ((1.0f - tanh_g * tanh_g) * sig + gate_half * sig_complement) * up_half;
+    d_up = d_h * gate_half * (1.0f - tanh_u * tanh_u);
+  } else {
+    d_gate = d_h * up * sig * (1.0f + gate * sig_complement);  // SiLU'(g) = σ(1 + g(1 − σ))
+    d_up = d_h * gate * sig;
+  }
+}
+
 template <typename Storage>
 __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* h, int64_t n,
                                    GluKernelParams p) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float gate = load_as_float(g, i), up = load_as_float(u, i);
-    const float sig = sigmoid_f32(gate);
-    const float value = p.situ ? (p.beta1 * tanhf(gate / p.beta1) * sig) * (p.beta2 * tanhf(up / p.beta2))
-                               : gate * sig * up;
-    store_from_float(h, i, value);
-  }
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_from_float(h, i, glu_value(load_as_float(g, i), load_as_float(u, i), p));
 }
 
 template <typename Storage>
@@ -180,25 +203,63 @@ __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const St
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     // Every input of element i is read before dg[i] / du[i] are written: aliasing is safe.
-    const float gate = load_as_float(g, i), up = load_as_float(u, i), d_h = load_as_float(dh, i);
-    const float sig = sigmoid_f32(gate);
-    const float sig_complement = sigmoid_f32(-gate);  // 1 − σ(g) without cancellation
     float d_gate, d_up;
-    if (p.situ) {
-      const float tanh_g = tanhf(gate / p.beta1), tanh_u = tanhf(up / p.beta2);
-      const float gate_half = p.beta1 * tanh_g * sig;
-      const float up_half = p.beta2 * tanh_u;
-      // a'(g) = (1 − tanh²(g/β1))σ(g) + β1 tanh(g/β1) σ(g)(1 − σ(g)); b'(u) = 1 − tanh²(u/β2)
-      d_gate = d_h * ((1.0f - tanh_g * tanh_g) * sig + gate_half * sig_complement) * up_half;
-      d_up = d_h * gate_half * (1.0f - tanh_u * tanh_u);
-    } else {
-      d_gate = d_h * up * sig * (1.0f + gate * sig_complement);  // SiLU'(g) = σ(1 + g(1 − σ))
-      d_up = d_h * gate * sig;
-    }
+    glu_grads(load_as_float(g, i), load_as_float(u, i), load_as_float(dh, i), p, d_gate, d_up);
     store_from_float(dg, i, d_gate);
     store_from_float(du, i, d_up);
   }
 }
+
+// bf16 with n % 8 == 0 and 16-byte aligned pointers: 8 elements per thread per step, one 16-byte
+// load per operand. The scalar kernels above issued a 2-byte load per operand and element and
+// ran at ~1.2 TB/s (114 µs forward, 147 µs backward for 4096 × 5632 on the H200).
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    words[i] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i]))) |
+               (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i + 1]))) << 16);
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+__global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4* h, int64_t n8,
+                                          GluKernelParams p) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float gate[8], up[8], value[8];
+    unpack8(g[i], gate);
+    unpack8(u[i], up);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) value[e] = glu_value(gate[e], up[e], p);
+    h[i] = pack8(value);
+  }
+}
+
+__global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const uint4* dh,
+                                           uint4* dg, uint4* du, int64_t n8, GluKernelParams p) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float gate[8], up[8], d_h[8], d_gate[8], d_up[8];
+    unpack8(g[i], gate);
+    unpack8(u[i], up);
+    unpack8(dh[i], d_h);  // every input read before dg / du are written: aliasing is safe
+#pragma unroll
+    for (int e = 0; e < 8; ++e) glu_grads(gate[e], up[e], d_h[e], p, d_gate[e], d_up[e]);
+    dg[i] = pack8(d_gate);
+    du[i] = pack8(d_up);
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename Storage>
 void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t n,
@@ -206,6 +267,15 @@ void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t 
   glu_check(p, "cuda glu_forward");
   DM_CHECK(n >= 0, "cuda glu_forward: bad size ", n);
   if (n == 0) return;
+  if constexpr (std::is_same_v<Storage, uint16_t>) {
+    if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(h)) {
+      glu_forward_bf16x8_kernel<<<element_blocks(n / 8), kElementThreads, 0, stream>>>(
+          reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
+          reinterpret_cast<uint4*>(h), n / 8, p);
+      check_last_error("cuda glu_forward");
+      return;
+    }
+  }
   glu_forward_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(g, u, h, n, p);
   check_last_error("cuda glu_forward");
 }
@@ -216,6 +286,17 @@ void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, 
   glu_check(p, "cuda glu_backward");
   DM_CHECK(n >= 0, "cuda glu_backward: bad size ", n);
   if (n == 0) return;
+  if constexpr (std::is_same_v<Storage, uint16_t>) {
+    if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(dh) && aligned16(dg) &&
+        aligned16(du)) {
+      glu_backward_bf16x8_kernel<<<element_blocks(n / 8), kElementThreads, 0, stream>>>(
+          reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
+          reinterpret_cast<const uint4*>(dh), reinterpret_cast<uint4*>(dg),
+          reinterpret_cast<uint4*>(du), n / 8, p);
+      check_last_error("cuda glu_backward");
+      return;
+    }
+  }
   glu_backward_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(g, u, dh, dg, du, n, p);
   check_last_error("cuda glu_backward");
 }
