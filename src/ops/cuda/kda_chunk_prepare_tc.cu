@@ -160,21 +160,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int col = tid; col < KP + d.VP; col += kThreads) {
     const bool key_column = col < KP;
     const int e = col - KP;  // value column when !key_column
+    // The right-hand side first, then the substitution in place: only x[64] stays live (forming
+    // each rhs inside the substitution kept rhs loads and x both live and spilled ~1 KB per
+    // thread to local memory under the 128-register bound).
     float x[kChunk];
+    if (key_column) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i)
+        x[i] = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
+                                 __expf(gam[i * ldk + col])
+                           : 0.0f;
+    } else {
+      // Token i's value row is H·V elements after token i−1's: one pointer and a 32-bit offset
+      // (64 separate 64-bit addresses, hoisted by the unrolled loop, spilled).
+      const uint16_t* v_col = v + token_row(0) * d.V + e;
+      const int v_stride = int(d.H * d.V);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i)
+        x[i] = (i < c_len && e < d.V) ? load_as_float(v_col, i * v_stride) : 0.0f;
+    }
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      float rhs;
-      if (key_column) {
-        rhs = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
-                                __expf(gam[i * ldk + col])
-                          : 0.0f;
-      } else {
-        rhs = (i < c_len && e < d.V) ? load_as_float(v, token_row(i) * d.V + e) : 0.0f;
-      }
       float lower_sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < i; ++j) lower_sum += lower[i * kLdPair + j] * x[j];
-      x[i] = beta_s[i] * (rhs - lower_sum);
+      x[i] = beta_s[i] * (x[i] - lower_sum);
     }
     if (key_column) {
 #pragma unroll
