@@ -1,8 +1,13 @@
 // GPU ops of the whole-model training step around the layers (ops/cuda/residual_ops.h training
 // side, ops/cuda/muon.h) against their CPU twins:
-//   - attnres_backward vs dm::attnres_backward<float> (ops/cpu/attnres.h): S = 1, 3, 5 (and a
-//     grid-stride case), some dsrc nullptr, accumulation onto non-zero gradients; increments
-//     compared, relative RMS ≤ 1e-5; parameter grads bit-identical on a rerun (determinism);
+//   - attnres_forward vs dm::attnres_forward<float> (ops/cpu/attnres.h), relative RMS ≤ 1e-5:
+//     float4 rows of one tile and wider (two passes), scalar rows (D % 4 ≠ 0, or rows not
+//     16-byte aligned), S = 1 … kAttnResCudaMaxSources, row counts that leave warps of the last
+//     block idle, the widest D, out aliasing a source, the training shape;
+//   - attnres_backward vs dm::attnres_backward<float>: S = 1, 3, 5 … kAttnResCudaMaxSources, the
+//     same row shapes, warps that own several rows, some dsrc nullptr, accumulation onto
+//     non-zero gradients; increments compared, relative RMS ≤ 1e-5; parameter grads
+//     bit-identical on a rerun (determinism);
 //   - embedding_backward vs a host scatter-add with repeated ids (fp64 sums), untouched rows
 //     exact, bit-identical reruns, out-of-range ids skipped; the atomic variant ≤ 1e-5;
 //   - sum_squares vs a host fp64 sum (relative 1e-12), deterministic; scale_inplace exact;
@@ -69,7 +74,90 @@ struct AttnResCase {
   int64_t N, D;
 };
 
-void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dnorm) {
+// A device copy of `host` that starts `offset` floats into its allocation: offset 1 leaves the
+// rows off 16-byte alignment, so the AttnRes kernels take their scalar path even when D % 4 == 0.
+float* upload_at_offset(DeviceScratch& dev, const std::vector<float>& host, size_t offset) {
+  std::vector<float> padded(offset, 0.0f);
+  padded.insert(padded.end(), host.begin(), host.end());
+  return dev.upload(padded) + offset;
+}
+
+// out_alias ≥ 0: the output overwrites src[out_alias] (allowed by residual_ops.h).
+void check_attnres_forward_rows(const AttnResCase& c, int out_alias, size_t offset) {
+  const int S = c.S;
+  const int64_t N = c.N, D = c.D;
+  const size_t nd = size_t(N * D);
+  const float eps = 1e-6f;
+  std::vector<std::vector<float>> src(static_cast<size_t>(S));
+  std::vector<const float*> src_h(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) {
+    src[size_t(j)] = random_normal(nd, 300 + uint64_t(j), 0.5f + 0.4f * float(j));
+    src_h[size_t(j)] = src[size_t(j)].data();
+  }
+  const std::vector<float> query = random_normal(size_t(D), 17, 0.3f);
+  std::vector<float> norm_w = random_normal(size_t(D), 18, 0.2f);
+  for (float& e : norm_w) e += 1.0f;
+  std::vector<float> ref(nd);
+  dm::attnres_forward<float>(src_h.data(), S, query.data(), norm_w.data(), ref.data(), nullptr, N,
+                             D, eps);
+
+  DeviceScratch dev(size_t(S + 1) * (nd + 64) * 4 + 4 * size_t(D + 64) * 4 + (1 << 20));
+  std::vector<const float*> src_d(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const float* query_d = dev.upload(query);
+  const float* norm_d = dev.upload(norm_w);
+  // NaN everywhere a missed write would show.
+  float* out_d = out_alias >= 0
+                     ? const_cast<float*>(src_d[size_t(out_alias)])
+                     : upload_at_offset(dev, std::vector<float>(nd, std::nanf("")), offset);
+  cu::attnres_forward(src_d.data(), S, query_d, norm_d, out_d, N, D, eps);
+  const auto got = DeviceScratch::download(out_d, nd);
+  const std::string where = "S=" + std::to_string(S) + " N=" + std::to_string(N) +
+                            " D=" + std::to_string(D) + " alias=" + std::to_string(out_alias) +
+                            " offset=" + std::to_string(offset);
+  EXPECT_TRUE(all_finite(got)) << where;
+  EXPECT_LE(rel_rms(got, ref), 1e-5) << where;
+}
+
+// Each case at its own N and, below the warp-per-row threshold (residual_ops.cu: 1024 rows, the
+// block-per-row kernel for decode-sized batches), again with 1024 more rows: both kernels.
+void check_attnres_forward(const AttnResCase& c, int out_alias = -1, size_t offset = 0) {
+  check_attnres_forward_rows(c, out_alias, offset);
+  if (c.N < 1024) check_attnres_forward_rows({c.S, c.N + 1024, c.D}, out_alias, offset);
+}
+
+TEST(CudaTrainOpsAttnRes, ForwardMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  // float4 rows of one tile; 37 rows leave warps of the last block idle.
+  for (int S : {1, 3, 5})
+    for (int64_t D : {64, 256}) check_attnres_forward({S, 37, D});
+  check_attnres_forward({5, 1300, 300});
+  check_attnres_forward({3, 37, 37});   // D % 4 ≠ 0: scalar chunks
+  check_attnres_forward({33, 9, 64});   // one source in the lanes' second slot
+  check_attnres_forward({cu::kAttnResCudaMaxSources, 21, 128});
+}
+
+TEST(CudaTrainOpsAttnRes, ForwardWideUnalignedAndAliasedRows) {
+  DM_SKIP_WITHOUT_GPU();
+  check_attnres_forward({4, 19, 2052});   // float4, wider than a tile: two passes, ragged tail
+  check_attnres_forward({3, 9, 1031});    // scalar, several tiles
+  check_attnres_forward({3, 13, 16384});  // the widest row (64 KiB of shared memory)
+  check_attnres_forward({2, 13, 256}, -1, 1);  // D % 4 == 0 but rows off 16 bytes: scalar
+  check_attnres_forward({3, 37, 256}, 0);
+  check_attnres_forward({3, 37, 256}, 2);
+  check_attnres_forward({3, 9, 2052}, 1);
+  check_attnres_forward({2, 9, 1031}, 0);
+  check_attnres_forward({2, 9, 300}, 1, 1);
+}
+
+TEST(CudaTrainOpsAttnRes, ForwardTrainingShape) {
+  DM_SKIP_WITHOUT_GPU();
+  check_attnres_forward({5, 4096, 2048});
+  check_attnres_forward({8, 4096, 2048}, 7);
+}
+
+void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dnorm,
+                            size_t offset = 0) {
   const int S = c.S;
   const int64_t N = c.N, D = c.D;
   const size_t nd = size_t(N * D);
@@ -106,24 +194,27 @@ void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dn
 
   // GPU, twice from the same start (determinism).
   const size_t ws_bytes = cu::attnres_backward_workspace_bytes(N, D, S);
-  DeviceScratch dev(size_t(2 * S + 2) * nd * 4 + 8 * size_t(D) * 4 + 2 * ws_bytes + (1 << 20));
+  // Sources, dout, and the dsrc of two runs; each upload padded by `offset` and aligned.
+  DeviceScratch dev(size_t(3 * S + 1) * (nd + 64) * 4 + 8 * size_t(D + 64) * 4 + 2 * ws_bytes +
+                    (1 << 20));
   std::vector<const float*> src_d(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) src_d[size_t(j)] = dev.upload(src[size_t(j)]);
+  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
   const float* query_d = dev.upload(query);
   const float* norm_d = dev.upload(norm_w);
-  const float* dout_d = dev.upload(dout);
+  const float* dout_d = upload_at_offset(dev, dout, offset);
   void* ws_d = dev.raw(ws_bytes);
   std::vector<float> first_dquery, first_dnorm;
   for (int run = 0; run < 2; ++run) {
     std::vector<float*> dsrc_d(static_cast<size_t>(S));
-    for (int j = 0; j < S; ++j) dsrc_d[size_t(j)] = skipped(j) ? nullptr : dev.upload(dsrc0[size_t(j)]);
+    for (int j = 0; j < S; ++j)
+      dsrc_d[size_t(j)] = skipped(j) ? nullptr : upload_at_offset(dev, dsrc0[size_t(j)], offset);
     float* dquery_d = dev.upload(dquery0);
     float* dnorm_d = dev.upload(dnorm0);
     cu::attnres_backward(src_d.data(), S, query_d, norm_d, dout_d, dsrc_d.data(),
                          with_dquery ? dquery_d : nullptr, with_dnorm ? dnorm_d : nullptr, N, D,
                          eps, ws_d);
-    const std::string where =
-        "S=" + std::to_string(S) + " N=" + std::to_string(N) + " D=" + std::to_string(D);
+    const std::string where = "S=" + std::to_string(S) + " N=" + std::to_string(N) +
+                              " D=" + std::to_string(D) + " offset=" + std::to_string(offset);
     for (int j = 0; j < S; ++j) {
       if (skipped(j)) continue;
       const auto got = DeviceScratch::download(dsrc_d[size_t(j)], nd);
@@ -159,11 +250,37 @@ TEST(CudaTrainOpsAttnRes, BackwardMatchesCpu) {
 
 TEST(CudaTrainOpsAttnRes, BackwardGridStrideRowsAndOptionalParams) {
   DM_SKIP_WITHOUT_GPU();
-  // N > 512 blocks: each block owns several rows; D not a multiple of the block size.
+  // 1300 rows: 163 blocks of 8 warps, the last with 4 idle; 300 = 75 float4 per row.
   check_attnres_backward({4, 1300, 300}, true, true);
   check_attnres_backward({3, 37, 64}, false, true);
   check_attnres_backward({2, 37, 64}, true, false);
   check_attnres_backward({3, 37, 64}, false, false);
+}
+
+TEST(CudaTrainOpsAttnRes, BackwardScalarWideAndManySources) {
+  DM_SKIP_WITHOUT_GPU();
+  check_attnres_backward({3, 37, 37}, true, true);    // D % 4 ≠ 0: scalar chunks
+  check_attnres_backward({2, 9, 1031}, true, true);   // scalar, several tiles
+  check_attnres_backward({3, 19, 2052}, true, true);  // float4, wider than a tile, ragged tail
+  check_attnres_backward({3, 11, 7168}, true, true);  // 3 warps per block (shared memory)
+  check_attnres_backward({2, 5, 16384}, true, true);  // the widest row: 1 warp, 128 KiB
+  check_attnres_backward({3, 13, 256}, true, true, 1);  // rows off 16 bytes: scalar
+  check_attnres_backward({33, 9, 64}, true, true);      // one source in the second lane slot
+  check_attnres_backward({cu::kAttnResCudaMaxSources, 21, 64}, true, true);
+  check_attnres_backward({1, 1300, 300}, true, true);
+}
+
+TEST(CudaTrainOpsAttnRes, BackwardWarpsOwningSeveralRows) {
+  DM_SKIP_WITHOUT_GPU();
+  // 9001 rows over ≤ 512 blocks of 8 warps: 3 rows per warp (376 blocks), 23 warps idle on
+  // their last row.
+  check_attnres_backward({3, 9001, 64}, true, true);
+  check_attnres_backward({4, 9001, 64}, false, true);
+}
+
+TEST(CudaTrainOpsAttnRes, BackwardTrainingShape) {
+  DM_SKIP_WITHOUT_GPU();
+  check_attnres_backward({5, 4096, 2048}, true, true);
 }
 
 // ---------------------------------------------------------------------------------------------

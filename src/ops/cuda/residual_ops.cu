@@ -1,7 +1,8 @@
-// Kernels of the GPU residual stream (residual_ops.h): one block per row for the row reductions
-// (RMSNorm, AttnRes), grid-stride loops for the element-wise ones; plus the training-side
-// backward kernels (AttnRes, embedding) and the deterministic sum of squares.
+// Kernels of the GPU residual stream (residual_ops.h): one block per row for RMSNorm, one warp
+// per row for AttnRes (forward and backward), grid-stride loops for the element-wise ones; plus
+// the training-side backward kernels (AttnRes, embedding) and the deterministic sum of squares.
 #include <algorithm>
+#include <type_traits>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -118,15 +119,114 @@ __global__ void add_inplace_kernel(float* dst, const float* src, int64_t n) {
     dst[i] += src[i];
 }
 
+// ---- Block AttnRes -----------------------------------------------------------------------------
+// Layout of the forward and backward row kernels: one WARP per row, the rows of a block side by
+// side, so a row's statistics are warp-shuffle reductions and the per-row path has no block
+// barrier. A row is cut into chunks: float4 when D % 4 == 0 and every row pointer is 16-byte
+// aligned, else single floats. Lane l owns chunks l, l + 32, l + 64, …; a tile is the 32·K chunks
+// a warp holds in registers at once (K = kAttnResChunksPerLane: 2048 floats as float4, 512 as
+// floats), so every training width up to 2048 is one tile. The per-source scalars of a row (sums,
+// r_j, softmax weight, backward coefficients) are fp64 and spread over the lanes (SourceSlots),
+// so the softmax over sources is a handful of warp reductions that every lane computes at once.
+// γ⊙w is formed once per block in shared memory (the kernels' only barrier before the rows).
+
+constexpr int kAttnResChunksPerLane = 16;
+constexpr int kAttnResForwardWarps = 4;  // rows (warps) per forward block
+// Widest row the kernels take: γ⊙w (and the backward's per-warp partials of G) live in shared
+// memory.
+constexpr int kAttnResMaxWidth = 16384;
+static_assert(kAttnResCudaMaxSources <= 64, "SourceSlots: two sources per lane");
+
 struct AttnResSources {
   const float* src[kAttnResCudaMaxSources];
 };
 
-// One block per row: S logits (two block reductions per source), softmax in shared memory, then
-// the weighted sum. out may alias a source: every element is read from all sources, then written
-// by the same thread.
-__global__ void attnres_forward_kernel(AttnResSources sources, int S, const float* query,
-                                       const float* norm_w, float* out, int64_t D, float eps) {
+template <int kVec>
+using AttnResChunk = std::conditional_t<kVec == 4, float4, float>;
+
+__device__ __forceinline__ float chunk_dot(float a, float b) { return a * b; }
+__device__ __forceinline__ float chunk_dot(float4 a, float4 b) {
+  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
+}
+// p·a + q·b
+__device__ __forceinline__ float chunk_lincomb(float p, float a, float q, float b) {
+  return fmaf(q, b, p * a);
+}
+__device__ __forceinline__ float4 chunk_lincomb(float p, float4 a, float q, float4 b) {
+  return make_float4(fmaf(q, b.x, p * a.x), fmaf(q, b.y, p * a.y), fmaf(q, b.z, p * a.z),
+                     fmaf(q, b.w, p * a.w));
+}
+__device__ __forceinline__ float chunk_scale(float a, float s) { return a * s; }
+__device__ __forceinline__ float4 chunk_scale(float4 a, float s) {
+  return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
+}
+// d + (p·a + q·b + r·c): the backward's dsrc update.
+__device__ __forceinline__ float chunk_update(float d, float p, float a, float q, float b, float r,
+                                              float c) {
+  return d + fmaf(r, c, fmaf(q, b, p * a));
+}
+__device__ __forceinline__ float4 chunk_update(float4 d, float p, float4 a, float q, float4 b,
+                                               float r, float4 c) {
+  return make_float4(chunk_update(d.x, p, a.x, q, b.x, r, c.x),
+                     chunk_update(d.y, p, a.y, q, b.y, r, c.y),
+                     chunk_update(d.z, p, a.z, q, b.z, r, c.z),
+                     chunk_update(d.w, p, a.w, q, b.w, r, c.w));
+}
+
+__device__ __forceinline__ double warp_max_double(double v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// One fp64 scalar per source of a row, spread over the warp: lane l holds source l in `lo` and
+// source l + 32 in `hi` (S ≤ 64). Xor-shuffle sums give every lane the same bits, so all lanes
+// agree on every derived scalar.
+struct SourceSlots {
+  double lo, hi;
+  // After a warp reduction every lane has `value`; the owner of source j keeps it.
+  __device__ __forceinline__ void capture(int j, double value, int lane) {
+    if (lane == (j & 31)) (j < 32 ? lo : hi) = value;
+  }
+  // Source j's value on every lane, rounded to fp32 (the element passes' coefficient).
+  __device__ __forceinline__ float broadcast_float(int j) const {
+    return __shfl_sync(0xffffffffu, float(j < 32 ? lo : hi), j & 31);
+  }
+};
+
+// softmax over the sources of a row; unused slots hold −inf and get weight 0.
+__device__ __forceinline__ SourceSlots softmax_slots(SourceSlots logit) {
+  const double mx = warp_max_double(fmax(logit.lo, logit.hi));
+  SourceSlots a{exp(logit.lo - mx), exp(logit.hi - mx)};
+  const double den = warp_sum(a.lo + a.hi);
+  a.lo /= den;
+  a.hi /= den;
+  return a;
+}
+
+__device__ __forceinline__ float chunk_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ float4 chunk_mul(float4 a, float4 b) {
+  return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
+
+// γ⊙w, `chunks` chunks, into shared memory by the whole block (the caller then has the one
+// barrier before any row).
+template <typename Chunk>
+__device__ __forceinline__ void attnres_fill_gamma_w(Chunk* gw, const float* query,
+                                                     const float* norm_w, int chunks) {
+  const Chunk* q = reinterpret_cast<const Chunk*>(query);
+  const Chunk* w = reinterpret_cast<const Chunk*>(norm_w);
+  for (int i = threadIdx.x; i < chunks; i += blockDim.x) gw[i] = chunk_mul(q[i], w[i]);
+}
+
+// AttnRes forward for few rows (decode: N ≤ a batch of sequences): one 256-thread BLOCK per row,
+// S logits by block reductions, the softmax in shared memory, then the weighted sum. A warp per
+// row leaves most of the GPU idle there and walks a whole row alone (k3: D = 7168, a dozen
+// sources). out may alias a source: every element is read from all sources, then written by the
+// same thread.
+constexpr int64_t kAttnResWarpRowsMinN = 1024;  // from here on the warp-per-row kernel
+__global__ void attnres_forward_block_rows_kernel(AttnResSources sources, int S,
+                                                  const float* query, const float* norm_w,
+                                                  float* out, int64_t D, float eps) {
   __shared__ float reduce_scratch[32];
   __shared__ float weight[kAttnResCudaMaxSources];
   const int64_t row = int64_t(blockIdx.x) * D;
@@ -160,13 +260,126 @@ __global__ void attnres_forward_kernel(AttnResSources sources, int S, const floa
   }
 }
 
-// ---- training side ---------------------------------------------------------------------------
+// AttnRes forward. Warp w of block b owns row n = b·blockDim.x/32 + w.
+//  - Row of one tile (chunks ≤ 32·K): each source row is read ONCE into registers, its two sums
+//    (Σ V², Σ V γ w; fp32 inside a chunk, fp64 across chunks and lanes) reduced by shuffles, and
+//    folded into a running softmax over the sources (max / rescale, as flash attention does
+//    over keys): acc = acc·e^(m_old − m_new) + e^(logit_j − m_new)·V_j,
+//    out = acc / Σ_j e^(logit_j − m).
+//    Bytes per row: 4·D·S read, 4·D written (the floor).
+//  - Wider rows: two passes, the statistics tile by tile, then the weighted sum tile by tile,
+//    re-reading the sources.
+// out may alias a source: a lane reads every source chunk it will write before writing it, the
+// statistics of the whole row (a warp reduction) complete before any write, and no other warp
+// touches the row.
+template <int kVec>
+__global__ void __launch_bounds__(kAttnResForwardWarps * 32, 3)
+    attnres_forward_rows_kernel(AttnResSources sources, int S, const float* query,
+                                const float* norm_w, float* out, int64_t N, int D, float eps) {
+  using Chunk = AttnResChunk<kVec>;
+  constexpr int K = kAttnResChunksPerLane;
+  extern __shared__ float4 attnres_smem[];
+  const int chunks = D / kVec;
+  Chunk* gw = reinterpret_cast<Chunk*>(attnres_smem);
+  attnres_fill_gamma_w(gw, query, norm_w, chunks);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (n >= N) return;  // whole warps: the shuffles below see all 32 lanes
+  const Chunk* gwc = gw;
+  Chunk* o = reinterpret_cast<Chunk*>(out + n * D);
 
-// Blocks of the AttnRes backward row kernel: each owns rows blockIdx.x + k·gridDim.x and one fp64
-// partial of G [D] in the workspace. A function of N only, so the reduction order (hence the
-// bits of dquery / dnorm_w) never depends on scheduling.
-constexpr int64_t kAttnResBwdMaxBlocks = 512;
-int64_t attnres_backward_blocks(int64_t N) { return std::min<int64_t>(N, kAttnResBwdMaxBlocks); }
+  if (chunks <= 32 * K) {
+    Chunk acc[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = Chunk{};
+    double running_max = -INFINITY, den = 0.0;
+    for (int j = 0; j < S; ++j) {
+      const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
+      Chunk x[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        x[k] = c < chunks ? __ldcs(v + c) : Chunk{};
+      }
+      double ss = 0.0, dot = 0.0;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        if (c < chunks) {
+          ss += double(chunk_dot(x[k], x[k]));
+          dot += double(chunk_dot(x[k], gwc[c]));
+        }
+      }
+      ss = warp_sum(ss);
+      dot = warp_sum(dot);
+      const double logit = (1.0 / sqrt(ss / double(D) + double(eps))) * dot;
+      const double new_max = fmax(running_max, logit);
+      const double rescale = exp(running_max - new_max), weight = exp(logit - new_max);
+      den = den * rescale + weight;
+      running_max = new_max;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        acc[k] = chunk_lincomb(float(rescale), acc[k], float(weight), x[k]);
+    }
+    const float inv_den = float(1.0 / den);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int c = lane + 32 * k;
+      if (c < chunks) o[c] = chunk_scale(acc[k], inv_den);
+    }
+    return;
+  }
+
+  // Wider rows: half-size tiles keep the two passes within the online path's registers.
+  constexpr int KW = K / 2;
+  SourceSlots logit{-INFINITY, -INFINITY};
+  for (int j = 0; j < S; ++j) {
+    const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
+    double ss = 0.0, dot = 0.0;
+    for (int base = 0; base < chunks; base += 32 * KW) {
+      Chunk x[KW];
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const int c = base + lane + 32 * k;
+        x[k] = c < chunks ? v[c] : Chunk{};
+      }
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const int c = base + lane + 32 * k;
+        if (c < chunks) {
+          ss += double(chunk_dot(x[k], x[k]));
+          dot += double(chunk_dot(x[k], gwc[c]));
+        }
+      }
+    }
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    logit.capture(j, (1.0 / sqrt(ss / double(D) + double(eps))) * dot, lane);
+  }
+  const SourceSlots a = softmax_slots(logit);
+  for (int base = 0; base < chunks; base += 32 * KW) {
+    Chunk acc[KW];
+#pragma unroll
+    for (int k = 0; k < KW; ++k) acc[k] = Chunk{};
+    for (int j = 0; j < S; ++j) {
+      const float aj = a.broadcast_float(j);
+      const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const int c = base + lane + 32 * k;
+        if (c < chunks) acc[k] = chunk_lincomb(1.0f, acc[k], aj, __ldcs(v + c));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < KW; ++k) {
+      const int c = base + lane + 32 * k;
+      if (c < chunks) o[c] = acc[k];
+    }
+  }
+}
+
+// ---- training side ---------------------------------------------------------------------------
 
 // Blocks of the sum-of-squares first stage (fixed by n; ≤ kSumSquaresThreads so the second
 // stage is one pass of one block).
@@ -182,113 +395,206 @@ unsigned elementwise_blocks(int64_t n, int threads) {
 
 size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
-// Three fp64 block sums at once (shared ≥ 96 doubles): the per-source statistics of a row.
-__device__ __forceinline__ void block_sum3_double(double& a, double& b, double& c, double* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  a = warp_sum(a);
-  b = warp_sum(b);
-  c = warp_sum(c);
-  __syncthreads();
-  if (lane == 0) {
-    shared[warp] = a;
-    shared[32 + warp] = b;
-    shared[64 + warp] = c;
-  }
-  __syncthreads();
-  a = warp_sum(lane < warps ? shared[lane] : 0.0);
-  b = warp_sum(lane < warps ? shared[32 + lane] : 0.0);
-  c = warp_sum(lane < warps ? shared[64 + lane] : 0.0);
-}
+// ---- AttnRes backward --------------------------------------------------------------------------
 
 struct AttnResGradTargets {
   float* dsrc[kAttnResCudaMaxSources];
 };
 
-// AttnRes backward, stage 1. Block b handles rows n = b, b + gridDim.x, …; per row:
-//   1. per source j (block reductions over D, fp64): ss_j = Σ V², s_j = Σ V γ w, da_j = Σ dout·V;
-//   2. thread 0: r_j = 1/sqrt(ss_j/D + eps), softmax a_j of r_j·s_j, dl_j = a_j (da_j − Σ_k a_k da_k),
-//      c_j = dl_j r_j, c3_j = dl_j s_j r_j³ / D (the CPU formulas, fp64);
-//   3. element pass: dsrc[j][d] += a_j g_d + c_j γ_d w_d − c3_j V_jd, and G[d] += Σ_j c_j V_jd into
-//      this block's fp64 partial (G = partial + b·D; thread t owns d ≡ t mod blockDim.x, so no
-//      two threads touch one element). partial == nullptr: no parameter gradient wanted.
-__global__ void attnres_backward_rows_kernel(AttnResSources sources, AttnResGradTargets targets,
-                                             int S, const float* query, const float* norm_w,
-                                             const float* dout, double* partial, int64_t N,
-                                             int64_t D, float eps) {
-  __shared__ double reduce_scratch[96];
-  __shared__ double coef_a[kAttnResCudaMaxSources], coef_c[kAttnResCudaMaxSources],
-      coef_c3[kAttnResCudaMaxSources], stat_r[kAttnResCudaMaxSources],
-      stat_s[kAttnResCudaMaxSources], stat_da[kAttnResCudaMaxSources];
-  double* G = partial ? partial + int64_t(blockIdx.x) * D : nullptr;
-  if (G)
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) G[d] = 0.0;
-  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    const int64_t row = n * D;
-    const float* g = dout + row;
+// Grid of the AttnRes backward row kernel, a function of (N, D) only, so the order in which G
+// adds up (hence the bits of dquery / dnorm_w) never depends on scheduling or on the device.
+// `warps` rows run side by side per block: as many (≤ 8) as keep γ⊙w and one fp32 partial of G
+// per warp within kAttnResBackwardSmemBudget; each warp owns rows_per_warp rows, so that there
+// are at most kAttnResBackwardMaxBlocks blocks, each writing one fp64 partial [D].
+constexpr int kAttnResBackwardMaxWarps = 8;
+constexpr int64_t kAttnResBackwardMaxBlocks = 512;
+constexpr size_t kAttnResBackwardSmemBudget = 112 * 1024;  // half of an sm_90 SM's 228 KiB
+// Chunks per lane whose loads the element pass issues together (x, dout, dsrc: 24 float4).
+constexpr int kAttnResElementGroup = 8;
+
+struct AttnResBackwardGrid {
+  int warps;          // rows (warps) per block
+  int rows_per_warp;  // rows each warp walks
+  int64_t blocks;     // = the number of fp64 partials of G
+};
+
+AttnResBackwardGrid attnres_backward_grid(int64_t N, int64_t D) {
+  AttnResBackwardGrid grid{};
+  const int64_t fit =
+      int64_t(kAttnResBackwardSmemBudget / (size_t(std::max<int64_t>(D, 1)) * sizeof(float))) - 1;
+  grid.warps = int(std::clamp<int64_t>(fit, 1, kAttnResBackwardMaxWarps));
+  const int64_t rows = std::max<int64_t>(N, 1);
+  const int64_t max_rows_per_pass = grid.warps * kAttnResBackwardMaxBlocks;
+  grid.rows_per_warp = int((rows + max_rows_per_pass - 1) / max_rows_per_pass);
+  const int64_t rows_per_block = int64_t(grid.warps) * grid.rows_per_warp;
+  grid.blocks = (rows + rows_per_block - 1) / rows_per_block;
+  return grid;
+}
+
+// Dynamic shared memory of the backward row kernel: γ⊙w [D], then (parameter gradients wanted)
+// one fp32 partial of G [D] per warp.
+size_t attnres_backward_smem_bytes(int64_t D, int warps, bool param_grads) {
+  return size_t(1 + (param_grads ? warps : 0)) * size_t(D) * sizeof(float);
+}
+
+// AttnRes backward, stage 1. Warp w of block b owns rows n = (i·gridDim.x + b)·warps + w,
+// i = 0 … rows_per_warp − 1 (attnres_backward_grid). Per row:
+//   1. statistics, source by source, tile by tile: ss_j = Σ V², s_j = Σ V γ w, da_j = Σ dout·V
+//      (fp32 within a chunk, fp64 across chunks and lanes), three shuffle reductions per source
+//      into the lanes' SourceSlots;
+//   2. every lane, for its slots (fp64, the CPU formulas): r_j = 1/sqrt(ss_j/D + eps),
+//      a = softmax(r·s), dl_j = a_j (da_j − Σ_k a_k da_k), c_j = dl_j r_j, c3_j = dl_j s_j r_j³/D;
+//   3. element pass, sources in reverse order (the last read are the likeliest still in L2):
+//      dsrc[j] += a_j·dout + c_j·γ⊙w − c3_j·V_j in fp32, and the warp's fp32 partial of
+//      G = Σ_j c_j V_j in shared memory (lane-owned chunks, so no two lanes touch one element and
+//      no barrier is needed until the end).
+// Bytes per row: 4·D·(S + 1) for the statistics, then per source 4·D re-read (L2 for the last
+// few) + 4·D dsrc read + 4·D written; the dout row is re-read from L1/L2 for every source. The
+// dsrc stream and the last read of a source use evict-first hints so that they do not push the
+// row's remaining sources out of L2.
+// At the end the block sums its warps' partials in warp order, in fp64, into
+// partial[blockIdx.x, :]; partial == nullptr: no parameter gradient wanted (no partials kept).
+template <int kVec>
+__global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
+    attnres_backward_rows_kernel(AttnResSources sources, AttnResGradTargets targets, int S,
+                                 const float* query, const float* norm_w, const float* dout,
+                                 double* partial, int64_t N, int D, float eps,
+                                 int rows_per_warp) {
+  using Chunk = AttnResChunk<kVec>;
+  constexpr int K = kAttnResChunksPerLane, kGroup = kAttnResElementGroup;
+  static_assert(K % kGroup == 0, "element groups tile a tile");
+  extern __shared__ float4 attnres_smem[];
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int chunks = D / kVec;
+  Chunk* gw = reinterpret_cast<Chunk*>(attnres_smem);
+  float* warp_partials = reinterpret_cast<float*>(gw + chunks);  // [warps, D] if partial
+  attnres_fill_gamma_w(gw, query, norm_w, chunks);
+  if (partial) {
+    Chunk* zero = reinterpret_cast<Chunk*>(warp_partials);
+    for (int i = threadIdx.x; i < warps * chunks; i += blockDim.x) zero[i] = Chunk{};
+  }
+  __syncthreads();
+  const Chunk* gwc = gw;
+  Chunk* gpart = partial ? reinterpret_cast<Chunk*>(warp_partials + warp * D) : nullptr;
+
+  for (int i = 0; i < rows_per_warp; ++i) {
+    const int64_t n = (int64_t(i) * gridDim.x + blockIdx.x) * warps + warp;
+    if (n >= N) break;  // whole warps; rows grow with i
+    const Chunk* g = reinterpret_cast<const Chunk*>(dout + n * D);
+
+    SourceSlots logit{-INFINITY, -INFINITY}, r{0.0, 0.0}, s{0.0, 0.0}, da{0.0, 0.0};
     for (int j = 0; j < S; ++j) {
-      const float* v = sources.src[j] + row;
+      const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
       double ss = 0.0, dot = 0.0, gv = 0.0;
-      for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-        const double x = v[d];
-        ss += x * x;
-        dot += x * double(norm_w[d]) * double(query[d]);
-        gv += double(g[d]) * x;
+      for (int base = 0; base < chunks; base += 32 * K) {
+        Chunk x[K], y[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = base + lane + 32 * k;
+          x[k] = c < chunks ? __ldcg(v + c) : Chunk{};  // L2 only: L1 keeps the dout row
+          y[k] = c < chunks ? g[c] : Chunk{};
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = base + lane + 32 * k;
+          if (c < chunks) {
+            ss += double(chunk_dot(x[k], x[k]));
+            dot += double(chunk_dot(x[k], gwc[c]));
+            gv += double(chunk_dot(x[k], y[k]));
+          }
+        }
       }
-      block_sum3_double(ss, dot, gv, reduce_scratch);
-      if (threadIdx.x == 0) {
-        const double r = 1.0 / sqrt(ss / double(D) + double(eps));
-        stat_r[j] = r;
-        stat_s[j] = dot;
-        stat_da[j] = gv;
-        coef_a[j] = r * dot;  // logit, turned into the softmax weight below
+      ss = warp_sum(ss);
+      dot = warp_sum(dot);
+      gv = warp_sum(gv);
+      const double rj = 1.0 / sqrt(ss / double(D) + double(eps));
+      r.capture(j, rj, lane);
+      s.capture(j, dot, lane);
+      da.capture(j, gv, lane);
+      logit.capture(j, rj * dot, lane);
+    }
+
+    const SourceSlots a = softmax_slots(logit);
+    const double mean_da = warp_sum(a.lo * da.lo + a.hi * da.hi);
+    SourceSlots c, c3;  // unused slots: a = da = r = 0, so c = c3 = 0
+    {
+      const double dl_lo = a.lo * (da.lo - mean_da), dl_hi = a.hi * (da.hi - mean_da);
+      c.lo = dl_lo * r.lo;
+      c.hi = dl_hi * r.hi;
+      c3.lo = dl_lo * s.lo * r.lo * r.lo * r.lo / double(D);
+      c3.hi = dl_hi * s.hi * r.hi * r.hi * r.hi / double(D);
+    }
+
+    for (int j = S - 1; j >= 0; --j) {
+      float* dsrc_j = targets.dsrc[j];
+      if (dsrc_j == nullptr && gpart == nullptr) continue;  // warp-uniform
+      Chunk* dv = dsrc_j ? reinterpret_cast<Chunk*>(dsrc_j + n * D) : nullptr;
+      const float fa = a.broadcast_float(j), fc = c.broadcast_float(j),
+                  neg_fc3 = -c3.broadcast_float(j);
+      const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
+      for (int base = 0; base < chunks; base += 32 * K) {
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += kGroup) {
+          // All of the group's loads go out before its first store: dsrc aliases nothing read
+          // here, but the compiler cannot know that and would not hoist a load over a store.
+          Chunk x[kGroup], y[kGroup], z[kGroup];
+#pragma unroll
+          for (int k = 0; k < kGroup; ++k) {
+            const int cc = base + lane + 32 * (k0 + k);
+            x[k] = y[k] = z[k] = Chunk{};
+            if (cc < chunks) {
+              x[k] = __ldcs(v + cc);
+              if (dv) {
+                y[k] = g[cc];
+                z[k] = __ldcs(dv + cc);
+              }
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < kGroup; ++k) {
+            const int cc = base + lane + 32 * (k0 + k);
+            if (cc >= chunks) continue;
+            if (dv) __stcs(dv + cc, chunk_update(z[k], fa, y[k], fc, gwc[cc], neg_fc3, x[k]));
+            if (gpart) gpart[cc] = chunk_lincomb(1.0f, gpart[cc], fc, x[k]);
+          }
+        }
       }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      double mx = coef_a[0];
-      for (int j = 1; j < S; ++j) mx = fmax(mx, coef_a[j]);
-      double den = 0.0;
-      for (int j = 0; j < S; ++j) den += (coef_a[j] = exp(coef_a[j] - mx));
-      double mean_da = 0.0;
-      for (int j = 0; j < S; ++j) {
-        coef_a[j] /= den;
-        mean_da += coef_a[j] * stat_da[j];
-      }
-      for (int j = 0; j < S; ++j) {
-        const double dl = coef_a[j] * (stat_da[j] - mean_da);  // softmax backward
-        const double r = stat_r[j];
-        coef_c[j] = dl * r;
-        coef_c3[j] = dl * stat_s[j] * r * r * r / double(D);  // through r_j
-      }
-    }
-    __syncthreads();
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-      const double gd = g[d], gw = double(norm_w[d]) * double(query[d]);
-      double gsum = 0.0;
-      for (int j = 0; j < S; ++j) {
-        const double v = sources.src[j][row + d];
-        if (float* dv = targets.dsrc[j])
-          dv[row + d] += float(coef_a[j] * gd + coef_c[j] * gw - coef_c3[j] * v);
-        gsum += coef_c[j] * v;
-      }
-      if (G) G[d] += gsum;
-    }
-    __syncthreads();  // the next row rewrites the shared coefficients
+  }
+
+  if (partial == nullptr) return;  // block-uniform
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    double G = 0.0;
+    for (int w = 0; w < warps; ++w) G += double(warp_partials[w * D + d]);
+    partial[int64_t(blockIdx.x) * D + d] = G;
   }
 }
 
-// AttnRes backward, stage 2: G[d] = Σ_b partial[b, d] in block order, then
-// dquery[d] += G γ_d, dnorm_w[d] += G w_d (grid-stride over d; reads coalesced across d).
-__global__ void attnres_backward_params_kernel(const double* partial, int64_t blocks,
-                                               const float* query, const float* norm_w,
-                                               float* dquery, float* dnorm_w, int64_t D) {
-  for (int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; d < D;
-       d += int64_t(gridDim.x) * blockDim.x) {
-    double G = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) G += partial[b * D + d];
-    if (dquery) dquery[d] += float(G * double(norm_w[d]));
-    if (dnorm_w) dnorm_w[d] += float(G * double(query[d]));
+// AttnRes backward, stage 2: G[d] = Σ_b partial[b, d], then dquery[d] += G·w_d and
+// dnorm_w[d] += G·γ_d. A block of 32 columns × kAttnResParamGroups per 32-column slice of D:
+// thread (x, y) sums the partials b ≡ y (mod groups) in ascending b (a warp reads 256
+// contiguous bytes per b), then thread (x, 0) adds the group sums in group order: a fixed order,
+// so bit-identical run to run, and 16-way parallel over the ≤ 512 partials of a column.
+constexpr int kAttnResParamGroups = 16;
+__global__ void __launch_bounds__(32 * kAttnResParamGroups)
+    attnres_backward_params_kernel(const double* partial, int64_t blocks, const float* query,
+                                   const float* norm_w, float* dquery, float* dnorm_w, int D) {
+  __shared__ double group_sum[kAttnResParamGroups][32];
+  const int x = threadIdx.x, y = threadIdx.y;
+  const int d = blockIdx.x * 32 + x;
+  double acc = 0.0;
+  if (d < D) {
+#pragma unroll 4
+    for (int64_t b = y; b < blocks; b += kAttnResParamGroups) acc += partial[b * D + d];
   }
+  group_sum[y][x] = acc;
+  __syncthreads();
+  if (y != 0 || d >= D) return;
+  double G = 0.0;
+  for (int k = 0; k < kAttnResParamGroups; ++k) G += group_sum[k][x];
+  if (dquery) dquery[d] += float(G * double(norm_w[d]));
+  if (dnorm_w) dnorm_w[d] += float(G * double(query[d]));
 }
 
 // Embedding backward, step 1: sort keys (token id, or V for an id outside [0, V): sorted last
@@ -415,22 +721,57 @@ void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {
   check_last_error("add_inplace");
 }
 
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Launches `kernel` (an AttnRes row kernel) with `smem` bytes of dynamic shared memory, first
+// allowing more than the default 48 KiB when needed (set on every such launch: per device).
+template <typename Kernel, typename... Args>
+void launch_attnres_rows(Kernel kernel, int64_t blocks, int threads, size_t smem,
+                         CUstream_st* stream, Args... args) {
+  if (smem > 48 * 1024)
+    DM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<unsigned(blocks), threads, smem, stream>>>(args...);
+}
+}  // namespace
+
 void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
                      float* out, int64_t N, int64_t D, float eps, CUstream_st* stream) {
   DM_CHECK(S >= 1 && S <= kAttnResCudaMaxSources, "attnres (CUDA): ", S, " sources (1..",
            kAttnResCudaMaxSources, " supported)");
-  if (N == 0) return;
+  DM_CHECK(N >= 0 && D >= 0 && D <= kAttnResMaxWidth, "attnres (CUDA): bad shape N=", N,
+           " D=", D, " (D ≤ ", kAttnResMaxWidth, ")");
+  if (N == 0 || D == 0) return;
   AttnResSources sources{};
-  for (int j = 0; j < S; ++j) sources.src[j] = src[j];
-  attnres_forward_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(sources, S, query, norm_w, out,
-                                                                  D, eps);
+  bool vec4 = D % 4 == 0 && aligned16(query) && aligned16(norm_w) && aligned16(out);
+  for (int j = 0; j < S; ++j) {
+    sources.src[j] = src[j];
+    vec4 = vec4 && aligned16(src[j]);
+  }
+  if (N < kAttnResWarpRowsMinN) {
+    attnres_forward_block_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
+        sources, S, query, norm_w, out, D, eps);
+    check_last_error("attnres_forward");
+    return;
+  }
+  const int64_t blocks = (N + kAttnResForwardWarps - 1) / kAttnResForwardWarps;
+  const size_t smem = size_t(D) * sizeof(float);
+  if (vec4)
+    launch_attnres_rows(attnres_forward_rows_kernel<4>, blocks, kAttnResForwardWarps * 32, smem,
+                        stream, sources, S, query, norm_w, out, N, int(D), eps);
+  else
+    launch_attnres_rows(attnres_forward_rows_kernel<1>, blocks, kAttnResForwardWarps * 32, smem,
+                        stream, sources, S, query, norm_w, out, N, int(D), eps);
   check_last_error("attnres_forward");
 }
 
 // ---- training side ---------------------------------------------------------------------------
 
 size_t attnres_backward_workspace_bytes(int64_t N, int64_t D, int S) {
-  return align256(size_t(attnres_backward_blocks(N)) * size_t(D) * sizeof(double));
+  (void)S;
+  if (N <= 0 || D <= 0) return 0;
+  return align256(size_t(attnres_backward_grid(N, D).blocks) * size_t(D) * sizeof(double));
 }
 
 void attnres_backward(const float* const* src, int S, const float* query, const float* norm_w,
@@ -438,25 +779,39 @@ void attnres_backward(const float* const* src, int S, const float* query, const 
                       int64_t N, int64_t D, float eps, void* workspace, CUstream_st* stream) {
   DM_CHECK(S >= 1 && S <= kAttnResCudaMaxSources, "attnres_backward (CUDA): ", S,
            " sources (1..", kAttnResCudaMaxSources, " supported)");
-  DM_CHECK(N >= 0 && D >= 0, "attnres_backward (CUDA): bad shape N=", N, " D=", D);
+  DM_CHECK(N >= 0 && D >= 0 && D <= kAttnResMaxWidth, "attnres_backward (CUDA): bad shape N=", N,
+           " D=", D, " (D ≤ ", kAttnResMaxWidth, ")");
   if (N == 0 || D == 0) return;
   const bool param_grads = dquery != nullptr || dnorm_w != nullptr;
   DM_CHECK(!param_grads || workspace != nullptr,
            "attnres_backward (CUDA): a workspace is needed for dquery / dnorm_w");
   AttnResSources sources{};
   AttnResGradTargets targets{};
+  bool vec4 = D % 4 == 0 && aligned16(query) && aligned16(norm_w) && aligned16(dout);
+  bool any_dsrc = false;
   for (int j = 0; j < S; ++j) {
     sources.src[j] = src[j];
     targets.dsrc[j] = dsrc ? dsrc[j] : nullptr;
+    vec4 = vec4 && aligned16(src[j]) && aligned16(targets.dsrc[j]);
+    any_dsrc = any_dsrc || targets.dsrc[j] != nullptr;
   }
-  const int64_t blocks = attnres_backward_blocks(N);
+  if (!any_dsrc && !param_grads) return;
+  const AttnResBackwardGrid grid = attnres_backward_grid(N, D);
+  const size_t smem = attnres_backward_smem_bytes(D, grid.warps, param_grads);
   double* partial = param_grads ? static_cast<double*>(workspace) : nullptr;
-  attnres_backward_rows_kernel<<<unsigned(blocks), kRowThreads, 0, stream>>>(
-      sources, targets, S, query, norm_w, dout, partial, N, D, eps);
+  if (vec4)
+    launch_attnres_rows(attnres_backward_rows_kernel<4>, grid.blocks, grid.warps * 32, smem,
+                        stream, sources, targets, S, query, norm_w, dout, partial, N, int(D), eps,
+                        grid.rows_per_warp);
+  else
+    launch_attnres_rows(attnres_backward_rows_kernel<1>, grid.blocks, grid.warps * 32, smem,
+                        stream, sources, targets, S, query, norm_w, dout, partial, N, int(D), eps,
+                        grid.rows_per_warp);
   check_last_error("attnres_backward (rows)");
   if (!param_grads) return;
-  attnres_backward_params_kernel<<<elementwise_blocks(D, 256), 256, 0, stream>>>(
-      partial, blocks, query, norm_w, dquery, dnorm_w, D);
+  attnres_backward_params_kernel<<<unsigned((D + 31) / 32), dim3(32, kAttnResParamGroups), 0,
+                                   stream>>>(partial, grid.blocks, query, norm_w, dquery, dnorm_w,
+                                             int(D));
   check_last_error("attnres_backward (params)");
 }
 

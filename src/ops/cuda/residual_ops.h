@@ -33,8 +33,11 @@ void add_rmsnorm_to_bf16(float* p, const float* out, const float* w, uint16_t* y
 // Block AttnRes (ops/cpu/attnres.h): for each row n over S sources V_j = src[j][n, :],
 //   logit_j = r_j · Σ_d V_jd γ_d w_d,  r_j = rsqrt(mean(V_j²) + eps),
 //   out[n] = Σ_j softmax_j(logit) V_j.
-// src: S device pointers held in a HOST array (passed to the kernel by value); S ≤ 64.
-// out may alias a source (each thread reads all sources of its elements before writing).
+// src: S device pointers held in a HOST array (passed to the kernel by value); S ≤ 64,
+// D ≤ 16384. One warp per row from 1024 rows on (training), one block per row below that
+// (decode batches: a warp per row would leave the GPU idle); row sums in fp64, weighted sum fp32.
+// out may alias a source (a row's sources are all read before any of its out row is written,
+// and each thread writes only elements it has read from every source).
 inline constexpr int kAttnResCudaMaxSources = 64;
 void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
                      float* out, int64_t N, int64_t D, float eps, CUstream_st* stream = nullptr);
@@ -49,10 +52,14 @@ void attnres_forward(const float* const* src, int S, const float* query, const f
 //   dsrc[j][n, :] += a_j·dout[n] + c_j·γ⊙w − c3_j·V_j     (c_j = dlogit_j·r_j, c3_j = dlogit_j·s_j·r_j³/D)
 //   dquery += G⊙γ,  dnorm_w += G⊙w,   G[d] = Σ_n Σ_j c_nj V_njd.
 // src / dsrc: S device pointers in HOST arrays (dsrc[j] == nullptr skips source j); dsrc must
-// not alias any src[k] or dout. dquery / dnorm_w [D] may each be nullptr. Row statistics and
-// the softmax are recomputed in fp64 (as the CPU). G is reduced deterministically: each of
-// min(N, 512) blocks owns a fixed set of rows and an fp64 partial [D] in the workspace, then a
-// second kernel sums the partials in block order (no atomics: bit-identical run to run).
+// not alias any src[k] or dout. dquery / dnorm_w [D] may each be nullptr. D ≤ 16384.
+// One warp per row: row statistics, the softmax and its backward are recomputed in fp64 (as
+// the CPU), the element updates run in fp32. G is reduced deterministically: each warp owns a
+// fixed set of rows and an fp32 partial of G in shared memory, each block (≤ 512 of them, a
+// function of N and D) sums its warps' partials in warp order in fp64 into its slice of the
+// workspace, then a second kernel sums the block partials in a fixed order (no atomics:
+// bit-identical run to run). The workspace is a function of (N, D) only, never larger than
+// 512·D doubles (S is accepted for callers' convenience).
 size_t attnres_backward_workspace_bytes(int64_t N, int64_t D, int S);
 void attnres_backward(const float* const* src, int S, const float* query, const float* norm_w,
                       const float* dout, float* const* dsrc, float* dquery, float* dnorm_w,
