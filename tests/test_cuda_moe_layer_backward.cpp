@@ -303,11 +303,14 @@ void expect_paths_agree(const char* name, const std::vector<float>& grouped,
 
 TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
   DM_SKIP_WITHOUT_GPU();
-  // 14 experts, 3 of them (0, 6, 13: first, middle, last) never routed to. Two shapes: one below
-  // the grouped weight-gradient kernel's 128 × 128 tile, one over several partial tiles and K
-  // steps.
+  // 14 experts, 3 of them (0, 6, 13: first, middle, last) never routed to. Three shapes: one
+  // below the grouped weight-gradient kernel's 128 × 128 tile, one over several partial tiles and
+  // 64-deep K steps, and one of ~15 rows per expert: every expert's K (weight gradients) ends
+  // inside the first step, often inside its first 16-deep slice, every row tile of the dx kernel
+  // ends inside its first warp row, and F = 200 leaves a K tail of 8 after three steps.
   for (const auto& shape : {std::array<int64_t, 4>{257, 14, 64, 48},
-                            std::array<int64_t, 4>{700, 14, 136, 264}}) {
+                            std::array<int64_t, 4>{700, 14, 136, 264},
+                            std::array<int64_t, 4>{40, 14, 72, 200}}) {
     const int64_t N = shape[0], E = shape[1], Din = shape[2], F = shape[3];
     SCOPED_TRACE(str_cat("N=", N, " Din=", Din, " F=", F));
     const int k = 4;
