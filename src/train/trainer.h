@@ -41,6 +41,9 @@ struct TrainerConfig {
   double balance_ema = 0.0;     // QB: EMA of the per-expert quantiles across steps (0 = off)
   int balance_refine = 8;       // QB: fixed-point refinements of the bias on the batch (0 = one-shot)
   int balance_window = 1;       // QB: steps pooled into each estimate (1 = this step only)
+  // QB updates on background threads as each layer's routing completes (same results): −1 = with
+  // the GPU engine only (its host thread waits on the device), 0 = never, 1 = always.
+  int balance_background = -1;
   bool recompute = true;
   std::string device = "cpu";   // cpu | cuda (train/train_engine.h)
   int kda_chunk = 64;
