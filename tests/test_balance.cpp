@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <random>
 #include <tuple>
@@ -213,6 +214,28 @@ TEST(BalanceTest, RepeatedUpdatesDriveMaxVioBelowTenPercent) {
 // them, so on a skewed batch one update leaves the SAME batch unbalanced. The fixed-point
 // refinement (α re-derived under the candidate bias, then re-estimated) balances it exactly up
 // to ties; qb_cutoffs must agree with the router's cutoffs.
+// qb_cutoffs (an insertion top-(k+1)) equals nth_element's (k+1)-th largest biased score, ties
+// included (scores on a coarse grid), for k from 1 to E − 1.
+TEST(BalanceTest, CutoffsEqualTheNthLargestBiasedScore) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> grid(0, 12);
+  for (int E : {2, 7, 32, 64})
+    for (int k = 1; k < E; k += (E > 8 ? 5 : 1)) {
+      const int64_t N = 300;
+      std::vector<float> scores(static_cast<size_t>(N * E)), bias(static_cast<size_t>(E)),
+          cutoff(static_cast<size_t>(N));
+      for (float& s : scores) s = float(grid(rng)) / 12.0f;
+      for (float& b : bias) b = float(grid(rng) - 6) / 24.0f;
+      qb_cutoffs(scores.data(), bias.data(), N, E, k, cutoff.data());
+      for (int64_t i = 0; i < N; ++i) {
+        std::vector<float> row(static_cast<size_t>(E));
+        for (int j = 0; j < E; ++j) row[size_t(j)] = scores[size_t(i * E + j)] + bias[size_t(j)];
+        std::nth_element(row.begin(), row.begin() + k, row.end(), std::greater<float>());
+        ASSERT_EQ(cutoff[size_t(i)], row[size_t(k)]) << "E=" << E << " k=" << k << " row " << i;
+      }
+    }
+}
+
 TEST(BalanceTest, RefinementBalancesTheSameBatch) {
   const int64_t N = 2048;
   const int E = 16, k = 2;

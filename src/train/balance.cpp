@@ -150,15 +150,29 @@ void qb_set_bias(const double* raw_bias, int E, const BalanceOptions& options,
 void qb_cutoffs(const float* scores, const float* bias, int64_t N, int E, int k, float* cutoff) {
   check_balance_shape(N, E, k);
   DM_CHECK(k < E, "qb_cutoffs: top-(k+1) needs k < E");
+  // The (k+1)-th largest biased score of each row, by insertion into a descending list of the
+  // k+1 largest seen so far: for the usual k ≪ E a value smaller than the list's last is one
+  // compare (nth_element over a copy of the row cost ~290 ns a row at E = 32, k = 6; QB's
+  // refinement calls this N·8 times a step). The value is unique even with ties, so it equals
+  // nth_element's.
 #pragma omp parallel if (N * E >= (1 << 16))
   {
-    std::vector<float> row(static_cast<size_t>(E));
+    std::vector<float> top(static_cast<size_t>(k) + 1);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
-      for (int j = 0; j < E; ++j) row[size_t(j)] = scores[i * E + j] + bias[j];
-      // The (k+1)-th largest biased score = element k of the descending order.
-      std::nth_element(row.begin(), row.begin() + k, row.end(), std::greater<float>());
-      cutoff[i] = row[size_t(k)];
+      const float* row = scores + i * E;
+      int count = 0;
+      for (int j = 0; j < E; ++j) {
+        const float v = row[j] + bias[j];
+        if (count == k + 1 && !(v > top[size_t(k)])) continue;
+        int at = count < k + 1 ? count++ : k;  // the slot v enters from (the last is dropped)
+        while (at > 0 && top[size_t(at - 1)] < v) {
+          top[size_t(at)] = top[size_t(at - 1)];
+          --at;
+        }
+        top[size_t(at)] = v;
+      }
+      cutoff[i] = top[size_t(k)];
     }
   }
 }
