@@ -119,6 +119,20 @@ __global__ void add_inplace_kernel(float* dst, const float* src, int64_t n) {
     dst[i] += src[i];
 }
 
+// n4 float4 elements (both pointers 16-byte aligned).
+__global__ void add_inplace_vec4_kernel(float4* dst, const float4* src, int64_t n4) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float4 a = dst[i];
+    const float4 b = src[i];
+    a.x += b.x;
+    a.y += b.y;
+    a.z += b.z;
+    a.w += b.w;
+    dst[i] = a;
+  }
+}
+
 // ---- Block AttnRes -----------------------------------------------------------------------------
 // Layout of the forward and backward row kernels: one WARP per row, the rows of a block side by
 // side, so a row's statistics are warp-shuffle reductions and the per-row path has no block
@@ -716,6 +730,15 @@ void add_rmsnorm_to_bf16(float* p, const float* out, const float* w, uint16_t* y
 
 void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {
   if (n == 0) return;
+  if (n % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const int64_t n4 = n / 4;
+    const int blocks = int(n4 / 1024 + 1 < 4096 ? n4 / 1024 + 1 : 4096);
+    add_inplace_vec4_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float4*>(dst),
+                                                        reinterpret_cast<const float4*>(src), n4);
+    check_last_error("add_inplace");
+    return;
+  }
   const int blocks = int(n / 1024 + 1 < 4096 ? n / 1024 + 1 : 4096);
   add_inplace_kernel<<<blocks, 256, 0, stream>>>(dst, src, n);
   check_last_error("add_inplace");
