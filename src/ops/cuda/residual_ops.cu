@@ -40,27 +40,21 @@ __global__ void rmsnorm_to_bf16_kernel(const float* x, const float* w, __nv_bflo
 // for the scaling. One block per row is all a decode step has: there the scalar loop above spent
 // ~8.6 µs per 2304-wide row on dependent load latency.
 constexpr int kRowVec4 = 4;  // float4 per thread: rows up to 4·4·256 = 4096 wide
-__global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_to_bf16_vec4_kernel(const float* x, const float* w, __nv_bfloat16* y, int64_t D,
-                                float eps) {
-  __shared__ float reduce_scratch[32];
-  const int64_t D4 = D / 4;
-  const float4* row = reinterpret_cast<const float4*>(x + int64_t(blockIdx.x) * D);
-  const float4* weight = reinterpret_cast<const float4*>(w);
-  float4 xv[kRowVec4], wv[kRowVec4];
+
+// The norm half of the vec4 row kernels: xv/wv hold thread t's float4 chunks t, t + 256, … of
+// the row and of w (zeros past the row); y_row ← bf16(x · rsqrt(mean(x²) + eps) · w).
+__device__ __forceinline__ void rmsnorm_row_vec4_to_bf16(const float4 (&xv)[kRowVec4],
+                                                         const float4 (&wv)[kRowVec4], int64_t D,
+                                                         float eps, __nv_bfloat16* y_row,
+                                                         float* reduce_scratch) {
   float sum_squares = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kRowVec4; ++i) {
-    const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
-    xv[i] = j < D4 ? row[j] : make_float4(0.f, 0.f, 0.f, 0.f);
-    wv[i] = j < D4 ? weight[j] : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i)
     sum_squares += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
   sum_squares = block_sum(sum_squares, reduce_scratch);
   const float inverse_rms = rsqrtf(sum_squares / float(D) + eps);
-  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(y + int64_t(blockIdx.x) * D);
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(y_row);
+  const int64_t D4 = D / 4;
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i) {
     const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
@@ -72,7 +66,24 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// p += out, then the vec4 norm of p (same arithmetic as rmsnorm_to_bf16_vec4_kernel on the
+__global__ void __launch_bounds__(kRowThreads)
+    rmsnorm_to_bf16_vec4_kernel(const float* x, const float* w, __nv_bfloat16* y, int64_t D,
+                                float eps) {
+  __shared__ float reduce_scratch[32];
+  const int64_t D4 = D / 4;
+  const float4* row = reinterpret_cast<const float4*>(x + int64_t(blockIdx.x) * D);
+  const float4* weight = reinterpret_cast<const float4*>(w);
+  float4 xv[kRowVec4], wv[kRowVec4];
+#pragma unroll
+  for (int i = 0; i < kRowVec4; ++i) {
+    const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
+    xv[i] = j < D4 ? row[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    wv[i] = j < D4 ? weight[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  rmsnorm_row_vec4_to_bf16(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
+}
+
+// p += out, then the vec4 norm of p (the same norm code as rmsnorm_to_bf16_vec4_kernel on the
 // updated row, so the fused walk's rows equal the two-kernel walk's bit for bit).
 __global__ void __launch_bounds__(kRowThreads)
     add_rmsnorm_to_bf16_vec4_kernel(float* p, const float* out, const float* w,
@@ -83,7 +94,6 @@ __global__ void __launch_bounds__(kRowThreads)
   const float4* add = reinterpret_cast<const float4*>(out + int64_t(blockIdx.x) * D);
   const float4* weight = reinterpret_cast<const float4*>(w);
   float4 xv[kRowVec4], wv[kRowVec4];
-  float sum_squares = 0.0f;
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i) {
     const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
@@ -96,21 +106,7 @@ __global__ void __launch_bounds__(kRowThreads)
       row[j] = xv[i];
     }
   }
-#pragma unroll
-  for (int i = 0; i < kRowVec4; ++i)
-    sum_squares += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
-  sum_squares = block_sum(sum_squares, reduce_scratch);
-  const float inverse_rms = rsqrtf(sum_squares / float(D) + eps);
-  __nv_bfloat162* normed = reinterpret_cast<__nv_bfloat162*>(y + int64_t(blockIdx.x) * D);
-#pragma unroll
-  for (int i = 0; i < kRowVec4; ++i) {
-    const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
-    if (j >= D4) continue;
-    normed[2 * j] = __floats2bfloat162_rn(xv[i].x * inverse_rms * wv[i].x,
-                                          xv[i].y * inverse_rms * wv[i].y);
-    normed[2 * j + 1] = __floats2bfloat162_rn(xv[i].z * inverse_rms * wv[i].z,
-                                              xv[i].w * inverse_rms * wv[i].w);
-  }
+  rmsnorm_row_vec4_to_bf16(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
 }
 
 __global__ void add_inplace_kernel(float* dst, const float* src, int64_t n) {
