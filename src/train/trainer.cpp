@@ -210,7 +210,7 @@ class BalanceCollector : public RoutingSink {
       return;
     }
     if (!l.counts.empty()) {
-      std::vector<double> raw(size_t(E_));
+      std::vector<double> raw(static_cast<size_t>(E_));
       if (qb_raw_bias_from_histogram(l.counts.data(), E_, k_, l.range, raw.data()) > 0)
         qb_set_bias(raw.data(), E_, options, state, bias);
       return;
