@@ -5,7 +5,8 @@
 // Plain main (no Google Benchmark fixtures): CUDA-event timing, 2 warm-up runs, median of 10.
 // Without a GPU (or without the CUDA backend) it prints why and exits 0.
 //   bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only] [--phases]
-// --phases: after each bf16 shape, the SM-cycle split of one block of the backward's stage 4.
+// --phases: after each bf16 shape, the SM-cycle split of one block of the backward's stage 4 and
+// of the forward's prepare stage.
 // (fewer shapes and repetitions keep a kernel profiler's run short, e.g. under ncu).
 //
 // FLOP convention (shared with bench/peers/kda_peers.py so the columns compare): per chunk of
@@ -155,6 +156,15 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
         std::printf(" %s: %lld (%.0f%%);", names[i], cycles[i] - cycles[i - 1],
                     100.0 * double(cycles[i] - cycles[i - 1]) / double(cycles[n - 1]));
       std::printf(" total %lld\n", cycles[n - 1]);
+      cu::kda_prepare_phase_clock(true);  // and one forward with the prepare clock on
+      time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
+      cu::kda_prepare_phase_clock(false);
+      const int m = cu::kda_prepare_phase_cycles(cycles, names, 32);
+      std::printf("prepare phases, one block (cycles since its start; phase: its own cycles):");
+      for (int i = 1; i < m; ++i)
+        std::printf(" %s: %lld (%.0f%%);", names[i], cycles[i] - cycles[i - 1],
+                    100.0 * double(cycles[i] - cycles[i - 1]) / double(cycles[m - 1]));
+      std::printf(" total %lld\n", cycles[m - 1]);
     }
   }
   double best_ms = reference_ms;

@@ -17,6 +17,7 @@
 #include "ops/cpu/rmsnorm.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_layer_ops.h"
 #include "ops/cuda/residual_ops.h"
 #include "cuda_test_util.h"
 #include "test_util.h"
@@ -178,6 +179,29 @@ TEST(CudaOpsRmsnorm, FusedAddNormEqualsAddThenNorm) {
     for (size_t i = 0; i < nd; ++i) sum[i] = p0[i] + out[i];
     EXPECT_EQ(DeviceScratch::download(p_fused, nd), sum) << "N=" << c.N << " D=" << c.D;
   }
+}
+
+// add_inplace and convert_f32_to_bf16 on their float4 paths (n % 4 == 0, aligned) and on the
+// scalar ones (odd n, or pointers one float off 16 bytes): exact against the host.
+TEST(CudaOpsElementwise, AddInplaceAndBf16ConvertOnBothPaths) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t(1000), int64_t(1001), int64_t(262144)})
+    for (size_t offset : {size_t(0), size_t(1)}) {
+      const std::vector<float> a = random_normal(size_t(n), 51), b = random_normal(size_t(n), 52);
+      DeviceScratch dev(size_t(n) * 12 + (1 << 16));
+      float* a_d = dev.upload(std::vector<float>(size_t(n) + offset)) + offset;
+      float* b_d = dev.upload(std::vector<float>(size_t(n) + offset)) + offset;
+      dm::cuda::copy_to_device(a_d, a.data(), size_t(n) * 4);
+      dm::cuda::copy_to_device(b_d, b.data(), size_t(n) * 4);
+      uint16_t* y_d = dev.zeros<uint16_t>(size_t(n) + offset) + offset;
+      cu::add_inplace(a_d, b_d, n, nullptr);
+      cu::convert_f32_to_bf16(a_d, y_d, n, nullptr);
+      std::vector<float> sum(static_cast<size_t>(n));
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] = a[i] + b[i];
+      EXPECT_EQ(DeviceScratch::download(a_d, size_t(n)), sum) << "n=" << n << " offset=" << offset;
+      EXPECT_EQ(DeviceScratch::download(y_d, size_t(n)), to_bf16(sum))
+          << "n=" << n << " offset=" << offset;
+    }
 }
 
 TEST(CudaOpsRmsnorm, RejectsBadShape) {

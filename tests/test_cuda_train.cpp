@@ -5,6 +5,8 @@
 //     packed documents);
 //   - the optimizer step alone (AdamW and Muon) on identical fp32 gradients: fp32 path;
 //   - 40 steps of training on a repeated batch: the loss falls like the CPU run's;
+//   - the QB histogram and expert loads built on the device equal the host ones of the same
+//     routing (RoutingSink::routing_histogram_range);
 //   - `train` end to end with device "cuda": metrics, checkpoint, resume.
 // Skips without a GPU.
 #include <gtest/gtest.h>
@@ -14,6 +16,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <numeric>
 #include <random>
 
 #include "cuda_test_util.h"
@@ -23,6 +27,7 @@
 #include "ops/cuda/device.h"
 #include "test_util.h"
 #include "train/cuda/optimizer_gpu.h"
+#include "train/balance.h"
 #include "train/optimizer.h"
 #include "train/train_engine.h"
 #include "train/trainer.h"
@@ -167,6 +172,107 @@ TEST(CudaTrain, KeptInternalsMatchRecompute) {
   const double e = test::rel_rms(grads[1].data(), grads[0].data(), grads[0].size());
   std::printf("[          ] kept KDA + MoE internals vs recompute: gradient rel RMS %.2e\n", e);
   EXPECT_LE(e, 1e-6);
+}
+
+// A sink in either mode: the routing itself (host copies), or the device-built QB histogram and
+// loads (RoutingSink::routing_histogram_range) over a fixed range.
+struct RecordingSink : RoutingSink {
+  bool histograms = false;
+  QbHistogramRange range{-1.5, 1.25, 333};
+  std::map<int, std::vector<float>> scores, cutoff;
+  std::map<int, std::vector<int32_t>> idx;
+  std::map<int, std::vector<int64_t>> counts, loads;
+  void on_routing(int layer, const float* s, const float* c, const int32_t* x, int64_t N, int E,
+                  int k) override {
+    scores[layer].assign(s, s + N * E);
+    cutoff[layer].assign(c, c + N);
+    idx[layer].assign(x, x + N * k);
+  }
+  bool routing_histogram_range(int, double* low, double* high, int* bins) override {
+    if (!histograms) return false;
+    *low = range.low;
+    *high = range.high;
+    *bins = range.bins;
+    return true;
+  }
+  void on_routing_histogram(int layer, const int64_t* c, const int64_t* l, int64_t, int E,
+                            int) override {
+    counts[layer].assign(c, c + int64_t(E) * range.bins);
+    loads[layer].assign(l, l + E);
+  }
+};
+
+TEST(CudaTrain, DeviceQbHistogramsMatchTheHostOnes) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = test_config();
+  auto W = weights_allocate<float>(c);
+  weights_init(*W, 9);
+  test::round_weights_to_bf16(*W);
+  const int64_t B = 2, T = 90;
+  const Batch b = random_batch(c, B, T, true, 13);
+  RecordingSink host_sink, device_sink;
+  device_sink.histograms = true;
+  for (RecordingSink* sink : {&host_sink, &device_sink}) {
+    cuda::GpuTrainModel gpu(*W);
+    gpu.forward_backward(b.tokens.data(), b.targets.data(), b.doc.data(), B, T, 1e-2, sink);
+  }
+  ASSERT_FALSE(host_sink.scores.empty());
+  EXPECT_TRUE(device_sink.scores.empty());  // nothing but the statistics crossed to the host
+  ASSERT_EQ(device_sink.counts.size(), host_sink.scores.size());
+  const int E = c.moe.num_experts, k = c.moe.top_k;
+  for (const auto& [layer, scores] : host_sink.scores) {
+    const int64_t N = int64_t(host_sink.cutoff[layer].size());
+    std::vector<int64_t> counts(size_t(E) * size_t(host_sink.range.bins), 0);
+    std::vector<int64_t> loads(static_cast<size_t>(E), 0);
+    qb_histogram_accumulate(scores.data(), host_sink.cutoff[layer].data(), N, E, host_sink.range,
+                            counts.data());
+    expert_loads(host_sink.idx[layer].data(), N, k, E, loads.data());
+    EXPECT_EQ(device_sink.counts[layer], counts) << "layer " << layer;
+    EXPECT_EQ(device_sink.loads[layer], loads) << "layer " << layer;
+    EXPECT_EQ(std::accumulate(loads.begin(), loads.end(), int64_t(0)), N * k) << "layer " << layer;
+  }
+}
+
+// `train --device cuda --balance qb-hist`: QB from the device-built histograms sets the router
+// biases (they start at 0) and the balance metrics are reported.
+TEST(CudaTrain, TrainerBalancesWithDeviceHistograms) {
+  DM_SKIP_WITHOUT_GPU();
+  const std::string out = test::temp_dir("cuda_train_qb_hist");
+  TrainerConfig tc;
+  tc.model = test::source_dir() + "/configs/test.json";
+  tc.out = out;
+  tc.device = "cuda";
+  tc.balance = "qb-hist";
+  tc.batch = 4;
+  tc.warmup = 1;
+  tc.steps = 3;
+  tc.eval_every = 0;
+  tc.progress = false;
+  TrainStage st;
+  st.seq_len = 64;
+  st.tokens = 3 * 4 * 64;
+  tc.stages = {st};
+  const TrainSummary r = train(tc);
+  EXPECT_EQ(r.steps, 3);
+  EXPECT_TRUE(std::isfinite(r.last_maxvio));
+  auto model = Model::load(out + "/checkpoint");
+  const ModelConfig& c = model->config();
+  int moe_layers = 0, moved = 0;
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.ffns[size_t(i)] != FfnKind::MoE) continue;
+    ++moe_layers;
+    const float* bias = model->weights().layers[size_t(i)].moe.router_bias;
+    ASSERT_NE(bias, nullptr);
+    double sum = 0, abs_sum = 0;
+    for (int e = 0; e < c.moe.num_experts; ++e) {
+      sum += bias[e];
+      abs_sum += std::fabs(bias[e]);
+    }
+    EXPECT_NEAR(sum, 0.0, 1e-4) << "layer " << i;  // QB subtracts the mean
+    moved += abs_sum > 0;
+  }
+  EXPECT_GT(moe_layers, 0);
+  EXPECT_EQ(moved, moe_layers);
 }
 
 TEST(CudaTrain, GradientsMatchCpuWithPlainResidual) {

@@ -49,6 +49,21 @@ class RoutingSink {
   virtual ~RoutingSink() = default;
   virtual void on_routing(int layer, const float* scores, const float* cutoff, const int32_t* idx,
                           int64_t N, int E, int k) = 0;
+  // Statistics built where the routing is (the GPU trainer): a sink that returns true here, with
+  // the QB histogram it wants for this layer (`bins` bins over [low, high), train/balance.h
+  // QbHistogramRange), gets on_routing_histogram INSTEAD of on_routing, so the [N, E] scores
+  // never leave the device. Callers that cannot build them ignore this (the CPU model).
+  virtual bool routing_histogram_range(int layer, double* low, double* high, int* bins) {
+    (void)layer, (void)low, (void)high, (void)bins;
+    return false;
+  }
+  // counts [E, bins]: this micro-batch's histogram of α_i − s_ij per expert, the bins of the CPU
+  // histogram estimator exactly (train/balance.h qb_histogram_accumulate); loads [E]: its routed
+  // (token, slot) pairs per expert; N tokens.
+  virtual void on_routing_histogram(int layer, const int64_t* counts, const int64_t* loads,
+                                    int64_t N, int E, int k) {
+    (void)layer, (void)counts, (void)loads, (void)N, (void)E, (void)k;
+  }
 };
 
 struct ForwardOptions {

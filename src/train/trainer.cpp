@@ -148,6 +148,13 @@ class BalanceCollector : public RoutingSink {
     weights_ = weights;
     state_ = state;
   }
+  // QB with the histogram estimator on the GPU (one batch, no refinement): the trainer asks the
+  // model for each layer's histogram and loads instead of its [N, E] scores. The range comes from
+  // the bias the forward routes with (weights' router_bias, uploaded after every update).
+  void use_device_histograms(const ModelWeights* weights, int bins) {
+    weights_ = weights;
+    bins_ = bins;
+  }
   // A new step whose routing arrives over `micro_batches` forwards.
   void begin_step(int64_t micro_batches) {
     wait_all();
@@ -155,6 +162,7 @@ class BalanceCollector : public RoutingSink {
     for (auto& l : layers_) {
       l.scores.clear();
       l.cutoff.clear();
+      l.counts.clear();
       l.loads.assign(size_t(E_), 0);
       l.tokens = 0;
       l.deliveries = 0;
@@ -170,8 +178,28 @@ class BalanceCollector : public RoutingSink {
     l.tokens += N;
     if (options_ && ++l.deliveries == micro_batches_) start_update(layer);
   }
+  bool routing_histogram_range(int layer, double* low, double* high, int* bins) override {
+    if (bins_ == 0) return false;
+    Layer& l = layers_[layer];
+    l.range = qb_histogram_range(weights_->layers[size_t(layer)].moe.router_bias, E_, bins_);
+    *low = l.range.low;
+    *high = l.range.high;
+    *bins = l.range.bins;
+    return true;
+  }
+  void on_routing_histogram(int layer, const int64_t* counts, const int64_t* loads, int64_t N,
+                            int E, int k) override {
+    (void)k;
+    Layer& l = layers_[layer];
+    const size_t n = size_t(E) * size_t(l.range.bins);
+    if (l.counts.empty()) l.counts.assign(n, 0);  // micro-batches of one step add
+    for (size_t i = 0; i < n; ++i) l.counts[i] += counts[i];
+    if (l.loads.empty()) l.loads.assign(size_t(E), 0);
+    for (int e = 0; e < E; ++e) l.loads[size_t(e)] += loads[e];
+    l.tokens += N;
+  }
   // Layer i's QB update of this step into bias and *state: the background result when one ran,
-  // else computed here.
+  // the histogram estimator's pick when the model built the histogram, else computed here.
   void quantile_update(int i, const BalanceOptions& options, BalanceLayerState* state,
                        float* bias) {
     Layer& l = layers_[size_t(i)];
@@ -181,11 +209,19 @@ class BalanceCollector : public RoutingSink {
       *state = std::move(l.new_state);
       return;
     }
+    if (!l.counts.empty()) {
+      std::vector<double> raw(static_cast<size_t>(E_));
+      if (qb_raw_bias_from_histogram(l.counts.data(), E_, k_, l.range, raw.data()) > 0)
+        qb_set_bias(raw.data(), E_, options, state, bias);
+      return;
+    }
     quantile_balance_update(l.scores.data(), l.cutoff.data(), l.tokens, E_, k_, options, state,
                             bias);
   }
   struct Layer {
     std::vector<float> scores, cutoff;
+    std::vector<int64_t> counts;  // [E, bins] when the model built the histogram
+    QbHistogramRange range;
     std::vector<int64_t> loads;
     int64_t tokens = 0, deliveries = 0;
     std::future<void> job;  // the background update (valid until applied or waited for)
@@ -221,6 +257,7 @@ class BalanceCollector : public RoutingSink {
   const ModelWeights* weights_ = nullptr;
   const std::vector<BalanceLayerState>* state_ = nullptr;
   int64_t micro_batches_ = 1;
+  int bins_ = 0;  // > 0: the model builds QB histograms of this many bins
 };
 
 // ---- small utilities -------------------------------------------------------------------------
@@ -446,6 +483,12 @@ TrainSummary train(const TrainerConfig& tc) {
   bo.window = grouped_routing ? 1 : tc.balance_window;
   std::vector<BalanceLayerState> bstate(size_t(mc.num_layers));
   BalanceCollector collector(mc);
+  // On the GPU the histogram estimator keeps each layer's routing on the device (the [N, E]
+  // scores of every MoE layer would otherwise cross to the host each micro-batch); the other QB
+  // forms run on background threads there.
+  if (tc.device == "cuda" && bo.rule == BalanceRule::Quantile &&
+      bo.estimator == QuantileEstimator::Histogram && bo.window == 1 && bo.refine_iterations == 0)
+    collector.use_device_histograms(&W, bo.histogram_bins);
   const bool background_balance =
       tc.balance_background > 0 || (tc.balance_background < 0 && tc.device == "cuda");
   if (background_balance && bo.rule == BalanceRule::Quantile)

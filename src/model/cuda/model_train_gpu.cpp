@@ -12,7 +12,9 @@
 #include "core/error.h"
 #include "model/cuda/layers.h"
 #include "model/residual.h"
+#include "train/balance.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/moe_layer_ops.h"
 #include "ops/cuda/residual_ops.h"
 
@@ -176,6 +178,32 @@ void GpuTrainModel::upload_router_biases() {
   }
 }
 
+void GpuTrainModel::report_routing_histogram(int layer, const MoeRoutingDevice& r, int64_t N,
+                                             int64_t E, int64_t k, const QbHistogramRange& range,
+                                             RoutingSink& sink) {
+  DM_CHECK(range.bins >= 1 && range.high > range.low, "GPU training: layer ", layer,
+           ": the balance sink asked for a bad histogram (", range.bins, " bins over [",
+           range.low, ", ", range.high, "))");
+  CUstream_st* stream = run().stream;
+  const size_t count_bytes = size_t(E) * size_t(range.bins) * sizeof(int64_t);
+  const size_t bytes = count_bytes + 256 + size_t(E) * sizeof(int64_t);
+  if (!route_stats_ || route_stats_->capacity() < bytes)
+    route_stats_ = std::make_unique<DeviceArena>(bytes + (bytes >> 2));
+  route_stats_->reset();
+  int64_t* counts = route_stats_->alloc<int64_t>(size_t(E) * size_t(range.bins));
+  int64_t* loads = route_stats_->alloc<int64_t>(size_t(E));
+  fill_zero_async(counts, count_bytes, stream);
+  fill_zero_async(loads, size_t(E) * sizeof(int64_t), stream);
+  qb_histogram_accumulate(r.scores, r.cutoff, N, int(E), range, counts, stream);
+  expert_loads_accumulate(r.idx, N, int(k), int(E), loads, stream);
+  route_counts_.resize(size_t(E) * size_t(range.bins));
+  route_loads_.resize(size_t(E));
+  copy_to_host_async(route_counts_.data(), counts, count_bytes, stream);
+  copy_to_host_async(route_loads_.data(), loads, size_t(E) * sizeof(int64_t), stream);
+  stream_synchronize(stream);
+  sink.on_routing_histogram(layer, route_counts_.data(), route_loads_.data(), N, int(E), int(k));
+}
+
 TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int64_t* targets,
                                                 const int32_t* doc_start, int64_t B, int64_t T,
                                                 double loss_scale, RoutingSink* sink,
@@ -334,7 +362,11 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         moe_layer_forward_gpu(run, dw_, Lw.moe, yn, m, N, want ? &r : nullptr,
                               MoeExpertsPath::Grouped, moe_kept[size_t(i)]);
       });
-      if (want) {
+      double low = 0, high = 0;
+      int bins = 0;
+      if (want && sink->routing_histogram_range(i, &low, &high, &bins)) {
+        report_routing_histogram(i, r, N, E, k, QbHistogramRange{low, high, bins}, *sink);
+      } else if (want) {
         route_scores_.resize(size_t(N * E));
         route_cutoff_.resize(size_t(N));
         route_idx_.resize(size_t(N * k));

@@ -24,6 +24,10 @@
 #include "model/cuda/layers.h"
 #include "model/model.h"
 
+namespace dm {
+struct QbHistogramRange;  // train/balance.h
+}  // namespace dm
+
 namespace dm::cuda {
 
 class GpuTrainModel {
@@ -37,7 +41,8 @@ class GpuTrainModel {
   // tokens, targets [B, T] (host; −1 = no loss), doc_start [B·T] (host, nullable) → the loss sums
   // of this micro-batch; gradients of Σ CE · loss_scale ACCUMULATE into grads(). `sink` receives
   // each MoE layer's routing (host copies: scores [N, E], cutoff [N], idx [N, k]) for Quantile
-  // Balancing. Synchronises the stream before returning. recompute = false: each KDA layer's
+  // Balancing, or, when it asks for them (RoutingSink::routing_histogram_range), the layer's QB
+  // histogram and expert loads built on the device. Synchronises the stream before returning. recompute = false: each KDA layer's
   // forward keeps its internals (q, k, v, g, β, the operator's chunk states, …: ~0.5 GB per
   // layer at T = 4096, d = 2048) and each MoE layer its routing, dispatch plan and expert
   // intermediates (~0.25 GB per layer there), so their backwards skip the recompute (and the
@@ -62,6 +67,10 @@ class GpuTrainModel {
 
  private:
   void ensure_capacity(int64_t B, int64_t T);
+  // The QB histogram and expert loads of one MoE layer's routing r, built on the device, copied
+  // to the host and handed to the sink (synchronises the stream).
+  void report_routing_histogram(int layer, const MoeRoutingDevice& r, int64_t N, int64_t E,
+                                int64_t k, const QbHistogramRange& range, RoutingSink& sink);
   void ensure_kept(int64_t B, int64_t T);
   ModelWeights& host_;
   DeviceWeights dw_;
@@ -75,6 +84,11 @@ class GpuTrainModel {
   // Host staging of one MoE layer's routing for the sink.
   std::vector<float> route_scores_, route_cutoff_;
   std::vector<int32_t> route_idx_;
+  // Sinks that take device-built statistics (RoutingSink::routing_histogram_range): the counts
+  // [E, bins] and loads [E] on the device (grown on demand, so steady steps do not allocate) and
+  // their host copies.
+  std::unique_ptr<DeviceArena> route_stats_;
+  std::vector<int64_t> route_counts_, route_loads_;
 };
 
 }  // namespace dm::cuda

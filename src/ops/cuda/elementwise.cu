@@ -166,18 +166,30 @@ void glu_check(const GluKernelParams& p, const char* who) {
 // One element of the GLU: h = a(g)·b(u) (SiTU: a = β1 tanh(g/β1) σ(g), b = β2 tanh(u/β2);
 // SwiGLU: a = g σ(g), b = u), and its gradients. Shared by the scalar and the 8-wide kernels so
 // both give the same bits.
-__device__ __forceinline__ float glu_value(float gate, float up, const GluKernelParams& p) {
+// The tanh arguments g/β1, u/β2 are taken as g·(1/β1), u·(1/β2) with the reciprocals formed once
+// per thread (glu_inverse_betas): an fp32 division per element and operand cost more issue
+// slots than the element's loads. (Exact for β1 = 4; within an ulp of the quotient otherwise.)
+struct GluInverseBetas {
+  float beta1, beta2;
+};
+__device__ __forceinline__ GluInverseBetas glu_inverse_betas(const GluKernelParams& p) {
+  return {1.0f / p.beta1, 1.0f / p.beta2};
+}
+
+__device__ __forceinline__ float glu_value(float gate, float up, const GluKernelParams& p,
+                                           const GluInverseBetas& inv) {
   const float sig = sigmoid_f32(gate);
-  return p.situ ? (p.beta1 * tanhf(gate / p.beta1) * sig) * (p.beta2 * tanhf(up / p.beta2))
+  return p.situ ? (p.beta1 * tanhf(gate * inv.beta1) * sig) * (p.beta2 * tanhf(up * inv.beta2))
                 : gate * sig * up;
 }
 
 __device__ __forceinline__ void glu_grads(float gate, float up, float d_h,
-                                          const GluKernelParams& p, float& d_gate, float& d_up) {
+                                          const GluKernelParams& p, const GluInverseBetas& inv,
+                                          float& d_gate, float& d_up) {
   const float sig = sigmoid_f32(gate);
   const float sig_complement = sigmoid_f32(-gate);  // 1 − σ(g) without cancellation
   if (p.situ) {
-    const float tanh_g = tanhf(gate / p.beta1), tanh_u = tanhf(up / p.beta2);
+    const float tanh_g = tanhf(gate * inv.beta1), tanh_u = tanhf(up * inv.beta2);
     const float gate_half = p.beta1 * tanh_g * sig;
     const float up_half = p.beta2 * tanh_u;
     // a'(g) = (1 − tanh²(g/β1))σ(g) + β1 tanh(g/β1) σ(g)(1 − σ(g)); b'(u) = 1 − tanh²(u/β2)
@@ -192,19 +204,22 @@ __device__ __forceinline__ void glu_grads(float gate, float up, float d_h,
 template <typename Storage>
 __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* h, int64_t n,
                                    GluKernelParams p) {
+  const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(h, i, glu_value(load_as_float(g, i), load_as_float(u, i), p));
+    store_from_float(h, i, glu_value(load_as_float(g, i), load_as_float(u, i), p, inv));
 }
 
 template <typename Storage>
 __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const Storage* dh,
                                     Storage* dg, Storage* du, int64_t n, GluKernelParams p) {
+  const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     // Every input of element i is read before dg[i] / du[i] are written: aliasing is safe.
     float d_gate, d_up;
-    glu_grads(load_as_float(g, i), load_as_float(u, i), load_as_float(dh, i), p, d_gate, d_up);
+    glu_grads(load_as_float(g, i), load_as_float(u, i), load_as_float(dh, i), p, inv, d_gate,
+              d_up);
     store_from_float(dg, i, d_gate);
     store_from_float(du, i, d_up);
   }
@@ -233,19 +248,21 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 
 __global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4* h, int64_t n8,
                                           GluKernelParams p) {
+  const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
     float gate[8], up[8], value[8];
     unpack8(g[i], gate);
     unpack8(u[i], up);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) value[e] = glu_value(gate[e], up[e], p);
+    for (int e = 0; e < 8; ++e) value[e] = glu_value(gate[e], up[e], p, inv);
     h[i] = pack8(value);
   }
 }
 
 __global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const uint4* dh,
                                            uint4* dg, uint4* du, int64_t n8, GluKernelParams p) {
+  const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
     float gate[8], up[8], d_h[8], d_gate[8], d_up[8];
@@ -253,7 +270,7 @@ __global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const
     unpack8(u[i], up);
     unpack8(dh[i], d_h);  // every input read before dg / du are written: aliasing is safe
 #pragma unroll
-    for (int e = 0; e < 8; ++e) glu_grads(gate[e], up[e], d_h[e], p, d_gate[e], d_up[e]);
+    for (int e = 0; e < 8; ++e) glu_grads(gate[e], up[e], d_h[e], p, inv, d_gate[e], d_up[e]);
     dg[i] = pack8(d_gate);
     du[i] = pack8(d_up);
   }

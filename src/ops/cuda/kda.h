@@ -112,5 +112,8 @@ void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // Synchronous (a symbol copy).
 void kda_stage4_phase_clock(bool enable);
 int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases);
+// The same for one block of the forward's tensor-core prepare stage.
+void kda_prepare_phase_clock(bool enable);
+int kda_prepare_phase_cycles(long long* cycles, const char** names, int max_phases);
 
 }  // namespace dm::cuda

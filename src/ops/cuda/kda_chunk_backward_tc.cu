@@ -770,12 +770,8 @@ void kda_stage4_phase_clock(bool enable) {
 int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases) {
   long long stamps[kda_detail::kPhaseStamps];
   DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, kda_detail::g_phase_clock, sizeof stamps));
-  const int n = std::min(max_phases, kda_detail::kPhaseStamps);
-  for (int i = 0; i < n; ++i) {
-    cycles[i] = stamps[i] - stamps[0];
-    names[i] = kda_detail::kPhaseNames[i];
-  }
-  return n;
+  return kda_detail::phase_cycles_since_start(stamps, kda_detail::kPhaseNames,
+                                              kda_detail::kPhaseStamps, cycles, names, max_phases);
 }
 
 namespace kda_detail {

@@ -27,6 +27,16 @@ namespace {
 constexpr int kWarps = kThreads / 32;
 constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
 
+// Phase clock (diagnostics, bench_cuda_kda --phases), as stage 4's: SM cycle stamps at the
+// phase boundaries of one block (the middle chunk of the first batch-head) while enabled. That
+// block alone adds a barrier before each stamp, so a stamp marks the whole block's progress.
+constexpr int kPreparePhaseStamps = 7;
+__device__ int g_prepare_clock_on;
+__device__ long long g_prepare_clock[kPreparePhaseStamps];
+const char* const kPreparePhaseNames[kPreparePhaseStamps] = {
+    "start", "rows, beta, segments", "norms, Gamma cumsum", "L, P across sub-blocks",
+    "L, P inside sub-blocks", "forward substitution", "workspace rows"};
+
 // Byte offsets of the shared buffers (each a multiple of 16 bytes).
 struct TcPrepareLayout {
   int ldk;  // fp32 Γ rows: KP + 4
@@ -73,6 +83,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t ch = bh * d.num_chunks + n;
   const int c_len = kda_chunk_length(d, n);
   auto token_row = [&](int i) { return kda_token_row(d, b, h, t0 + i); };
+  const bool block_stamping = g_prepare_clock_on && blockIdx.y == 0 && blockIdx.x == gridDim.x / 2;
+  auto stamp = [&](int phase) {  // block-uniform branch: the barrier is legal
+    if (!block_stamping) return;
+    __syncthreads();
+    if (tid == 0) g_prepare_clock[phase] = clock64();
+  };
+  stamp(0);
 
   // Adjacent channel pairs (c even): k̂, q̂ (incl. scale) from one 4-byte load, Γ likewise.
   auto key_hat2 = [&](int i, int c) {
@@ -105,10 +122,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j > i) lower_qk[i * kLdPair + j] = 0.0f;
   }
   __syncthreads();
+  stamp(1);
 
   // ---- 2. Inverse L2 norms (warp per row) and Γ = cumsum g (thread per column).
   kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, gam, ldk, d, query_inv, key_inv);
   __syncthreads();
+  stamp(2);
 
   // ---- 3. L and P across sub-blocks: task = (s, t) block × {L, P}; warp w takes tasks w, w + 8.
   for (int task = warp; task < 12; task += kWarps) {
@@ -133,6 +152,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       out[i * kLdPair + jj] = seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
     });
   }
+  stamp(3);
   // Inside a sub-block (j ≤ i): one exp per pair and channel, shared by L and P.
   for (int p = tid; p < kNumSubBlocks * kPairsPerSubBlock; p += kThreads) {
     const int block = p / kPairsPerSubBlock, r = p % kPairsPerSubBlock;
@@ -154,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     lower_qk[i * kLdPair + j] = same_segment ? query_key : 0.0f;
   }
   __syncthreads();
+  stamp(4);
 
   // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V], forward substitution with
   // a thread per column held in registers (the loops over the C = 64 rows are unrolled).
@@ -195,6 +216,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
 
+  stamp(5);
+
   // ---- 5. The workspace rows the state and output stages (and the backward) read.
   const int last_segment = seg[kChunk - 1];
   for (int idx = tid; idx < kChunk * KP / 2; idx += kThreads) {
@@ -216,6 +239,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   for (int col = tid; col < KP; col += kThreads)
     ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gam[(kChunk - 1) * ldk + col]) : 0.0f;
+  stamp(6);
 }
 
 }  // namespace
@@ -234,3 +258,20 @@ void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const 
 }
 
 }  // namespace dm::cuda::kda_detail
+
+namespace dm::cuda {
+
+void kda_prepare_phase_clock(bool enable) {
+  const int on = enable ? 1 : 0;
+  DM_CUDA_CHECK(cudaMemcpyToSymbol(kda_detail::g_prepare_clock_on, &on, sizeof on));
+}
+
+int kda_prepare_phase_cycles(long long* cycles, const char** names, int max_phases) {
+  long long stamps[kda_detail::kPreparePhaseStamps];
+  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, kda_detail::g_prepare_clock, sizeof stamps));
+  return kda_detail::phase_cycles_since_start(stamps, kda_detail::kPreparePhaseNames,
+                                              kda_detail::kPreparePhaseStamps, cycles, names,
+                                              max_phases);
+}
+
+}  // namespace dm::cuda

@@ -369,6 +369,18 @@ __device__ void block_matmul(int M, int N, int Kd, float alpha, const float* A, 
     }
 }
 
+// Phase-clock readout (bench_cuda_kda --phases): cycles[i] = stamps[i] − stamps[0] and the
+// phase names, for up to max_phases of the `count` stamps; returns how many were written.
+inline int phase_cycles_since_start(const long long* stamps, const char* const* table, int count,
+                                    long long* cycles, const char** names, int max_phases) {
+  const int n = max_phases < count ? max_phases : count;
+  for (int i = 0; i < n; ++i) {
+    cycles[i] = stamps[i] - stamps[0];
+    names[i] = table[i];
+  }
+  return n;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host helpers defined in kda_chunk.cu, shared with kda_chunk_backward.cu.
 

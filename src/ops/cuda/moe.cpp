@@ -88,6 +88,13 @@ void qb_raw_bias_from_histogram(const int64_t* counts, int E, int k,
                                  stream);
 }
 
+void expert_loads_accumulate(const int32_t* idx, int64_t N, int k, int E, int64_t* loads,
+                             CUstream_st* stream) {
+  DM_CHECK(N >= 0 && k >= 1 && E > 0 && E <= 8192, "expert_loads_accumulate (cuda): bad shape N=",
+           N, " k=", k, " E=", E);
+  moe_detail::launch_expert_loads(idx, N * k, E, loads, stream);
+}
+
 size_t quantile_balance_workspace_bytes(int E, int bins) {
   return round_up_256(size_t(E) * size_t(bins) * sizeof(int64_t)) +
          round_up_256(size_t(E) * sizeof(double));

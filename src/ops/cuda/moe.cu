@@ -196,6 +196,23 @@ __global__ void qb_histogram_kernel(const float* scores, const float* cutoff, in
   }
 }
 
+// Per block: counts of its pairs per expert in shared memory (E ≤ 8192), then one global add per
+// nonzero expert. Integer sums: the result does not depend on the order.
+__global__ void expert_loads_kernel(const int32_t* idx, int64_t pairs, int E,
+                                    unsigned long long* loads) {
+  extern __shared__ unsigned int block_loads[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) block_loads[e] = 0;
+  __syncthreads();
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int e = idx[p];
+    if (e >= 0 && e < E) atomicAdd(block_loads + e, 1u);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (block_loads[e] != 0) atomicAdd(loads + e, (unsigned long long)block_loads[e]);
+}
+
 // Value at 0-based position p of one expert's histogram (train/balance.cpp's estimator).
 __device__ double histogram_position_value(const int64_t* counts, int bins, double low,
                                            double width, int64_t p) {
@@ -477,6 +494,15 @@ void launch_qb_histogram(const float* scores, const float* cutoff, int64_t N, in
       scores, cutoff, N, E, low, inverse_width, bins,
       reinterpret_cast<unsigned long long*>(counts));
   check_last_error("qb_histogram_kernel");
+}
+
+void launch_expert_loads(const int32_t* idx, int64_t pairs, int E, int64_t* loads,
+                         CUstream_st* stream) {
+  if (pairs == 0) return;
+  const int blocks = int(std::min<int64_t>((pairs + 255) / 256, 512));
+  expert_loads_kernel<<<blocks, 256, size_t(E) * sizeof(unsigned int), stream>>>(
+      idx, pairs, E, reinterpret_cast<unsigned long long*>(loads));
+  check_last_error("expert_loads_kernel");
 }
 
 void launch_qb_raw_bias(const int64_t* counts, int E, int k, int bins, double low, double width,

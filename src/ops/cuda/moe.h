@@ -51,6 +51,10 @@ void qb_histogram_accumulate(const float* scores, const float* cutoff, int64_t N
 void qb_raw_bias_from_histogram(const int64_t* counts, int E, int k,
                                 const QbHistogramRange& range, double* raw_bias,
                                 CUstream_st* stream = nullptr);
+// loads [E] int64 += the number of (token, slot) pairs of idx [N, k] routed to each expert (ids
+// outside [0, E) skipped; the twin of train/balance.h expert_loads, which overwrites). E ≤ 8192.
+void expert_loads_accumulate(const int32_t* idx, int64_t N, int k, int E, int64_t* loads,
+                             CUstream_st* stream = nullptr);
 // Device scratch of quantile_balance_update_device: counts [E, bins] and raw_bias [E].
 size_t quantile_balance_workspace_bytes(int E, int bins);
 // One-call QB update with the histogram estimator (train/balance.h quantile_balance_update):

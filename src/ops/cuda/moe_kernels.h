@@ -22,6 +22,9 @@ void launch_route(const RouteProblem& p, const float* logits, const float* bias,
 
 // counts[E, bins] += histogram of r = cutoff_i − s_ij (double), bin = floor((r − low)·inv_width)
 // clamped to the edges; rows with a non-finite cutoff skipped (train/balance.h).
+// loads[e] += #{p < pairs : idx[p] == e} (expert_loads_accumulate).
+void launch_expert_loads(const int32_t* idx, int64_t pairs, int E, int64_t* loads,
+                         CUstream_st* stream);
 void launch_qb_histogram(const float* scores, const float* cutoff, int64_t N, int E, double low,
                          double inverse_width, int bins, int64_t* counts, CUstream_st* stream);
 // raw_bias[j] = interpolated value at 0-based position q = n·k/E of expert j's histogram

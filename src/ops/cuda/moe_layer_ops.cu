@@ -1,6 +1,7 @@
-// Kernels of moe_layer_ops.h (see there). Memory-bound element-wise work: one thread per element,
-// grid-stride, coalesced loads and stores.
+// Kernels of moe_layer_ops.h (see there). Memory-bound element-wise work: one thread per element
+// (four when the pointers allow 16-byte loads), grid-stride, coalesced loads and stores.
 #include <algorithm>
+#include <cstdint>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
@@ -18,6 +19,20 @@ __global__ void convert_f32_to_bf16_kernel(const float* x, uint16_t* y, int64_t 
     store_from_float(y, i, x[i]);
 }
 
+// n % 4 == 0, x 16-byte and y 8-byte aligned: one float4 in, four bf16 (8 bytes) out per step
+// (the scalar kernel moved 6 bytes per thread and step: 1.3 TB/s at 8M elements on the H200).
+__global__ void convert_f32_to_bf16_vec4_kernel(const float4* x, uint2* y, int64_t n4) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride) {
+    const float4 v = x[i];
+    const uint32_t lo = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.x))) |
+                        (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.y))) << 16);
+    const uint32_t hi = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.z))) |
+                        (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.w))) << 16);
+    y[i] = make_uint2(lo, hi);
+  }
+}
+
 }  // namespace
 
 void convert_f32_to_bf16(const float* x, uint16_t* y, int64_t n, CUstream_st* stream) {
@@ -25,6 +40,17 @@ void convert_f32_to_bf16(const float* x, uint16_t* y, int64_t n, CUstream_st* st
   if (n == 0) return;
   DM_CHECK(x && y, "convert_f32_to_bf16: null argument");
   // Enough blocks to fill the GPU; the grid-stride loop covers any n.
+  const auto aligned = [](const void* p, uintptr_t bytes) {
+    return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+  };
+  if (n % 4 == 0 && aligned(x, 16) && aligned(y, 8)) {
+    const int64_t n4 = n / 4;
+    const int blocks = int(std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536));
+    convert_f32_to_bf16_vec4_kernel<<<blocks, kThreads, 0, stream>>>(
+        reinterpret_cast<const float4*>(x), reinterpret_cast<uint2*>(y), n4);
+    DM_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const int blocks = int(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536));
   convert_f32_to_bf16_kernel<<<blocks, kThreads, 0, stream>>>(x, y, n);
   DM_CUDA_CHECK(cudaGetLastError());

@@ -40,27 +40,21 @@ __global__ void rmsnorm_to_bf16_kernel(const float* x, const float* w, __nv_bflo
 // for the scaling. One block per row is all a decode step has: there the scalar loop above spent
 // ~8.6 µs per 2304-wide row on dependent load latency.
 constexpr int kRowVec4 = 4;  // float4 per thread: rows up to 4·4·256 = 4096 wide
-__global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_to_bf16_vec4_kernel(const float* x, const float* w, __nv_bfloat16* y, int64_t D,
-                                float eps) {
-  __shared__ float reduce_scratch[32];
-  const int64_t D4 = D / 4;
-  const float4* row = reinterpret_cast<const float4*>(x + int64_t(blockIdx.x) * D);
-  const float4* weight = reinterpret_cast<const float4*>(w);
-  float4 xv[kRowVec4], wv[kRowVec4];
+
+// The norm half of the vec4 row kernels: xv/wv hold thread t's float4 chunks t, t + 256, … of
+// the row and of w (zeros past the row); y_row ← bf16(x · rsqrt(mean(x²) + eps) · w).
+__device__ __forceinline__ void rmsnorm_row_vec4_to_bf16(const float4 (&xv)[kRowVec4],
+                                                         const float4 (&wv)[kRowVec4], int64_t D,
+                                                         float eps, __nv_bfloat16* y_row,
+                                                         float* reduce_scratch) {
   float sum_squares = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kRowVec4; ++i) {
-    const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
-    xv[i] = j < D4 ? row[j] : make_float4(0.f, 0.f, 0.f, 0.f);
-    wv[i] = j < D4 ? weight[j] : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i)
     sum_squares += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
   sum_squares = block_sum(sum_squares, reduce_scratch);
   const float inverse_rms = rsqrtf(sum_squares / float(D) + eps);
-  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(y + int64_t(blockIdx.x) * D);
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(y_row);
+  const int64_t D4 = D / 4;
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i) {
     const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
@@ -72,7 +66,24 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// p += out, then the vec4 norm of p (same arithmetic as rmsnorm_to_bf16_vec4_kernel on the
+__global__ void __launch_bounds__(kRowThreads)
+    rmsnorm_to_bf16_vec4_kernel(const float* x, const float* w, __nv_bfloat16* y, int64_t D,
+                                float eps) {
+  __shared__ float reduce_scratch[32];
+  const int64_t D4 = D / 4;
+  const float4* row = reinterpret_cast<const float4*>(x + int64_t(blockIdx.x) * D);
+  const float4* weight = reinterpret_cast<const float4*>(w);
+  float4 xv[kRowVec4], wv[kRowVec4];
+#pragma unroll
+  for (int i = 0; i < kRowVec4; ++i) {
+    const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
+    xv[i] = j < D4 ? row[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    wv[i] = j < D4 ? weight[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  rmsnorm_row_vec4_to_bf16(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
+}
+
+// p += out, then the vec4 norm of p (the same norm code as rmsnorm_to_bf16_vec4_kernel on the
 // updated row, so the fused walk's rows equal the two-kernel walk's bit for bit).
 __global__ void __launch_bounds__(kRowThreads)
     add_rmsnorm_to_bf16_vec4_kernel(float* p, const float* out, const float* w,
@@ -83,7 +94,6 @@ __global__ void __launch_bounds__(kRowThreads)
   const float4* add = reinterpret_cast<const float4*>(out + int64_t(blockIdx.x) * D);
   const float4* weight = reinterpret_cast<const float4*>(w);
   float4 xv[kRowVec4], wv[kRowVec4];
-  float sum_squares = 0.0f;
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i) {
     const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
@@ -96,27 +106,27 @@ __global__ void __launch_bounds__(kRowThreads)
       row[j] = xv[i];
     }
   }
-#pragma unroll
-  for (int i = 0; i < kRowVec4; ++i)
-    sum_squares += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
-  sum_squares = block_sum(sum_squares, reduce_scratch);
-  const float inverse_rms = rsqrtf(sum_squares / float(D) + eps);
-  __nv_bfloat162* normed = reinterpret_cast<__nv_bfloat162*>(y + int64_t(blockIdx.x) * D);
-#pragma unroll
-  for (int i = 0; i < kRowVec4; ++i) {
-    const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
-    if (j >= D4) continue;
-    normed[2 * j] = __floats2bfloat162_rn(xv[i].x * inverse_rms * wv[i].x,
-                                          xv[i].y * inverse_rms * wv[i].y);
-    normed[2 * j + 1] = __floats2bfloat162_rn(xv[i].z * inverse_rms * wv[i].z,
-                                              xv[i].w * inverse_rms * wv[i].w);
-  }
+  rmsnorm_row_vec4_to_bf16(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
 }
 
 __global__ void add_inplace_kernel(float* dst, const float* src, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     dst[i] += src[i];
+}
+
+// n4 float4 elements (both pointers 16-byte aligned).
+__global__ void add_inplace_vec4_kernel(float4* dst, const float4* src, int64_t n4) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float4 a = dst[i];
+    const float4 b = src[i];
+    a.x += b.x;
+    a.y += b.y;
+    a.z += b.z;
+    a.w += b.w;
+    dst[i] = a;
+  }
 }
 
 // ---- Block AttnRes -----------------------------------------------------------------------------
@@ -716,6 +726,15 @@ void add_rmsnorm_to_bf16(float* p, const float* out, const float* w, uint16_t* y
 
 void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {
   if (n == 0) return;
+  if (n % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const int64_t n4 = n / 4;
+    const int blocks = int(n4 / 1024 + 1 < 4096 ? n4 / 1024 + 1 : 4096);
+    add_inplace_vec4_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float4*>(dst),
+                                                        reinterpret_cast<const float4*>(src), n4);
+    check_last_error("add_inplace");
+    return;
+  }
   const int blocks = int(n / 1024 + 1 < 4096 ? n / 1024 + 1 : 4096);
   add_inplace_kernel<<<blocks, 256, 0, stream>>>(dst, src, n);
   check_last_error("add_inplace");
