@@ -672,32 +672,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   stamp(11);
 
-  // E_i = dKe_i ⊙ Ke_i again (the stage-2 product; G is dead, slot b takes E). dq, dk through
-  // the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))) go from the registers to shared memory
-  // (slot c, dead since stage 3, and the three [C, C] matrices, dead too and contiguous), so
-  // that one block-wide coalesced pass adds dg, dq and dk to global memory at the end.
+  // E_i = dKe_i ⊙ Ke_i again (the stage-2 product; G is dead, slot b takes E), with dS' staged
+  // slab by slab in the three [C, C] matrices (dead since stage 3, contiguous) as in stage 2.
+  // Then dq, dk through the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))) go from the
+  // registers to shared memory (slot c, dead since stage 3, and the same three matrices once
+  // the product is done), so that one block-wide coalesced pass adds dg, dq and dk to global
+  // memory at the end.
   float* key_end_terms = slot_b;
   float* d_query_s = slot_c;                                                  // [C, ldw]
   float* d_key_s = reinterpret_cast<float*>(shared_bytes + l.d_lower_query_key);  // [C, ldw]
-  for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-    const float q_inv = query_inv[i], k_inv = key_inv[i];
-    const float q_raw = bf16_bits_to_float(query_raw[i * ldr + c]);
-    const float k_raw = bf16_bits_to_float(key_raw[i * ldr + c]);
-    d_query_s[i * ldw + c] = d.scale * q_inv * (acc_q[j][e4] - q_raw * q_inv * (dot_query[i] * q_inv));
-    d_key_s[i * ldw + c] = k_inv * (acc_k[j][e4] - k_raw * k_inv * (dot_key[i] * k_inv));
-  });
   {
+    float* slabs = nullptr;
+    if (VP % kSlab == 0 && 2 * KP * kSlabLd * 4 <= l.slot_a - l.d_lower_query_key) slabs = d_key_s;
     float acc[kMaxTiles][4];
     zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, tiles_k, 0, VP, [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); },
-        [&](int e, int nn) { return load_pair(d_state + (col0_k + nn) * VP + e); });
+    key_side_product<MmaPrecision::Tf32>(
+        acc, tiles_k, col0_k, KP, VP, d_state, slabs,
+        [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
           seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
       key_end_terms[i * ldw + c] = acc[j][e4] * decay_to_end * key_hat(i, c);
     });
   }
+  // (key_side_product ends with a barrier when it staged: the slabs are free for d_key_s.)
+  for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    const float q_inv = query_inv[i], k_inv = key_inv[i];
+    const float q_raw = bf16_bits_to_float(query_raw[i * ldr + c]);
+    const float k_raw = bf16_bits_to_float(key_raw[i * ldr + c]);
+    d_query_s[i * ldw + c] =
+        d.scale * q_inv * (acc_q[j][e4] - q_raw * q_inv * (dot_query[i] * q_inv));
+    d_key_s[i * ldw + c] = k_inv * (acc_k[j][e4] - k_raw * k_inv * (dot_key[i] * k_inv));
+  });
   __syncthreads();
   stamp(12);
 
