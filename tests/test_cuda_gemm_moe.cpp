@@ -88,12 +88,30 @@ TEST(CudaGemm, MatchesCpuGemmOnOddShapes) {
 // The few-row GEMV that GemmContext routes decode-sized linears to (gemv.h), called directly so
 // the test cannot fall through to cuBLAS: every row count it takes, outputs not a multiple of a
 // warp's columns, K with and without a remainder past the unrolled chunks, padded leading
-// dimensions, both output types, beta 0 and 0.5. Same tolerances as the cuBLAS test above.
+// dimensions, both output types, beta 0 and 0.5; each of its kernels (small K at K = 8, 64 and
+// 256; split K at two and, for an output count found here, four outputs per block). Same
+// tolerances as the cuBLAS test above.
 TEST(CudaGemm, FewRowGemvMatchesCpuGemm) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  // An output count at which one row of x takes four outputs per block (K = 1024).
+  int64_t wide_N = 0;
+  for (int64_t N = 256; N <= (int64_t(1) << 16) && wide_N == 0; N += 256) {
+    const cuda::GemvOutput o{nullptr, 1024, N, nullptr, cuda::GemmOutType::F32, N};
+    if (cuda::gemv_columns_per_block(1, 1024, &o, 1) == 4) wide_N = N;
+  }
+  ASSERT_GT(wide_N, 0) << "no output count picks four outputs per block";
+  const cuda::GemvOutput small{nullptr, 64, 40, nullptr, cuda::GemmOutType::F32, 40};
+  EXPECT_EQ(cuda::gemv_columns_per_block(1, 64, &small, 1), 0);
+  EXPECT_EQ(cuda::gemv_columns_per_block(1, 136, &small, 1), 2);
   uint32_t seed = 900;
   for (int64_t M = 1; M <= cuda::kGemvMaxRows; ++M) {
-    for (auto [N, K] : {std::pair<int64_t, int64_t>{1, 8}, {7, 136}, {1000, 2304}, {33, 4104}}) {
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{1, 8},
+                        {7, 136},
+                        {1000, 2304},
+                        {33, 4104},
+                        {40, 64},
+                        {515, 256},
+                        {wide_N + 3, 1024}}) {
       for (auto out : {cuda::GemmOutType::F32, cuda::GemmOutType::Bf16}) {
         for (float beta : {0.0f, 0.5f}) {
           SCOPED_TRACE(str_cat("M=", M, " N=", N, " K=", K,
@@ -102,7 +120,8 @@ TEST(CudaGemm, FewRowGemvMatchesCpuGemm) {
           const Bf16Host x = random_bf16(size_t(M * ldx), seed++);
           const Bf16Host w = random_bf16(size_t(N * ldw), seed++);
           const Bf16Host y0 = random_bf16(size_t(M * ldy), seed++);
-          cuda::DeviceArena arena(size_t(32) << 20);
+          cuda::DeviceArena arena(size_t(N * ldw) * 2 + size_t(M * (ldx + ldy)) * 4 +
+                                  (size_t(16) << 20));
           const uint16_t* x_dev = upload(arena, x.bits);
           const uint16_t* w_dev = upload(arena, w.bits);
           void* y_dev = out == cuda::GemmOutType::F32 ? static_cast<void*>(upload(arena, y0.values))
@@ -131,41 +150,48 @@ TEST(CudaGemm, FewRowGemvMatchesCpuGemm) {
 // different widths (one empty, one narrower than a block's columns) and types, every row count.
 TEST(CudaGemm, GemvManyMatchesCpuGemm) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  const int64_t K = 1048;
-  const std::vector<std::pair<int64_t, cuda::GemmOutType>> widths = {
-      {4096, cuda::GemmOutType::Bf16}, {1, cuda::GemmOutType::F32}, {0, cuda::GemmOutType::F32},
-      {130, cuda::GemmOutType::F32}, {33, cuda::GemmOutType::Bf16}};
-  uint32_t seed = 950;
-  for (int64_t M = 1; M <= cuda::kGemvMaxRows; ++M) {
-    SCOPED_TRACE(str_cat("M=", M));
-    cuda::DeviceArena arena(size_t(64) << 20);
-    const Bf16Host x = random_bf16(size_t(M * K), seed++);
-    const uint16_t* x_dev = upload(arena, x.bits);
-    std::vector<Bf16Host> weights;
-    std::vector<cuda::GemvOutput> outputs;
-    for (const auto& [N, type] : widths) {
-      weights.push_back(random_bf16(size_t(std::max<int64_t>(N, 1) * K), seed++));
-      void* y = type == cuda::GemmOutType::F32
-                    ? static_cast<void*>(test::mla::alloc_poisoned<float>(arena, size_t(M * std::max<int64_t>(N, 1))))
-                    : static_cast<void*>(test::mla::alloc_poisoned<uint16_t>(arena, size_t(M * std::max<int64_t>(N, 1))));
-      outputs.push_back(cuda::GemvOutput{upload(arena, weights.back().bits), K, N, y, type, N});
-    }
-    cuda::launch_gemv_bf16_many(M, K, x_dev, K, outputs.data(), int(outputs.size()), nullptr);
-    cuda::synchronize();
-    for (size_t i = 0; i < widths.size(); ++i) {
-      const auto [N, type] = widths[i];
-      if (N == 0) continue;
-      SCOPED_TRACE(str_cat("output ", i, " N=", N));
-      std::vector<float> y(size_t(M * N), 0.0f);
-      gemm(false, true, M, N, K, 1.0f, x.values.data(), K, weights[i].values.data(), K, 0.0f,
-           y.data(), N);
-      const std::vector<float> gpu =
-          type == cuda::GemmOutType::F32
-              ? download(static_cast<float*>(outputs[i].y), y.size())
-              : test::mla::bf16_bits_to_floats(download(static_cast<uint16_t*>(outputs[i].y), y.size()));
-      ASSERT_TRUE(test::mla::all_finite(gpu));
-      EXPECT_LE(test::rel_rms(gpu.data(), y.data(), y.size()),
-                type == cuda::GemmOutType::F32 ? 1e-5 : 1e-2);
+  for (const int64_t K : {1048, 128}) {  // split K; small K
+    SCOPED_TRACE(str_cat("K=", K));
+    const std::vector<std::pair<int64_t, cuda::GemmOutType>> widths = {
+        {4096, cuda::GemmOutType::Bf16},
+        {1, cuda::GemmOutType::F32},
+        {0, cuda::GemmOutType::F32},
+        {130, cuda::GemmOutType::F32},
+        {33, cuda::GemmOutType::Bf16}};
+    uint32_t seed = 950;
+    for (int64_t M = 1; M <= cuda::kGemvMaxRows; ++M) {
+      SCOPED_TRACE(str_cat("M=", M));
+      cuda::DeviceArena arena(size_t(64) << 20);
+      const Bf16Host x = random_bf16(size_t(M * K), seed++);
+      const uint16_t* x_dev = upload(arena, x.bits);
+      std::vector<Bf16Host> weights;
+      std::vector<cuda::GemvOutput> outputs;
+      for (const auto& [N, type] : widths) {
+        weights.push_back(random_bf16(size_t(std::max<int64_t>(N, 1) * K), seed++));
+        void* y = type == cuda::GemmOutType::F32
+                      ? static_cast<void*>(test::mla::alloc_poisoned<float>(
+                            arena, size_t(M * std::max<int64_t>(N, 1))))
+                      : static_cast<void*>(test::mla::alloc_poisoned<uint16_t>(
+                            arena, size_t(M * std::max<int64_t>(N, 1))));
+        outputs.push_back(cuda::GemvOutput{upload(arena, weights.back().bits), K, N, y, type, N});
+      }
+      cuda::launch_gemv_bf16_many(M, K, x_dev, K, outputs.data(), int(outputs.size()), nullptr);
+      cuda::synchronize();
+      for (size_t i = 0; i < widths.size(); ++i) {
+        const auto [N, type] = widths[i];
+        if (N == 0) continue;
+        SCOPED_TRACE(str_cat("output ", i, " N=", N));
+        std::vector<float> y(size_t(M * N), 0.0f);
+        gemm(false, true, M, N, K, 1.0f, x.values.data(), K, weights[i].values.data(), K, 0.0f,
+             y.data(), N);
+        const std::vector<float> gpu = type == cuda::GemmOutType::F32
+                                           ? download(static_cast<float*>(outputs[i].y), y.size())
+                                           : test::mla::bf16_bits_to_floats(download(
+                                                 static_cast<uint16_t*>(outputs[i].y), y.size()));
+        ASSERT_TRUE(test::mla::all_finite(gpu));
+        EXPECT_LE(test::rel_rms(gpu.data(), y.data(), y.size()),
+                  type == cuda::GemmOutType::F32 ? 1e-5 : 1e-2);
+      }
     }
   }
 }

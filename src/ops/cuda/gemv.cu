@@ -6,7 +6,9 @@
 // rounds and a [2304, 4096] weight streamed at 1.5 TB/s.) x's matching chunks hit L1: every warp
 // of the block reads the same x. fp32 sums, reduced across the warp with shuffles and across
 // the warps in shared memory. The weights are read with evict-first loads: nothing in one decode
-// step reads a weight twice.
+// step reads a weight twice. When two outputs per block would need a second, nearly empty wave
+// of blocks, a block takes four. Small K (≤ 256, K/8 a power of two) goes to its own kernel:
+// a row per K/8 adjacent lanes, several rows per thread.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,9 +24,11 @@ namespace dm::cuda {
 namespace {
 
 constexpr int kWarps = 4;   // K ranges per block
-constexpr int kCols = 2;    // outputs per block
 constexpr int kUnroll = 4;  // 16-byte chunks per lane and column in one step
 constexpr int kChunk = 8;   // bf16 per 16-byte load
+// Small K (gemv_small_k_kernel): rows per thread, each one 16-byte load in flight.
+constexpr int kSmallKRowsPerThread = 4;
+constexpr int kSmallKMaxK = 32 * kChunk;  // a row's chunks fit one warp
 
 __device__ __forceinline__ float bf16_lo(uint32_t bits) { return __uint_as_float(bits << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t bits) {
@@ -51,7 +55,8 @@ __device__ __forceinline__ void store_out(__nv_bfloat16* y, float v, float beta)
 }
 
 // The products of one launch (gemv.h GemvOutput), with the first block of each: blocks
-// [block_begin[i], block_begin[i + 1]) compute kCols outputs each of product i.
+// [block_begin[i], block_begin[i + 1]) compute the outputs of product i (kCols or, for small K,
+// a block's rows each).
 struct GemvBatch {
   const uint16_t* W[kGemvMaxOutputs];
   void* y[kGemvMaxOutputs];
@@ -61,7 +66,7 @@ struct GemvBatch {
   int count;
 };
 
-template <int kRows>
+template <int kRows, int kCols>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_bf16_kernel(const uint16_t* __restrict__ x, int64_t ldx, int64_t K, float alpha,
                      float beta, const GemvBatch batch) {
@@ -132,22 +137,169 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <int kRows>
-void launch_rows(int64_t K, float alpha, const uint16_t* x, int64_t ldx, float beta,
-                 const GemvBatch& batch, CUstream_st* stream) {
-  gemv_bf16_kernel<kRows><<<batch.block_begin[batch.count], kWarps * 32, 0, stream>>>(
-      x, ldx, K, alpha, beta, batch);
-  check_last_error("gemv_bf16_kernel");
+// Small K (K ≤ kSmallKMaxK, K/8 a power of two): a row's kLanes = K/8 chunks take kLanes
+// adjacent lanes, so a warp covers 32/kLanes consecutive rows per pass and every lane loads;
+// each thread takes kSmallKRowsPerThread rows, their loads in flight together. Sums: shuffles
+// within each lane segment, in a fixed order. (The split-K kernel above left 28 of a warp's 32
+// lanes idle at K = 128, the KDA gates' up-projections, and ran two waves of 2048 blocks.)
+template <int kRows, int kLanes>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_small_k_kernel(const uint16_t* __restrict__ x, int64_t ldx, float alpha, float beta,
+                        const GemvBatch batch) {
+  constexpr int kRowsPerPass = 32 / kLanes;
+  constexpr int kBlockRows = kWarps * kRowsPerPass * kSmallKRowsPerThread;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunk = lane % kLanes, slot = lane / kLanes;
+  int target = 0;
+  while (target + 1 < batch.count && int(blockIdx.x) >= batch.block_begin[target + 1]) ++target;
+  const uint16_t* __restrict__ W = batch.W[target];
+  const int64_t ldw = batch.ldw[target], N = batch.N[target], ldy = batch.ldy[target];
+  const int64_t row0 = int64_t(int(blockIdx.x) - batch.block_begin[target]) * kBlockRows;
+  int64_t rows[kSmallKRowsPerThread];
+  uint4 wv[kSmallKRowsPerThread];
+#pragma unroll
+  for (int u = 0; u < kSmallKRowsPerThread; ++u) {
+    rows[u] = row0 + (u * kWarps + warp) * kRowsPerPass + slot;
+    // A row past N re-reads the last row (in bounds) and is not written.
+    const int64_t row = rows[u] < N ? rows[u] : N - 1;
+    wv[u] = __ldcs(reinterpret_cast<const uint4*>(W + row * ldw) + chunk);
+  }
+  float acc[kRows][kSmallKRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + r * ldx) + chunk);
+#pragma unroll
+    for (int u = 0; u < kSmallKRowsPerThread; ++u) acc[r][u] = dot8(xv, wv[u], 0.0f);
+  }
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < kSmallKRowsPerThread; ++u)
+        acc[r][u] += __shfl_xor_sync(0xffffffffu, acc[r][u], o);
+  if (chunk != 0) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int u = 0; u < kSmallKRowsPerThread; ++u) {
+      if (rows[u] >= N) continue;
+      const int64_t at = r * ldy + rows[u];
+      if (batch.f32[target])
+        store_out(static_cast<float*>(batch.y[target]) + at, alpha * acc[r][u], beta);
+      else
+        store_out(static_cast<__nv_bfloat16*>(batch.y[target]) + at, alpha * acc[r][u], beta);
+    }
 }
 
-void launch_batch(int64_t M, int64_t K, float alpha, const uint16_t* x, int64_t ldx, float beta,
-                  const GemvBatch& batch, CUstream_st* stream) {
+// How one launch covers its products: the small-K kernel with kLanes = K/8, or the split-K
+// kernel with `cols` outputs per block.
+struct GemvShape {
+  bool small_k = false;
+  int lanes = 0, cols = 2;
+  int64_t outputs_per_block() const {
+    return small_k ? int64_t(kWarps) * (32 / lanes) * kSmallKRowsPerThread : cols;
+  }
+};
+
+template <int kRows, int kCols>
+int resident_blocks() {  // per GPU, for one launch of gemv_bf16_kernel<kRows, kCols>
+  static const int blocks = [] {
+    int device = 0, sms = 0, per_sm = 0;
+    DM_CUDA_CHECK(cudaGetDevice(&device));
+    DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    DM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, gemv_bf16_kernel<kRows, kCols>, kWarps * 32, 0));
+    return sms * per_sm;
+  }();
+  return blocks;
+}
+
+template <int kRows>
+int resident_blocks(int cols) {
+  return cols == 4 ? resident_blocks<kRows, 4>() : resident_blocks<kRows, 2>();
+}
+
+int resident_blocks(int64_t M, int cols) {
+  switch (M) {
+    case 1:
+      return resident_blocks<1>(cols);
+    case 2:
+      return resident_blocks<2>(cols);
+    case 3:
+      return resident_blocks<3>(cols);
+    default:
+      return resident_blocks<4>(cols);
+  }
+}
+
+// Small K when a row's chunks divide a warp. Otherwise two outputs per block, unless that grid
+// needs a second wave that four outputs per block would avoid: the second wave of a
+// latency-bound GEMV costs as much as the first (N = 2304: 1152 blocks against 1056 resident at
+// two outputs per block on an H200).
+GemvShape choose_shape(int64_t M, int64_t K, const GemvOutput* outputs, int count) {
+  GemvShape shape;
+  const int64_t chunks = K / kChunk;
+  if (K <= kSmallKMaxK && (chunks & (chunks - 1)) == 0) {
+    shape.small_k = true;
+    shape.lanes = int(chunks);
+    return shape;
+  }
+  auto blocks_at = [&](int cols) {
+    int64_t b = 0;
+    for (int i = 0; i < count; ++i) b += (outputs[i].N + cols - 1) / cols;
+    return b;
+  };
+  if (blocks_at(2) > resident_blocks(M, 2) && blocks_at(4) <= resident_blocks(M, 4)) shape.cols = 4;
+  return shape;
+}
+
+template <int kRows>
+void launch_rows(const GemvShape& shape, float alpha, const uint16_t* x, int64_t ldx, int64_t K,
+                 float beta, const GemvBatch& batch, CUstream_st* stream) {
+  const unsigned grid = unsigned(batch.block_begin[batch.count]);
+  if (!shape.small_k) {
+    if (shape.cols == 4)
+      gemv_bf16_kernel<kRows, 4><<<grid, kWarps * 32, 0, stream>>>(x, ldx, K, alpha, beta, batch);
+    else
+      gemv_bf16_kernel<kRows, 2><<<grid, kWarps * 32, 0, stream>>>(x, ldx, K, alpha, beta, batch);
+    check_last_error("gemv_bf16_kernel");
+    return;
+  }
+  switch (shape.lanes) {
+#define DM_GEMV_SMALL_K(L)                                                                       \
+  case L:                                                                                        \
+    gemv_small_k_kernel<kRows, L><<<grid, kWarps * 32, 0, stream>>>(x, ldx, alpha, beta, batch); \
+    break;
+    DM_GEMV_SMALL_K(1)
+    DM_GEMV_SMALL_K(2)
+    DM_GEMV_SMALL_K(4)
+    DM_GEMV_SMALL_K(8)
+    DM_GEMV_SMALL_K(16)
+    DM_GEMV_SMALL_K(32)
+#undef DM_GEMV_SMALL_K
+    default:
+      throw Error(str_cat("gemv: no small-K kernel for K = ", K));
+  }
+  check_last_error("gemv_small_k_kernel");
+}
+
+void launch_batch(const GemvShape& shape, int64_t M, int64_t K, float alpha, const uint16_t* x,
+                  int64_t ldx, float beta, const GemvBatch& batch, CUstream_st* stream) {
   if (batch.block_begin[batch.count] == 0) return;
   switch (M) {
-    case 1: launch_rows<1>(K, alpha, x, ldx, beta, batch, stream); break;
-    case 2: launch_rows<2>(K, alpha, x, ldx, beta, batch, stream); break;
-    case 3: launch_rows<3>(K, alpha, x, ldx, beta, batch, stream); break;
-    default: launch_rows<4>(K, alpha, x, ldx, beta, batch, stream); break;
+    case 1:
+      launch_rows<1>(shape, alpha, x, ldx, K, beta, batch, stream);
+      break;
+    case 2:
+      launch_rows<2>(shape, alpha, x, ldx, K, beta, batch, stream);
+      break;
+    case 3:
+      launch_rows<3>(shape, alpha, x, ldx, K, beta, batch, stream);
+      break;
+    default:
+      launch_rows<4>(shape, alpha, x, ldx, K, beta, batch, stream);
+      break;
   }
 }
 
@@ -170,6 +322,11 @@ bool gemv_applies(int64_t M, int64_t K, const uint16_t* x, int64_t ldx, const ui
          ldw % kChunk == 0 && aligned16(x) && aligned16(W) && gemv_enabled();
 }
 
+int gemv_columns_per_block(int64_t M, int64_t K, const GemvOutput* outputs, int count) {
+  const GemvShape shape = choose_shape(M, K, outputs, count);
+  return shape.small_k ? 0 : shape.cols;
+}
+
 void launch_gemv_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* x,
                       int64_t ldx, const uint16_t* W, int64_t ldw, float beta, void* y,
                       GemmOutType y_type, int64_t ldy, CUstream_st* stream) {
@@ -184,6 +341,8 @@ void launch_gemv_bf16_many(int64_t M, int64_t K, const uint16_t* x, int64_t ldx,
            " outputs (1 to ", kGemvMaxOutputs, ")");
   GemvBatch batch{};
   batch.count = count;
+  const GemvShape shape = choose_shape(M, K, outputs, count);
+  const int64_t per_block = shape.outputs_per_block();
   int64_t blocks = 0;
   for (int i = 0; i < count; ++i) {
     const GemvOutput& o = outputs[i];
@@ -198,11 +357,11 @@ void launch_gemv_bf16_many(int64_t M, int64_t K, const uint16_t* x, int64_t ldx,
     batch.ldy[i] = o.ldy;
     batch.f32[i] = o.y_type == GemmOutType::F32;
     batch.block_begin[i] = int(blocks);
-    blocks += (o.N + kCols - 1) / kCols;
+    blocks += (o.N + per_block - 1) / per_block;
   }
   DM_CHECK(blocks < (int64_t(1) << 31), "launch_gemv_bf16: ", blocks, " blocks");
   batch.block_begin[count] = int(blocks);
-  launch_batch(M, K, alpha, x, ldx, beta, batch, stream);
+  launch_batch(shape, M, K, alpha, x, ldx, beta, batch, stream);
 }
 
 }  // namespace dm::cuda

@@ -3,8 +3,9 @@
 // like gemm.h. At batch 1 every linear layer of a decode step is such a product: it reads the
 // whole weight once and does 2 FLOP per weight, so it is bound by HBM bandwidth alone. cuBLASLt's
 // heuristic picks tensor-core tiles for these shapes that reach 0.4–2.7 TB/s of the H200's
-// ~4.2 (measured under ncu, Kimi-Linear-48B shapes). Here a block owns two outputs, its warps
-// split K, and every 16-byte load of the weight rows is issued at once. Sums: warp shuffles, then
+// ~4.2 (measured under ncu, Kimi-Linear-48B shapes). Here a block owns two (or four) outputs,
+// its warps split K, and every 16-byte load of the weight rows is issued at once; K ≤ 256 has
+// its own kernel (a row per K/8 lanes). Sums: warp shuffles, then
 // shared memory in a fixed order, so results are deterministic. A decode step at 1 × 32K took
 // 3.85 ms with it against 4.7 ms with cuBLASLt (docs/benchmarks.md).
 // GemmContext::gemm_bf16 routes here by itself (gemv_applies), unless DM_GEMV=cublas.
@@ -47,5 +48,9 @@ struct GemvOutput {
 void launch_gemv_bf16_many(int64_t M, int64_t K, const uint16_t* x, int64_t ldx,
                            const GemvOutput* outputs, int count, CUstream_st* stream,
                            float alpha = 1.0f, float beta = 0.0f);
+
+// The kernel launch_gemv_bf16_many picks for these products (tests and benchmarks): 0 = the
+// small-K kernel, else the split-K kernel's outputs per block (2 or 4).
+int gemv_columns_per_block(int64_t M, int64_t K, const GemvOutput* outputs, int count);
 
 }  // namespace dm::cuda
