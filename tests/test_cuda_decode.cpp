@@ -400,8 +400,9 @@ std::vector<int32_t> shared_routing(int64_t N, int k, int E, uint32_t seed) {
 
 // Against the grouped experts (moe_experts_forward, cuBLAS grouped GEMMs) and the CPU reference
 // on the same bf16 values: N = 1, 3, 64 tokens, k = 2 and 8, E = 16 and 64, SwiGLU and SiTU,
-// fp32 and bf16 outputs. Din = 520 (65 chunks of 16 bytes: lanes loop three times) and F = 264
-// (a partly idle last block) exercise the tails.
+// fp32 and bf16 outputs; up to 32 pairs the warp plan against the plan kernel, bit for bit. Din =
+// 520 (65 chunks of 16 bytes: lanes loop three times) and F = 264 (a partly idle last block)
+// exercise the tails.
 TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
   DM_SKIP_WITHOUT_GPU();
   namespace mla = test::mla;
@@ -480,6 +481,15 @@ TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
     ASSERT_TRUE(mla::all_finite(gathered));
     EXPECT_EQ(std::memcmp(first.data(), gathered.data(), gathered.size() * sizeof(float)), 0)
         << "not deterministic";
+    // Up to 32 pairs each warp plans for itself; the plan kernel must give the same bits.
+    cuda::moe_decode_force_plan_kernel(true);
+    cuda::moe_decode_experts_forward(x_dev, idx_dev, w_dev, N, k, ew, params, y_gathered, out,
+                                     gathered_ws);
+    cuda::synchronize();
+    cuda::moe_decode_force_plan_kernel(false);
+    const std::vector<float> planned = download_y(y_gathered);
+    EXPECT_EQ(std::memcmp(planned.data(), gathered.data(), gathered.size() * sizeof(float)), 0)
+        << "the warp plan and the plan kernel differ";
     const double vs_grouped = test::rel_rms(gathered.data(), grouped.data(), gathered.size());
     const double vs_cpu = test::rel_rms(gathered.data(), y_cpu.data(), gathered.size());
     const double grouped_vs_cpu = test::rel_rms(grouped.data(), y_cpu.data(), grouped.size());

@@ -4,8 +4,8 @@
 //   KDA (model/kda.cpp kda_layer_decode):
 //     raw_{q,k,v} = W_{q,k,v} x                                   [n, H·K] bf16
 //     q, k, v = SiLU(conv(tail_slot ; raw)), tail_slot advances     (decode_kda_conv_step)
-//     g = gate(W_f↑ W_f↓ x), β = sigmoid(W_β x)
 //     o = KDA recurrent step, T = 1, state in place (s0 == sT)     [n, H, K] bf16, fp32 state
+//         with g = gate(W_f↑ W_f↓ x), β = sigmoid(W_β x) applied inside its kernel
 //     y = W_o [RMSNorm(o_h)·o_norm ⊙ sigmoid(G x)_h]
 //   MLA (model/mla_decode.cpp mla_layer_decode), Wd = kvl + rope:
 //     q = W_qb RMSNorm(W_qa x) (or W_q x)                         [n, H, nope + rope] bf16

@@ -35,7 +35,7 @@ struct Carver {
 
 inline bool rope_on(const MlaConfig& m) { return m.use_rope && m.qk_rope_dim > 0; }
 
-// KDA step temporaries. raw[0] later holds g (in place, once the conv has read it).
+// KDA step temporaries. raw[0] later holds the gate input f (once the conv has read it).
 struct KdaStepBuffers {
   uint16_t* raw[3] = {};  // [n, H·K] W_{q,k,v} x
   uint16_t* qkv[3] = {};  // [n, H·K] SiLU(conv)
@@ -43,7 +43,6 @@ struct KdaStepBuffers {
   uint16_t* low_gate = nullptr;     // [n, K]   W_g↓ x (low-rank output gate)
   uint16_t* out_gate = nullptr;     // [n, H·K] the output gate's logits
   float* beta_logits = nullptr;     // [n, H]
-  uint16_t* beta = nullptr;         // [n, H]
   uint16_t* o = nullptr;            // [n, H·K]
 };
 KdaStepBuffers carve_kda(Carver& cv, const ModelConfig& c, int64_t n);

@@ -23,7 +23,6 @@ KdaStepBuffers carve_kda(Carver& cv, const ModelConfig& c, int64_t n) {
   b.low_gate = cv.take<uint16_t>(n * K);
   b.out_gate = cv.take<uint16_t>(n * HK);
   b.beta_logits = cv.take<float>(n * H);
-  b.beta = cv.take<uint16_t>(n * H);
   b.o = cv.take<uint16_t>(n * HK);
   return b;
 }
@@ -98,16 +97,21 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   }
   decode_kda_conv_step(args, rows.slots, n, HK, c.kda.conv_kernel, stream);
 
-  // g = gate(W_f↑ W_f↓ x) in place in raw[0] (free after the conv); β = sigmoid(logits).
-  uint16_t* g = b.raw[0];
-  linear(run, b.low, dw.bf16(w.f_b), n, K, HK, g, GemmOutType::Bf16);
-  kda_gate_forward(g, dw.f32(w.A_log), dw.f32(w.dt_bias), g, n, H, K,
-                  c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
-  kda_beta_sigmoid_forward(b.beta_logits, b.beta, n * H, stream);
+  // The gate's input W_f↑ W_f↓ x in raw[0] (free after the conv).
+  uint16_t* f = b.raw[0];
+  linear(run, b.low, dw.bf16(w.f_b), n, K, HK, f, GemmOutType::Bf16);
 
-  // The recurrent operator, T = 1, row r against slot slots[r]'s state in place.
+  // The recurrent operator, T = 1, row r against slot slots[r]'s state in place; it applies
+  // the decay gate to f and β = sigmoid(logits) itself.
+  KdaStepGates gates;
+  gates.f = f;
+  gates.A_log = dw.f32(w.A_log);
+  gates.dt_bias = dw.f32(w.dt_bias);
+  gates.beta_logits = b.beta_logits;
+  gates.safe_gate = c.kda.gate == KdaGateKind::Safe;
+  gates.lower_bound = c.kda.gate_lower_bound;
   const float scale = 1.0f / std::sqrt(float(K));
-  decode_kda_recurrent_step(b.qkv[0], b.qkv[1], b.qkv[2], g, b.beta, kda_state_[size_t(layer)],
+  decode_kda_recurrent_step(b.qkv[0], b.qkv[1], b.qkv[2], gates, kda_state_[size_t(layer)],
                             rows.slots, b.o, n, H, K, K, scale, stream);
 
   // Per-head RMSNorm ⊙ sigmoid(output gate) in place, then W_o (fp32 out).

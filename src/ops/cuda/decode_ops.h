@@ -50,10 +50,21 @@ void decode_kda_conv_step(const KdaConvStepArgs& a, const int32_t* slots, int64_
 // launch for any set of distinct slots (the slot → row mapping is data, so a captured CUDA graph
 // serves every set of n active slots). K ≤ kKdaCudaRecurrentMaxK. Implemented in
 // kda_recurrent.cu (the same kernel).
+// The gate and β arrive raw and are applied inside the step's kernel (two launches fewer per
+// KDA layer): g = kda_gate_forward's formula of f and β = σ(z), each rounded to bf16 as those
+// two kernels store them, so the step sees the same bits as after them.
+struct KdaStepGates {
+  const uint16_t* f = nullptr;         // [n, H·K] bf16: the gate's low-rank up-projection
+  const float* A_log = nullptr;        // [H]
+  const float* dt_bias = nullptr;      // [H·K]
+  const float* beta_logits = nullptr;  // [n, H] fp32
+  bool safe_gate = false;
+  float lower_bound = 0.0f;
+};
 void decode_kda_recurrent_step(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                               const uint16_t* g, const uint16_t* beta, float* state,
-                               const int32_t* slots, uint16_t* o, int64_t n, int64_t H,
-                               int64_t K, int64_t V, float scale, DecodeStream stream = nullptr);
+                               const KdaStepGates& gates, float* state, const int32_t* slots,
+                               uint16_t* o, int64_t n, int64_t H, int64_t K, int64_t V, float scale,
+                               DecodeStream stream = nullptr);
 
 // ---- MLA ----------------------------------------------------------------------------------
 // Writes each row's latent cache row [RMSNorm(c)·w ; RoPE(kr)] (kvl + rope wide, bf16) into its

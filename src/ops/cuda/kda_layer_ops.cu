@@ -12,6 +12,7 @@
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/kda_gate.cuh"
 #include "ops/cuda/kda_layer_ops.h"
 
 namespace dm::cuda {
@@ -26,11 +27,6 @@ int grid_blocks(int64_t n) {
   return int(std::max<int64_t>(1, std::min<int64_t>(wanted, 65536)));
 }
 
-__device__ __forceinline__ float silu_f32(float x) { return x * sigmoid_f32(x); }
-
-// log(1 + e^z), linear above PyTorch's threshold 20 (as kda_softplus on the CPU).
-__device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
-
 // f, g [N, H·K]; A_log [H]; dt_bias [H·K].
 __global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_log,
                                 const float* __restrict__ dt_bias, uint16_t* g, int64_t HK,
@@ -40,8 +36,7 @@ __global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_l
     const int64_t c = i % HK;
     const float a = expf(A_log[c / K]);
     const float z = load_as_float(f, i) + dt_bias[c];
-    const float value = safe_gate ? lower_bound * sigmoid_f32(a * z) : -a * softplus_f32(z);
-    store_from_float(g, i, value);
+    store_from_float(g, i, kda_gate_value(a, z, safe_gate, lower_bound));
   }
 }
 

@@ -7,13 +7,15 @@
 // each), v (32), β once and the tile stays on chip: a decode step reads and writes each state
 // element once (8 bytes), which is the floor for this operator (memory-bound, ≈ 4 FLOP/element).
 // The decode step (decode_ops.h decode_kda_recurrent_step) runs the same kernel with a per-row
-// state index, so rows of any set of slots share one launch.
+// state index, so rows of any set of slots share one launch, and applies the decay gate and β's
+// sigmoid itself.
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/decode_ops.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda.h"
+#include "ops/cuda/kda_gate.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -29,12 +31,14 @@ struct KdaRecurrentDims {
   float scale;
 };
 
+// gates.f != nullptr (the decode step): g and β come raw through `gates` (decode_ops.h) and g,
+// beta are not read.
 template <typename Storage>
 __global__ void __launch_bounds__(kRecurrentThreads)
     kda_recurrent_kernel(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
                          const Storage* beta, const float* s0, Storage* o, float* sT,
-                         const int32_t* doc_start, const int32_t* state_index,
-                         KdaRecurrentDims d) {
+                         const int32_t* doc_start, const int32_t* state_index, KdaRecurrentDims d,
+                         const KdaStepGates gates) {
   extern __shared__ float shared[];
   float* state = shared;                               // [K, 32]
   float* key_hat = state + d.K * kRecurrentTile;       // [K]
@@ -61,11 +65,18 @@ __global__ void __launch_bounds__(kRecurrentThreads)
 
     // q̂·scale, k̂, e^g into shared memory (norms by a block reduction).
     float sum_q = 0.0f, sum_k = 0.0f;
+    const float a_head = gates.f == nullptr ? 0.0f : expf(gates.A_log[h]);
     for (int col = tid; col < d.K; col += kRecurrentThreads) {
       const float qv = load_as_float(q, row * d.K + col), kv = load_as_float(k, row * d.K + col);
       query_hat[col] = qv;
       key_hat[col] = kv;
-      decay[col] = expf(load_as_float(g, row * d.K + col));
+      const float g_value =
+          gates.f == nullptr
+              ? load_as_float(g, row * d.K + col)
+              : round_through_bf16(kda_gate_value(
+                    a_head, load_as_float(gates.f, row * d.K + col) + gates.dt_bias[h * d.K + col],
+                    gates.safe_gate, gates.lower_bound));
+      decay[col] = expf(g_value);
       sum_q += qv * qv;
       sum_k += kv * kv;
     }
@@ -84,7 +95,9 @@ __global__ void __launch_bounds__(kRecurrentThreads)
     }
     const float query_factor = d.scale / sqrtf(sum_q + kRecurrentL2NormEps);
     const float key_factor = 1.0f / sqrtf(sum_k + kRecurrentL2NormEps);
-    const float beta_t = load_as_float(beta, row);
+    const float beta_t = gates.f == nullptr
+                             ? load_as_float(beta, row)
+                             : round_through_bf16(sigmoid_f32(gates.beta_logits[row]));
     const float value_t = column_real ? load_as_float(v, row * d.V + e) : 0.0f;
 
     // Pass 1: S ← Diag(e^g)·S and the prediction Sᵀk̂ (column tx, rows of this lane).
@@ -127,7 +140,8 @@ template <typename Storage>
 void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
                           const Storage* beta, const float* s0, Storage* o, float* sT,
                           const KdaShape& s, float scale, const int32_t* doc_start,
-                          cudaStream_t stream, const int32_t* state_index = nullptr) {
+                          cudaStream_t stream, const int32_t* state_index = nullptr,
+                          const KdaStepGates& gates = KdaStepGates{}) {
   DM_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 0 && s.K > 0 && s.V > 0,
            "cuda kda_recurrent_forward: bad shape B=", s.B, " T=", s.T, " H=", s.H, " K=", s.K,
            " V=", s.V);
@@ -146,9 +160,9 @@ void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, 
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(shared_bytes)));
   const dim3 grid(unsigned(ceil_div(s.V, kRecurrentTile)), unsigned(s.B * s.H));
-  kda_recurrent_kernel<Storage><<<grid, dim3(kRecurrentTile, kRecurrentRowLanes), shared_bytes,
-                                  stream>>>(q, k, v, g, beta, s0, o, sT, doc_start, state_index,
-                                            d);
+  kda_recurrent_kernel<Storage>
+      <<<grid, dim3(kRecurrentTile, kRecurrentRowLanes), shared_bytes, stream>>>(
+          q, k, v, g, beta, s0, o, sT, doc_start, state_index, d, gates);
   check_last_error("cuda kda_recurrent_forward");
 }
 
@@ -168,12 +182,14 @@ void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t*
 }
 
 void decode_kda_recurrent_step(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                               const uint16_t* g, const uint16_t* beta, float* state,
-                               const int32_t* slots, uint16_t* o, int64_t n, int64_t H,
-                               int64_t K, int64_t V, float scale, DecodeStream stream) {
+                               const KdaStepGates& gates, float* state, const int32_t* slots,
+                               uint16_t* o, int64_t n, int64_t H, int64_t K, int64_t V, float scale,
+                               DecodeStream stream) {
   DM_CHECK(state && slots, "decode_kda_recurrent_step: null state or slots");
-  kda_recurrent_launch(q, k, v, g, beta, state, o, state, KdaShape{n, 1, H, K, V}, scale, nullptr,
-                       stream, slots);
+  DM_CHECK(gates.f && gates.A_log && gates.dt_bias && gates.beta_logits,
+           "decode_kda_recurrent_step: null gate input");
+  kda_recurrent_launch<uint16_t>(q, k, v, nullptr, nullptr, state, o, state,
+                                 KdaShape{n, 1, H, K, V}, scale, nullptr, stream, slots, gates);
 }
 
 }  // namespace dm::cuda

@@ -1,9 +1,12 @@
 // Routed experts of a few tokens without a host synchronisation (layout and cost in
-// moe_decode.h): plan → gate/up + GLU → down → combine, all four grids sized by (N, k, E).
+// moe_decode.h): plan → gate/up + GLU → down → combine, all four grids sized by (N, k, E). Up
+// to 32 (token, expert) pairs the plan kernel is skipped: each warp of the expert kernels finds
+// its block's expert and rows from idx with warp votes (warp_plan).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 
 #include "core/error.h"
@@ -33,7 +36,13 @@ struct Plan {
   int32_t* row_begin;      // [A + 1]  their ranges in `rows`
   int32_t* rows;           // [N·k]    pair ids t·k + slot grouped by expert, token order inside
   int32_t* pair_rank;      // [N·k]    a pair's position among its expert's rows (scratch)
+  // N·k ≤ 32 (batch ≤ 4 at k = 8): no plan kernel; each warp of the expert kernels derives its
+  // block's expert and rows from idx itself (warp_plan), the same ones the plan kernel gives.
+  const int32_t* idx;  // [N·k]
+  int pairs, E;
+  bool in_warps;
 };
+constexpr int kWarpPlanMaxPairs = 32;
 struct Workspace {
   Plan plan;
   uint16_t* h;  // [N·k, F] bf16, row = pair id
@@ -224,13 +233,48 @@ __device__ __forceinline__ float glu_value(float gate, float up, const GluKernel
                 : gate * sig * up;
 }
 
-// Hit expert a of the plan, its first and one-past-last row; false when the block has no expert.
-__device__ __forceinline__ bool block_expert(const Plan& plan, int& expert, int& r0, int& r1) {
+// The plan kernel's answer for hit expert a when every pair fits a warp (plan.in_warps): lane p
+// holds pair p's expert; a lane is its expert's first pair when no lower lane has the same one;
+// the a-th smallest such expert, its pairs (a lane mask, ascending = token order) go to the
+// warp's row list `rows`. Every lane of the warp must call it. False: no expert a.
+__device__ __forceinline__ bool warp_plan(const Plan& plan, int a, int& expert, int& count,
+                                          int32_t* rows) {
+  const int lane = threadIdx.x & 31;
+  int e = lane < plan.pairs ? plan.idx[lane] : -1;
+  const bool valid = e >= 0 && e < plan.E;
+  if (!valid) e = -1 - lane;  // distinct from every expert and every other invalid lane
+  const unsigned same = __match_any_sync(0xffffffffu, e);
+  const bool first = valid && __ffs(same) - 1 == lane;
+  int smaller = 0;  // distinct hit experts below e
+  for (int q = 0; q < 32; ++q) {
+    const int other = __shfl_sync(0xffffffffu, e, q);
+    const bool other_first = __shfl_sync(0xffffffffu, first, q);
+    smaller += other_first && other < e;
+  }
+  const unsigned owner = __ballot_sync(0xffffffffu, first && smaller == a);
+  if (owner == 0u) return false;
+  const int at = __ffs(owner) - 1;
+  expert = __shfl_sync(0xffffffffu, e, at);
+  const unsigned members = __shfl_sync(0xffffffffu, same, at);
+  count = __popc(members);
+  if (members >> lane & 1u) rows[__popc(members & ((1u << lane) - 1u))] = lane;
+  __syncwarp();
+  return true;
+}
+
+// Hit expert a = blockIdx.y: its id and its rows rows[0..count); false when the block has no
+// expert. `warp_rows` [kWarpPlanMaxPairs] is the calling warp's own list (plan.in_warps).
+__device__ __forceinline__ bool block_expert(const Plan& plan, int32_t* warp_rows, int& expert,
+                                             const int32_t*& rows, int& count) {
   const int a = blockIdx.y;
+  if (plan.in_warps) {
+    rows = warp_rows;
+    return warp_plan(plan, a, expert, count, warp_rows);
+  }
   if (a >= *plan.active_count) return false;
   expert = plan.active_expert[a];
-  r0 = plan.row_begin[a];
-  r1 = plan.row_begin[a + 1];
+  rows = plan.rows + plan.row_begin[a];
+  count = plan.row_begin[a + 1] - plan.row_begin[a];
   return true;
 }
 
@@ -263,11 +307,13 @@ __global__ void __launch_bounds__(kThreads)
     moe_decode_gate_up_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ gate_w,
                               const uint16_t* __restrict__ up_w, int64_t Din, int64_t F, int k,
                               Plan plan, GluKernelParams act, uint16_t* __restrict__ h) {
-  int expert, r0, r1;
-  if (!block_expert(plan, expert, r0, r1)) return;
+  __shared__ int32_t warp_rows[kWarps][kWarpPlanMaxPairs];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
   if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
+  int expert, count;
+  const int32_t* rows;
+  if (!block_expert(plan, warp_rows[warp], expert, rows, count)) return;
   const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
   const uint4* w[kWeightRows];
 #pragma unroll
@@ -276,13 +322,13 @@ __global__ void __launch_bounds__(kThreads)
     w[r] = reinterpret_cast<const uint4*>(gate_w + row);
     w[kGateUpRowsPerWarp + r] = reinterpret_cast<const uint4*>(up_w + row);
   }
-  for (int r = r0; r < r1;) {
-    if (r1 - r == 1) {
-      gate_up_pass<1>(w, x, Din, k, plan.rows + r, 1, f0, nf, F, act, h, lane);
+  for (int r = 0; r < count;) {
+    if (count - r == 1) {
+      gate_up_pass<1>(w, x, Din, k, rows + r, 1, f0, nf, F, act, h, lane);
       r += 1;
     } else {
-      gate_up_pass<kTokenPass>(w, x, Din, k, plan.rows + r, min(r1 - r, kTokenPass), f0, nf, F,
-                               act, h, lane);
+      gate_up_pass<kTokenPass>(w, x, Din, k, rows + r, min(count - r, kTokenPass), f0, nf, F, act,
+                               h, lane);
       r += kTokenPass;
     }
   }
@@ -312,24 +358,25 @@ __device__ __forceinline__ void down_pass(const uint4* const (&w)[kWeightRows],
 __global__ void __launch_bounds__(kThreads)
     moe_decode_down_kernel(const uint16_t* __restrict__ h, const uint16_t* __restrict__ down_w,
                            int64_t Din, int64_t F, Plan plan, float* __restrict__ o) {
-  int expert, r0, r1;
-  if (!block_expert(plan, expert, r0, r1)) return;
+  __shared__ int32_t warp_rows[kWarps][kWarpPlanMaxPairs];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kDownRowsPerWarp;
-  if (c0 >= Din) return;
+  if (c0 >= Din) return;  // warp-uniform; the kernel has no block barrier
+  int expert, count;
+  const int32_t* rows;
+  if (!block_expert(plan, warp_rows[warp], expert, rows, count)) return;
   const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
   const uint4* w[kWeightRows];
 #pragma unroll
   for (int i = 0; i < kDownRowsPerWarp; ++i)
     w[i] = reinterpret_cast<const uint4*>(down_w +
                                           (int64_t(expert) * Din + c0 + min(i, nc - 1)) * F);
-  for (int r = r0; r < r1;) {
-    if (r1 - r == 1) {
-      down_pass<1>(w, h, F, Din, plan.rows + r, 1, c0, nc, o, lane);
+  for (int r = 0; r < count;) {
+    if (count - r == 1) {
+      down_pass<1>(w, h, F, Din, rows + r, 1, c0, nc, o, lane);
       r += 1;
     } else {
-      down_pass<kTokenPass>(w, h, F, Din, plan.rows + r, min(r1 - r, kTokenPass), c0, nc, o,
-                            lane);
+      down_pass<kTokenPass>(w, h, F, Din, rows + r, min(count - r, kTokenPass), c0, nc, o, lane);
       r += kTokenPass;
     }
   }
@@ -374,7 +421,12 @@ __global__ void moe_decode_combine_kernel(const float* __restrict__ o,
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+std::atomic<bool> g_force_plan_kernel{false};
+bool force_plan_kernel() { return g_force_plan_kernel.load(std::memory_order_relaxed); }
+
 }  // namespace
+
+void moe_decode_force_plan_kernel(bool on) { g_force_plan_kernel.store(on); }
 
 bool moe_decode_supported(int64_t N, int k, const ExpertWeightsBf16& ew) {
   return ew.E >= 1 && ew.E <= kMoeDecodeMaxExperts && k >= 1 && k <= ew.E && ew.Din > 0 &&
@@ -414,15 +466,22 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
   const Workspace ws = carve_workspace(workspace, N, k, ew, &bytes);
   const int64_t A = max_active_experts(N, k, ew.E);
   const int E = int(ew.E);
-  moe_decode_plan_kernel<<<1, kPlanThreads, 0, stream>>>(idx, int(N), k, E, ws.plan);
-  check_last_error("moe_decode_plan_kernel");
+  Plan plan = ws.plan;
+  plan.idx = idx;
+  plan.pairs = int(N * k);
+  plan.E = E;
+  plan.in_warps = N * k <= kWarpPlanMaxPairs && !force_plan_kernel();
+  if (!plan.in_warps) {
+    moe_decode_plan_kernel<<<1, kPlanThreads, 0, stream>>>(idx, int(N), k, E, plan);
+    check_last_error("moe_decode_plan_kernel");
+  }
   const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)), unsigned(A));
-  moe_decode_gate_up_kernel<<<gate_up_grid, kThreads, 0, stream>>>(
-      x, ew.gate, ew.up, ew.Din, ew.F, k, ws.plan, act, ws.h);
+  moe_decode_gate_up_kernel<<<gate_up_grid, kThreads, 0, stream>>>(x, ew.gate, ew.up, ew.Din, ew.F,
+                                                                   k, plan, act, ws.h);
   check_last_error("moe_decode_gate_up_kernel");
   const dim3 down_grid(unsigned(ceil_div(ew.Din, kWarps * kDownRowsPerWarp)), unsigned(A));
-  moe_decode_down_kernel<<<down_grid, kThreads, 0, stream>>>(ws.h, ew.down, ew.Din, ew.F,
-                                                             ws.plan, ws.o);
+  moe_decode_down_kernel<<<down_grid, kThreads, 0, stream>>>(ws.h, ew.down, ew.Din, ew.F, plan,
+                                                             ws.o);
   check_last_error("moe_decode_down_kernel");
   const int64_t quads = N * (ew.Din / 4);
   const int blocks = int(std::min<int64_t>((quads + kCombineThreads - 1) / kCombineThreads, 4096));

@@ -62,4 +62,8 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
                                 void* y, GemmOutType y_type, void* workspace,
                                 CUstream_st* stream = nullptr);
 
+// Tests: run the plan kernel even where every (token, expert) pair fits a warp, whose own plan
+// must give the same bits. Process-wide; off by default.
+void moe_decode_force_plan_kernel(bool on);
+
 }  // namespace dm::cuda
