@@ -54,13 +54,35 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   __shared__ int pick_expert[kRouteWarps][kRouteMaxPicks];
   __shared__ int sorted_expert[kRouteWarps][kRouteMaxPicks];
   __shared__ float sorted_score[kRouteWarps][kRouteMaxPicks];
+  __shared__ float pick_score[kRouteWarps][kRouteMaxPicks];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
   if (t >= p.N) return;  // uniform per warp; the kernel has no block-wide barrier
   const int E = p.E, k = p.k;
   const float* logit_row = logits + t * E;
   float* score_row = scores + t * E;
-  for (int e = lane; e < E; e += 32) score_row[e] = router_sigmoid(logit_row[e]);
+  // Up to 32·kRouteLaneSlots experts a lane keeps its scores (and biases) in registers, loaded
+  // together up front: at decode the kernel is a chain of dependent memory round trips (the
+  // logits, the scores read back, the bias, the picks' scores), which is most of its time.
+  const bool in_registers = E <= 32 * kRouteLaneSlots;
+  float score_reg[kRouteLaneSlots], bias_reg[kRouteLaneSlots];
+  if (in_registers) {
+    float logit_reg[kRouteLaneSlots];
+#pragma unroll
+    for (int slot = 0; slot < kRouteLaneSlots; ++slot) {
+      const int e = lane + 32 * slot;
+      logit_reg[slot] = e < E ? logit_row[e] : 0.0f;
+      bias_reg[slot] = e < E && bias ? bias[e] : 0.0f;
+    }
+#pragma unroll
+    for (int slot = 0; slot < kRouteLaneSlots; ++slot) {
+      const int e = lane + 32 * slot;
+      score_reg[slot] = router_sigmoid(logit_reg[slot]);
+      if (e < E) score_row[e] = score_reg[slot];
+    }
+  } else {
+    for (int e = lane; e < E; e += 32) score_row[e] = router_sigmoid(logit_row[e]);
+  }
   __syncwarp();
   auto biased = [&](int e) { return score_row[e] + (bias ? bias[e] : 0.0f); };
 
@@ -108,7 +130,6 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   // Top-(k+1) over the eligible experts: k picks, the (k+1)-th value is the QB cutoff. Up to
   // 32·kRouteLaneSlots experts the lane's biased values stay in registers across the k + 1
   // rounds (at decode the rounds re-reading them from memory were most of the kernel's 10 µs).
-  const bool in_registers = E <= 32 * kRouteLaneSlots;
   float cached[kRouteLaneSlots];
   unsigned eligible = 0u;
   if (in_registers) {
@@ -116,34 +137,38 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
     for (int slot = 0; slot < kRouteLaneSlots; ++slot) {
       const int e = lane + 32 * slot;
       const bool ok = e < E && (!grouped || group_kept[warp][e / group_size]);
-      cached[slot] = ok ? biased(e) : 0.0f;
+      cached[slot] = ok ? score_reg[slot] + bias_reg[slot] : 0.0f;  // = biased(e), bit for bit
       eligible |= ok ? 1u << slot : 0u;
     }
   }
   float previous_value = INFINITY, cutoff_value = -INFINITY;
   int previous_index = -1, count = 0;
   for (int i = 0; i <= k; ++i) {
-    float best_value = -INFINITY;
+    float best_value = -INFINITY, best_score = 0.0f;
     int best_index = INT_MAX;
-    auto consider = [&](float v, int e) {
+    auto consider = [&](float v, int e, float score) {
       if (comes_before(previous_value, previous_index, v, e) &&
           comes_before(v, e, best_value, best_index)) {
         best_value = v;
         best_index = e;
+        best_score = score;
       }
     };
     if (in_registers) {
 #pragma unroll
       for (int slot = 0; slot < kRouteLaneSlots; ++slot)
-        if (eligible >> slot & 1u) consider(cached[slot], lane + 32 * slot);
+        if (eligible >> slot & 1u) consider(cached[slot], lane + 32 * slot, score_reg[slot]);
     } else {
       for (int e = lane; e < E; e += 32)
-        if (!grouped || group_kept[warp][e / group_size]) consider(biased(e), e);
+        if (!grouped || group_kept[warp][e / group_size]) consider(biased(e), e, 0.0f);
     }
+    const int lane_best = best_index;
     warp_best(best_value, best_index);
     if (best_index == INT_MAX) break;
     if (i < k) {
       if (lane == 0) pick_expert[warp][i] = best_index;
+      // The pick's own lane (indices are unique) has its score in registers.
+      if (in_registers && lane_best == best_index) pick_score[warp][i] = best_score;
     } else {
       cutoff_value = best_value;
     }
@@ -154,15 +179,18 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   if (cutoff && lane == 0) cutoff[t] = count == k + 1 ? cutoff_value : -INFINITY;
   __syncwarp();
 
-  // Ascending expert order: each pick's position is the number of smaller picked ids. The
-  // picks' scores are read here once, in parallel (a serial walk through score_row cost one
-  // memory round trip per pick).
+  // Without registers the picks' scores are read here once, in parallel (a serial walk through
+  // score_row cost one memory round trip per pick).
+  if (!in_registers)
+    for (int i = lane; i < k; i += 32) pick_score[warp][i] = score_row[pick_expert[warp][i]];
+  __syncwarp();
+  // Ascending expert order: each pick's position is the number of smaller picked ids.
   for (int i = lane; i < k; i += 32) {
     const int e = pick_expert[warp][i];
     int position = 0;
     for (int j = 0; j < k; ++j) position += pick_expert[warp][j] < e;
     sorted_expert[warp][position] = e;
-    sorted_score[warp][position] = score_row[e];
+    sorted_score[warp][position] = pick_score[warp][i];
   }
   __syncwarp();
   float scale = p.scaling;
