@@ -1,7 +1,7 @@
 // Benchmark of the CUDA KDA kernels (ops/cuda/kda.h): chunked forward and forward+backward at
 // the shapes of issue 5, bf16 and fp32 inputs, plus one recurrent decode step of many sequences.
 // The backward is timed with both paths (KdaBackwardPath) for bf16 inputs, and with the tensor-core
-// path reusing the forward's workspace (workspace_holds_forward).
+// paths (fused and split stage 4) reusing the forward's workspace (workspace_holds_forward).
 // Plain main (no Google Benchmark fixtures): CUDA-event timing, 2 warm-up runs, median of 10.
 // Without a GPU (or without the CUDA backend) it prints why and exits 0.
 //   bench_cuda_kda [--shapes BxTxHxD,...] [--reps N] [--bf16-only] [--phases]
@@ -84,7 +84,8 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
   const size_t n_qk = size_t(s.B * s.T * s.H * s.K), n_beta = size_t(s.B * s.T * s.H);
   const size_t n_state = size_t(s.B * s.H * s.K * s.V);
   const size_t ws_forward = cu::kda_chunk_forward_workspace_bytes(s);
-  const size_t ws_backward = cu::kda_chunk_backward_workspace_bytes(s);
+  const size_t ws_backward =
+      cu::kda_chunk_backward_workspace_bytes(s, cu::KdaBackwardPath::TensorCoreSplit);
   const size_t bytes = 6 * n_qk * sizeof(Storage) + n_beta * sizeof(Storage) +
                        (4 * n_qk + 2 * n_beta) * sizeof(float) + 4 * n_state * sizeof(float) +
                        std::max(ws_forward, ws_backward) + (size_t(64) << 20);
@@ -139,10 +140,11 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
   };
   const double reference_ms = time_forward_backward(cu::KdaBackwardPath::Reference);
   cu::check_last_error("bench kda_chunk_backward (reference)");
-  double tensor_core_ms = NAN, reuse_ms = NAN;
+  double tensor_core_ms = NAN, reuse_ms = NAN, split_ms = NAN;
   if constexpr (sizeof(Storage) == 2) {
     tensor_core_ms = time_forward_backward(cu::KdaBackwardPath::TensorCore);
     reuse_ms = time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
+    split_ms = time_forward_backward(cu::KdaBackwardPath::TensorCoreSplit, true);
     cu::check_last_error("bench kda_chunk_backward (tensor cores)");
     if (g_phases) {  // one more reusing backward with the stage-4 phase clock on
       cu::kda_stage4_phase_clock(true);
@@ -168,7 +170,7 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
     }
   }
   double best_ms = reference_ms;
-  for (double t : {tensor_core_ms, reuse_ms})
+  for (double t : {tensor_core_ms, reuse_ms, split_ms})
     if (!std::isnan(t)) best_ms = std::min(best_ms, t);
   const double flops = chunked_forward_flops(bs);
   // fp32 inputs have no tensor-core stage 4: "—" in that column.
@@ -178,12 +180,13 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
     else std::snprintf(text, sizeof text, "%*.3f", width, ms);
     return std::string(text);
   };
-  std::printf("| %-22s | %-4s | %9.3f | %14.3f | %s | %s | %9.2f | %13.2f |\n",
+  std::printf("| %-22s | %-4s | %9.3f | %14.3f | %s | %s | %s | %9.2f | %13.2f |\n",
               ("(" + std::to_string(bs.B) + "," + std::to_string(bs.T) + "," +
                std::to_string(bs.H) + "," + std::to_string(bs.D) + ")")
                   .c_str(),
               dtype, forward_ms, reference_ms, cell(tensor_core_ms, 13).c_str(),
-              cell(reuse_ms, 16).c_str(), flops / (forward_ms * 1e9), 3 * flops / (best_ms * 1e9));
+              cell(reuse_ms, 16).c_str(), cell(split_ms, 16).c_str(), flops / (forward_ms * 1e9),
+              3 * flops / (best_ms * 1e9));
   std::fflush(stdout);
 }
 
@@ -249,11 +252,17 @@ int main(int argc, char** argv) {
   }
   std::printf("bench_cuda_kda on %s\n", cu::device_description().c_str());
   std::printf("ours: chunked KDA, C=64; TFLOP/s by the nominal chunked-form count (see source)\n");
-  std::printf("fwd+bwd ms per path of the backward: ref (fp32 CUDA cores), tc (tensor cores, bf16 "
-              "only), tc reusing the forward's workspace (no recompute of the prepare and state "
-              "stages, as in training); fwd+bwd TF/s from the fastest\n");
-  std::printf("| (B,T,H,D)              | in   |    fwd ms | fwd+bwd ms ref | fwd+bwd ms tc | fwd+bwd tc reuse | fwd TF/s  | fwd+bwd TF/s  |\n");
-  std::printf("|------------------------|------|-----------|----------------|---------------|------------------|-----------|---------------|\n");
+  std::printf(
+      "fwd+bwd ms per path of the backward: ref (fp32 CUDA cores), tc (tensor cores, bf16 "
+      "only), tc reusing the forward's workspace (no recompute of the prepare and state "
+      "stages, as in training), the split stage 4 (value and key kernels) reusing it; "
+      "fwd+bwd TF/s from the fastest\n");
+  std::printf(
+      "| (B,T,H,D)              | in   |    fwd ms | fwd+bwd ms ref | fwd+bwd ms tc | fwd+bwd tc "
+      "reuse | split tc reuse   | fwd TF/s  | fwd+bwd TF/s  |\n");
+  std::printf(
+      "|------------------------|------|-----------|----------------|---------------|--------------"
+      "----|------------------|-----------|---------------|\n");
   for (const BenchShape& s : shapes) bench_shape<uint16_t>(s, "bf16");
   if (bf16_only) return 0;
   for (const BenchShape& s : shapes) bench_shape<float>(s, "fp32");

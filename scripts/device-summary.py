@@ -61,9 +61,9 @@ def main():
             fla[r[0]] = number(r[3])
     for r in table_rows(read(d, "bench_cuda_kda.log")):
         if len(r) >= 5 and r[1] == "bf16":
-            # fwd+bwd columns: ref, tc and (newer logs) tc reusing the forward's workspace.
-            times = [t for t in (number(r[3]), number(r[4]) if len(r) > 5 else None,
-                                 number(r[5]) if len(r) > 7 else None) if t]
+            # fwd+bwd columns: ref, tc and (newer logs) tc reusing the forward's workspace, and
+            # (newest) the split stage 4 reusing it; the last two columns are TF/s.
+            times = [t for t in (number(c) for c in r[3:len(r) - 2]) if t]
             if not times:
                 continue
             ours = min(times)

@@ -331,7 +331,8 @@ KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& w
                                      ref.dk.data(), ref.dv.data(), ref.dg.data(), ref.dbeta.data(),
                                      ref.ds0.data(), s, default_scale(s), doc_host);
 
-  const size_t ws_bytes = cu::kda_chunk_backward_workspace_bytes(s);
+  const size_t ws_bytes =
+      cu::kda_chunk_backward_workspace_bytes(s, bf16 ? path : cu::KdaBackwardPath::Reference);
   DeviceScratch dev(16 * (3 * n_qk + 2 * n_v + n_beta + 2 * n_state) + 4 * p.doc_start.size() +
                     ws_bytes + (1 << 20));
   const float* s0 = dev.upload(to_float(p.s0));
@@ -491,6 +492,41 @@ TEST(CudaKdaBackward, ReusesTheForwardWorkspaceBf16) {
   const KdaGradientsF reused =
       check_backward(p, true, "reusing tc", true, cu::KdaBackwardPath::TensorCore, true);
   expect_gradients_close(reused, recomputed, 1e-5, 1e-6, "reuse vs recompute");
+}
+
+// The split stage 4 (value kernel over V halves, key kernel over K halves as a cluster of two)
+// against the fused kernel: the same products with the same precisions, only summed in another
+// order (dP, dM and the row dots in two halves), so within 1e-4 of each other, and both within
+// the bf16 tolerance of the CPU (check_backward). Shapes: the realistic one with documents and a
+// partial chunk (recomputing and reusing the forward), K = 64 / V = 32 (one mma tile per warp),
+// K = 32 / V = 64 with strong decay and documents, and one the split does not take (KP = 48: the
+// fused kernel runs, so the two agree exactly up to the atomics' order).
+TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  struct Case {
+    KdaShape shape;
+    uint64_t seed;
+    double log_decay_lo, log_decay_hi;  // random_inputs
+    std::vector<int64_t> docs;
+    bool reuse;
+  };
+  const Case cases[] = {{{1, 300, 2, 128, 128}, 41, -5.0, 1.0, {37, 128, 200, 270}, false},
+                        {{1, 300, 2, 128, 128}, 42, -5.0, 1.0, {37, 128, 200, 270}, true},
+                        {{2, 100, 2, 64, 32}, 43, -5.0, 1.0, {}, true},
+                        {{2, 150, 2, 32, 64}, 44, 3.0, 3.3, {5, 6, 64, 100, 149}, false},
+                        {{1, 130, 2, 33, 17}, 45, -5.0, 1.0, {}, false}};
+  for (const Case& c : cases) {
+    KdaInputs p = random_inputs(c.shape, c.seed, c.log_decay_lo, c.log_decay_hi);
+    if (!c.docs.empty()) p.doc_start = make_doc_start(c.shape, c.docs);
+    round_inputs_bf16(p);
+    const std::string what = describe(c.shape, c.reuse ? "reusing" : "recomputing");
+    const bool strong = c.log_decay_lo > 0.0;  // tiny gradients: start from zero (check_backward)
+    const KdaGradientsF fused =
+        check_backward(p, true, what + " fused", !strong, cu::KdaBackwardPath::TensorCore, c.reuse);
+    const KdaGradientsF split = check_backward(p, true, what + " split", !strong,
+                                               cu::KdaBackwardPath::TensorCoreSplit, c.reuse);
+    expect_gradients_close(split, fused, 1e-4, 1e-6, what + " split vs fused");
+  }
 }
 
 // The tf32 state stages (kda_chunk_state_tf32.cu) pick 16- or 32-column tiles by the SM count;

@@ -80,17 +80,23 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // block per chunk-head with a global scratch) and TensorCore (kda_chunk_backward_tc.cu: mma.sync
 // with operands in shared memory, pairwise decays factored through 16-token sub-blocks). The
 // default is TensorCore (H200, 2026-11-29: (1,8192,16,128) fwd+bwd 28.2 → 19.6 ms, same
-// tolerances against the CPU); env DM_KDA_BACKWARD=ref|tc (read once) overrides it. fp32 inputs
-// always take the reference path. The workspace size covers both.
-// workspace_holds_forward (bf16, TensorCore path only; ignored otherwise): `workspace` (sized by
+// tolerances against the CPU); env DM_KDA_BACKWARD=ref|tc|tc-split (read once) overrides it.
+// TensorCoreSplit runs the tensor-core stage 4 as two kernels that fit two blocks per SM each
+// (kda_chunk_backward_value.cu over halves of V, kda_chunk_backward_key.cu over halves of K, a
+// cluster of two), which hand dP, dM, dβ partials and dX over through the workspace; shapes it
+// does not take (KP % 32, VP % 32 ≠ 0) run the fused kernel. fp32 inputs always take the
+// reference path. The workspace size depends on the path (the split adds ~(4C + VP)·C floats
+// per chunk-head): size it with the path the call will use.
+// workspace_holds_forward (bf16, TensorCore paths only; ignored otherwise): `workspace` (sized by
 // kda_chunk_backward_workspace_bytes) was just filled by kda_chunk_forward on exactly these
 // inputs (q, k, v, g, beta, s0, doc_start, scale): the prepare and state stages are not run
 // again (the forward's bf16 path computes them with the same kernels, so nothing changes but
 // the time: 1.9 of 11.9 ms at (1,8192,16,128) on an H200).
-enum class KdaBackwardPath : uint8_t { Reference, TensorCore };
+enum class KdaBackwardPath : uint8_t { Reference, TensorCore, TensorCoreSplit };
 KdaBackwardPath kda_backward_default_path();
 
-size_t kda_chunk_backward_workspace_bytes(const KdaShape& s);
+size_t kda_chunk_backward_workspace_bytes(const KdaShape& s,
+                                          KdaBackwardPath path = kda_backward_default_path());
 void kda_chunk_backward(const float* q, const float* k, const float* v, const float* g,
                         const float* beta, const float* s0, const float* d_o, const float* dsT,
                         float* dq, float* dk, float* dv, float* dg, float* dbeta, float* ds0,

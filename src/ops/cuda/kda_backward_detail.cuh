@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ops/cuda/kda.h"
 #include "ops/cuda/kda_common.cuh"
 
 namespace dm::cuda::kda_detail {
@@ -19,6 +20,41 @@ void kda_chunk_grad_tensor_cores(const uint16_t* q, const uint16_t* k, const uin
                                  float* dg, float* dbeta, const KdaDims& d,
                                  const KdaForwardWorkspace& ws, const float* d_states,
                                  cudaStream_t stream);
+
+// The split stage 4 (KdaBackwardPath::TensorCoreSplit): a value kernel over V halves
+// (kda_chunk_backward_value.cu) and a key kernel over K halves (kda_chunk_backward_key.cu), each
+// small enough for two blocks per SM where the fused kernel fits one. What the first hands to
+// the second, per chunk-head ch (views carved after d_states, kda_chunk_backward.cu):
+struct KdaSplitWorkspace {
+  float* d_query_key;  // [·, 2, C, C]  dP = dO·V'ᵀ, one partial per V half (unmasked)
+  float* d_mix;        // [·, 2, C, C]  dM = −dR·V'ᵀ, one partial per V half (unmasked)
+  float* d_beta;       // [·, 2, C]     dβ partials: rowdot(dR, X) + Σ_j L_ij·dM_ij per V half
+  float* d_x;          // [·, C, VP]    dX = β·dR
+};
+__host__ __device__ inline int64_t kda_split_workspace_floats(const KdaDims& d) {
+  return d.B * d.H * d.num_chunks * (4 * kChunk * kChunk + 2 * kChunk + kChunk * d.VP);
+}
+// The split handles KP % 32 == 0 (KP ≤ 128) and VP % 32 == 0; other shapes run the fused kernel.
+__host__ __device__ inline bool kda_split_supported(const KdaDims& d) {
+  return d.KP % 32 == 0 && d.KP <= kKdaCudaMaxHeadDim && d.VP % 32 == 0;
+}
+void kda_chunk_grad_split(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                          const uint16_t* g, const uint16_t* beta, const uint16_t* d_o,
+                          const int32_t* doc_start, float* dq, float* dk, float* dv, float* dg,
+                          float* dbeta, const KdaDims& d, const KdaForwardWorkspace& ws,
+                          const float* d_states, const KdaSplitWorkspace& split,
+                          cudaStream_t stream);
+// Its two halves, for the launcher above and for the diagnostics.
+void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uint16_t* g,
+                                 const uint16_t* beta, const uint16_t* d_o,
+                                 const int32_t* doc_start, float* dv, const KdaDims& d,
+                                 const KdaForwardWorkspace& ws, const float* d_states,
+                                 const KdaSplitWorkspace& split, cudaStream_t stream);
+void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint16_t* g,
+                               const uint16_t* beta, const uint16_t* d_o, const int32_t* doc_start,
+                               float* dq, float* dk, float* dg, float* dbeta, const KdaDims& d,
+                               const KdaForwardWorkspace& ws, const float* d_states,
+                               const KdaSplitWorkspace& split, cudaStream_t stream);
 
 // Stage 3 on tensor cores (tf32 operands, fp32 dS; kda_chunk_state_tf32.cu), bf16 dO: same
 // outputs as the fp32 stage 3 (d_states = dS' per chunk, ds0 +=). Needs V % 8 == 0 and a 16-byte

@@ -381,9 +381,11 @@ int kda_backward_grad_blocks(const KdaDims& d) {
   return int(std::min<int64_t>(kBackwardChunkBlocks, d.B * d.H * d.num_chunks));
 }
 
-// Carves the backward workspace: the forward's, then d_states, then the stage-4 scratch.
-size_t kda_backward_workspace_carve(const KdaDims& d, void* base, KdaForwardWorkspace* ws,
-                                    float** d_states, float** scratch) {
+// Carves the backward workspace: the forward's, then d_states, then the stage-4 scratch of the
+// path (the reference kernel's per-block scratch; the split kernels' hand-over views).
+size_t kda_backward_workspace_carve(const KdaDims& d, KdaBackwardPath path, void* base,
+                                    KdaForwardWorkspace* ws, float** d_states, float** scratch,
+                                    KdaSplitWorkspace* split) {
   size_t offset = kda_forward_workspace_carve(d, base, ws);
   auto take = [&](float** view, int64_t floats) {
     if (view != nullptr) *view = reinterpret_cast<float*>(static_cast<char*>(base) + offset);
@@ -391,6 +393,13 @@ size_t kda_backward_workspace_carve(const KdaDims& d, void* base, KdaForwardWork
   };
   take(d_states, d.B * d.H * d.num_chunks * d.KP * d.VP);
   take(scratch, int64_t(kda_backward_grad_blocks(d)) * kda_backward_scratch_floats(d));
+  if (path == KdaBackwardPath::TensorCoreSplit && kda_split_supported(d)) {
+    const int64_t chunk_heads = d.B * d.H * d.num_chunks;
+    take(split ? &split->d_query_key : nullptr, chunk_heads * 2 * kChunk * kChunk);
+    take(split ? &split->d_mix : nullptr, chunk_heads * 2 * kChunk * kChunk);
+    take(split ? &split->d_beta : nullptr, chunk_heads * 2 * kChunk);
+    take(split ? &split->d_x : nullptr, chunk_heads * kChunk * d.VP);
+  }
   return offset;
 }
 
@@ -404,19 +413,21 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
                                bool workspace_holds_forward) {
   const KdaDims d = kda_make_dims(s, scale, "cuda kda_chunk_backward");
   if (d.B * d.H == 0) return;
-  DM_CHECK(workspace != nullptr ||
-               kda_backward_workspace_carve(d, nullptr, nullptr, nullptr, nullptr) == 0,
+  DM_CHECK(workspace != nullptr || kda_backward_workspace_carve(d, path, nullptr, nullptr, nullptr,
+                                                                nullptr, nullptr) == 0,
            "cuda kda_chunk_backward: workspace is null (size it with "
            "kda_chunk_backward_workspace_bytes)");
   KdaForwardWorkspace ws;
   float* d_states = nullptr;
   float* scratch = nullptr;
-  kda_backward_workspace_carve(d, workspace, &ws, &d_states, &scratch);
+  KdaSplitWorkspace split{};
+  kda_backward_workspace_carve(d, path, workspace, &ws, &d_states, &scratch, &split);
 
   // The TensorCore path (bf16) recomputes the forward and runs stage 3 with tf32 products
   // (kda_chunk_state_tf32.cu); the Reference path keeps every product in fp32 on CUDA cores.
   bool tensor_cores = false;
-  if constexpr (sizeof(Storage) == 2) tensor_cores = path == KdaBackwardPath::TensorCore;
+  if constexpr (sizeof(Storage) == 2)
+    tensor_cores = path == KdaBackwardPath::TensorCore || path == KdaBackwardPath::TensorCoreSplit;
   if (!(tensor_cores && workspace_holds_forward))
     kda_chunk_prepare_and_state(q, k, v, g, beta, s0, static_cast<float*>(nullptr), d, ws,
                                 doc_start, tensor_cores, stream);
@@ -441,7 +452,12 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
   if (d.num_chunks == 0) return;
 
   if constexpr (sizeof(Storage) == 2) {
-    if (path == KdaBackwardPath::TensorCore) {
+    if (path == KdaBackwardPath::TensorCoreSplit && split.d_x != nullptr) {
+      kda_chunk_grad_split(q, k, v, g, beta, d_o, doc_start, dq, dk, dv, dg, dbeta, d, ws, d_states,
+                           split, stream);
+      return;
+    }
+    if (tensor_cores) {
       kda_chunk_grad_tensor_cores(q, k, v, g, beta, d_o, doc_start, dq, dk, dv, dg, dbeta, d, ws,
                                   d_states, stream);
       return;
@@ -464,17 +480,18 @@ KdaBackwardPath kda_backward_default_path() {
     const char* env = std::getenv("DM_KDA_BACKWARD");
     if (env == nullptr || env[0] == '\0' || std::strcmp(env, "tc") == 0)
       return KdaBackwardPath::TensorCore;
-    DM_CHECK(std::strcmp(env, "ref") == 0, "DM_KDA_BACKWARD must be 'ref' or 'tc', got '", env, "'");
+    if (std::strcmp(env, "tc-split") == 0) return KdaBackwardPath::TensorCoreSplit;
+    DM_CHECK(std::strcmp(env, "ref") == 0,
+             "DM_KDA_BACKWARD must be 'ref', 'tc' or 'tc-split', got '", env, "'");
     return KdaBackwardPath::Reference;
   }();
   return path;
 }
 
-// The tensor-core stage 4 reads ws and d_states only: the reference's carve (which adds the
-// per-block scratch) is enough for both paths.
-size_t kda_chunk_backward_workspace_bytes(const KdaShape& s) {
+size_t kda_chunk_backward_workspace_bytes(const KdaShape& s, KdaBackwardPath path) {
   const kda_detail::KdaDims d = kda_detail::kda_make_dims(s, 1.0f, "cuda kda_chunk_backward");
-  return kda_detail::kda_backward_workspace_carve(d, nullptr, nullptr, nullptr, nullptr);
+  return kda_detail::kda_backward_workspace_carve(d, path, nullptr, nullptr, nullptr, nullptr,
+                                                  nullptr);
 }
 
 void kda_chunk_backward(const float* q, const float* k, const float* v, const float* g,

@@ -56,27 +56,13 @@
 #include "ops/cuda/kda_backward_detail.cuh"
 #include "ops/cuda/kda_common.cuh"
 #include "ops/cuda/kda_mma.cuh"
-#include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
+#include "ops/cuda/kda_stage4_mma.cuh"
 
 namespace dm::cuda {
 namespace kda_detail {
 namespace {
 
-constexpr int kWarps = kThreads / 32;
-constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
 constexpr int kMaxTiles = 8;         // 8-column mma tiles per warp (64 columns)
-
-using attention_detail::cp_async_16;
-using attention_detail::cp_async_commit;
-using attention_detail::cp_async_wait;
-
-// Stage 2's products take their [KP, VP] right operand (S or dS', rows = channels) from the
-// workspace in column slabs of kSlab, staged in shared memory by the whole block (16-byte
-// cp.async, double-buffered) instead of per-warp 8-byte fragment loads from L2: those made each
-// warp wait on L2 latency once per k-step, and the four warps sharing a channel half each read
-// the whole matrix. Row stride kSlabLd ≡ 8 (mod 32) floats: a half-warp's 8-byte fragment loads
-// (rows g, columns 2tq) hit 32 distinct banks.
-constexpr int kSlab = 32, kSlabLd = kSlab + 8;
 
 // Byte offsets of the shared buffers (each a multiple of 16 bytes).
 struct TcGradLayout {
@@ -117,49 +103,6 @@ __host__ __device__ inline TcGradLayout tc_grad_layout(const KdaDims& d) {
   l.vectors = at;           at += kVectorFloats * 4;
   l.total = at;
   return l;
-}
-
-// Copies columns [s·kSlab, (s+1)·kSlab) of the [KP, VP] matrix B into dst [KP, kSlabLd].
-__device__ __forceinline__ void stage_slab(float* dst, const float* B, int KP, int VP, int s) {
-  constexpr int kPerRow = kSlab / 4;
-  for (int idx = threadIdx.x; idx < KP * kPerRow; idx += kThreads) {
-    const int r = idx / kPerRow, c4 = idx % kPerRow;
-    cp_async_16(dst + r * kSlabLd + 4 * c4, B + int64_t(r) * VP + s * kSlab + 4 * c4, true);
-  }
-}
-
-// acc[j] += Σ_e A[r0 + r][e] · B[col0 + 8j + n][e] over e < VP (the warp's 16 rows × 8·n_tiles
-// channels), A through load_a2(r, e) (k-adjacent pairs). slabs == nullptr: B's fragments come
-// from global memory directly; otherwise B is staged slab by slab in `slabs` (two buffers of
-// [KP, kSlabLd] fp32; VP % kSlab == 0). With slabs every thread of the block must call it.
-template <MmaPrecision kPrecision, typename LoadA2>
-__device__ __forceinline__ void key_side_product(float (&acc)[kMaxTiles][4], int n_tiles,
-                                                 int col0, int KP, int VP, const float* B,
-                                                 float* slabs, LoadA2&& load_a2) {
-  if (slabs == nullptr) {
-    warp_mma_pairs<kPrecision>(acc, n_tiles, 0, VP, load_a2, [&](int e, int nn) {
-      return load_pair(B + (col0 + nn) * VP + e);
-    });
-    return;
-  }
-  const int count = VP / kSlab, buffer = KP * kSlabLd;
-  stage_slab(slabs, B, KP, VP, 0);
-  cp_async_commit();
-  for (int s = 0; s < count; ++s) {
-    if (s + 1 < count) {
-      // Buffer (s+1)&1 was last read by slab s−1, before the barrier that ended its step.
-      stage_slab(slabs + ((s + 1) & 1) * buffer, B, KP, VP, s + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const float* slab = slabs + (s & 1) * buffer - s * kSlab;  // indexed by absolute e
-    warp_mma_pairs<kPrecision>(acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2,
-                               [&](int e, int nn) { return load_pair(slab + (col0 + nn) * kSlabLd + e); });
-    __syncthreads();
-  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -293,43 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   stamp(2);
   const int last_segment = seg[kChunk - 1];
 
-  // ---- 0'. L across sub-blocks: warp w < 6 takes the (s, t) block below, through b = 16(t+1).
-  if (warp < 6) {
-    const int s = warp < 1 ? 1 : (warp < 3 ? 2 : 3), t = warp - (s - 1) * s / 2;  // (1,0) … (3,2)
-    const int r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
-    float acc[2][4];
-    zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, 2, 0, KP,
-        [&](int r, int c) {
-          const float2 key = key_hat2(r0 + r, c), gamma_i = gamma2(r0 + r, c), gamma_b = gamma2(ref, c);
-          return make_float2(key.x * __expf(gamma_i.x - gamma_b.x), key.y * __expf(gamma_i.y - gamma_b.y));
-        },
-        [&](int c, int nn) {
-          const float2 key = key_hat2(j0 + nn, c), gamma_j = gamma2(j0 + nn, c), gamma_b = gamma2(ref, c);
-          return make_float2(key.x * __expf(gamma_b.x - gamma_j.x), key.y * __expf(gamma_b.y - gamma_j.y));
-        });
-    for_each_element<2>(2, r0, j0, [&](int j, int e4, int i, int jj) {
-      lower[i * kLdPair + jj] = seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
-    });
-  }
-  // Inside a sub-block: one exp per pair and channel (Γ_i − Γ_j ≤ 0, j < i).
-  constexpr int kStrictPairs = kSubBlock * (kSubBlock - 1) / 2;
-  for (int p = tid; p < kNumSubBlocks * kStrictPairs; p += kThreads) {
-    const int block = p / kStrictPairs, r = p % kStrictPairs;
-    int ii = 1;
-    while (ii * (ii + 1) / 2 <= r) ++ii;  // r = ii(ii−1)/2 + jj, jj < ii
-    const int jj = r - ii * (ii - 1) / 2;
-    const int i = block * kSubBlock + ii, j = block * kSubBlock + jj;
-    float sum = 0.0f;
-    for (int c = 0; c < KP; c += 2) {  // padded channels hold k = 0, Γ = 0: they add nothing
-      const float2 key_i = key_hat2(i, c), key_j = key_hat2(j, c);
-      const float2 gamma_i = gamma2(i, c), gamma_j = gamma2(j, c);
-      sum += key_i.x * key_j.x * __expf(gamma_i.x - gamma_j.x) +
-             key_i.y * key_j.y * __expf(gamma_i.y - gamma_j.y);
-    }
-    lower[i * kLdPair + j] = seg[i] == seg[j] ? sum : 0.0f;
-  }
+  // ---- 0'. L (kda_stage4_mma.cuh).
+  kda_stage4_lower(key_raw, ldr, key_inv, gam, ldk, seg, KP, lower);
   // Kd = K⊙e^Γ for segment 0 (slot a).
   float* key_decay = slot_a;
   for (int idx = tid; idx < kChunk * KP; idx += kThreads) {
@@ -380,34 +288,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!(j < i && seg[i] == seg[j])) d_pqk[i * kLdPair + j] = 0.0f;
   }
 
-  // dR = M⁻ᵀ·dV', M = I + Diag(β)L: dR_j = dV'_j − Σ_{i>j} β_i L_ij dR_i, sub-blocks bottom up.
-  // Rows below sub-block s are final: their contribution is one tf32 product (warp w: column
-  // tiles w and w + 8); then the 16×16 diagonal block by substitution, a thread per column.
-  for (int s = kNumSubBlocks - 1; s >= 0; --s) {
-    const int s0 = 16 * s;
-    if (s < kNumSubBlocks - 1) {
-      for (int tile = warp; tile < VP / 8; tile += kWarps) {
-        float acc[1][4];
-        zero_tiles(acc);
-        warp_mma<MmaPrecision::Tf32>(
-            acc, 1, s0 + 16, kChunk,
-            [&](int r, int i) { return beta_s[i] * lower[i * kLdPair + s0 + r]; },
-            [&](int i, int nn) { return d_value[i * ldw + 8 * tile + nn]; });
-        for_each_element<1>(1, s0, 8 * tile, [&](int, int e4, int j, int e) {
-          d_value[j * ldw + e] -= acc[0][e4];
-        });
-      }
-      __syncthreads();
-    }
-    for (int e = tid; e < VP; e += kThreads)
-      for (int j = s0 + kSubBlock - 2; j >= s0; --j) {
-        float upper_sum = 0.0f;
-        for (int i = j + 1; i < s0 + kSubBlock; ++i)
-          upper_sum += beta_s[i] * lower[i * kLdPair + j] * d_value[i * ldw + e];
-        d_value[j * ldw + e] -= upper_sum;
-      }
-    __syncthreads();
-  }
+  // dR = M⁻ᵀ·dV', M = I + Diag(β)L (kda_stage4_mma.cuh; the masking pass above touches dP only).
+  kda_stage4_solve(d_value, ldw, VP, beta_s, lower);
   stamp(5);
 
   // dM = −dR·V'ᵀ (tf32); dβ_i = dR_i·X_i with X = V − Kd·S (tf32) formed in registers.
@@ -484,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dQd = dO·Sᵀ (bf16: dO exact).
     zero_tiles(acc);
     key_side_product<MmaPrecision::Bf16>(
-        acc, tiles_k, col0_k, KP, VP, state, slabs,
+        acc, tiles_k, col0_k, 0, KP, VP, state, slabs,
         [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldw + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
@@ -495,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dKd = −dX·Sᵀ (tf32).
     zero_tiles(acc);
     key_side_product<MmaPrecision::Tf32>(
-        acc, tiles_k, col0_k, KP, VP, state, slabs,
+        acc, tiles_k, col0_k, 0, KP, VP, state, slabs,
         [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldw + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
@@ -509,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // chunk end while dg there is tiny (that form was off by 0.36 relative in the test).
     zero_tiles(acc);
     key_side_product<MmaPrecision::Tf32>(
-        acc, tiles_k, col0_k, KP, VP, d_state, slabs,
+        acc, tiles_k, col0_k, 0, KP, VP, d_state, slabs,
         [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
@@ -687,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kMaxTiles][4];
     zero_tiles(acc);
     key_side_product<MmaPrecision::Tf32>(
-        acc, tiles_k, col0_k, KP, VP, d_state, slabs,
+        acc, tiles_k, col0_k, 0, KP, VP, d_state, slabs,
         [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
     for_each_element<kMaxTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =

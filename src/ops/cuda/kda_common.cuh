@@ -130,7 +130,7 @@ __device__ __forceinline__ bool kda_rows_by_8(const KdaDims& d, const void* a, c
 // The chunk's raw q, k rows as bf16 bits [C, ldr] and g as fp32 [C, ldg] in shared memory, by
 // the whole block (one round trip for the chunk; no barrier inside); zero past the chunk end
 // (c_len tokens) and K up to KP. by_8 (kda_rows_by_8): 16-byte loads; ldr, ldg keep 16-byte
-// aligned rows (KP + 8 and KP + 4 with KP a multiple of 16).
+// aligned rows (KP + 8 and KP + 4 with KP a multiple of 16). query_raw == nullptr: k and g only.
 __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* g,
                                            const KdaDims& d, int64_t b, int64_t h, int64_t t0,
                                            int c_len, bool by_8, uint16_t* query_raw,
@@ -143,11 +143,11 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
       uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
       if (i < c_len && col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
         const int64_t at = ((b * d.T + t0 + i) * d.H + h) * d.K + col;
-        query_bits = *reinterpret_cast<const uint4*>(q + at);
+        if (query_raw != nullptr) query_bits = *reinterpret_cast<const uint4*>(q + at);
         key_bits = *reinterpret_cast<const uint4*>(k + at);
         gate_bits = *reinterpret_cast<const uint4*>(g + at);
       }
-      *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
+      if (query_raw != nullptr) *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
       *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits;
       kda_store_8_bf16_as_float(gamma + i * ldg + col, gate_bits);
     }
@@ -157,7 +157,7 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
     const int i = idx / d.KP, col = idx % d.KP;
     const bool valid = i < c_len && col < d.K;
     const int64_t at = valid ? ((b * d.T + t0 + i) * d.H + h) * d.K + col : 0;
-    query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
+    if (query_raw != nullptr) query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
     key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
     gamma[i * ldg + col] = valid ? load_as_float(g, at) : 0.0f;
   }
@@ -165,7 +165,7 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
 
 // After kda_stage_rows_bf16 and a barrier: the rows' inverse L2 norms (warp per row, from the
 // bf16 bits) and Γ = cumsum g down each column in place (thread per column), by the whole block;
-// no barrier inside.
+// no barrier inside. query_raw == nullptr: k's norms only.
 __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
                                                     const uint16_t* key_raw, int ldr, float* gamma,
                                                     int ldg, const KdaDims& d, float* query_inv,
@@ -174,7 +174,7 @@ __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
   for (int i = warp; i < kChunk; i += kThreads / 32) {
     float sum_q = 0.0f, sum_k = 0.0f;
     for (int col = lane; col < d.K; col += 32) {
-      const float qv = __uint_as_float(uint32_t(query_raw[i * ldr + col]) << 16);
+      const float qv = query_raw ? __uint_as_float(uint32_t(query_raw[i * ldr + col]) << 16) : 0.0f;
       const float kv = __uint_as_float(uint32_t(key_raw[i * ldr + col]) << 16);
       sum_q += qv * qv;
       sum_k += kv * kv;
@@ -182,7 +182,7 @@ __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
     sum_q = warp_sum(sum_q);
     sum_k = warp_sum(sum_k);
     if (lane == 0) {
-      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
+      if (query_raw != nullptr) query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
       key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
     }
   }

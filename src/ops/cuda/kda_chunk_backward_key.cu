@@ -1,0 +1,553 @@
+// Stage 4 of the chunked KDA backward, split (KdaBackwardPath::TensorCoreSplit), second kernel:
+// the key side, one block per (chunk, batch-head, half of K), after the value kernel
+// (kda_chunk_backward_value.cu). Same algebra and precision per product as stages 2–4 of the
+// fused kernel (kda_chunk_backward_tc.cu), restricted to the block's KH = KP/2 channels
+// c0 + [0, KH):
+//   dQd = dO·Sᵀ (bf16), dKd = −dX·Sᵀ, dKe = V'·dS'ᵀ (tf32; S, dS' rows staged in slabs),
+//   the pairwise sums of dL = β·dM and dP (F, G, G^q formed in the operand loaders from k̂, q̂, Γ
+//   instead of stored), dΓ, E = dKe⊙Ke (kept from the dKe product), dg's scans, and dq, dk through
+//   the L2 norms.
+// Every quantity is per channel except three row sums over all K:
+//   - dβ: the value kernel's two partials, added by half 0 (rank 0 of the cluster);
+//   - the L2-norm backward dx = inv·(dû − u·(u·dû)) needs u·dû over the whole row: the two
+//     halves run as a cluster of two blocks and read each other's partial row dots from shared
+//     memory (DSMEM), summing them in rank order, so both halves use the same bits.
+// Shared memory at K = V = 128: raw q, k [C, KH+8] bf16, Γ [C, KH+4], dP and dL [C, C+4], dO
+// [C, VP+8] bf16 (then dΓ), two slab buffers [KH, 40] (then E): ~110 KB, two blocks per SM.
+#include <cooperative_groups.h>
+
+#include "core/error.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda_backward_detail.cuh"
+#include "ops/cuda/kda_stage4_mma.cuh"
+
+namespace dm::cuda::kda_detail {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kSplitTiles = 4;  // 8-column mma tiles per warp: (KH/2)/8 ≤ 4 for KP ≤ 128
+
+struct KeyLayout {
+  int ldr;  // raw q, k rows (bf16): KH + 8
+  int ldg;  // Γ rows and the [C, KH] fp32 buffers (dΓ, E, dq, dk): KH + 4
+  int ldo;  // dO rows (bf16): VP + 8
+  int query_raw, key_raw, gamma, d_query_key, d_lower, d_out, slabs, vectors, total;
+};
+// β, 1/‖q‖, 1/‖k‖, seg, diag(dP), row dots (q, k) by warp column half [2, C] each, the block's
+// row dots (q, k) [C] each, their cluster totals [C] each; e^γ ⊙ rowsum(S ⊙ dS') [KH].
+constexpr int kKeyVectorFloats = 15 * kChunk + kKdaCudaMaxHeadDim / 2;
+
+__host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
+  const int KH = d.KP / 2;
+  KeyLayout l;
+  l.ldr = KH + 8;
+  l.ldg = KH + 4;
+  l.ldo = d.VP + 8;
+  auto round16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
+  auto most = [](int a, int b) { return a > b ? a : b; };
+  const int channel_matrix = kChunk * l.ldg * 4;  // [C, ldg] fp32
+  int at = 0;
+  l.query_raw = at;
+  at += round16(kChunk * l.ldr * 2);
+  l.key_raw = at;
+  at += round16(kChunk * l.ldr * 2);
+  l.gamma = at;
+  at += round16(channel_matrix);
+  // dP and dL; dq and dk staged here at the end ([C, KH+4] fits [C, C+4]: KH ≤ 64).
+  l.d_query_key = at;
+  at += round16(kChunk * kLdPair * 4);
+  l.d_lower = at;
+  at += round16(kChunk * kLdPair * 4);
+  l.d_out = at;
+  at += round16(most(kChunk * l.ldo * 2, channel_matrix));  // dO, then dΓ
+  l.slabs = at;
+  at += round16(most(2 * KH * kSlabLd * 4, channel_matrix));  // then E
+  l.vectors = at;
+  at += kKeyVectorFloats * 4;
+  l.total = at;
+  return l;
+}
+
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
+    kda_chunk_grad_key_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* g_in,
+                              const uint16_t* beta_in, const uint16_t* d_o,
+                              const int32_t* doc_start, float* dq, float* dk, float* dg,
+                              float* dbeta, KdaDims d, KdaForwardWorkspace ws,
+                              const float* d_states, KdaSplitWorkspace split) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  const KeyLayout l = key_layout(d);
+  const int ldr = l.ldr, ldg = l.ldg, ldo = l.ldo;
+  uint16_t* query_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.query_raw);  // [C, ldr]
+  uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);      // [C, ldr]
+  float* gam = reinterpret_cast<float*>(shared_bytes + l.gamma);                  // [C, ldg] Γ
+  float* d_pqk = reinterpret_cast<float*>(shared_bytes + l.d_query_key);          // [C, kLdPair] dP
+  float* d_lkk = reinterpret_cast<float*>(shared_bytes + l.d_lower);              // [C, kLdPair] dL
+  uint16_t* d_out_s = reinterpret_cast<uint16_t*>(shared_bytes + l.d_out);  // [C, ldo] dO bits
+  float* slabs = reinterpret_cast<float*>(shared_bytes + l.slabs);
+  float* vec = reinterpret_cast<float*>(shared_bytes + l.vectors);
+  float* beta_s = vec;                                  // [C]
+  float* query_inv = beta_s + kChunk;                   // [C]
+  float* key_inv = query_inv + kChunk;                  // [C]
+  int* seg = reinterpret_cast<int*>(key_inv + kChunk);  // [C]
+  float* diag_pqk = key_inv + 2 * kChunk;               // [C] diagonal of dP
+  float* dots_query = diag_pqk + kChunk;                // [2, C] q·dq̂ by warp column half
+  float* dots_key = dots_query + 2 * kChunk;            // [2, C] k·dk̂
+  float* block_dot_query = dots_key + 2 * kChunk;       // [C] over this block's channels
+  float* block_dot_key = block_dot_query + kChunk;      // [C]
+  float* dot_query = block_dot_key + kChunk;            // [C] over all K (both blocks)
+  float* dot_key = dot_query + kChunk;                  // [C]
+  float* d_gamma_last = dot_key + kChunk;               // [KH] e^γ ⊙ rowsum(S ⊙ dS')
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int KP = d.KP, VP = d.VP, KH = KP / 2;
+  const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
+  const int64_t ch = bh * d.num_chunks + n;
+  const int half = blockIdx.z, c0 = half * KH;
+  const int c_len = kda_chunk_length(d, n);
+  const float* state = ws.states + ch * KP * VP;             // [KP, VP] S
+  const float* d_state = d_states + ch * KP * VP;            // [KP, VP] dS'
+  const float* value_new = ws.value_new + ch * kChunk * VP;  // [C, VP]  V'
+  const float* decay_whole = ws.decay_whole + ch * KP;
+  const float* d_x = split.d_x + ch * kChunk * VP;  // [C, VP]  dX
+  auto token_row = [&](int i) { return kda_token_row(d, b, h, t0 + i); };
+
+  // Channel c below is absolute (c0 ≤ c < c0 + KH); the shared rows hold c − c0.
+  auto key_hat = [&](int i, int c) {
+    return bf16_bits_to_float(key_raw[i * ldr + c - c0]) * key_inv[i];
+  };
+  auto query_hat = [&](int i, int c) {
+    return bf16_bits_to_float(query_raw[i * ldr + c - c0]) * query_inv[i] * d.scale;
+  };
+  auto gamma_at = [&](int i, int c) { return gam[i * ldg + c - c0]; };
+  auto key_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(key_raw + i * ldr + c - c0);
+    const float inv = key_inv[i];
+    return make_float2(__uint_as_float(bits << 16) * inv,
+                       __uint_as_float(bits & 0xffff0000u) * inv);
+  };
+  auto query_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(query_raw + i * ldr + c - c0);
+    const float inv = query_inv[i] * d.scale;
+    return make_float2(__uint_as_float(bits << 16) * inv,
+                       __uint_as_float(bits & 0xffff0000u) * inv);
+  };
+  auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldg + c - c0); };
+
+  // ---- 0. The block's channels of raw q, k (bf16 bits) and g; β, segments; dO rows (bf16 bits,
+  // zero past the chunk end and V). Rows go 8 elements per load when K, V and the pointers allow.
+  const bool rows_by_8 = kda_rows_by_8(d, q, k, g_in, d_o);
+  if (rows_by_8) {
+    const int per_row = KH / 8;
+    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+      const int i = idx / per_row, col = idx % per_row * 8;
+      uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
+      if (i < c_len && c0 + col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
+        const int64_t at = token_row(i) * d.K + c0 + col;
+        query_bits = *reinterpret_cast<const uint4*>(q + at);
+        key_bits = *reinterpret_cast<const uint4*>(k + at);
+        gate_bits = *reinterpret_cast<const uint4*>(g_in + at);
+      }
+      *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
+      *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits;
+      kda_store_8_bf16_as_float(gam + i * ldg + col, gate_bits);
+    }
+    const int per_row_v = VP / 8;
+    for (int idx = tid; idx < kChunk * per_row_v; idx += kThreads) {
+      const int i = idx / per_row_v, e = idx % per_row_v * 8;
+      uint4 bits = make_uint4(0, 0, 0, 0);
+      if (i < c_len && e < d.V)
+        bits = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e);
+      *reinterpret_cast<uint4*>(d_out_s + i * ldo + e) = bits;
+    }
+  } else {
+    for (int idx = tid; idx < kChunk * KH; idx += kThreads) {
+      const int i = idx / KH, col = idx % KH;
+      const bool valid = i < c_len && c0 + col < d.K;
+      const int64_t at = valid ? token_row(i) * d.K + c0 + col : 0;
+      query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
+      key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
+      gam[i * ldg + col] = valid ? load_as_float(g_in, at) : 0.0f;
+    }
+    for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
+      const int i = idx / VP, e = idx % VP;
+      d_out_s[i * ldo + e] = (i < c_len && e < d.V) ? d_o[token_row(i) * d.V + e] : uint16_t(0);
+    }
+  }
+  if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+  if (tid == 0) {
+    int segment = 0;
+    for (int i = 0; i < kChunk; ++i) {
+      const int64_t t = t0 + i;
+      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
+      seg[i] = segment;
+    }
+  }
+  // dβ: the value kernel's two partials, once per chunk-head (rank 0), in a fixed order.
+  if (half == 0 && tid < c_len) {
+    const float* parts = split.d_beta + 2 * ch * kChunk;
+    dbeta[token_row(tid)] += parts[tid] + parts[kChunk + tid];
+  }
+  // Inverse L2 norms over the whole rows (warp per row, from global memory: the shared rows
+  // hold this block's channels only).
+  for (int i = warp; i < kChunk; i += kWarps) {
+    float sum_q = 0.0f, sum_k = 0.0f;
+    if (i < c_len) {
+      const int64_t row = token_row(i) * d.K;
+      for (int col = lane; col < d.K; col += 32) {
+        const float qv = load_as_float(q, row + col), kv = load_as_float(k, row + col);
+        sum_q += qv * qv;
+        sum_k += kv * kv;
+      }
+    }
+    sum_q = warp_sum(sum_q);
+    sum_k = warp_sum(sum_k);
+    if (lane == 0) {
+      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
+      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
+    }
+  }
+  // dγ = e^γ ⊙ rowsum(S ⊙ dS') for the block's channels (warp per state row, 16-byte loads).
+#pragma unroll 4
+  for (int col = warp; col < KH; col += kWarps) {
+    const float* s_row = state + int64_t(c0 + col) * VP;
+    const float* ds_row = d_state + int64_t(c0 + col) * VP;
+    float dot = 0.0f;
+    for (int e = 4 * lane; e < VP; e += 128) {
+      const float4 a = *reinterpret_cast<const float4*>(s_row + e);
+      const float4 b4 = *reinterpret_cast<const float4*>(ds_row + e);
+      dot += a.x * b4.x + a.y * b4.y + a.z * b4.z + a.w * b4.w;
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) d_gamma_last[col] = decay_whole[c0 + col] * dot;
+  }
+  __syncthreads();
+
+  // Γ = cumsum g down the block's columns; dP and dL = β·dM from the two value halves' partials
+  // (summed in a fixed order), strictly lower and same segment; dP's diagonal apart.
+  for (int col = tid; col < KH; col += kThreads) {
+    float running = 0.0f;
+    for (int i = 0; i < kChunk; ++i) {
+      running += gam[i * ldg + col];
+      gam[i * ldg + col] = running;
+    }
+  }
+  {
+    const float* query_key_parts = split.d_query_key + 2 * ch * kChunk * kChunk;
+    const float* mix_parts = split.d_mix + 2 * ch * kChunk * kChunk;
+    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kThreads) {
+      const int i = idx / (kChunk / 4), j0 = idx % (kChunk / 4) * 4;
+      const float4 p0 = *reinterpret_cast<const float4*>(query_key_parts + i * kChunk + j0);
+      const float4 p1 =
+          *reinterpret_cast<const float4*>(query_key_parts + kChunk * kChunk + i * kChunk + j0);
+      const float4 m0 = *reinterpret_cast<const float4*>(mix_parts + i * kChunk + j0);
+      const float4 m1 =
+          *reinterpret_cast<const float4*>(mix_parts + kChunk * kChunk + i * kChunk + j0);
+      const float p[4] = {p0.x + p1.x, p0.y + p1.y, p0.z + p1.z, p0.w + p1.w};
+      const float m[4] = {m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + u;
+        const bool structural = j < i && seg[i] == seg[j];
+        if (j == i) diag_pqk[i] = p[u];
+        d_pqk[i * kLdPair + j] = structural ? p[u] : 0.0f;
+        d_lkk[i * kLdPair + j] = structural ? beta_s[i] * m[u] : 0.0f;
+      }
+    }
+  }
+  __syncthreads();
+  const int last_segment = seg[kChunk - 1];
+
+  // ---- 2. Key side. Warp tile: rows r0..r0+15, channels col0_k + [0, 8·tiles_k) (absolute),
+  // kept in registers through stage 3: dq̂ (acc_q), dk̂ (acc_k), dΓ (acc_gamma).
+  const int row_block = warp >> 1, r0 = 16 * row_block;
+  const int tiles_k = KH / 16, col0_k = c0 + (warp & 1) * tiles_k * 8;
+  float acc_q[kSplitTiles][4], acc_k[kSplitTiles][4], acc_gamma[kSplitTiles][4];
+  zero_tiles(acc_q);
+  zero_tiles(acc_k);
+  zero_tiles(acc_gamma);
+  float* key_end_terms = slabs;  // E [C, ldg], once the last product has freed the slabs
+  {
+    float acc[kSplitTiles][4];
+    // dQd = dO·Sᵀ (bf16: dO exact).
+    zero_tiles(acc);
+    key_side_product<MmaPrecision::Bf16>(
+        acc, tiles_k, col0_k, c0, KH, VP, state, slabs, [&](int r, int e) {
+          const uint32_t bits = *reinterpret_cast<const uint32_t*>(d_out_s + (r0 + r) * ldo + e);
+          return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+        });
+    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
+      const float value = acc[j][e4] * decay_from_start;
+      acc_q[j][e4] += value;
+      acc_gamma[j][e4] += value * query_hat(i, c);
+    });
+    // dKd = −dX·Sᵀ (tf32).
+    zero_tiles(acc);
+    key_side_product<MmaPrecision::Tf32>(
+        acc, tiles_k, col0_k, c0, KH, VP, state, slabs,
+        [&](int r, int e) { return load_pair(d_x + (r0 + r) * VP + e); });
+    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
+      const float value = -acc[j][e4] * decay_from_start;
+      acc_k[j][e4] += value;
+      acc_gamma[j][e4] += value * key_hat(i, c);
+    });
+    // dKe = V'·dS'ᵀ (tf32): dk̂ += dKe ⊙ e^{γ−Γ} (last segment), and E = that ⊙ k̂ for dg's
+    // exclusive forward prefix (stage 4 of the fused kernel explains why not total − suffix).
+    zero_tiles(acc);
+    key_side_product<MmaPrecision::Tf32>(
+        acc, tiles_k, col0_k, c0, KH, VP, d_state, slabs,
+        [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
+    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      const float decay_to_end =
+          seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
+      const float value = acc[j][e4] * decay_to_end;
+      acc_k[j][e4] += value;
+      key_end_terms[i * ldg + c - c0] = value * key_hat(i, c);
+    });
+  }
+
+  // ---- 3. Pairwise sums of dL and dP, the per-token factors formed in the B loaders:
+  //   rows    F_j = k̂_j e^{Γ_b − Γ_j}, b = 16(t+1) (first token after j's sub-block t < s),
+  //   columns G_l = k̂_l e^{Γ_l − Γ_a}, G^q_l = q̂_l e^{Γ_l − Γ_a}, a = first token of l's sub-block.
+  {
+    // Diagonal of dP: dq̂_i += dP_ii k̂_i, dk̂_i += dP_ii q̂_i (its dΓ terms cancel).
+    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      acc_q[j][e4] += diag_pqk[i] * key_hat(i, c);
+      acc_k[j][e4] += diag_pqk[i] * query_hat(i, c);
+    });
+    float acc[kSplitTiles][4];
+    for (int t = 0; t < row_block; ++t) {
+      const int j0 = kSubBlock * t, after = kSubBlock * (t + 1);
+      auto f_key = [&](int j, int nn) {
+        const int c = col0_k + nn;
+        return key_hat(j, c) * __expf(gamma_at(after, c) - gamma_at(j, c));
+      };
+      zero_tiles(acc);
+      warp_mma<MmaPrecision::Tf32>(
+          acc, tiles_k, j0, j0 + kSubBlock,
+          [&](int r, int j) { return d_lkk[(r0 + r) * kLdPair + j]; }, f_key);
+      for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+        const float row_lower = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
+        acc_k[j][e4] += row_lower;
+        acc_gamma[j][e4] += key_hat(i, c) * row_lower;
+      });
+      zero_tiles(acc);
+      warp_mma<MmaPrecision::Tf32>(
+          acc, tiles_k, j0, j0 + kSubBlock,
+          [&](int r, int j) { return d_pqk[(r0 + r) * kLdPair + j]; }, f_key);
+      for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+        const float row_query_key = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
+        acc_q[j][e4] += row_query_key;
+        acc_gamma[j][e4] += query_hat(i, c) * row_query_key;
+      });
+    }
+    for (int u = row_block + 1; u < kNumSubBlocks; ++u) {
+      const int start = kSubBlock * u;
+      zero_tiles(acc);
+      warp_mma<MmaPrecision::Tf32>(
+          acc, tiles_k, start, start + kSubBlock,
+          [&](int r, int l) { return d_lkk[l * kLdPair + r0 + r]; },
+          [&](int l, int nn) {
+            const int c = col0_k + nn;
+            return key_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(start, c));
+          });
+      warp_mma<MmaPrecision::Tf32>(
+          acc, tiles_k, start, start + kSubBlock,
+          [&](int r, int l) { return d_pqk[l * kLdPair + r0 + r]; },
+          [&](int l, int nn) {
+            const int c = col0_k + nn;
+            return query_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(start, c));
+          });
+      for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+        const float cols = acc[j][e4] * __expf(gamma_at(start, c) - gamma_at(i, c));
+        acc_k[j][e4] += cols;
+        acc_gamma[j][e4] -= key_hat(i, c) * cols;
+      });
+    }
+    // Inside the sub-block (as in the fused kernel): one pass over its 16 positions p serves
+    // both rows of a lane and both directions; the exponent −|Γ_i − Γ_p| is ≤ 0 for every pair
+    // used (the structural zeros of dL, dP select p < i for rows, p > i for columns).
+    {
+      const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+      for (int j = 0; j < kSplitTiles; ++j) {
+        if (j >= tiles_k) continue;
+        const int c = col0_k + 8 * j + 2 * tq;
+        int rows[2];
+        float2 gamma_row[2], row_lower[2], row_query_key[2], cols[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          rows[hh] = r0 + g + 8 * hh;
+          gamma_row[hh] = gamma2(rows[hh], c);
+          row_lower[hh] = row_query_key[hh] = cols[hh] = make_float2(0.0f, 0.0f);
+        }
+#pragma unroll 4
+        for (int p = 0; p < kSubBlock; ++p) {
+          const int position = r0 + p;
+          const float2 key = key_hat2(position, c), query = query_hat2(position, c);
+          const float2 gamma_p = gamma2(position, c);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = rows[hh];
+            const float w_lower_row = d_lkk[i * kLdPair + position];
+            const float w_query_key_row = d_pqk[i * kLdPair + position];
+            const float w_lower_col = d_lkk[position * kLdPair + i];
+            const float w_query_key_col = d_pqk[position * kLdPair + i];
+            const float decay_x = __expf(-fabsf(gamma_row[hh].x - gamma_p.x));
+            const float decay_y = __expf(-fabsf(gamma_row[hh].y - gamma_p.y));
+            const float key_x = key.x * decay_x, key_y = key.y * decay_y;
+            row_lower[hh].x += w_lower_row * key_x;
+            row_lower[hh].y += w_lower_row * key_y;
+            row_query_key[hh].x += w_query_key_row * key_x;
+            row_query_key[hh].y += w_query_key_row * key_y;
+            cols[hh].x += w_lower_col * key_x + w_query_key_col * (query.x * decay_x);
+            cols[hh].y += w_lower_col * key_y + w_query_key_col * (query.y * decay_y);
+          }
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = rows[hh];
+          const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c);
+          acc_q[j][2 * hh] += row_query_key[hh].x;
+          acc_q[j][2 * hh + 1] += row_query_key[hh].y;
+          acc_k[j][2 * hh] += row_lower[hh].x + cols[hh].x;
+          acc_k[j][2 * hh + 1] += row_lower[hh].y + cols[hh].y;
+          acc_gamma[j][2 * hh] +=
+              key_i.x * (row_lower[hh].x - cols[hh].x) + query_i.x * row_query_key[hh].x;
+          acc_gamma[j][2 * hh + 1] +=
+              key_i.y * (row_lower[hh].y - cols[hh].y) + query_i.y * row_query_key[hh].y;
+        }
+      }
+    }
+  }
+
+  // ---- 4. dΓ to shared memory (dO is dead since dQd); the block's row dots q·dq̂, k·dk̂ by warp
+  // column half, then over the block's channels, then over both blocks of the cluster.
+  float* d_gamma = reinterpret_cast<float*>(d_out_s);  // [C, ldg]
+  {
+    float row_q[2] = {0.0f, 0.0f}, row_k[2] = {0.0f, 0.0f};
+    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      d_gamma[i * ldg + c - c0] = acc_gamma[j][e4];
+      row_q[e4 >> 1] += bf16_bits_to_float(query_raw[i * ldr + c - c0]) * acc_q[j][e4];
+      row_k[e4 >> 1] += bf16_bits_to_float(key_raw[i * ldr + c - c0]) * acc_k[j][e4];
+    });
+    store_row_dots(row_q, r0, dots_query + (warp & 1) * kChunk);
+    store_row_dots(row_k, r0, dots_key + (warp & 1) * kChunk);
+  }
+  __syncthreads();
+  if (tid < kChunk) {
+    block_dot_query[tid] = dots_query[tid] + dots_query[kChunk + tid];
+    block_dot_key[tid] = dots_key[tid] + dots_key[kChunk + tid];
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // both blocks' row dots are written
+  if (tid < kChunk) {
+    const unsigned peer = cluster.block_rank() ^ 1u;
+    const float peer_query = cluster.map_shared_rank(block_dot_query, peer)[tid];
+    const float peer_key = cluster.map_shared_rank(block_dot_key, peer)[tid];
+    const bool first = cluster.block_rank() == 0;  // sum in rank order: the same bits in both
+    dot_query[tid] = first ? block_dot_query[tid] + peer_query : peer_query + block_dot_query[tid];
+    dot_key[tid] = first ? block_dot_key[tid] + peer_key : peer_key + block_dot_key[tid];
+  }
+  cluster.sync();  // the peer has read ours (it may exit now), and dot_* are visible block-wide
+
+  // dq, dk through the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))) into the dP and dL matrices
+  // (dead since the pairwise phase), so one coalesced pass adds dg, dq, dk at the end.
+  float* d_query_s = d_pqk;  // [C, ldg]
+  float* d_key_s = d_lkk;    // [C, ldg]
+  for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    const float q_inv = query_inv[i], k_inv = key_inv[i];
+    const float q_raw = bf16_bits_to_float(query_raw[i * ldr + c - c0]);
+    const float k_raw = bf16_bits_to_float(key_raw[i * ldr + c - c0]);
+    d_query_s[i * ldg + c - c0] =
+        d.scale * q_inv * (acc_q[j][e4] - q_raw * q_inv * (dot_query[i] * q_inv));
+    d_key_s[i * ldg + c - c0] = k_inv * (acc_k[j][e4] - k_raw * k_inv * (dot_key[i] * k_inv));
+  });
+
+  // dg = the exclusive forward prefix of E (zero outside the last segment) + the reverse cumsum
+  // of dΓ restarting at document starts, seeded (last segment) with dγ.
+  for (int col = tid; col < KH; col += kThreads) {
+    if (c0 + col >= d.K) continue;
+    float prefix = 0.0f;
+    for (int i = 0; i < kChunk; ++i) {
+      const float e = key_end_terms[i * ldg + col];
+      key_end_terms[i * ldg + col] = prefix;
+      prefix += e;
+    }
+    float running = d_gamma_last[col];
+    for (int i = kChunk - 1; i >= 0; --i) {
+      if (i < kChunk - 1 && seg[i] != seg[i + 1]) running = 0.0f;
+      running += d_gamma[i * ldg + col];
+      d_gamma[i * ldg + col] = running + key_end_terms[i * ldg + col];
+    }
+  }
+  __syncthreads();
+
+  // dg, dq, dk += those over the block's channels, row-coalesced by the whole block.
+  const int width = d.K - c0 < KH ? d.K - c0 : KH;  // the block's channels inside K
+  if (width <= 0) return;
+  auto add4 = [](float* dst, const float* src) {
+    float4 x = *reinterpret_cast<float4*>(dst);
+    const float4 y = *reinterpret_cast<const float4*>(src);
+    x.x += y.x;
+    x.y += y.y;
+    x.z += y.z;
+    x.w += y.w;
+    *reinterpret_cast<float4*>(dst) = x;
+  };
+  if (d.K % 4 == 0 && ((reinterpret_cast<uintptr_t>(dg) | reinterpret_cast<uintptr_t>(dq) |
+                        reinterpret_cast<uintptr_t>(dk)) &
+                       15) == 0) {
+    const int per_row = width / 4;
+#pragma unroll 4
+    for (int idx = tid; idx < c_len * per_row; idx += kThreads) {
+      const int i = idx / per_row, col = idx % per_row * 4;
+      const int64_t at = token_row(i) * d.K + c0 + col;
+      add4(dg + at, d_gamma + i * ldg + col);
+      add4(dq + at, d_query_s + i * ldg + col);
+      add4(dk + at, d_key_s + i * ldg + col);
+    }
+  } else {
+    for (int idx = tid; idx < c_len * width; idx += kThreads) {
+      const int i = idx / width, col = idx % width;
+      const int64_t at = token_row(i) * d.K + c0 + col;
+      dg[at] += d_gamma[i * ldg + col];
+      dq[at] += d_query_s[i * ldg + col];
+      dk[at] += d_key_s[i * ldg + col];
+    }
+  }
+}
+
+}  // namespace
+
+void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint16_t* g,
+                               const uint16_t* beta, const uint16_t* d_o, const int32_t* doc_start,
+                               float* dq, float* dk, float* dg, float* dbeta, const KdaDims& d,
+                               const KdaForwardWorkspace& ws, const float* d_states,
+                               const KdaSplitWorkspace& split, cudaStream_t stream) {
+  DM_CHECK(kda_split_supported(d),
+           "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
+  const int shared = key_layout(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_grad_key_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_grad_key_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), 2), kThreads,
+                              size_t(shared), stream>>>(q, k, g, beta, d_o, doc_start, dq, dk, dg,
+                                                        dbeta, d, ws, d_states, split);
+  check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
+}
+
+void kda_chunk_grad_split(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                          const uint16_t* g, const uint16_t* beta, const uint16_t* d_o,
+                          const int32_t* doc_start, float* dq, float* dk, float* dv, float* dg,
+                          float* dbeta, const KdaDims& d, const KdaForwardWorkspace& ws,
+                          const float* d_states, const KdaSplitWorkspace& split,
+                          cudaStream_t stream) {
+  if (d.num_chunks == 0 || d.B * d.H == 0) return;
+  kda_chunk_grad_value_launch(k, v, g, beta, d_o, doc_start, dv, d, ws, d_states, split, stream);
+  kda_chunk_grad_key_launch(q, k, g, beta, d_o, doc_start, dq, dk, dg, dbeta, d, ws, d_states,
+                            split, stream);
+}
+
+}  // namespace dm::cuda::kda_detail

@@ -1,0 +1,255 @@
+// Stage 4 of the chunked KDA backward, split (KdaBackwardPath::TensorCoreSplit), first kernel:
+// the value side, one block per (chunk, batch-head, half of V). Same algebra and precision per
+// product as stage 1 of the fused kernel (kda_chunk_backward_tc.cu), restricted to the block's
+// VH = VP/2 value columns e0 + [0, VH):
+//   dV' = Ke·dS' + Pᵀ·dO (tf32); dP_h = dO·V'ᵀ (bf16, dO exact); dR = M⁻ᵀ·dV' (M = I + Diag(β)L,
+//   independent per value column); dM_h = −dR·V'ᵀ (tf32); X = V − Kd·S (tf32, Kd = K⊙e^Γ formed
+//   in the operand loader); dX = β·dR; dv += dX.
+// dP and dM are sums over V: each half writes its partial [C, C] to the split workspace, with its
+// partial of dβ = rowdot(dR, X) + Σ_j L_ij·dM_ij (linear in dM, so the L term splits too), and its
+// columns of dX. The key kernel sums the two halves in a fixed order (deterministic).
+//
+// Why split: the fused kernel holds ~220 KB of shared memory and 250 registers per thread, one
+// block per SM, and waits on L2 in its product phases with nothing to switch to. Here the
+// shared memory is Γ [C, KP+4] fp32, raw k [C, KP+8] bf16, L [C, C+4], dV'→dR [C, VH+8] and dO
+// [C, VH+8] fp32: ~105 KB at K = V = 128, two blocks per SM (launch bounds cap the registers at
+// 128). L and Γ are computed by both halves (L is 4K mma-flops per chunk-head pair: cheap).
+#include "core/error.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/kda_backward_detail.cuh"
+#include "ops/cuda/kda_stage4_mma.cuh"
+
+namespace dm::cuda::kda_detail {
+namespace {
+
+constexpr int kSplitTiles = 4;  // 8-column mma tiles per warp: (VH/2)/8 ≤ 4 for VP ≤ 128
+
+struct ValueLayout {
+  int ldk;  // Γ rows (fp32): KP + 4
+  int ldr;  // raw k rows (bf16): KP + 8
+  int ldh;  // dV' and dO rows (fp32): VH + 8, ≡ 8 (mod 32) floats for conflict-free pair loads
+  int gamma, key_raw, lower, d_value, d_out, vectors, total;
+};
+constexpr int kValueVectorFloats = 5 * kChunk;  // β, 1/‖k‖, seg, dβ partials of the 2 warp columns
+
+__host__ __device__ inline ValueLayout value_layout(const KdaDims& d) {
+  ValueLayout l;
+  l.ldk = d.KP + 4;
+  l.ldr = d.KP + 8;
+  l.ldh = d.VP / 2 + 8;
+  auto round16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
+  int at = 0;
+  l.gamma = at;
+  at += round16(kChunk * l.ldk * 4);
+  l.key_raw = at;
+  at += round16(kChunk * l.ldr * 2);
+  l.lower = at;
+  at += round16(kChunk * kLdPair * 4);
+  l.d_value = at;
+  at += round16(kChunk * l.ldh * 4);
+  l.d_out = at;
+  at += round16(kChunk * l.ldh * 4);
+  l.vectors = at;
+  at += kValueVectorFloats * 4;
+  l.total = at;
+  return l;
+}
+
+// Stores a warp's [16, 8·n_tiles] accumulator tile (origin r0, col0) into the row-major global
+// matrix dst [·, ld], times `sign`, as 8-byte pairs.
+template <int kTiles>
+__device__ __forceinline__ void store_tiles(const float (&acc)[kTiles][4], int n_tiles, int r0,
+                                            int col0, float* dst, int ld, float sign) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+    if (j < n_tiles)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<float2*>(dst + (r0 + g + 8 * half) * ld + col0 + 8 * j + 2 * tq) =
+            make_float2(sign * acc[j][2 * half], sign * acc[j][2 * half + 1]);
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    kda_chunk_grad_value_kernel(const uint16_t* k, const uint16_t* v, const uint16_t* g_in,
+                                const uint16_t* beta_in, const uint16_t* d_o,
+                                const int32_t* doc_start, float* dv, KdaDims d,
+                                KdaForwardWorkspace ws, const float* d_states,
+                                KdaSplitWorkspace split) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  const ValueLayout l = value_layout(d);
+  const int ldk = l.ldk, ldr = l.ldr, ldh = l.ldh;
+  float* gam = reinterpret_cast<float*>(shared_bytes + l.gamma);              // [C, ldk] Γ
+  uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);  // [C, ldr]
+  float* lower = reinterpret_cast<float*>(shared_bytes + l.lower);            // [C, kLdPair] L
+  float* d_value = reinterpret_cast<float*>(shared_bytes + l.d_value);        // [C, ldh] dV'→dR
+  float* d_out_s = reinterpret_cast<float*>(shared_bytes + l.d_out);          // [C, ldh] dO
+  float* beta_s = reinterpret_cast<float*>(shared_bytes + l.vectors);         // [C]
+  float* key_inv = beta_s + kChunk;                                           // [C]
+  int* seg = reinterpret_cast<int*>(key_inv + kChunk);                        // [C]
+  float* beta_dots = key_inv + 2 * kChunk;  // [2, C] dβ partials by warp column half
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int KP = d.KP, VP = d.VP, VH = VP / 2;
+  const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
+  const int64_t ch = bh * d.num_chunks + n;
+  const int half = blockIdx.z, e0 = half * VH;
+  const int c_len = kda_chunk_length(d, n);
+  const float* state = ws.states + ch * KP * VP;                      // [KP, VP] S
+  const float* d_state = d_states + ch * KP * VP;                     // [KP, VP] dS'
+  const float* value_new = ws.value_new + ch * kChunk * VP;           // [C, VP]  V'
+  const float* key_to_end = ws.key_to_end + ch * kChunk * KP;         // [C, KP]  Ke
+  const float* lower_qk = ws.lower_query_key + ch * kChunk * kChunk;  // [C, C]   P
+  float* d_query_key_part = split.d_query_key + (2 * ch + half) * kChunk * kChunk;
+  float* d_mix_part = split.d_mix + (2 * ch + half) * kChunk * kChunk;
+  float* d_x = split.d_x + ch * kChunk * VP;
+  auto token_row = [&](int i) { return kda_token_row(d, b, h, t0 + i); };
+
+  // ---- 0. Raw k (bf16 bits), g, β, segments, the block's half of dO (fp32, zero past the
+  // chunk end and V); L's upper part zeroed.
+  const bool rows_by_8 = kda_rows_by_8(d, k, k, g_in, d_o);
+  kda_stage_rows_bf16(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr, key_raw, ldr, gam,
+                      ldk);
+  if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+  if (tid == 0) {
+    int segment = 0;
+    for (int i = 0; i < kChunk; ++i) {
+      const int64_t t = t0 + i;
+      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
+      seg[i] = segment;
+    }
+  }
+  if (rows_by_8) {
+    const int per_row = VH / 8;
+    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+      const int i = idx / per_row, e = idx % per_row * 8;
+      uint4 bits = make_uint4(0, 0, 0, 0);
+      if (i < c_len && e0 + e < d.V)
+        bits = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e0 + e);
+      kda_store_8_bf16_as_float(d_out_s + i * ldh + e, bits);
+    }
+  } else {
+    for (int idx = tid; idx < kChunk * VH; idx += kThreads) {
+      const int i = idx / VH, e = idx % VH;
+      d_out_s[i * ldh + e] =
+          (i < c_len && e0 + e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e0 + e) : 0.0f;
+    }
+  }
+  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
+    const int i = idx / kChunk, j = idx % kChunk;
+    if (j >= i) lower[i * kLdPair + j] = 0.0f;
+  }
+  __syncthreads();
+  kda_inverse_norms_and_cumsum(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
+  __syncthreads();
+  kda_stage4_lower(key_raw, ldr, key_inv, gam, ldk, seg, KP, lower);
+  __syncthreads();
+
+  // Warp tiles: rows 16·(warp/2); [C, VH] outputs take the warp's half of the VH columns, [C, C]
+  // outputs its half of the 64 columns.
+  const int r0 = 16 * (warp >> 1);
+  const int tiles_v = VH / 16, col0_v = (warp & 1) * tiles_v * 8;
+  const int col0_c = (warp & 1) * 32;
+
+  // ---- 1. dV' = Ke·dS' + Pᵀ·dO (tf32; Pᵀ is upper triangular: k from r0). dP_h = dO·V'ᵀ (bf16).
+  {
+    float acc[kSplitTiles][4];
+    zero_tiles(acc);
+    const float* d_state_cols = d_state + e0 + col0_v;
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_v, 0, KP,
+        [&](int r, int c) { return load_pair(key_to_end + (r0 + r) * KP + c); },
+        [&](int c, int nn) {
+          return make_float2(d_state_cols[c * VP + nn], d_state_cols[(c + 1) * VP + nn]);
+        });
+    warp_mma<MmaPrecision::Tf32>(
+        acc, tiles_v, r0, kChunk, [&](int r, int j) { return lower_qk[j * kChunk + r0 + r]; },
+        [&](int j, int nn) { return d_out_s[j * ldh + col0_v + nn]; });
+    for_each_element<kSplitTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
+      d_value[i * ldh + e] = acc[j][e4];
+    });
+  }
+  {
+    float acc[4][4];
+    zero_tiles(acc);
+    warp_mma_pairs<MmaPrecision::Bf16>(
+        acc, 4, 0, VH, [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldh + e); },
+        [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e0 + e); });
+    store_tiles(acc, 4, r0, col0_c, d_query_key_part, kChunk, 1.0f);
+  }
+  __syncthreads();
+
+  // ---- 2. dR = M⁻ᵀ·dV' over the block's columns.
+  kda_stage4_solve(d_value, ldh, VH, beta_s, lower);
+
+  // ---- 3. dM_h = −dR·V'ᵀ (tf32) and its Σ_j L_ij·dM_ij; rowdot(dR, X) with X = V − Kd·S.
+  float beta_dot[2] = {0.0f, 0.0f};  // this lane's rows r0 + g, r0 + g + 8
+  {
+    float acc[4][4];
+    zero_tiles(acc);
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, 4, 0, VH, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldh + e); },
+        [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e0 + e); });
+    store_tiles(acc, 4, r0, col0_c, d_mix_part, kChunk, -1.0f);
+    for_each_element<4>(4, r0, col0_c, [&](int j, int e4, int i, int jj) {
+      if (jj < i && seg[i] == seg[jj]) beta_dot[e4 >> 1] -= lower[i * kLdPair + jj] * acc[j][e4];
+    });
+  }
+  {
+    float acc[kSplitTiles][4];
+    zero_tiles(acc);
+    const float* state_cols = state + e0 + col0_v;
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, tiles_v, 0, KP,
+        [&](int r, int c) {
+          const int i = r0 + r;
+          if (seg[i] != 0) return make_float2(0.0f, 0.0f);
+          const uint32_t bits = *reinterpret_cast<const uint32_t*>(key_raw + i * ldr + c);
+          const float inv = key_inv[i];
+          const float2 gamma = load_pair(gam + i * ldk + c);
+          return make_float2(__uint_as_float(bits << 16) * inv * __expf(gamma.x),
+                             __uint_as_float(bits & 0xffff0000u) * inv * __expf(gamma.y));
+        },
+        [&](int c, int nn) {
+          return make_float2(state_cols[c * VP + nn], state_cols[(c + 1) * VP + nn]);
+        });
+    for_each_element<kSplitTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
+      const int column = e0 + e;
+      const float value =
+          (i < c_len && column < d.V) ? load_as_float(v, token_row(i) * d.V + column) : 0.0f;
+      beta_dot[e4 >> 1] += (value - acc[j][e4]) * d_value[i * ldh + e];
+    });
+  }
+  store_row_dots(beta_dot, r0, beta_dots + (warp & 1) * kChunk);
+  __syncthreads();
+
+  // ---- 4. dβ partial; dX = β·dR to the workspace (the key kernel's dKd) and into dv.
+  if (tid < kChunk)
+    split.d_beta[(2 * ch + half) * kChunk + tid] = beta_dots[tid] + beta_dots[kChunk + tid];
+  for (int idx = tid; idx < kChunk * VH; idx += kThreads) {
+    const int i = idx / VH, e = idx % VH;
+    const float d_x_value = beta_s[i] * d_value[i * ldh + e];
+    d_x[i * VP + e0 + e] = d_x_value;
+    if (i < c_len && e0 + e < d.V) dv[token_row(i) * d.V + e0 + e] += d_x_value;
+  }
+}
+
+}  // namespace
+
+void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uint16_t* g,
+                                 const uint16_t* beta, const uint16_t* d_o,
+                                 const int32_t* doc_start, float* dv, const KdaDims& d,
+                                 const KdaForwardWorkspace& ws, const float* d_states,
+                                 const KdaSplitWorkspace& split, cudaStream_t stream) {
+  DM_CHECK(kda_split_supported(d),
+           "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
+  const int shared = value_layout(d).total;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_grad_value_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kda_chunk_grad_value_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), 2), kThreads,
+                                size_t(shared), stream>>>(k, v, g, beta, d_o, doc_start, dv, d, ws,
+                                                          d_states, split);
+  check_last_error("cuda kda_chunk_backward (stage 4, value kernel)");
+}
+
+}  // namespace dm::cuda::kda_detail

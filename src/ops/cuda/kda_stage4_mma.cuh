@@ -1,0 +1,180 @@
+// Block-level pieces of stage 4 of the chunked KDA backward shared by its tensor-core kernels:
+// the fused one (kda_chunk_backward_tc.cu) and the split pair (kda_chunk_backward_value.cu,
+// kda_chunk_backward_key.cu). Every function here is called by all kThreads threads of a block.
+// Included only by nvcc-compiled files.
+#pragma once
+#include <cstdint>
+
+#include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
+#include "ops/cuda/kda_common.cuh"
+#include "ops/cuda/kda_mma.cuh"
+
+namespace dm::cuda::kda_detail {
+
+constexpr int kWarps = kThreads / 32;
+constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
+
+// The key-side products take their [KP, VP] right operand (S or dS', rows = channels) from the
+// workspace in column slabs of kSlab, staged in shared memory by the whole block (16-byte
+// cp.async, double-buffered) instead of per-warp 8-byte fragment loads from L2: those made each
+// warp wait on L2 latency once per k-step, and the warps sharing a channel range each read the
+// whole matrix. Row stride kSlabLd ≡ 8 (mod 32) floats: a half-warp's 8-byte fragment loads
+// (rows g, columns 2tq) hit 32 distinct banks.
+constexpr int kSlab = 32, kSlabLd = kSlab + 8;
+
+// Copies rows [row0, row0 + rows) and columns [s·kSlab, (s+1)·kSlab) of the [·, VP] matrix B
+// into dst [rows, kSlabLd].
+__device__ __forceinline__ void stage_slab(float* dst, const float* B, int row0, int rows, int VP,
+                                           int s) {
+  constexpr int kPerRow = kSlab / 4;
+  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += kThreads) {
+    const int r = idx / kPerRow, c4 = idx % kPerRow;
+    attention_detail::cp_async_16(dst + r * kSlabLd + 4 * c4,
+                                  B + int64_t(row0 + r) * VP + s * kSlab + 4 * c4, true);
+  }
+}
+
+// acc[j] += Σ_e A[r0 + r][e] · B[col0 + 8j + n][e] over e < VP (the warp's 16 rows × 8·n_tiles
+// channels, col0 absolute), A through load_a2(r, e) (k-adjacent pairs). slabs == nullptr: B's
+// fragments come from global memory directly; otherwise rows [row0, row0 + rows) of B (which
+// must hold the warp's channels) are staged slab by slab in `slabs` (two buffers of
+// [rows, kSlabLd] fp32; VP % kSlab == 0), and the call ends with a barrier. With slabs every
+// thread of the block must call it.
+template <MmaPrecision kPrecision, int kTiles, typename LoadA2>
+__device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_tiles, int col0,
+                                                 int row0, int rows, int VP, const float* B,
+                                                 float* slabs, LoadA2&& load_a2) {
+  if (slabs == nullptr) {
+    warp_mma_pairs<kPrecision>(acc, n_tiles, 0, VP, load_a2, [&](int e, int nn) {
+      return load_pair(B + int64_t(col0 + nn) * VP + e);
+    });
+    return;
+  }
+  const int count = VP / kSlab, buffer = rows * kSlabLd;
+  stage_slab(slabs, B, row0, rows, VP, 0);
+  attention_detail::cp_async_commit();
+  for (int s = 0; s < count; ++s) {
+    if (s + 1 < count) {
+      // Buffer (s+1)&1 was last read by slab s−1, before the barrier that ended its step.
+      stage_slab(slabs + ((s + 1) & 1) * buffer, B, row0, rows, VP, s + 1);
+      attention_detail::cp_async_commit();
+      attention_detail::cp_async_wait<1>();
+    } else {
+      attention_detail::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* slab = slabs + (s & 1) * buffer - s * kSlab - row0 * kSlabLd;  // absolute e, row
+    warp_mma_pairs<kPrecision>(
+        acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2,
+        [&](int e, int nn) { return load_pair(slab + (col0 + nn) * kSlabLd + e); });
+    __syncthreads();
+  }
+}
+
+// L (β-free, strictly lower, same segment) of the chunk into lower [C, kLdPair] (j < i; the
+// caller zeroes j ≥ i): across sub-blocks t < s as one [16×16]·K product per (s, t) through the
+// first token b = 16(t+1) after sub-block t (e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j}, both ≤ 0),
+// inside a sub-block one exp per pair and channel. k̂ from the raw bf16 rows [C, ldr] times
+// key_inv, Γ [C, ldk] over KP channels (padded channels hold k = 0: they add nothing).
+__device__ inline void kda_stage4_lower(const uint16_t* key_raw, int ldr, const float* key_inv,
+                                        const float* gam, int ldk, const int* seg, int KP,
+                                        float* lower) {
+  const int tid = threadIdx.x, warp = tid >> 5;
+  auto key_hat2 = [&](int i, int c) {
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(key_raw + i * ldr + c);
+    const float inv = key_inv[i];
+    return make_float2(__uint_as_float(bits << 16) * inv,
+                       __uint_as_float(bits & 0xffff0000u) * inv);
+  };
+  auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldk + c); };
+  // Across sub-blocks: warp w < 6 takes the (s, t) block below, through b = 16(t+1).
+  if (warp < 6) {
+    const int s = warp < 1 ? 1 : (warp < 3 ? 2 : 3), t = warp - (s - 1) * s / 2;  // (1,0) … (3,2)
+    const int r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
+    float acc[2][4];
+    zero_tiles(acc);
+    warp_mma_pairs<MmaPrecision::Tf32>(
+        acc, 2, 0, KP,
+        [&](int r, int c) {
+          const float2 key = key_hat2(r0 + r, c), gamma_i = gamma2(r0 + r, c),
+                       gamma_b = gamma2(ref, c);
+          return make_float2(key.x * __expf(gamma_i.x - gamma_b.x),
+                             key.y * __expf(gamma_i.y - gamma_b.y));
+        },
+        [&](int c, int nn) {
+          const float2 key = key_hat2(j0 + nn, c), gamma_j = gamma2(j0 + nn, c),
+                       gamma_b = gamma2(ref, c);
+          return make_float2(key.x * __expf(gamma_b.x - gamma_j.x),
+                             key.y * __expf(gamma_b.y - gamma_j.y));
+        });
+    for_each_element<2>(2, r0, j0, [&](int j, int e4, int i, int jj) {
+      lower[i * kLdPair + jj] = seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
+    });
+  }
+  // Inside a sub-block: one exp per pair and channel (Γ_i − Γ_j ≤ 0, j < i).
+  constexpr int kStrictPairs = kSubBlock * (kSubBlock - 1) / 2;
+  for (int p = tid; p < kNumSubBlocks * kStrictPairs; p += kThreads) {
+    const int block = p / kStrictPairs, r = p % kStrictPairs;
+    int ii = 1;
+    while (ii * (ii + 1) / 2 <= r) ++ii;  // r = ii(ii−1)/2 + jj, jj < ii
+    const int jj = r - ii * (ii - 1) / 2;
+    const int i = block * kSubBlock + ii, j = block * kSubBlock + jj;
+    float sum = 0.0f;
+    for (int c = 0; c < KP; c += 2) {
+      const float2 key_i = key_hat2(i, c), key_j = key_hat2(j, c);
+      const float2 gamma_i = gamma2(i, c), gamma_j = gamma2(j, c);
+      sum += key_i.x * key_j.x * __expf(gamma_i.x - gamma_j.x) +
+             key_i.y * key_j.y * __expf(gamma_i.y - gamma_j.y);
+    }
+    lower[i * kLdPair + j] = seg[i] == seg[j] ? sum : 0.0f;
+  }
+}
+
+// dR = M⁻ᵀ·dV' in place in d_value [C, ld] (width columns, a multiple of 8), M = I + Diag(β)L:
+// dR_j = dV'_j − Σ_{i>j} β_i L_ij dR_i, sub-blocks bottom up. Rows below sub-block s are final:
+// their contribution is one tf32 product per 8-column tile; then the 16×16 diagonal block by
+// substitution, a thread per column. Starts after a barrier; ends with one.
+__device__ inline void kda_stage4_solve(float* d_value, int ld, int width, const float* beta_s,
+                                        const float* lower) {
+  const int tid = threadIdx.x, warp = tid >> 5;
+  for (int s = kNumSubBlocks - 1; s >= 0; --s) {
+    const int s0 = 16 * s;
+    if (s < kNumSubBlocks - 1) {
+      for (int tile = warp; tile < width / 8; tile += kWarps) {
+        float acc[1][4];
+        zero_tiles(acc);
+        warp_mma<MmaPrecision::Tf32>(
+            acc, 1, s0 + 16, kChunk,
+            [&](int r, int i) { return beta_s[i] * lower[i * kLdPair + s0 + r]; },
+            [&](int i, int nn) { return d_value[i * ld + 8 * tile + nn]; });
+        for_each_element<1>(1, s0, 8 * tile,
+                            [&](int, int e4, int j, int e) { d_value[j * ld + e] -= acc[0][e4]; });
+      }
+      __syncthreads();
+    }
+    for (int e = tid; e < width; e += kThreads)
+      for (int j = s0 + kSubBlock - 2; j >= s0; --j) {
+        float upper_sum = 0.0f;
+        for (int i = j + 1; i < s0 + kSubBlock; ++i)
+          upper_sum += beta_s[i] * lower[i * kLdPair + j] * d_value[i * ld + e];
+        d_value[j * ld + e] -= upper_sum;
+      }
+    __syncthreads();
+  }
+}
+
+// Adds the row dots of a lane's accumulator rows (g and g + 8 of its warp tile at r0: the two
+// entries of `dot`) over the 4 lanes sharing them, and stores them in out[r0 + g + 8·half] (lane
+// tq == 0). One writer per element: no atomics, so the result does not depend on warp order.
+__device__ __forceinline__ void store_row_dots(const float (&dot)[2], int r0, float* out) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float x = dot[half];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if (tq == 0) out[r0 + g + 8 * half] = x;
+  }
+}
+
+}  // namespace dm::cuda::kda_detail
