@@ -78,6 +78,19 @@ double time_median_ms(Fn&& fn, int warmup = 2, int reps = g_reps) {
 }
 
 // All device buffers of one shape in one arena; Storage = float or uint16_t (bf16).
+// Prints one block's phase clock (cycles since its start; per phase its own cycles and share).
+template <typename Read>
+void print_phases(const char* what, Read&& read) {
+  long long cycles[32];
+  const char* names[32];
+  const int n = read(cycles, names, 32);
+  std::printf("%s, one block (cycles since its start; phase: its own cycles):", what);
+  for (int i = 1; i < n; ++i)
+    std::printf(" %s: %lld (%.0f%%);", names[i], cycles[i] - cycles[i - 1],
+                100.0 * double(cycles[i] - cycles[i - 1]) / double(cycles[n - 1]));
+  std::printf(" total %lld\n", cycles[n - 1]);
+}
+
 template <typename Storage>
 void bench_shape(const BenchShape& bs, const char* dtype) {
   const dm::KdaShape s{bs.B, bs.T, bs.H, bs.D, bs.D};
@@ -146,27 +159,24 @@ void bench_shape(const BenchShape& bs, const char* dtype) {
     reuse_ms = time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
     split_ms = time_forward_backward(cu::KdaBackwardPath::TensorCoreSplit, true);
     cu::check_last_error("bench kda_chunk_backward (tensor cores)");
-    if (g_phases) {  // one more reusing backward with the stage-4 phase clock on
+    if (g_phases) {  // one more reusing backward (and forward) with each phase clock on
       cu::kda_stage4_phase_clock(true);
       time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
       cu::kda_stage4_phase_clock(false);
-      long long cycles[32];
-      const char* names[32];
-      const int n = cu::kda_stage4_phase_cycles(cycles, names, 32);
-      std::printf("stage 4 phases, one block (cycles since its start; phase: its own cycles):");
-      for (int i = 1; i < n; ++i)
-        std::printf(" %s: %lld (%.0f%%);", names[i], cycles[i] - cycles[i - 1],
-                    100.0 * double(cycles[i] - cycles[i - 1]) / double(cycles[n - 1]));
-      std::printf(" total %lld\n", cycles[n - 1]);
-      cu::kda_prepare_phase_clock(true);  // and one forward with the prepare clock on
+      print_phases("stage 4 phases", cu::kda_stage4_phase_cycles);
+      cu::kda_stage4_split_phase_clock(true);
+      time_forward_backward(cu::KdaBackwardPath::TensorCoreSplit, true);
+      cu::kda_stage4_split_phase_clock(false);
+      print_phases("split stage 4, value kernel phases", [](long long* c, const char** n, int m) {
+        return cu::kda_stage4_split_phase_cycles(0, c, n, m);
+      });
+      print_phases("split stage 4, key kernel phases", [](long long* c, const char** n, int m) {
+        return cu::kda_stage4_split_phase_cycles(1, c, n, m);
+      });
+      cu::kda_prepare_phase_clock(true);
       time_forward_backward(cu::KdaBackwardPath::TensorCore, true);
       cu::kda_prepare_phase_clock(false);
-      const int m = cu::kda_prepare_phase_cycles(cycles, names, 32);
-      std::printf("prepare phases, one block (cycles since its start; phase: its own cycles):");
-      for (int i = 1; i < m; ++i)
-        std::printf(" %s: %lld (%.0f%%);", names[i], cycles[i] - cycles[i - 1],
-                    100.0 * double(cycles[i] - cycles[i - 1]) / double(cycles[m - 1]));
-      std::printf(" total %lld\n", cycles[m - 1]);
+      print_phases("prepare phases", cu::kda_prepare_phase_cycles);
     }
   }
   double best_ms = reference_ms;

@@ -76,17 +76,18 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // every chunk end, then one parallel stage per chunk. On the TensorCore path the two sequential
 // stages are tf32 tensor-core kernels (the state gradient needs V % 8 == 0 and falls back to the
 // fp32 kernel otherwise); the Reference path keeps all of stages 1–4 in fp32 on CUDA cores.
-// Stage 4 of the bf16 backward has two implementations: Reference (the fp32 CUDA-core kernel, one
-// block per chunk-head with a global scratch) and TensorCore (kda_chunk_backward_tc.cu: mma.sync
-// with operands in shared memory, pairwise decays factored through 16-token sub-blocks). The
-// default is TensorCore (H200, 2026-11-29: (1,8192,16,128) fwd+bwd 28.2 → 19.6 ms, same
-// tolerances against the CPU); env DM_KDA_BACKWARD=ref|tc|tc-split (read once) overrides it.
-// TensorCoreSplit runs the tensor-core stage 4 as two kernels that fit two blocks per SM each
-// (kda_chunk_backward_value.cu over halves of V, kda_chunk_backward_key.cu over halves of K, a
-// cluster of two), which hand dP, dM, dβ partials and dX over through the workspace; shapes it
-// does not take (KP % 32, VP % 32 ≠ 0) run the fused kernel. fp32 inputs always take the
-// reference path. The workspace size depends on the path (the split adds ~(4C + VP)·C floats
-// per chunk-head): size it with the path the call will use.
+// Stage 4 of the bf16 backward has three implementations: Reference (the fp32 CUDA-core kernel,
+// one block per chunk-head with a global scratch), TensorCore (kda_chunk_backward_tc.cu: one
+// fused kernel, mma.sync with operands in shared memory, pairwise decays factored through
+// 16-token sub-blocks; one block per SM) and TensorCoreSplit, the default: the same products in
+// two kernels that fit two blocks per SM each (kda_chunk_backward_value.cu over halves of V,
+// kda_chunk_backward_key.cu over halves of K as a cluster of two), which hand dP, dM, dβ
+// partials and dX over through the workspace. H200, (1,8192,16,128) fwd+bwd reusing the forward:
+// 6.14 ms fused, 4.98 ms split (2026-11-30). Shapes the split does not take
+// (kda_backward_split_supported: KP % 32 or VP % 32 ≠ 0) run the fused kernel. Env
+// DM_KDA_BACKWARD=ref|tc|tc-split (read once) overrides the default. fp32 inputs always take the
+// reference path. The workspace size depends on the path (the split adds (4C + VP)·C floats per
+// chunk-head): size it with the path the call will use.
 // workspace_holds_forward (bf16, TensorCore paths only; ignored otherwise): `workspace` (sized by
 // kda_chunk_backward_workspace_bytes) was just filled by kda_chunk_forward on exactly these
 // inputs (q, k, v, g, beta, s0, doc_start, scale): the prepare and state stages are not run
@@ -94,6 +95,7 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // the time: 1.9 of 11.9 ms at (1,8192,16,128) on an H200).
 enum class KdaBackwardPath : uint8_t { Reference, TensorCore, TensorCoreSplit };
 KdaBackwardPath kda_backward_default_path();
+bool kda_backward_split_supported(const KdaShape& s);
 
 size_t kda_chunk_backward_workspace_bytes(const KdaShape& s,
                                           KdaBackwardPath path = kda_backward_default_path());
@@ -118,6 +120,10 @@ void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // Synchronous (a symbol copy).
 void kda_stage4_phase_clock(bool enable);
 int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases);
+// The same for one block (half 0) of each kernel of the split stage 4: kernel 0 = value, 1 = key.
+void kda_stage4_split_phase_clock(bool enable);
+int kda_stage4_split_phase_cycles(int kernel, long long* cycles, const char** names,
+                                  int max_phases);
 // The same for one block of the forward's tensor-core prepare stage.
 void kda_prepare_phase_clock(bool enable);
 int kda_prepare_phase_cycles(long long* cycles, const char** names, int max_phases);

@@ -56,6 +56,12 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
                                const KdaForwardWorkspace& ws, const float* d_states,
                                const KdaSplitWorkspace& split, cudaStream_t stream);
 
+// Their phase clocks (kda_stage4_split_phase_clock in kda.h).
+void kda_value_phase_clock(bool enable);
+int kda_value_phase_cycles(long long* cycles, const char** names, int max_phases);
+void kda_key_phase_clock(bool enable);
+int kda_key_phase_cycles(long long* cycles, const char** names, int max_phases);
+
 // Stage 3 on tensor cores (tf32 operands, fp32 dS; kda_chunk_state_tf32.cu), bf16 dO: same
 // outputs as the fp32 stage 3 (d_states = dS' per chunk, ds0 +=). Needs V % 8 == 0 and a 16-byte
 // aligned dO (its rows are copied in 16-byte pieces): check with _supported first.

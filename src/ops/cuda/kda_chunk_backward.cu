@@ -478,14 +478,19 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
 KdaBackwardPath kda_backward_default_path() {
   static const KdaBackwardPath path = [] {
     const char* env = std::getenv("DM_KDA_BACKWARD");
-    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "tc") == 0)
-      return KdaBackwardPath::TensorCore;
-    if (std::strcmp(env, "tc-split") == 0) return KdaBackwardPath::TensorCoreSplit;
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "tc-split") == 0)
+      return KdaBackwardPath::TensorCoreSplit;
+    if (std::strcmp(env, "tc") == 0) return KdaBackwardPath::TensorCore;
     DM_CHECK(std::strcmp(env, "ref") == 0,
              "DM_KDA_BACKWARD must be 'ref', 'tc' or 'tc-split', got '", env, "'");
     return KdaBackwardPath::Reference;
   }();
   return path;
+}
+
+bool kda_backward_split_supported(const KdaShape& s) {
+  return kda_detail::kda_split_supported(
+      kda_detail::kda_make_dims(s, 1.0f, "cuda kda_backward_split_supported"));
 }
 
 size_t kda_chunk_backward_workspace_bytes(const KdaShape& s, KdaBackwardPath path) {

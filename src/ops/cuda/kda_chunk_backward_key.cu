@@ -38,6 +38,15 @@ struct KeyLayout {
 // row dots (q, k) [C] each, their cluster totals [C] each; e^γ ⊙ rowsum(S ⊙ dS') [KH].
 constexpr int kKeyVectorFloats = 15 * kChunk + kKdaCudaMaxHeadDim / 2;
 
+// Phase clock (bench_cuda_kda --phases), as in the value kernel (block: middle chunk, first
+// batch-head, K half 0). Stamps inside the key-side and pairwise phases time warp 0.
+constexpr int kKeyStamps = 11;
+__device__ int g_key_clock_on;
+__device__ long long g_key_clock[kKeyStamps];
+const char* const kKeyPhaseNames[kKeyStamps] = {
+    "start",         "rows, norms, dgamma", "Gamma, dP, dL", "dQd",  "dKd",   "dKe, E",
+    "pairwise rows/cols", "pairwise inside", "dGamma, dots, cluster", "dg scans", "dg, dq, dk writes"};
+
 __host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
   const int KH = d.KP / 2;
   KeyLayout l;
@@ -111,6 +120,12 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   const float* decay_whole = ws.decay_whole + ch * KP;
   const float* d_x = split.d_x + ch * kChunk * VP;  // [C, VP]  dX
   auto token_row = [&](int i) { return kda_token_row(d, b, h, t0 + i); };
+  const bool stamping = g_key_clock_on && blockIdx.y == 0 && blockIdx.z == 0 &&
+                        blockIdx.x == gridDim.x / 2 && tid == 0;
+  auto stamp = [&](int phase) {
+    if (stamping) g_key_clock[phase] = clock64();
+  };
+  stamp(0);
 
   // Channel c below is absolute (c0 ≤ c < c0 + KH); the shared rows hold c − c0.
   auto key_hat = [&](int i, int c) {
@@ -222,6 +237,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     if (lane == 0) d_gamma_last[col] = decay_whole[c0 + col] * dot;
   }
   __syncthreads();
+  stamp(1);
 
   // Γ = cumsum g down the block's columns; dP and dL = β·dM from the two value halves' partials
   // (summed in a fixed order), strictly lower and same segment; dP's diagonal apart.
@@ -256,6 +272,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();
+  stamp(2);
   const int last_segment = seg[kChunk - 1];
 
   // ---- 2. Key side. Warp tile: rows r0..r0+15, channels col0_k + [0, 8·tiles_k) (absolute),
@@ -282,6 +299,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       acc_q[j][e4] += value;
       acc_gamma[j][e4] += value * query_hat(i, c);
     });
+    stamp(3);
     // dKd = −dX·Sᵀ (tf32).
     zero_tiles(acc);
     key_side_product<MmaPrecision::Tf32>(
@@ -293,6 +311,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       acc_k[j][e4] += value;
       acc_gamma[j][e4] += value * key_hat(i, c);
     });
+    stamp(4);
     // dKe = V'·dS'ᵀ (tf32): dk̂ += dKe ⊙ e^{γ−Γ} (last segment), and E = that ⊙ k̂ for dg's
     // exclusive forward prefix (stage 4 of the fused kernel explains why not total − suffix).
     zero_tiles(acc);
@@ -307,6 +326,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       key_end_terms[i * ldg + c - c0] = value * key_hat(i, c);
     });
   }
+  stamp(5);
 
   // ---- 3. Pairwise sums of dL and dP, the per-token factors formed in the B loaders:
   //   rows    F_j = k̂_j e^{Γ_b − Γ_j}, b = 16(t+1) (first token after j's sub-block t < s),
@@ -366,6 +386,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
         acc_gamma[j][e4] -= key_hat(i, c) * cols;
       });
     }
+    stamp(6);
     // Inside the sub-block (as in the fused kernel): one pass over its 16 positions p serves
     // both rows of a lane and both directions; the exponent −|Γ_i − Γ_p| is ≤ 0 for every pair
     // used (the structural zeros of dL, dP select p < i for rows, p > i for columns).
@@ -423,6 +444,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     }
   }
 
+  stamp(7);
+
   // ---- 4. dΓ to shared memory (dO is dead since dQd); the block's row dots q·dq̂, k·dk̂ by warp
   // column half, then over the block's channels, then over both blocks of the cluster.
   float* d_gamma = reinterpret_cast<float*>(d_out_s);  // [C, ldg]
@@ -452,6 +475,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     dot_key[tid] = first ? block_dot_key[tid] + peer_key : peer_key + block_dot_key[tid];
   }
   cluster.sync();  // the peer has read ours (it may exit now), and dot_* are visible block-wide
+  stamp(8);
 
   // dq, dk through the L2 norm (u = x·inv: dx = inv·(dû − u·(u·dû))) into the dP and dL matrices
   // (dead since the pairwise phase), so one coalesced pass adds dg, dq, dk at the end.
@@ -484,6 +508,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();
+  stamp(9);
 
   // dg, dq, dk += those over the block's channels, row-coalesced by the whole block.
   const int width = d.K - c0 < KH ? d.K - c0 : KH;  // the block's channels inside K
@@ -518,9 +543,20 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       dk[at] += d_key_s[i * ldg + col];
     }
   }
+  stamp(10);
 }
 
 }  // namespace
+
+void kda_key_phase_clock(bool enable) {
+  const int on = enable ? 1 : 0;
+  DM_CUDA_CHECK(cudaMemcpyToSymbol(g_key_clock_on, &on, sizeof on));
+}
+int kda_key_phase_cycles(long long* cycles, const char** names, int max_phases) {
+  long long stamps[kKeyStamps];
+  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, g_key_clock, sizeof stamps));
+  return phase_cycles_since_start(stamps, kKeyPhaseNames, kKeyStamps, cycles, names, max_phases);
+}
 
 void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint16_t* g,
                                const uint16_t* beta, const uint16_t* d_o, const int32_t* doc_start,
@@ -551,3 +587,17 @@ void kda_chunk_grad_split(const uint16_t* q, const uint16_t* k, const uint16_t* 
 }
 
 }  // namespace dm::cuda::kda_detail
+
+namespace dm::cuda {
+
+void kda_stage4_split_phase_clock(bool enable) {
+  kda_detail::kda_value_phase_clock(enable);
+  kda_detail::kda_key_phase_clock(enable);
+}
+int kda_stage4_split_phase_cycles(int kernel, long long* cycles, const char** names,
+                                  int max_phases) {
+  return kernel == 0 ? kda_detail::kda_value_phase_cycles(cycles, names, max_phases)
+                     : kda_detail::kda_key_phase_cycles(cycles, names, max_phases);
+}
+
+}  // namespace dm::cuda

@@ -32,6 +32,14 @@ struct ValueLayout {
 };
 constexpr int kValueVectorFloats = 5 * kChunk;  // β, 1/‖k‖, seg, dβ partials of the 2 warp columns
 
+// Phase clock (bench_cuda_kda --phases): SM cycle stamps of thread 0 of one block (the middle
+// chunk of the first batch-head, V half 0) at the phase boundaries, while enabled.
+constexpr int kValueStamps = 8;
+__device__ int g_value_clock_on;
+__device__ long long g_value_clock[kValueStamps];
+const char* const kValuePhaseNames[kValueStamps] = {
+    "start", "rows, dO", "norms, Gamma", "L", "dV', dP", "dR solve", "dM, X, dbeta", "dX, dv"};
+
 __host__ __device__ inline ValueLayout value_layout(const KdaDims& d) {
   ValueLayout l;
   l.ldk = d.KP + 4;
@@ -104,6 +112,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* d_mix_part = split.d_mix + (2 * ch + half) * kChunk * kChunk;
   float* d_x = split.d_x + ch * kChunk * VP;
   auto token_row = [&](int i) { return kda_token_row(d, b, h, t0 + i); };
+  const bool stamping = g_value_clock_on && blockIdx.y == 0 && blockIdx.z == 0 &&
+                        blockIdx.x == gridDim.x / 2 && tid == 0;
+  auto stamp = [&](int phase) {
+    if (stamping) g_value_clock[phase] = clock64();
+  };
+  stamp(0);
 
   // ---- 0. Raw k (bf16 bits), g, β, segments, the block's half of dO (fp32, zero past the
   // chunk end and V); L's upper part zeroed.
@@ -140,10 +154,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j >= i) lower[i * kLdPair + j] = 0.0f;
   }
   __syncthreads();
+  stamp(1);
   kda_inverse_norms_and_cumsum(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
   __syncthreads();
+  stamp(2);
   kda_stage4_lower(key_raw, ldr, key_inv, gam, ldk, seg, KP, lower);
   __syncthreads();
+  stamp(3);
 
   // Warp tiles: rows 16·(warp/2); [C, VH] outputs take the warp's half of the VH columns, [C, C]
   // outputs its half of the 64 columns.
@@ -178,9 +195,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     store_tiles(acc, 4, r0, col0_c, d_query_key_part, kChunk, 1.0f);
   }
   __syncthreads();
+  stamp(4);
 
   // ---- 2. dR = M⁻ᵀ·dV' over the block's columns.
   kda_stage4_solve(d_value, ldh, VH, beta_s, lower);
+  stamp(5);
 
   // ---- 3. dM_h = −dR·V'ᵀ (tf32) and its Σ_j L_ij·dM_ij; rowdot(dR, X) with X = V − Kd·S.
   float beta_dot[2] = {0.0f, 0.0f};  // this lane's rows r0 + g, r0 + g + 8
@@ -222,6 +241,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   store_row_dots(beta_dot, r0, beta_dots + (warp & 1) * kChunk);
   __syncthreads();
+  stamp(6);
 
   // ---- 4. dβ partial; dX = β·dR to the workspace (the key kernel's dKd) and into dv.
   if (tid < kChunk)
@@ -232,9 +252,20 @@ __global__ void __launch_bounds__(kThreads, 2)
     d_x[i * VP + e0 + e] = d_x_value;
     if (i < c_len && e0 + e < d.V) dv[token_row(i) * d.V + e0 + e] += d_x_value;
   }
+  stamp(7);
 }
 
 }  // namespace
+
+void kda_value_phase_clock(bool enable) {
+  const int on = enable ? 1 : 0;
+  DM_CUDA_CHECK(cudaMemcpyToSymbol(g_value_clock_on, &on, sizeof on));
+}
+int kda_value_phase_cycles(long long* cycles, const char** names, int max_phases) {
+  long long stamps[kValueStamps];
+  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, g_value_clock, sizeof stamps));
+  return phase_cycles_since_start(stamps, kValuePhaseNames, kValueStamps, cycles, names, max_phases);
+}
 
 void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uint16_t* g,
                                  const uint16_t* beta, const uint16_t* d_o,
