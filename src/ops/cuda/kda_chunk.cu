@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
     ws.lower_query_key[ch * kChunk * kChunk + idx] = sm.lower_query_key[i * kLowerStride + j];
+    ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? sm.lower_key_key[i * kLowerStride + j] : 0.0f;
   }
   for (int col = tid; col < d.KP; col += kThreads)
     ws.decay_whole[ch * d.KP + col] =
@@ -247,6 +248,7 @@ size_t kda_forward_workspace_carve(const KdaDims& d, void* base, KdaForwardWorks
   take(&out->query_decay, chunk_heads * kChunk * d.KP);
   take(&out->key_to_end, chunk_heads * kChunk * d.KP);
   take(&out->lower_query_key, chunk_heads * kChunk * kChunk);
+  take(&out->lower_key_key, chunk_heads * kChunk * kChunk);
   take(&out->decay_whole, chunk_heads * d.KP);
   take(&out->value_new, chunk_heads * kChunk * d.VP);
   take(&out->states, chunk_heads * d.KP * d.VP);

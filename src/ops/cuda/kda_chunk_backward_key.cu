@@ -32,7 +32,7 @@ struct KeyLayout {
   int ldr;  // raw q, k rows (bf16): KH + 8
   int ldg;  // Γ rows and the [C, KH] fp32 buffers (dΓ, E, dq, dk): KH + 4
   int ldo;  // dO rows (bf16): VP + 8
-  int query_raw, key_raw, gamma, d_query_key, d_lower, d_out, slabs, vectors, total;
+  int query_raw, key_raw, gamma, d_query_key, d_lower, d_out, slabs, scan, vectors, total;
 };
 // β, 1/‖q‖, 1/‖k‖, seg, diag(dP), row dots (q, k) by warp column half [2, C] each, the block's
 // row dots (q, k) [C] each, their cluster totals [C] each; e^γ ⊙ rowsum(S ⊙ dS') [KH].
@@ -44,7 +44,7 @@ constexpr int kKeyStamps = 11;
 __device__ int g_key_clock_on;
 __device__ long long g_key_clock[kKeyStamps];
 const char* const kKeyPhaseNames[kKeyStamps] = {
-    "start",         "rows, norms, dgamma", "Gamma, dP, dL", "dQd",  "dKd",   "dKe, E",
+    "start",         "row loads, dgamma", "norms, Gamma, dP, dL", "dQd",  "dKd",   "dKe, E",
     "pairwise rows/cols", "pairwise inside", "dGamma, dots, cluster", "dg scans", "dg, dq, dk writes"};
 
 __host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
@@ -72,6 +72,8 @@ __host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
   at += round16(most(kChunk * l.ldo * 2, channel_matrix));  // dO, then dΓ
   l.slabs = at;
   at += round16(most(2 * KH * kSlabLd * 4, channel_matrix));  // then E
+  l.scan = at;  // [2, kThreads] fp32: the dg scans' run totals
+  at += 2 * kThreads * 4;
   l.vectors = at;
   at += kKeyVectorFloats * 4;
   l.total = at;
@@ -94,6 +96,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   float* d_lkk = reinterpret_cast<float*>(shared_bytes + l.d_lower);              // [C, kLdPair] dL
   uint16_t* d_out_s = reinterpret_cast<uint16_t*>(shared_bytes + l.d_out);  // [C, ldo] dO bits
   float* slabs = reinterpret_cast<float*>(shared_bytes + l.slabs);
+  float* scan = reinterpret_cast<float*>(shared_bytes + l.scan);
   float* vec = reinterpret_cast<float*>(shared_bytes + l.vectors);
   float* beta_s = vec;                                  // [C]
   float* query_inv = beta_s + kChunk;                   // [C]
@@ -149,40 +152,51 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   };
   auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldg + c - c0); };
 
-  // ---- 0. The block's channels of raw q, k (bf16 bits) and g; β, segments; dO rows (bf16 bits,
-  // zero past the chunk end and V). Rows go 8 elements per load when K, V and the pointers allow.
+  // ---- 0. Whole raw q, k rows (bf16 bits, for the norms) into the dP and dL matrices (free
+  // until those are filled below), the block's channels of g (bits) into the slab buffers, the dO
+  // rows (bits) into their slot: all by cp.async when K, V and the pointers allow 16-byte pieces,
+  // so every load of the phase is in flight at once; zero past the chunk end, K and V.
+  const int ldf = KP + 8;  // whole-row stride (bf16): [C, ldf] fits a [C, kLdPair] fp32 matrix
+  uint16_t* query_full = reinterpret_cast<uint16_t*>(d_pqk);
+  uint16_t* key_full = reinterpret_cast<uint16_t*>(d_lkk);
+  uint16_t* gate_bits = reinterpret_cast<uint16_t*>(slabs);  // [C, ldr]
   const bool rows_by_8 = kda_rows_by_8(d, q, k, g_in, d_o);
   if (rows_by_8) {
-    const int per_row = KH / 8;
+    using attention_detail::cp_async_16;
+    const int per_row = KP / 8;
     for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
       const int i = idx / per_row, col = idx % per_row * 8;
-      uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
-      if (i < c_len && c0 + col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
-        const int64_t at = token_row(i) * d.K + c0 + col;
-        query_bits = *reinterpret_cast<const uint4*>(q + at);
-        key_bits = *reinterpret_cast<const uint4*>(k + at);
-        gate_bits = *reinterpret_cast<const uint4*>(g_in + at);
-      }
-      *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
-      *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits;
-      kda_store_8_bf16_as_float(gam + i * ldg + col, gate_bits);
+      const bool valid = i < c_len && col < d.K;  // K % 8 == 0: all 8 columns inside K or none
+      const int64_t at = valid ? token_row(i) * d.K + col : 0;
+      cp_async_16(query_full + i * ldf + col, q + at, valid);
+      cp_async_16(key_full + i * ldf + col, k + at, valid);
+    }
+    const int per_row_half = KH / 8;
+    for (int idx = tid; idx < kChunk * per_row_half; idx += kThreads) {
+      const int i = idx / per_row_half, col = idx % per_row_half * 8;
+      const bool valid = i < c_len && c0 + col < d.K;
+      cp_async_16(gate_bits + i * ldr + col, g_in + (valid ? token_row(i) * d.K + c0 + col : 0),
+                  valid);
     }
     const int per_row_v = VP / 8;
     for (int idx = tid; idx < kChunk * per_row_v; idx += kThreads) {
       const int i = idx / per_row_v, e = idx % per_row_v * 8;
-      uint4 bits = make_uint4(0, 0, 0, 0);
-      if (i < c_len && e < d.V)
-        bits = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e);
-      *reinterpret_cast<uint4*>(d_out_s + i * ldo + e) = bits;
+      const bool valid = i < c_len && e < d.V;
+      cp_async_16(d_out_s + i * ldo + e, d_o + (valid ? token_row(i) * d.V + e : 0), valid);
     }
+    attention_detail::cp_async_commit();
   } else {
+    for (int idx = tid; idx < kChunk * KP; idx += kThreads) {
+      const int i = idx / KP, col = idx % KP;
+      const bool valid = i < c_len && col < d.K;
+      const int64_t at = valid ? token_row(i) * d.K + col : 0;
+      query_full[i * ldf + col] = valid ? q[at] : uint16_t(0);
+      key_full[i * ldf + col] = valid ? k[at] : uint16_t(0);
+    }
     for (int idx = tid; idx < kChunk * KH; idx += kThreads) {
       const int i = idx / KH, col = idx % KH;
       const bool valid = i < c_len && c0 + col < d.K;
-      const int64_t at = valid ? token_row(i) * d.K + c0 + col : 0;
-      query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
-      key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
-      gam[i * ldg + col] = valid ? load_as_float(g_in, at) : 0.0f;
+      gate_bits[i * ldr + col] = valid ? g_in[token_row(i) * d.K + c0 + col] : uint16_t(0);
     }
     for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
       const int i = idx / VP, e = idx % VP;
@@ -203,25 +217,6 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     const float* parts = split.d_beta + 2 * ch * kChunk;
     dbeta[token_row(tid)] += parts[tid] + parts[kChunk + tid];
   }
-  // Inverse L2 norms over the whole rows (warp per row, from global memory: the shared rows
-  // hold this block's channels only).
-  for (int i = warp; i < kChunk; i += kWarps) {
-    float sum_q = 0.0f, sum_k = 0.0f;
-    if (i < c_len) {
-      const int64_t row = token_row(i) * d.K;
-      for (int col = lane; col < d.K; col += 32) {
-        const float qv = load_as_float(q, row + col), kv = load_as_float(k, row + col);
-        sum_q += qv * qv;
-        sum_k += kv * kv;
-      }
-    }
-    sum_q = warp_sum(sum_q);
-    sum_k = warp_sum(sum_k);
-    if (lane == 0) {
-      query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
-      key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
-    }
-  }
   // dγ = e^γ ⊙ rowsum(S ⊙ dS') for the block's channels (warp per state row, 16-byte loads).
 #pragma unroll 4
   for (int col = warp; col < KH; col += kWarps) {
@@ -236,18 +231,31 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     dot = warp_sum(dot);
     if (lane == 0) d_gamma_last[col] = decay_whole[c0 + col] * dot;
   }
+  attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
 
-  // Γ = cumsum g down the block's columns; dP and dL = β·dM from the two value halves' partials
-  // (summed in a fixed order), strictly lower and same segment; dP's diagonal apart.
+  // Inverse L2 norms from the whole rows (warp per row); the block's channels of q and k copied
+  // to their own rows; Γ = cumsum g down the block's columns.
+  kda_inverse_norms_and_cumsum(query_full, key_full, ldf, nullptr, 0, d, query_inv, key_inv);
+  for (int idx = tid; idx < kChunk * (KH / 8); idx += kThreads) {
+    const int i = idx / (KH / 8), col = idx % (KH / 8) * 8;
+    *reinterpret_cast<uint4*>(query_raw + i * ldr + col) =
+        *reinterpret_cast<const uint4*>(query_full + i * ldf + c0 + col);
+    *reinterpret_cast<uint4*>(key_raw + i * ldr + col) =
+        *reinterpret_cast<const uint4*>(key_full + i * ldf + c0 + col);
+  }
   for (int col = tid; col < KH; col += kThreads) {
     float running = 0.0f;
     for (int i = 0; i < kChunk; ++i) {
-      running += gam[i * ldg + col];
+      running += bf16_bits_to_float(gate_bits[i * ldr + col]);
       gam[i * ldg + col] = running;
     }
   }
+  __syncthreads();  // the whole rows are dead: dP and dL take their place
+
+  // dP and dL = β·dM from the two value halves' partials (summed in a fixed order), strictly
+  // lower and same segment; dP's diagonal apart.
   {
     const float* query_key_parts = split.d_query_key + 2 * ch * kChunk * kChunk;
     const float* mix_parts = split.d_mix + 2 * ch * kChunk * kChunk;
@@ -491,21 +499,42 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   });
 
   // dg = the exclusive forward prefix of E (zero outside the last segment) + the reverse cumsum
-  // of dΓ restarting at document starts, seeded (last segment) with dγ.
-  for (int col = tid; col < KH; col += kThreads) {
-    if (c0 + col >= d.K) continue;
-    float prefix = 0.0f;
-    for (int i = 0; i < kChunk; ++i) {
+  // of dΓ restarting at document starts, seeded (last segment) with dγ. Segmented scans with
+  // kThreads/KH threads per column, each over a run of `rows` rows: local scans in place, each
+  // run's totals through shared memory, then the carries. Reverse: the running sum at a run's
+  // first row t is its local sum plus, when no document starts between t and the next run's
+  // first row u (seg[t] == seg[u]), the running sum at u; row C is virtual, with running sum dγ
+  // and the last row's segment.
+  {
+    const int parts = kThreads / KH, rows = kChunk / parts;  // KH ∈ {16, 32, 64}
+    const int col = tid % KH, part = tid / KH, i0 = part * rows;
+    float* e_totals = scan;               // [parts, KH] Σ E over each run
+    float* gamma_tops = scan + kThreads;  // [parts, KH] local reverse sums at each run's first row
+    float prefix = 0.0f, running = 0.0f;
+    for (int i = i0; i < i0 + rows; ++i) {
       const float e = key_end_terms[i * ldg + col];
       key_end_terms[i * ldg + col] = prefix;
       prefix += e;
     }
-    float running = d_gamma_last[col];
-    for (int i = kChunk - 1; i >= 0; --i) {
-      if (i < kChunk - 1 && seg[i] != seg[i + 1]) running = 0.0f;
+    for (int i = i0 + rows - 1; i >= i0; --i) {
+      if (i < i0 + rows - 1 && seg[i] != seg[i + 1]) running = 0.0f;
       running += d_gamma[i * ldg + col];
-      d_gamma[i * ldg + col] = running + key_end_terms[i * ldg + col];
+      d_gamma[i * ldg + col] = running;
     }
+    e_totals[part * KH + col] = prefix;
+    gamma_tops[part * KH + col] = running;
+    __syncthreads();
+    float e_carry = 0.0f;
+    for (int p = 0; p < part; ++p) e_carry += e_totals[p * KH + col];
+    float carry = d_gamma_last[col];
+    int carry_seg = seg[kChunk - 1];
+    for (int p = parts - 1; p > part; --p) {
+      const int top = p * rows;
+      carry = gamma_tops[p * KH + col] + (seg[top] == carry_seg ? carry : 0.0f);
+      carry_seg = seg[top];
+    }
+    for (int i = i0; i < i0 + rows; ++i)
+      d_gamma[i * ldg + col] += (seg[i] == carry_seg ? carry : 0.0f) + key_end_terms[i * ldg + col] + e_carry;
   }
   __syncthreads();
   stamp(9);

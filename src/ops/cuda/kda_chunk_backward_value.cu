@@ -2,6 +2,7 @@
 // the value side, one block per (chunk, batch-head, half of V). Same algebra and precision per
 // product as stage 1 of the fused kernel (kda_chunk_backward_tc.cu), restricted to the block's
 // VH = VP/2 value columns e0 + [0, VH):
+//   L (β-free, stored by the forward's prepare stage, ws.lower_key_key);
 //   dV' = Ke·dS' + Pᵀ·dO (tf32); dP_h = dO·V'ᵀ (bf16, dO exact); dR = M⁻ᵀ·dV' (M = I + Diag(β)L,
 //   independent per value column); dM_h = −dR·V'ᵀ (tf32); X = V − Kd·S (tf32, Kd = K⊙e^Γ formed
 //   in the operand loader); dX = β·dR; dv += dX.
@@ -13,7 +14,7 @@
 // block per SM, and waits on L2 in its product phases with nothing to switch to. Here the
 // shared memory is Γ [C, KP+4] fp32, raw k [C, KP+8] bf16, L [C, C+4], dV'→dR [C, VH+8] and dO
 // [C, VH+8] fp32: ~105 KB at K = V = 128, two blocks per SM (launch bounds cap the registers at
-// 128). L and Γ are computed by both halves (L is 4K mma-flops per chunk-head pair: cheap).
+// 128). Both halves stage k and Γ (for X's Kd) and load L.
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda_backward_detail.cuh"
@@ -28,17 +29,18 @@ struct ValueLayout {
   int ldk;  // Γ rows (fp32): KP + 4
   int ldr;  // raw k rows (bf16): KP + 8
   int ldh;  // dV' and dO rows (fp32): VH + 8, ≡ 8 (mod 32) floats for conflict-free pair loads
-  int gamma, key_raw, lower, d_value, d_out, vectors, total;
+  int gamma, key_raw, lower, inverse, d_value, d_out, vectors, total;
 };
+constexpr int kLdInverse = kSubBlock + 4;  // row stride of the [16, 16] inverse blocks
 constexpr int kValueVectorFloats = 5 * kChunk;  // β, 1/‖k‖, seg, dβ partials of the 2 warp columns
 
 // Phase clock (bench_cuda_kda --phases): SM cycle stamps of thread 0 of one block (the middle
 // chunk of the first batch-head, V half 0) at the phase boundaries, while enabled.
-constexpr int kValueStamps = 8;
+constexpr int kValueStamps = 7;
 __device__ int g_value_clock_on;
 __device__ long long g_value_clock[kValueStamps];
 const char* const kValuePhaseNames[kValueStamps] = {
-    "start", "rows, dO", "norms, Gamma", "L", "dV', dP", "dR solve", "dM, X, dbeta", "dX, dv"};
+    "start", "rows, dO, L", "norms, Gamma", "dV', dP", "dR solve", "dM, X, dbeta", "dX, dv"};
 
 __host__ __device__ inline ValueLayout value_layout(const KdaDims& d) {
   ValueLayout l;
@@ -53,6 +55,8 @@ __host__ __device__ inline ValueLayout value_layout(const KdaDims& d) {
   at += round16(kChunk * l.ldr * 2);
   l.lower = at;
   at += round16(kChunk * kLdPair * 4);
+  l.inverse = at;
+  at += round16(kNumSubBlocks * kSubBlock * kLdInverse * 4);
   l.d_value = at;
   at += round16(kChunk * l.ldh * 4);
   l.d_out = at;
@@ -78,6 +82,87 @@ __device__ __forceinline__ void store_tiles(const float (&acc)[kTiles][4], int n
             make_float2(sign * acc[j][2 * half], sign * acc[j][2 * half + 1]);
 }
 
+// acc += A·B for one warp's 16×8 tile in 3×tf32 (a = a_hi + a_lo, likewise b; the a_lo·b_lo
+// term dropped): close to fp32 products at three tf32 mma per k-step. Loaders as warp_mma's.
+template <typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_mma_tf32x3(float (&acc)[4], int k_begin, int k_end,
+                                                LoadA&& load_a, LoadB&& load_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  auto split = [](float x, uint32_t& hi, uint32_t& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+  };
+  for (int k0 = k_begin; k0 < k_end; k0 += 8) {
+    const float a[4] = {load_a(g, k0 + tq), load_a(g + 8, k0 + tq), load_a(g, k0 + tq + 4),
+                        load_a(g + 8, k0 + tq + 4)};
+    uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split(a[e], a_hi[e], a_lo[e]);
+    split(load_b(k0 + tq, g), b_hi[0], b_lo[0]);
+    split(load_b(k0 + tq + 4, g), b_hi[1], b_lo[1]);
+    mma_tf32_16x8x8(acc, a_lo, b_hi[0], b_hi[1]);
+    mma_tf32_16x8x8(acc, a_hi, b_lo[0], b_lo[1]);
+    mma_tf32_16x8x8(acc, a_hi, b_hi[0], b_hi[1]);
+  }
+}
+
+// The inverses N_s = (M_ssᵀ)⁻¹ of the transposed 16×16 diagonal blocks of M = I + Diag(β)L into
+// inverse [4][16, kLdInverse]: (M_ssᵀ)_jk = δ_jk + β_k L_kj is upper unit-triangular, so is N_s,
+// column c by back substitution N_jc = −Σ_{j<k≤c} β_k L_kj N_kc. A thread per (sub-block, column):
+// threads 0–63; the rest of the block goes on (the caller's next barrier publishes N).
+__device__ __forceinline__ void diagonal_block_inverses(const float* lower, const float* beta_s,
+                                                        float* inverse) {
+  const int tid = threadIdx.x;
+  if (tid >= kNumSubBlocks * kSubBlock) return;
+  const int s = tid / kSubBlock, c = tid % kSubBlock, s0 = kSubBlock * s;
+  float* n = inverse + s * kSubBlock * kLdInverse;  // N_s; column c is this thread's alone
+  for (int j = kSubBlock - 1; j > c; --j) n[j * kLdInverse + c] = 0.0f;
+  n[c * kLdInverse + c] = 1.0f;
+  for (int j = c - 1; j >= 0; --j) {
+    float sum = 0.0f;
+    for (int k = j + 1; k <= c; ++k)
+      sum += beta_s[s0 + k] * lower[(s0 + k) * kLdPair + s0 + j] * n[k * kLdInverse + c];
+    n[j * kLdInverse + c] = -sum;
+  }
+}
+
+// dR = M⁻ᵀ·dV' in place in d_value [C, ld] (width columns, a multiple of 8), sub-blocks bottom
+// up: rhs_s = dV'_s − Σ_{i in later sub-blocks} β_i L_is dR_i (tf32, as the fused kernel), then
+// dR_s = N_s·rhs_s (3×tf32). A warp owns whole 8-column tiles, so the rhs round trip through
+// shared memory needs only the warp; one block barrier per sub-block. Starts after a barrier
+// that published dV' and N; ends with one.
+__device__ __forceinline__ void solve_with_inverses(float* d_value, int ld, int width,
+                                                    const float* beta_s, const float* lower,
+                                                    const float* inverse) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  for (int s = kNumSubBlocks - 1; s >= 0; --s) {
+    const int s0 = kSubBlock * s;
+    const float* n = inverse + s * kSubBlock * kLdInverse;
+    for (int tile = warp; tile < width / 8; tile += kWarps) {
+      float* cols = d_value + 8 * tile;
+      if (s < kNumSubBlocks - 1) {
+        float acc[1][4];
+        zero_tiles(acc);
+        warp_mma<MmaPrecision::Tf32>(
+            acc, 1, s0 + kSubBlock, kChunk,
+            [&](int r, int i) { return beta_s[i] * lower[i * kLdPair + s0 + r]; },
+            [&](int i, int nn) { return cols[i * ld + nn]; });
+        for_each_element<1>(1, s0, 0,
+                            [&](int, int e4, int j, int e) { cols[j * ld + e] -= acc[0][e4]; });
+        __syncwarp();
+      }
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      warp_mma_tf32x3(
+          acc, 0, kSubBlock, [&](int r, int k) { return n[r * kLdInverse + k]; },
+          [&](int k, int nn) { return cols[(s0 + k) * ld + nn]; });
+      __syncwarp();  // every lane has read the rhs before any lane overwrites it
+      *reinterpret_cast<float2*>(cols + (s0 + g) * ld + 2 * tq) = make_float2(acc[0], acc[1]);
+      *reinterpret_cast<float2*>(cols + (s0 + g + 8) * ld + 2 * tq) = make_float2(acc[2], acc[3]);
+    }
+    __syncthreads();
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 2)
     kda_chunk_grad_value_kernel(const uint16_t* k, const uint16_t* v, const uint16_t* g_in,
                                 const uint16_t* beta_in, const uint16_t* d_o,
@@ -90,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* gam = reinterpret_cast<float*>(shared_bytes + l.gamma);              // [C, ldk] Γ
   uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);  // [C, ldr]
   float* lower = reinterpret_cast<float*>(shared_bytes + l.lower);            // [C, kLdPair] L
+  float* inverse = reinterpret_cast<float*>(shared_bytes + l.inverse);        // [4][16, 20] N_s
   float* d_value = reinterpret_cast<float*>(shared_bytes + l.d_value);        // [C, ldh] dV'→dR
   float* d_out_s = reinterpret_cast<float*>(shared_bytes + l.d_out);          // [C, ldh] dO
   float* beta_s = reinterpret_cast<float*>(shared_bytes + l.vectors);         // [C]
@@ -119,8 +205,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
   stamp(0);
 
-  // ---- 0. Raw k (bf16 bits), g, β, segments, the block's half of dO (fp32, zero past the
-  // chunk end and V); L's upper part zeroed.
+  // ---- 0. L from the forward's workspace (cp.async, in flight during the rest); raw k (bf16
+  // bits), g, β, segments, the block's half of dO (fp32, zero past the chunk end and V).
+  {
+    const float* lower_key_key = ws.lower_key_key + ch * kChunk * kChunk;
+    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kThreads) {
+      const int i = idx / (kChunk / 4), j = idx % (kChunk / 4) * 4;
+      attention_detail::cp_async_16(lower + i * kLdPair + j, lower_key_key + i * kChunk + j, true);
+    }
+    attention_detail::cp_async_commit();
+  }
   const bool rows_by_8 = kda_rows_by_8(d, k, k, g_in, d_o);
   kda_stage_rows_bf16(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr, key_raw, ldr, gam,
                       ldk);
@@ -149,18 +243,13 @@ __global__ void __launch_bounds__(kThreads, 2)
           (i < c_len && e0 + e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e0 + e) : 0.0f;
     }
   }
-  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
-    const int i = idx / kChunk, j = idx % kChunk;
-    if (j >= i) lower[i * kLdPair + j] = 0.0f;
-  }
+  attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
   kda_inverse_norms_and_cumsum(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
   __syncthreads();
   stamp(2);
-  kda_stage4_lower(key_raw, ldr, key_inv, gam, ldk, seg, KP, lower);
-  __syncthreads();
-  stamp(3);
+  diagonal_block_inverses(lower, beta_s, inverse);  // threads 0–63; phase 1's barrier publishes N
 
   // Warp tiles: rows 16·(warp/2); [C, VH] outputs take the warp's half of the VH columns, [C, C]
   // outputs its half of the 64 columns.
@@ -195,11 +284,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     store_tiles(acc, 4, r0, col0_c, d_query_key_part, kChunk, 1.0f);
   }
   __syncthreads();
-  stamp(4);
+  stamp(3);
 
-  // ---- 2. dR = M⁻ᵀ·dV' over the block's columns.
-  kda_stage4_solve(d_value, ldh, VH, beta_s, lower);
-  stamp(5);
+  // ---- 2. dR = M⁻ᵀ·dV' over the block's columns (solve_with_inverses).
+  solve_with_inverses(d_value, ldh, VH, beta_s, lower, inverse);
+  stamp(4);
 
   // ---- 3. dM_h = −dR·V'ᵀ (tf32) and its Σ_j L_ij·dM_ij; rowdot(dR, X) with X = V − Kd·S.
   float beta_dot[2] = {0.0f, 0.0f};  // this lane's rows r0 + g, r0 + g + 8
@@ -241,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   store_row_dots(beta_dot, r0, beta_dots + (warp & 1) * kChunk);
   __syncthreads();
-  stamp(6);
+  stamp(5);
 
   // ---- 4. dβ partial; dX = β·dR to the workspace (the key kernel's dKd) and into dv.
   if (tid < kChunk)
@@ -252,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     d_x[i * VP + e0 + e] = d_x_value;
     if (i < c_len && e0 + e < d.V) dv[token_row(i) * d.V + e0 + e] += d_x_value;
   }
-  stamp(7);
+  stamp(6);
 }
 
 }  // namespace

@@ -236,6 +236,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
     ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
+    ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? lower[i * kLdPair + j] : 0.0f;
   }
   for (int col = tid; col < KP; col += kThreads)
     ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gam[(kChunk - 1) * ldk + col]) : 0.0f;

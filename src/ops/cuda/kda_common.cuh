@@ -46,6 +46,8 @@ struct KdaForwardWorkspace {
   float* query_decay;      // [·, C, KP]  Q⊙e^Γ (q̂ incl. scale), masked to segment 0
   float* key_to_end;       // [·, C, KP]  K⊙e^{γ−Γ}, masked to the last segment
   float* lower_query_key;  // [·, C, C]   P (j ≤ i, same segment)
+  float* lower_key_key;    // [·, C, C]   L without β (j < i, same segment; zero elsewhere), for
+                           //             the backward's value kernel (kda_chunk_backward_value.cu)
   float* decay_whole;      // [·, KP]     e^γ, or 0 when the chunk holds a document start
   float* value_new;        // [·, C, VP]  V' = U − W·S
   float* states;           // [·, KP, VP] state at the chunk start
@@ -165,7 +167,7 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
 
 // After kda_stage_rows_bf16 and a barrier: the rows' inverse L2 norms (warp per row, from the
 // bf16 bits) and Γ = cumsum g down each column in place (thread per column), by the whole block;
-// no barrier inside. query_raw == nullptr: k's norms only.
+// no barrier inside. query_raw == nullptr: k's norms only; gamma == nullptr: the norms only.
 __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
                                                     const uint16_t* key_raw, int ldr, float* gamma,
                                                     int ldg, const KdaDims& d, float* query_inv,
@@ -186,7 +188,7 @@ __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
       key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
     }
   }
-  for (int col = tid; col < d.KP; col += kThreads) {
+  for (int col = tid; gamma != nullptr && col < d.KP; col += kThreads) {
     float running = 0.0f;
     for (int i = 0; i < kChunk; ++i) {
       running += gamma[i * ldg + col];
