@@ -10,11 +10,12 @@
 // partial of dβ = rowdot(dR, X) + Σ_j L_ij·dM_ij (linear in dM, so the L term splits too), and its
 // columns of dX. The key kernel sums the two halves in a fixed order (deterministic).
 //
-// Why split: the fused kernel holds ~220 KB of shared memory and 250 registers per thread, one
+// Why split: the fused kernel holds ~220 KB of shared memory and 252 registers per thread, one
 // block per SM, and waits on L2 in its product phases with nothing to switch to. Here the
-// shared memory is Γ [C, KP+4] fp32, raw k [C, KP+8] bf16, L [C, C+4], dV'→dR [C, VH+8] and dO
-// [C, VH+8] fp32: ~105 KB at K = V = 128, two blocks per SM (launch bounds cap the registers at
-// 128). Both halves stage k and Γ (for X's Kd) and load L.
+// shared memory is Γ [C, KP+4] fp32, raw k [C, KP+8] bf16, L [C, C+4], the inverted diagonal
+// blocks [4][16, 20], dV'→dR [C, VH+8] and dO [C, VH+8] fp32: ~109 KB at K = V = 128, two
+// blocks per SM (launch bounds cap the registers at 128). Both halves stage k and Γ (for X's
+// Kd) and load L.
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda_backward_detail.cuh"
