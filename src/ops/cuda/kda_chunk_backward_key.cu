@@ -285,13 +285,16 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   const int last_segment = seg[kChunk - 1];
 
   // ---- 2. Key side. Warp tile: rows r0..r0+15, channels col0_k + [0, 8·tiles_k) (absolute),
-  // kept in registers through stage 3: dq̂ (acc_q), dk̂ (acc_k), dΓ (acc_gamma).
+  // kept in registers through stage 3: dq̂ (acc_q), dk̂ (acc_k). dΓ accumulates in shared memory
+  // (d_gamma, in dO's slot: dO's one reader is dQd, whose product ends with a barrier), each
+  // element owned by the lane that holds it in the fragment layout; in registers too, at the
+  // 128-register bound, it spilled in the pairwise loops.
   const int row_block = warp >> 1, r0 = 16 * row_block;
   const int tiles_k = KH / 16, col0_k = c0 + (warp & 1) * tiles_k * 8;
-  float acc_q[kSplitTiles][4], acc_k[kSplitTiles][4], acc_gamma[kSplitTiles][4];
+  float acc_q[kSplitTiles][4], acc_k[kSplitTiles][4];
+  float* d_gamma = reinterpret_cast<float*>(d_out_s);  // [C, ldg] dΓ from the end of stage 2
   zero_tiles(acc_q);
   zero_tiles(acc_k);
-  zero_tiles(acc_gamma);
   float* key_end_terms = slabs;  // E [C, ldg], once the last product has freed the slabs
   {
     float acc[kSplitTiles][4];
@@ -306,7 +309,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = acc[j][e4] * decay_from_start;
       acc_q[j][e4] += value;
-      acc_gamma[j][e4] += value * query_hat(i, c);
+      d_gamma[i * ldg + c - c0] = value * query_hat(i, c);
     });
     stamp(3);
     // dKd = −dX·Sᵀ (tf32).
@@ -318,7 +321,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = -acc[j][e4] * decay_from_start;
       acc_k[j][e4] += value;
-      acc_gamma[j][e4] += value * key_hat(i, c);
+      d_gamma[i * ldg + c - c0] += value * key_hat(i, c);
     });
     stamp(4);
     // dKe = V'·dS'ᵀ (tf32): dk̂ += dKe ⊙ e^{γ−Γ} (last segment), and E = that ⊙ k̂ for dg's
@@ -360,7 +363,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float row_lower = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_k[j][e4] += row_lower;
-        acc_gamma[j][e4] += key_hat(i, c) * row_lower;
+        d_gamma[i * ldg + c - c0] += key_hat(i, c) * row_lower;
       });
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
@@ -369,7 +372,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float row_query_key = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_q[j][e4] += row_query_key;
-        acc_gamma[j][e4] += query_hat(i, c) * row_query_key;
+        d_gamma[i * ldg + c - c0] += query_hat(i, c) * row_query_key;
       });
     }
     for (int u = row_block + 1; u < kNumSubBlocks; ++u) {
@@ -392,7 +395,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float cols = acc[j][e4] * __expf(gamma_at(start, c) - gamma_at(i, c));
         acc_k[j][e4] += cols;
-        acc_gamma[j][e4] -= key_hat(i, c) * cols;
+        d_gamma[i * ldg + c - c0] -= key_hat(i, c) * cols;
       });
     }
     stamp(6);
@@ -444,10 +447,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
           acc_q[j][2 * hh + 1] += row_query_key[hh].y;
           acc_k[j][2 * hh] += row_lower[hh].x + cols[hh].x;
           acc_k[j][2 * hh + 1] += row_lower[hh].y + cols[hh].y;
-          acc_gamma[j][2 * hh] +=
-              key_i.x * (row_lower[hh].x - cols[hh].x) + query_i.x * row_query_key[hh].x;
-          acc_gamma[j][2 * hh + 1] +=
-              key_i.y * (row_lower[hh].y - cols[hh].y) + query_i.y * row_query_key[hh].y;
+          float2* d_gamma_pair = reinterpret_cast<float2*>(d_gamma + i * ldg + c - c0);
+          float2 pair = *d_gamma_pair;
+          pair.x += key_i.x * (row_lower[hh].x - cols[hh].x) + query_i.x * row_query_key[hh].x;
+          pair.y += key_i.y * (row_lower[hh].y - cols[hh].y) + query_i.y * row_query_key[hh].y;
+          *d_gamma_pair = pair;
         }
       }
     }
@@ -455,13 +459,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
 
   stamp(7);
 
-  // ---- 4. dΓ to shared memory (dO is dead since dQd); the block's row dots q·dq̂, k·dk̂ by warp
-  // column half, then over the block's channels, then over both blocks of the cluster.
-  float* d_gamma = reinterpret_cast<float*>(d_out_s);  // [C, ldg]
+  // ---- 4. The block's row dots q·dq̂, k·dk̂ by warp column half, then over the block's
+  // channels, then over both blocks of the cluster.
   {
     float row_q[2] = {0.0f, 0.0f}, row_k[2] = {0.0f, 0.0f};
     for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-      d_gamma[i * ldg + c - c0] = acc_gamma[j][e4];
       row_q[e4 >> 1] += bf16_bits_to_float(query_raw[i * ldr + c - c0]) * acc_q[j][e4];
       row_k[e4 >> 1] += bf16_bits_to_float(key_raw[i * ldr + c - c0]) * acc_k[j][e4];
     });
