@@ -205,14 +205,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     }
   }
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
-  if (tid == 0) {
-    int segment = 0;
-    for (int i = 0; i < kChunk; ++i) {
-      const int64_t t = t0 + i;
-      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
-      seg[i] = segment;
-    }
-  }
+  kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
   // dβ: the value kernel's two partials, once per chunk-head (rank 0), in a fixed order.
   if (half == 0 && tid < c_len) {
     const float* parts = split.d_beta + 2 * ch * kChunk;
@@ -399,62 +392,15 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       });
     }
     stamp(6);
-    // Inside the sub-block (as in the fused kernel): one pass over its 16 positions p serves
-    // both rows of a lane and both directions; the exponent −|Γ_i − Γ_p| is ≤ 0 for every pair
-    // used (the structural zeros of dL, dP select p < i for rows, p > i for columns).
-    {
-      const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-      for (int j = 0; j < kSplitTiles; ++j) {
-        if (j >= tiles_k) continue;
-        const int c = col0_k + 8 * j + 2 * tq;
-        int rows[2];
-        float2 gamma_row[2], row_lower[2], row_query_key[2], cols[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          rows[hh] = r0 + g + 8 * hh;
-          gamma_row[hh] = gamma2(rows[hh], c);
-          row_lower[hh] = row_query_key[hh] = cols[hh] = make_float2(0.0f, 0.0f);
-        }
-#pragma unroll 4
-        for (int p = 0; p < kSubBlock; ++p) {
-          const int position = r0 + p;
-          const float2 key = key_hat2(position, c), query = query_hat2(position, c);
-          const float2 gamma_p = gamma2(position, c);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int i = rows[hh];
-            const float w_lower_row = d_lkk[i * kLdPair + position];
-            const float w_query_key_row = d_pqk[i * kLdPair + position];
-            const float w_lower_col = d_lkk[position * kLdPair + i];
-            const float w_query_key_col = d_pqk[position * kLdPair + i];
-            const float decay_x = __expf(-fabsf(gamma_row[hh].x - gamma_p.x));
-            const float decay_y = __expf(-fabsf(gamma_row[hh].y - gamma_p.y));
-            const float key_x = key.x * decay_x, key_y = key.y * decay_y;
-            row_lower[hh].x += w_lower_row * key_x;
-            row_lower[hh].y += w_lower_row * key_y;
-            row_query_key[hh].x += w_query_key_row * key_x;
-            row_query_key[hh].y += w_query_key_row * key_y;
-            cols[hh].x += w_lower_col * key_x + w_query_key_col * (query.x * decay_x);
-            cols[hh].y += w_lower_col * key_y + w_query_key_col * (query.y * decay_y);
-          }
-        }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = rows[hh];
-          const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c);
-          acc_q[j][2 * hh] += row_query_key[hh].x;
-          acc_q[j][2 * hh + 1] += row_query_key[hh].y;
-          acc_k[j][2 * hh] += row_lower[hh].x + cols[hh].x;
-          acc_k[j][2 * hh + 1] += row_lower[hh].y + cols[hh].y;
-          float2* d_gamma_pair = reinterpret_cast<float2*>(d_gamma + i * ldg + c - c0);
-          float2 pair = *d_gamma_pair;
-          pair.x += key_i.x * (row_lower[hh].x - cols[hh].x) + query_i.x * row_query_key[hh].x;
-          pair.y += key_i.y * (row_lower[hh].y - cols[hh].y) + query_i.y * row_query_key[hh].y;
-          *d_gamma_pair = pair;
-        }
-      }
-    }
+    // Inside the sub-block (kda_stage4_mma.cuh).
+    pairwise_inside_sub_block(acc_q, acc_k, tiles_k, r0, col0_k, d_lkk, d_pqk, key_hat2, query_hat2,
+                              gamma2, [&](int, int, int i, int c, float2 value) {
+                                float2* pair = reinterpret_cast<float2*>(d_gamma + i * ldg + c - c0);
+                                float2 sum = *pair;
+                                sum.x += value.x;
+                                sum.y += value.y;
+                                *pair = sum;
+                              });
   }
 
   stamp(7);
@@ -580,14 +526,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
-void kda_key_phase_clock(bool enable) {
-  const int on = enable ? 1 : 0;
-  DM_CUDA_CHECK(cudaMemcpyToSymbol(g_key_clock_on, &on, sizeof on));
-}
+void kda_key_phase_clock(bool enable) { phase_clock_enable(g_key_clock_on, enable); }
 int kda_key_phase_cycles(long long* cycles, const char** names, int max_phases) {
-  long long stamps[kKeyStamps];
-  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, g_key_clock, sizeof stamps));
-  return phase_cycles_since_start(stamps, kKeyPhaseNames, kKeyStamps, cycles, names, max_phases);
+  return phase_clock_read(g_key_clock, kKeyPhaseNames, cycles, names, max_phases);
 }
 
 void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint16_t* g,

@@ -184,30 +184,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     dot_query[tid] = 0.0f;
     dot_key[tid] = 0.0f;
   }
-  if (tid == 0) {
-    int segment = 0;
-    for (int i = 0; i < kChunk; ++i) {
-      const int64_t t = t0 + i;
-      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
-      seg[i] = segment;
-    }
-  }
+  kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
   // dO read once, row-coalesced (the products below read it from shared memory).
-  if (rows_by_8) {
-    const int per_row = VP / 8;
-    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
-      const int i = idx / per_row, e = idx % per_row * 8;
-      uint4 bits = make_uint4(0, 0, 0, 0);
-      if (i < c_len && e < d.V) bits = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e);
-      kda_store_8_bf16_as_float(d_out_s + i * ldw + e, bits);
-    }
-  } else {
-    for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
-      const int i = idx / VP, e = idx % VP;
-      d_out_s[i * ldw + e] =
-          (i < c_len && e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e) : 0.0f;
-    }
-  }
+  kda_stage_d_out_f32(d_o, d, b, h, t0, c_len, rows_by_8, 0, VP, d_out_s, ldw);
   // L: the diagonal and above are zero (the lower part is written below, disjointly).
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
@@ -464,66 +443,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc_gamma[j][e4] -= key_hat(i, c) * cols;
       });
     }
-    // Inside the sub-block: pairwise exponents (≤ 0), shared by the dL and dP terms. A lane's
-    // accumulator elements come in channel pairs (c, c+1) of two rows i = r0 + g and r0 + g + 8
-    // (e4 = 2·half + 0/1). One fixed pass over the sub-block's 16 positions p serves both rows
-    // and both directions: rows take the weights dL_ip, dP_ip (zero unless p < i: structural
-    // zeros set above), columns dL_pi, dP_pi (zero unless p > i), and the one exponent
-    // −|Γ_i − Γ_p| is Γ_i − Γ_p for p < i and Γ_p − Γ_i for p > i, so it is ≤ 0 for every pair
-    // used. k̂, q̂, Γ at p are read once per pass for the two rows (the unrolled loop keeps the
-    // loads of the next positions in flight).
-    {
-      const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-      for (int j = 0; j < kMaxTiles; ++j) {
-        if (j >= tiles_k) continue;
-        const int c = col0_k + 8 * j + 2 * tq;
-        int rows[2];
-        float2 gamma_row[2], row_lower[2], row_query_key[2], cols[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          rows[half] = r0 + g + 8 * half;
-          gamma_row[half] = gamma2(rows[half], c);
-          row_lower[half] = row_query_key[half] = cols[half] = make_float2(0.0f, 0.0f);
-        }
-#pragma unroll 4
-        for (int p = 0; p < kSubBlock; ++p) {
-          const int position = r0 + p;
-          const float2 key = key_hat2(position, c), query = query_hat2(position, c);
-          const float2 gamma_p = gamma2(position, c);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = rows[half];
-            const float w_lower_row = d_lkk[i * kLdPair + position];
-            const float w_query_key_row = d_pqk[i * kLdPair + position];
-            const float w_lower_col = d_lkk[position * kLdPair + i];
-            const float w_query_key_col = d_pqk[position * kLdPair + i];
-            const float decay_x = __expf(-fabsf(gamma_row[half].x - gamma_p.x));
-            const float decay_y = __expf(-fabsf(gamma_row[half].y - gamma_p.y));
-            const float key_x = key.x * decay_x, key_y = key.y * decay_y;
-            row_lower[half].x += w_lower_row * key_x;
-            row_lower[half].y += w_lower_row * key_y;
-            row_query_key[half].x += w_query_key_row * key_x;
-            row_query_key[half].y += w_query_key_row * key_y;
-            cols[half].x += w_lower_col * key_x + w_query_key_col * (query.x * decay_x);
-            cols[half].y += w_lower_col * key_y + w_query_key_col * (query.y * decay_y);
-          }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = rows[half];
-          const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c);
-          acc_q[j][2 * half] += row_query_key[half].x;
-          acc_q[j][2 * half + 1] += row_query_key[half].y;
-          acc_k[j][2 * half] += row_lower[half].x + cols[half].x;
-          acc_k[j][2 * half + 1] += row_lower[half].y + cols[half].y;
-          acc_gamma[j][2 * half] +=
-              key_i.x * (row_lower[half].x - cols[half].x) + query_i.x * row_query_key[half].x;
-          acc_gamma[j][2 * half + 1] +=
-              key_i.y * (row_lower[half].y - cols[half].y) + query_i.y * row_query_key[half].y;
-        }
-      }
-    }
+    // Inside the sub-block (kda_stage4_mma.cuh).
+    pairwise_inside_sub_block(acc_q, acc_k, tiles_k, r0, col0_k, d_lkk, d_pqk, key_hat2, query_hat2,
+                              gamma2, [&](int j, int hh, int, int, float2 value) {
+                                acc_gamma[j][2 * hh] += value.x;
+                                acc_gamma[j][2 * hh + 1] += value.y;
+                              });
   }
   __syncthreads();  // F is dead: slot a takes dΓ
   stamp(10);
@@ -651,15 +576,12 @@ size_t kda_chunk_grad_tensor_cores_shared_bytes(const KdaDims& d) {
 }  // namespace kda_detail
 
 void kda_stage4_phase_clock(bool enable) {
-  const int on = enable ? 1 : 0;
-  DM_CUDA_CHECK(cudaMemcpyToSymbol(kda_detail::g_phase_clock_on, &on, sizeof on));
+  kda_detail::phase_clock_enable(kda_detail::g_phase_clock_on, enable);
 }
 
 int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases) {
-  long long stamps[kda_detail::kPhaseStamps];
-  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, kda_detail::g_phase_clock, sizeof stamps));
-  return kda_detail::phase_cycles_since_start(stamps, kda_detail::kPhaseNames,
-                                              kda_detail::kPhaseStamps, cycles, names, max_phases);
+  return kda_detail::phase_clock_read(kda_detail::g_phase_clock, kda_detail::kPhaseNames, cycles,
+                                      names, max_phases);
 }
 
 namespace kda_detail {

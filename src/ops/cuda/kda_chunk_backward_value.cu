@@ -220,30 +220,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   kda_stage_rows_bf16(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr, key_raw, ldr, gam,
                       ldk);
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
-  if (tid == 0) {
-    int segment = 0;
-    for (int i = 0; i < kChunk; ++i) {
-      const int64_t t = t0 + i;
-      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
-      seg[i] = segment;
-    }
-  }
-  if (rows_by_8) {
-    const int per_row = VH / 8;
-    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
-      const int i = idx / per_row, e = idx % per_row * 8;
-      uint4 bits = make_uint4(0, 0, 0, 0);
-      if (i < c_len && e0 + e < d.V)
-        bits = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e0 + e);
-      kda_store_8_bf16_as_float(d_out_s + i * ldh + e, bits);
-    }
-  } else {
-    for (int idx = tid; idx < kChunk * VH; idx += kThreads) {
-      const int i = idx / VH, e = idx % VH;
-      d_out_s[i * ldh + e] =
-          (i < c_len && e0 + e < d.V) ? load_as_float(d_o, token_row(i) * d.V + e0 + e) : 0.0f;
-    }
-  }
+  kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
+  kda_stage_d_out_f32(d_o, d, b, h, t0, c_len, rows_by_8, e0, VH, d_out_s, ldh);
   attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
@@ -347,14 +325,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
-void kda_value_phase_clock(bool enable) {
-  const int on = enable ? 1 : 0;
-  DM_CUDA_CHECK(cudaMemcpyToSymbol(g_value_clock_on, &on, sizeof on));
-}
+void kda_value_phase_clock(bool enable) { phase_clock_enable(g_value_clock_on, enable); }
 int kda_value_phase_cycles(long long* cycles, const char** names, int max_phases) {
-  long long stamps[kValueStamps];
-  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, g_value_clock, sizeof stamps));
-  return phase_cycles_since_start(stamps, kValuePhaseNames, kValueStamps, cycles, names, max_phases);
+  return phase_clock_read(g_value_clock, kValuePhaseNames, cycles, names, max_phases);
 }
 
 void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uint16_t* g,

@@ -108,14 +108,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   kda_stage_rows_bf16(q, k, g_in, d, b, h, t0, c_len, kda_rows_by_8(d, q, k, g_in, v), query_raw,
                       key_raw, ldr, gam, ldk);
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
-  if (tid == 0) {
-    int segment = 0;
-    for (int i = 0; i < kChunk; ++i) {
-      const int64_t t = t0 + i;
-      if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
-      seg[i] = segment;
-    }
-  }
+  kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
     if (j >= i) lower[i * kLdPair + j] = 0.0f;
@@ -263,16 +256,12 @@ void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const 
 namespace dm::cuda {
 
 void kda_prepare_phase_clock(bool enable) {
-  const int on = enable ? 1 : 0;
-  DM_CUDA_CHECK(cudaMemcpyToSymbol(kda_detail::g_prepare_clock_on, &on, sizeof on));
+  kda_detail::phase_clock_enable(kda_detail::g_prepare_clock_on, enable);
 }
 
 int kda_prepare_phase_cycles(long long* cycles, const char** names, int max_phases) {
-  long long stamps[kda_detail::kPreparePhaseStamps];
-  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, kda_detail::g_prepare_clock, sizeof stamps));
-  return kda_detail::phase_cycles_since_start(stamps, kda_detail::kPreparePhaseNames,
-                                              kda_detail::kPreparePhaseStamps, cycles, names,
-                                              max_phases);
+  return kda_detail::phase_clock_read(kda_detail::g_prepare_clock, kda_detail::kPreparePhaseNames,
+                                      cycles, names, max_phases);
 }
 
 }  // namespace dm::cuda

@@ -165,6 +165,19 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
   }
 }
 
+// seg[i] for the chunk's tokens (this file's header): thread 0 writes them, the caller's next
+// barrier publishes them. Tokens past the chunk end (i ≥ c_len) keep the last segment.
+__device__ inline void kda_chunk_segments(const int32_t* doc_start, const KdaDims& d, int64_t b,
+                                          int64_t t0, int c_len, int* seg) {
+  if (threadIdx.x != 0) return;
+  int segment = 0;
+  for (int i = 0; i < kChunk; ++i) {
+    const int64_t t = t0 + i;
+    if (i < c_len && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
+    seg[i] = segment;
+  }
+}
+
 // After kda_stage_rows_bf16 and a barrier: the rows' inverse L2 norms (warp per row, from the
 // bf16 bits) and Γ = cumsum g down each column in place (thread per column), by the whole block;
 // no barrier inside. query_raw == nullptr: k's norms only; gamma == nullptr: the norms only.
@@ -222,14 +235,7 @@ __device__ void kda_chunk_prepare(const Storage* q, const Storage* k, const Stor
     sm.gamma[i * ldk + col] = valid ? load_as_float(g, at) : 0.0f;
   }
   if (tid < kChunk) sm.beta[tid] = tid < c ? load_as_float(beta, kda_token_row(d, b, h, t0 + tid)) : 0.0f;
-  if (tid == 0) {
-    int segment = 0;
-    for (int i = 0; i < kChunk; ++i) {
-      const int64_t t = t0 + i;
-      if (i < c && doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t) ++segment;
-      sm.seg[i] = segment;
-    }
-  }
+  kda_chunk_segments(doc_start, d, b, t0, c, sm.seg);
   // Entries above the diagonal are never written below: zero them now.
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
@@ -381,6 +387,21 @@ inline int phase_cycles_since_start(const long long* stamps, const char* const* 
     names[i] = table[i];
   }
   return n;
+}
+
+// Host side of a kernel's phase clock: its __device__ int flag and __device__ long long stamp
+// array (kCount phases, names in `table`). Synchronous symbol copies.
+template <typename Flag>
+void phase_clock_enable(const Flag& flag, bool enable) {
+  const int on = enable ? 1 : 0;
+  DM_CUDA_CHECK(cudaMemcpyToSymbol(flag, &on, sizeof on));
+}
+template <int kCount>
+int phase_clock_read(const long long (&stamps_symbol)[kCount], const char* const* table,
+                     long long* cycles, const char** names, int max_phases) {
+  long long stamps[kCount];
+  DM_CUDA_CHECK(cudaMemcpyFromSymbol(stamps, stamps_symbol, sizeof stamps));
+  return phase_cycles_since_start(stamps, table, kCount, cycles, names, max_phases);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -71,6 +71,28 @@ __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_
   }
 }
 
+// Columns [e0, e0 + width) of the chunk's dO rows as fp32 in dst [C, ld] (zero past the chunk end
+// and V), 8 bf16 per 16-byte load when by_8 (kda_rows_by_8; e0 a multiple of 8). No barrier.
+__device__ inline void kda_stage_d_out_f32(const uint16_t* d_o, const KdaDims& d, int64_t b,
+                                           int64_t h, int64_t t0, int c_len, bool by_8, int e0,
+                                           int width, float* dst, int ld) {
+  auto row = [&](int i) { return kda_token_row(d, b, h, t0 + i) * d.V + e0; };
+  if (by_8) {
+    const int per_row = width / 8;
+    for (int idx = threadIdx.x; idx < kChunk * per_row; idx += kThreads) {
+      const int i = idx / per_row, e = idx % per_row * 8;
+      uint4 bits = make_uint4(0, 0, 0, 0);
+      if (i < c_len && e0 + e < d.V) bits = *reinterpret_cast<const uint4*>(d_o + row(i) + e);
+      kda_store_8_bf16_as_float(dst + i * ld + e, bits);
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < kChunk * width; idx += kThreads) {
+    const int i = idx / width, e = idx % width;
+    dst[i * ld + e] = (i < c_len && e0 + e < d.V) ? load_as_float(d_o, row(i) + e) : 0.0f;
+  }
+}
+
 // L (β-free, strictly lower, same segment) of the chunk into lower [C, kLdPair] (j < i; the
 // caller zeroes j ≥ i): across sub-blocks t < s as one [16×16]·K product per (s, t) through the
 // first token b = 16(t+1) after sub-block t (e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j}, both ≤ 0),
@@ -160,6 +182,71 @@ __device__ inline void kda_stage4_solve(float* d_value, int ld, int width, const
         d_value[j * ld + e] -= upper_sum;
       }
     __syncthreads();
+  }
+}
+
+// The pairwise sums of dL and dP inside the warp's 16-row sub-block (rows r0 … r0 + 15): one
+// fixed pass over the sub-block's positions p serves both rows of a lane (i = r0 + g + 8·hh) and
+// both directions. Rows take the weights dL_ip, dP_ip (zero unless p < i: the structural zeros
+// of d_lkk, d_pqk [C, kLdPair]), columns dL_pi, dP_pi (zero unless p > i), and the one exponent
+// −|Γ_i − Γ_p| is ≤ 0 for every pair used. For each of the lane's column pairs c = col0 + 8j +
+// 2tq (tiles j < n_tiles): acc_q += the dP row sums, acc_k += the dL row and both column sums,
+// and the dΓ terms go to add_gamma(j, hh, i, c, float2). key_hat2, query_hat2, gamma2 (i, c)
+// return the pairs (c, c + 1) of k̂, q̂ (scaled) and Γ; the unrolled loop keeps the next
+// positions' loads in flight.
+template <int kTiles, typename KeyHat2, typename QueryHat2, typename Gamma2, typename AddGamma>
+__device__ __forceinline__ void pairwise_inside_sub_block(
+    float (&acc_q)[kTiles][4], float (&acc_k)[kTiles][4], int n_tiles, int r0, int col0,
+    const float* d_lkk, const float* d_pqk, KeyHat2&& key_hat2, QueryHat2&& query_hat2,
+    Gamma2&& gamma2, AddGamma&& add_gamma) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    if (j >= n_tiles) continue;
+    const int c = col0 + 8 * j + 2 * tq;
+    int rows[2];
+    float2 gamma_row[2], row_lower[2], row_query_key[2], cols[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      rows[hh] = r0 + g + 8 * hh;
+      gamma_row[hh] = gamma2(rows[hh], c);
+      row_lower[hh] = row_query_key[hh] = cols[hh] = make_float2(0.0f, 0.0f);
+    }
+#pragma unroll 4
+    for (int p = 0; p < kSubBlock; ++p) {
+      const int position = r0 + p;
+      const float2 key = key_hat2(position, c), query = query_hat2(position, c);
+      const float2 gamma_p = gamma2(position, c);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = rows[hh];
+        const float w_lower_row = d_lkk[i * kLdPair + position];
+        const float w_query_key_row = d_pqk[i * kLdPair + position];
+        const float w_lower_col = d_lkk[position * kLdPair + i];
+        const float w_query_key_col = d_pqk[position * kLdPair + i];
+        const float decay_x = __expf(-fabsf(gamma_row[hh].x - gamma_p.x));
+        const float decay_y = __expf(-fabsf(gamma_row[hh].y - gamma_p.y));
+        const float key_x = key.x * decay_x, key_y = key.y * decay_y;
+        row_lower[hh].x += w_lower_row * key_x;
+        row_lower[hh].y += w_lower_row * key_y;
+        row_query_key[hh].x += w_query_key_row * key_x;
+        row_query_key[hh].y += w_query_key_row * key_y;
+        cols[hh].x += w_lower_col * key_x + w_query_key_col * (query.x * decay_x);
+        cols[hh].y += w_lower_col * key_y + w_query_key_col * (query.y * decay_y);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = rows[hh];
+      const float2 key_i = key_hat2(i, c), query_i = query_hat2(i, c);
+      acc_q[j][2 * hh] += row_query_key[hh].x;
+      acc_q[j][2 * hh + 1] += row_query_key[hh].y;
+      acc_k[j][2 * hh] += row_lower[hh].x + cols[hh].x;
+      acc_k[j][2 * hh + 1] += row_lower[hh].y + cols[hh].y;
+      add_gamma(j, hh, i, c,
+                make_float2(key_i.x * (row_lower[hh].x - cols[hh].x) + query_i.x * row_query_key[hh].x,
+                            key_i.y * (row_lower[hh].y - cols[hh].y) + query_i.y * row_query_key[hh].y));
+    }
   }
 }
 
