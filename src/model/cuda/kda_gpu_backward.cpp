@@ -41,6 +41,7 @@ struct BackwardBuffers {
   uint16_t* dz_beta;    // [N, H] bf16 d logits
   uint16_t* d_low;      // [N, K] bf16
   float* partial;       // fp32 row partials (the largest of the three ops' needs)
+  void* operator_own;   // the operator backward's own region (kda_chunk_backward_own_bytes)
 };
 
 // The backward's buffers; the forward's views come from `forward_plan` (the scratch, or the
@@ -68,6 +69,7 @@ BackwardBuffers backward_carve(kda_gpu::ScratchPlan& forward_plan, kda_gpu::Scra
                 kda_gate_backward_partial_floats(N, H, K),
                 kda_short_conv_silu_backward_partial_floats(N, HK, dims.Kc)});
   b.partial = plan.take<float>(int64_t(partial_floats));
+  b.operator_own = plan.take_bytes(kda_chunk_backward_own_bytes(shape));
   return b;
 }
 
@@ -92,10 +94,9 @@ ForwardViews keep_carve(ScratchPlan& plan, const ModelConfig& c, const Dims& dim
   f.out_gate_low = c.kda.full_rank_output_gate ? nullptr : plan.take<uint16_t>(N * K);
   f.beta_logits = plan.take<float>(N * H);
   f.beta = plan.take<uint16_t>(N * H);
-  // One workspace for the forward and the operator backward: the backward's carve starts with
-  // the forward's (kda_chunk_backward.cu), and the max covers both either way.
-  f.operator_workspace = plan.take_bytes(
-      std::max(kda_chunk_forward_workspace_bytes(shape), kda_chunk_backward_workspace_bytes(shape)));
+  // The forward's operator workspace only: the backward takes its own region (dS', stage 4's
+  // hand-over) from the step's scratch (backward_carve), so a kept layer holds nothing of it.
+  f.operator_workspace = plan.take_bytes(kda_chunk_forward_workspace_bytes(shape));
   return f;
 }
 
@@ -174,7 +175,7 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   kda_chunk_backward(f.q, f.k, f.v, f.g, f.beta, /*s0=*/nullptr, b.d_o, /*dsT=*/nullptr, b.dq,
                      b.dk, b.dv, dg, b.dbeta, /*ds0=*/nullptr, shape, scale,
                      f.operator_workspace, doc_start, stream, kda_backward_default_path(),
-                     /*workspace_holds_forward=*/true);
+                     /*workspace_holds_forward=*/true, b.operator_own);
 
   // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits.
   kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, b.dz_beta, N * H, stream);

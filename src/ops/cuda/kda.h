@@ -99,6 +99,12 @@ bool kda_backward_split_supported(const KdaShape& s);
 
 size_t kda_chunk_backward_workspace_bytes(const KdaShape& s,
                                           KdaBackwardPath path = kda_backward_default_path());
+// backward_own (bf16 overload): when not null, the backward's own region (dS' per chunk and the
+// stage-4 scratch, kda_chunk_backward_own_bytes) comes from it, and `workspace` needs only the
+// forward's kda_chunk_forward_workspace_bytes: a training step that keeps each layer's forward
+// workspace until its backward then keeps only that, and lends the rest from its scratch.
+size_t kda_chunk_backward_own_bytes(const KdaShape& s,
+                                    KdaBackwardPath path = kda_backward_default_path());
 void kda_chunk_backward(const float* q, const float* k, const float* v, const float* g,
                         const float* beta, const float* s0, const float* d_o, const float* dsT,
                         float* dq, float* dk, float* dv, float* dg, float* dbeta, float* ds0,
@@ -111,7 +117,7 @@ void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         void* workspace, const int32_t* doc_start = nullptr,
                         KdaStream stream = nullptr,
                         KdaBackwardPath path = kda_backward_default_path(),
-                        bool workspace_holds_forward = false);
+                        bool workspace_holds_forward = false, void* backward_own = nullptr);
 
 // ---- Diagnostics (bench_cuda_kda --phases). While enabled, thread 0 of one block of the
 // tensor-core stage 4 (the middle chunk of the first batch-head) stamps the SM clock at each of

@@ -381,14 +381,19 @@ int kda_backward_grad_blocks(const KdaDims& d) {
   return int(std::min<int64_t>(kBackwardChunkBlocks, d.B * d.H * d.num_chunks));
 }
 
-// Carves the backward workspace: the forward's, then d_states, then the stage-4 scratch of the
-// path (the reference kernel's per-block scratch; the split kernels' hand-over views).
-size_t kda_backward_workspace_carve(const KdaDims& d, KdaBackwardPath path, void* base,
+// Carves the backward workspace: the forward's from `base`, then the backward's own region
+// (d_states, the reference kernel's per-block scratch, the split kernels' hand-over views) after
+// it, or from `own` when not null. Returns the bytes taken after the forward's (own != nullptr
+// or counting with base == own == nullptr: the own region's size) plus the forward's when the
+// own region follows it.
+size_t kda_backward_workspace_carve(const KdaDims& d, KdaBackwardPath path, void* base, void* own,
                                     KdaForwardWorkspace* ws, float** d_states, float** scratch,
                                     KdaSplitWorkspace* split) {
-  size_t offset = kda_forward_workspace_carve(d, base, ws);
+  const size_t forward_bytes = kda_forward_workspace_carve(d, base, ws);
+  char* region = own != nullptr ? static_cast<char*>(own) : static_cast<char*>(base);
+  size_t offset = own != nullptr ? 0 : forward_bytes;
   auto take = [&](float** view, int64_t floats) {
-    if (view != nullptr) *view = reinterpret_cast<float*>(static_cast<char*>(base) + offset);
+    if (view != nullptr) *view = reinterpret_cast<float*>(region + offset);
     offset += (size_t(floats) * sizeof(float) + 255) / 256 * 256;
   };
   take(d_states, d.B * d.H * d.num_chunks * d.KP * d.VP);
@@ -410,18 +415,18 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
                                float* dv, float* dg, float* dbeta, float* ds0, const KdaShape& s,
                                float scale, void* workspace, const int32_t* doc_start,
                                cudaStream_t stream, KdaBackwardPath path,
-                               bool workspace_holds_forward) {
+                               bool workspace_holds_forward, void* backward_own) {
   const KdaDims d = kda_make_dims(s, scale, "cuda kda_chunk_backward");
   if (d.B * d.H == 0) return;
   DM_CHECK(workspace != nullptr || kda_backward_workspace_carve(d, path, nullptr, nullptr, nullptr,
-                                                                nullptr, nullptr) == 0,
+                                                                nullptr, nullptr, nullptr) == 0,
            "cuda kda_chunk_backward: workspace is null (size it with "
            "kda_chunk_backward_workspace_bytes)");
   KdaForwardWorkspace ws;
   float* d_states = nullptr;
   float* scratch = nullptr;
   KdaSplitWorkspace split{};
-  kda_backward_workspace_carve(d, path, workspace, &ws, &d_states, &scratch, &split);
+  kda_backward_workspace_carve(d, path, workspace, backward_own, &ws, &d_states, &scratch, &split);
 
   // The TensorCore path (bf16) recomputes the forward and runs stage 3 with tf32 products
   // (kda_chunk_state_tf32.cu); the Reference path keeps every product in fp32 on CUDA cores.
@@ -496,7 +501,14 @@ bool kda_backward_split_supported(const KdaShape& s) {
 size_t kda_chunk_backward_workspace_bytes(const KdaShape& s, KdaBackwardPath path) {
   const kda_detail::KdaDims d = kda_detail::kda_make_dims(s, 1.0f, "cuda kda_chunk_backward");
   return kda_detail::kda_backward_workspace_carve(d, path, nullptr, nullptr, nullptr, nullptr,
-                                                  nullptr);
+                                                  nullptr, nullptr);
+}
+
+size_t kda_chunk_backward_own_bytes(const KdaShape& s, KdaBackwardPath path) {
+  const kda_detail::KdaDims d = kda_detail::kda_make_dims(s, 1.0f, "cuda kda_chunk_backward");
+  char probe;  // any non-null `own`: the carve then counts the own region alone
+  return kda_detail::kda_backward_workspace_carve(d, path, nullptr, &probe, nullptr, nullptr,
+                                                  nullptr, nullptr);
 }
 
 void kda_chunk_backward(const float* q, const float* k, const float* v, const float* g,
@@ -506,17 +518,17 @@ void kda_chunk_backward(const float* q, const float* k, const float* v, const fl
                         const int32_t* doc_start, KdaStream stream) {
   kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
                                         ds0, s, scale, workspace, doc_start, stream,
-                                        KdaBackwardPath::Reference, false);
+                                        KdaBackwardPath::Reference, false, nullptr);
 }
 void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         const uint16_t* g, const uint16_t* beta, const float* s0,
                         const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
                         float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
                         void* workspace, const int32_t* doc_start, KdaStream stream,
-                        KdaBackwardPath path, bool workspace_holds_forward) {
+                        KdaBackwardPath path, bool workspace_holds_forward, void* backward_own) {
   kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
                                         ds0, s, scale, workspace, doc_start, stream, path,
-                                        workspace_holds_forward);
+                                        workspace_holds_forward, backward_own);
 }
 
 }  // namespace dm::cuda
