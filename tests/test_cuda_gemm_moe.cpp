@@ -430,9 +430,9 @@ TEST(CudaMoeExperts, GroupedMatchesReference) {
   const int64_t N = 200, E = 16, Din = 64, F = 48;
   const int k = 4;
   for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
-    for (auto path : {cuda::MoeGemmPath::Grouped, cuda::MoeGemmPath::Loop}) {
-      SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " grouped=",
-                           path == cuda::MoeGemmPath::Grouped));
+    for (auto path : {cuda::MoeGemmPath::Grouped, cuda::MoeGemmPath::Loop,
+                      cuda::MoeGemmPath::GroupedOwn}) {
+      SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " path=", int(path)));
       GluActivation act;
       act.kind = kind;
       // Experts 12..15 receive no token (grouped GEMM must skip them).
@@ -469,6 +469,57 @@ TEST(CudaMoeExperts, GroupedMatchesReference) {
       EXPECT_LE(test::rel_rms(y_gpu.data(), y_ref.data(), y_ref.size()), 1e-2);
     }
   }
+}
+
+// Our grouped forward kernel (MoeGemmPath::GroupedOwn, DM_MOE_GEMM=own) at a shape the test above
+// does not reach: two row tiles per expert with a partial last one, partial column tiles, K tails
+// (Din = 200 = 3·64 + 8 for gate/up, F = 136 = 2·64 + 8 for down) and two empty experts. Against
+// one cuBLASLt GEMM per expert (Loop: the same bf16 operands, fp32 accumulation in another order,
+// so only bf16 roundings of the gate/up intermediates differ) and against the CPU reference.
+TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t N = 300, E = 8, Din = 200, F = 136;
+  const int k = 4;
+  GluActivation act;
+  act.kind = Activation::SiTU;
+  const std::vector<int32_t> idx = random_routing(N, k, int(E), 6, 91);  // experts 6, 7 empty
+  const Bf16Host x = random_bf16(size_t(N * Din), 92);
+  const Bf16Host gate = random_bf16(size_t(E * F * Din), 93, 1.0f / std::sqrt(float(Din)));
+  const Bf16Host up = random_bf16(size_t(E * F * Din), 94, 1.0f / std::sqrt(float(Din)));
+  const Bf16Host down = random_bf16(size_t(E * Din * F), 95, 1.0f / std::sqrt(float(F)));
+  std::mt19937 rng(96);
+  std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
+  std::vector<float> w(static_cast<size_t>(N * k));
+  for (auto& value : w) value = uniform(rng);
+  std::vector<float> y_ref(static_cast<size_t>(N * Din));
+  ExpertWeights ew_cpu{gate.values.data(), up.values.data(), down.values.data(), E, Din, F};
+  moe_experts_reference(x.values.data(), idx.data(), w.data(), N, k, ew_cpu, act, y_ref.data());
+
+  cuda::GemmContext context;
+  cuda::DeviceArena arena(size_t(64) << 20);
+  std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
+  cuda::MoeDispatchPlan plan;
+  cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
+                                host_offsets.data());
+  ASSERT_GT(host_offsets[1] - host_offsets[0], 128);  // more than one row tile per expert
+  ASSERT_EQ(host_offsets[size_t(E)], host_offsets[6]);  // experts 6, 7 empty
+  const cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
+                                   upload(arena, down.bits), E, Din, F};
+  const uint16_t* x_dev = upload(arena, x.bits);
+  const float* w_dev = upload(arena, w);
+  auto run = [&](cuda::MoeGemmPath path) {
+    void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
+    float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * Din));
+    cuda::moe_experts_forward(context, x_dev, plan, w_dev, ew, act, y, cuda::GemmOutType::F32,
+                              workspace, path);
+    cuda::synchronize();
+    return download(y, size_t(N * Din));
+  };
+  const std::vector<float> own = run(cuda::MoeGemmPath::GroupedOwn);
+  const std::vector<float> loop = run(cuda::MoeGemmPath::Loop);
+  ASSERT_TRUE(test::mla::all_finite(own));
+  EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
+  EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
 }
 
 // ---- QB statistics -----------------------------------------------------------------------------

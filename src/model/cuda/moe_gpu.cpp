@@ -200,7 +200,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
     kept->workspace = keep.alloc_bytes(moe_experts_backward_workspace_bytes(N, int(k), ew));
     moe_experts_recompute(run.gemm, z, plan, weight, ew, glu_activation(cfg),
-                          static_cast<float*>(u), kept->workspace, MoeGemmPath::Grouped, stream);
+                          static_cast<float*>(u), kept->workspace, moe_gemm_default_path(), stream);
     kept->scores = r.scores;
     kept->idx = r.idx;
     kept->weight = weight;
@@ -218,7 +218,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     } else {
       void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
       moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type,
-                          workspace, MoeGemmPath::Grouped, stream);
+                          workspace, moe_gemm_default_path(), stream);
     }
   }
 

@@ -188,7 +188,7 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     }
     if (!kept)
       moe_experts_recompute(run.gemm, z, plan, weight, ew, act, u, workspace,
-                            MoeGemmPath::Grouped, stream);
+                            moe_gemm_default_path(), stream);
     if (s.has_latent) {
       DeviceArenaScope latent_scope(arena);
       // y = up_in·W↑ᵀ with up_in = bf16(RMSNorm(u)) or bf16(u), the forward's rounding.

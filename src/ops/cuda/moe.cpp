@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -196,6 +198,16 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
                       CUstream_st* stream) {
   const int64_t rows = plan.N * plan.k, Din = b.Din, F = b.F;
   b.down_in = h == b.gate_out ? nullptr : h;
+  if (path == MoeGemmPath::GroupedOwn) {
+    const int E = b.E;
+    launch_grouped_rows_nk_bf16(b.x_sorted, b.gate_w, plan.offsets, E, rows, Din, F, b.gate_out,
+                                stream);
+    launch_grouped_rows_nk_bf16(b.x_sorted, b.up_w, plan.offsets, E, rows, Din, F, b.up_out,
+                                stream);
+    glu_forward(b.gate_out, b.up_out, h, rows * F, act, stream);
+    launch_grouped_rows_nk_bf16(h, b.down_w, plan.offsets, E, rows, F, Din, b.expert_out, stream);
+    return;
+  }
   if (path == MoeGemmPath::Grouped) {
     void* host = gemm.host_scratch(expert_grouped_host_bytes(b.E));
     run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets, 0, host,
@@ -224,6 +236,19 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
   }
 }
 }  // namespace moe_detail
+
+MoeGemmPath moe_gemm_default_path() {
+  static const MoeGemmPath path = [] {
+    const char* env = std::getenv("DM_MOE_GEMM");
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "cublas") == 0)
+      return MoeGemmPath::Grouped;
+    if (std::strcmp(env, "own") == 0) return MoeGemmPath::GroupedOwn;
+    DM_CHECK(std::strcmp(env, "loop") == 0, "DM_MOE_GEMM must be 'cublas', 'own' or 'loop', got '",
+             env, "'");
+    return MoeGemmPath::Loop;
+  }();
+  return path;
+}
 
 size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew) {
   const size_t rows = size_t(std::max<int64_t>(N * k, 1));

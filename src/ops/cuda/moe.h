@@ -103,8 +103,15 @@ struct ExpertWeightsBf16 {
 };
 // Grouped: two cublasGemmGroupedBatchedEx calls (gate+up, down) over the non-empty experts.
 // Loop: one cuBLASLt GEMM per non-empty expert and projection (the reference path).
+// GroupedOwn: the forward's three products as launches of our grouped kernel
+// (moe_kernels.h launch_grouped_rows_nk_bf16: the device offsets only, every expert in one
+// grid); the backward as Grouped. Written 2026-11-30 and not yet run on a GPU: opt-in through
+// DM_MOE_GEMM=own until a device run has checked and timed it.
 // Never a dense masked product. Intermediates are bf16 (fp32 accumulate inside each GEMM).
-enum class MoeGemmPath : uint8_t { Grouped, Loop };
+enum class MoeGemmPath : uint8_t { Grouped, Loop, GroupedOwn };
+// The path the model layers use: env DM_MOE_GEMM = cublas (default: Grouped) | own | loop,
+// read once.
+MoeGemmPath moe_gemm_default_path();
 // Device scratch: gathered x [N·k, Din], gate/h and up [N·k, F], expert outputs [N·k, Din] (bf16)
 // and the grouped GEMM pointer arrays.
 size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew);

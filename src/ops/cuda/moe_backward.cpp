@@ -152,8 +152,10 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   };
   // The grouped path's fp32-output GEMMs run as our grouped kernels (one launch each), unless
   // DM_MOE_GROUPED_F32=cublas asks for one cuBLAS GEMM per expert (A/B timing).
-  const bool ours = path == MoeGemmPath::Grouped && grouped_f32_kernels();
-  if (path == MoeGemmPath::Grouped) {
+  // GroupedOwn differs from Grouped in the forward's products only (the recompute above).
+  const bool grouped = path == MoeGemmPath::Grouped || path == MoeGemmPath::GroupedOwn;
+  const bool ours = grouped && grouped_f32_kernels();
+  if (grouped) {
     // dW_down has an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B: every
     // expert's in one launch of our grouped kernel, queued before the dh GEMMs overwrite h; then
     // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now

@@ -7,6 +7,9 @@
 //                               and B [R, N] (weight gradients: K = the expert's rows)
 //   launch_grouped_rows_f32     Y_e [n_e, N] = A1_e·B1_e (+ A2_e·B2_e), A_e = the expert's rows of
 //                               A [R, K], B_e = W + e·K·N [K, N] (the fp32 input-gradient rows)
+//   launch_grouped_rows_nk_bf16 Y_e [n_e, N] = A_e·W_eᵀ, W_e = W + e·N·K stored [N, K] (the expert
+//                               weights as the model keeps them: the forward's gate, up, down),
+//                               bf16 out; both operands [rows][k], plain ldmatrix
 //
 // CTA: a 128 × 128 output tile, 256 threads = 8 warps as 2 (rows) × 4 (columns), each warp
 // 64 × 32 (4 × 4 mma tiles of 16 × 8, fp32 accumulators in registers). Operands stored [k][m] /
@@ -71,6 +74,8 @@ constexpr int kWeightGradStage = 2 * kKRowsTile;     // A then B: 34 KB
 constexpr int kRowsStage = kMRowsTile + kKRowsTile;  // A then B: 35 KB
 constexpr int kWeightGradSmem = kStages * kWeightGradStage * 2;  // bytes: 104448
 constexpr int kRowsSmem = kStages * kRowsStage * 2;              // bytes: 107520
+constexpr int kRowsNkStage = 2 * kMRowsTile;                     // A then W rows: 36 KB
+constexpr int kRowsNkSmem = kStages * kRowsNkStage * 2;          // bytes: 110592
 
 __device__ __forceinline__ __nv_bfloat16* dynamic_smem() {
   extern __shared__ uint4 moe_gemm_smem[];  // 16-byte aligned
@@ -172,11 +177,12 @@ struct WarpTile {
         wn((threadIdx.x >> 5) % kWarpsN) {}
 };
 
-// acc += the 16-deep slice kk of one stage. B is stored [k][n] (ldmatrix.trans); A is stored
-// [k][m] with row stride kLd when kAByK (ldmatrix.trans: matrix i = lane/8 takes k half i/2,
-// m half i%2), else [m][k] with row stride kRowsLd (plain ldmatrix: row lane%16, k half
-// lane/16).
-template <bool kAByK>
+// acc += the 16-deep slice kk of one stage. B is stored [k][n] (ldmatrix.trans), or [n][k] with
+// row stride kRowsLd when kBByN (plain ldmatrix: matrix i = lane/8 takes n half i/2, k half i%2,
+// which is the order of the two n tiles' (k low, k high) fragments); A is stored [k][m] with row
+// stride kLd when kAByK (ldmatrix.trans: matrix i = lane/8 takes k half i/2, m half i%2), else
+// [m][k] with row stride kRowsLd (plain ldmatrix: row lane%16, k half lane/16).
+template <bool kAByK, bool kBByN = false>
 __device__ __forceinline__ void mma_slice(float (&acc)[kFragsM][kFragsN][4],
                                           const __nv_bfloat16* as, const __nv_bfloat16* bs,
                                           const WarpTile& w, int kk) {
@@ -193,8 +199,14 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kFragsM][kFragsN][4],
           a[i], as + (w.wm * kWarpM + i * 16 + (lane & 15)) * kRowsLd + kk + ((lane >> 4) << 3));
   }
 #pragma unroll
-  for (int j = 0; j < kFragsN / 2; ++j)
-    ldmatrix_x4_trans(b[j], bs + (kk + b_k) * kLd + w.wn * kWarpN + j * 16 + b_n);
+  for (int j = 0; j < kFragsN / 2; ++j) {
+    if (kBByN)
+      attention_detail::ldmatrix_x4(b[j], bs + (w.wn * kWarpN + j * 16 + (lane & 7) +
+                                                ((lane >> 4) << 3)) * kRowsLd +
+                                              kk + (((lane >> 3) & 1) << 3));
+    else
+      ldmatrix_x4_trans(b[j], bs + (kk + b_k) * kLd + w.wn * kWarpN + j * 16 + b_n);
+  }
 #pragma unroll
   for (int i = 0; i < kFragsM; ++i)
 #pragma unroll
@@ -205,17 +217,17 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kFragsM][kFragsN][4],
 // acc += the first k_valid k of one stage (16-deep slices; the skipped ones hold only
 // zero-filled k). A full stage is straight-line code, so the compiler can load the next slice's
 // fragments under the current slice's mma; only a K tail (the last step) takes the branches.
-template <bool kAByK>
+template <bool kAByK, bool kBByN = false>
 __device__ __forceinline__ void mma_stage(float (&acc)[kFragsM][kFragsN][4],
                                           const __nv_bfloat16* as, const __nv_bfloat16* bs,
                                           const WarpTile& w, int k_valid) {
   if (k_valid >= kTileK) {
 #pragma unroll
-    for (int kk = 0; kk < kTileK; kk += 16) mma_slice<kAByK>(acc, as, bs, w, kk);
+    for (int kk = 0; kk < kTileK; kk += 16) mma_slice<kAByK, kBByN>(acc, as, bs, w, kk);
   } else {
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += 16)
-      if (kk < k_valid) mma_slice<kAByK>(acc, as, bs, w, kk);
+      if (kk < k_valid) mma_slice<kAByK, kBByN>(acc, as, bs, w, kk);
   }
 }
 
@@ -399,6 +411,45 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_f32_kernel(
   });
 }
 
+// Y_e = A_e·W_eᵀ with W_e [N, K] (k contiguous): the rows kernel's tiling and pipeline with the
+// weight tile loaded like the activation tile ([n][k], MRowsCopy) and read by plain ldmatrix,
+// and a bf16 output (the forward's gate, up and expert rows).
+__global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_kernel(
+    const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ W,
+    const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N, __nv_bfloat16* __restrict__ Y) {
+  int e = 0;
+  int64_t row0 = 0, row_end = 0;
+  if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
+  const int64_t n0 = int64_t(blockIdx.x) * kTileN;
+  const int tile_rows = int(row_end - row0 < kTileM ? row_end - row0 : kTileM);
+  const WarpTile w;
+  const bool warp_has_rows = w.wm * kWarpM < tile_rows;
+  __nv_bfloat16* smem = dynamic_smem();
+  const __nv_bfloat16* W_e = W + int64_t(e) * N * K;
+  MRowsCopy a_copy(K, row0, row0 + tile_rows);
+  MRowsCopy b_copy(K, n0, N);  // rows n0 … n0 + 127 of W_e; rows at or past N zero-filled
+  float acc[kFragsM][kFragsN][4] = {};
+  const int k_steps = int((K + kTileK - 1) / kTileK);
+  pipelined(
+      k_steps,
+      [&](int, int slot) {
+        __nv_bfloat16* stage = smem + slot * kRowsNkStage;
+        a_copy.issue(stage, A, K);
+        b_copy.issue(stage + kMRowsTile, W_e, K);
+      },
+      [&](int step, int slot) {
+        const __nv_bfloat16* stage = smem + slot * kRowsNkStage;
+        const int64_t left = K - int64_t(step) * kTileK;
+        if (warp_has_rows)
+          mma_stage<false, true>(acc, stage, stage + kMRowsTile, w, left < kTileK ? int(left) : kTileK);
+      });
+  for_each_pair(acc, w, [&](int r, int c, float x, float y) {
+    const int64_t col = n0 + c;
+    if (r >= tile_rows || col >= N) return;
+    *reinterpret_cast<__nv_bfloat162*>(Y + (row0 + r) * N + col) = __floats2bfloat162_rn(x, y);
+  });
+}
+
 }  // namespace
 
 void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
@@ -419,6 +470,24 @@ void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint1
       reinterpret_cast<const __nv_bfloat16*>(A1), reinterpret_cast<const __nv_bfloat16*>(B1),
       reinterpret_cast<const __nv_bfloat16*>(A2), reinterpret_cast<const __nv_bfloat16*>(B2),
       offsets, E, K, N, Y);
+  DM_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
+                                 int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
+                                 CUstream_st* stream) {
+  if (E <= 0 || R <= 0 || N <= 0) return;
+  const int64_t row_tiles = (R + kTileM - 1) / kTileM + E;  // as launch_grouped_rows_f32
+  const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(row_tiles));
+  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsNkSmem));
+  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_kernel,
+                                     cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared)));
+  grouped_rows_nk_bf16_kernel<<<grid, kThreads, kRowsNkSmem,
+                                reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
+      offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

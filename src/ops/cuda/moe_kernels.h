@@ -65,6 +65,14 @@ void launch_grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* 
 void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
                              const uint16_t* B2, const int64_t* offsets, int E, int64_t R,
                              int64_t K, int64_t N, float* Y, CUstream_st* stream);
+// The forward's per-expert products in one launch (moe_grouped_gemm.cu), WRITTEN, bf16:
+//   Y[r, :] = A[r, :]·W_eᵀ  for r in [offsets[e], offsets[e+1]),
+// A [R, K] bf16 (row stride K), W_e = W + e·N·K [N, K] bf16 row-major (the expert weights'
+// layout), Y [R, N] bf16; fp32 accumulation. offsets: DEVICE [E+1] with offsets[E] = R (no host
+// copy needed). K, N multiples of 8; pointers 16-byte aligned. Deterministic.
+void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
+                                 int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
+                                 CUstream_st* stream);
 
 // Grouped expert GEMMs over the non-empty experts (host_offsets [E+1] is the host copy of the
 // plan's offsets, device_offsets the device one), bf16 in and out, fp32 accumulate:
