@@ -7,11 +7,11 @@
 //   the pairwise sums of dL = β·dM and dP (F, G, G^q formed in the operand loaders from k̂, q̂, Γ
 //   instead of stored), dΓ, E = dKe⊙Ke (kept from the dKe product), dg's scans, and dq, dk through
 //   the L2 norms.
-// Every quantity is per channel except three row sums over all K:
+// Every quantity is per channel except the row sums over all K:
 //   - dβ: the value kernel's two partials, added by half 0 (rank 0 of the cluster);
-//   - the L2-norm backward dx = inv·(dû − u·(u·dû)) needs u·dû over the whole row: the two
-//     halves run as a cluster of two blocks and read each other's partial row dots from shared
-//     memory (DSMEM), summing them in rank order, so both halves use the same bits.
+//   - the L2-norm backward dx = inv·(dû − u·(u·dû)) needs u·dû (for q and k) over the whole row:
+//     the two halves run as a cluster of two blocks and read each other's partial row dots
+//     from shared memory (DSMEM), summing them in rank order, so both halves use the same bits.
 // Shared memory at K = V = 128: raw q, k [C, KH+8] bf16, Γ [C, KH+4], dP and dL [C, C+4], dO
 // [C, VP+8] bf16 (then dΓ), two slab buffers [KH, 40] (then E), the scans' run totals: ~112 KB,
 // two blocks per SM.
