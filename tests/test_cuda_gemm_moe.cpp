@@ -425,46 +425,67 @@ TEST(CudaMoeDispatch, PlanMatchesCpuAndRoundTrips) {
 
 // ---- grouped experts ---------------------------------------------------------------------------
 
+// A grouped-experts forward problem: routing over the first `used` of E experts (the rest get no
+// token, so grouped GEMMs must skip them), bf16 x and weights (scaled by 1/√fan-in), slot weights
+// in [0.1, 1).
+struct ExpertsCase {
+  int64_t N, E, Din, F;
+  int k;
+  std::vector<int32_t> idx;
+  Bf16Host x, gate, up, down;
+  std::vector<float> w;
+
+  ExpertsCase(int64_t n, int64_t e, int64_t din, int64_t f, int k_, int used, uint32_t seed)
+      : N(n), E(e), Din(din), F(f), k(k_), idx(random_routing(n, k_, int(e), used, seed)),
+        x(random_bf16(size_t(n * din), seed + 1)),
+        gate(random_bf16(size_t(e * f * din), seed + 2, 1.0f / std::sqrt(float(din)))),
+        up(random_bf16(size_t(e * f * din), seed + 3, 1.0f / std::sqrt(float(din)))),
+        down(random_bf16(size_t(e * din * f), seed + 4, 1.0f / std::sqrt(float(f)))),
+        w(size_t(n * k_)) {
+    std::mt19937 rng(seed + 5);
+    std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
+    for (auto& value : w) value = uniform(rng);
+  }
+  // y [N, Din] of the CPU reference.
+  std::vector<float> reference(const GluActivation& act) const {
+    std::vector<float> y(size_t(N * Din));
+    ExpertWeights ew{gate.values.data(), up.values.data(), down.values.data(), E, Din, F};
+    moe_experts_reference(x.values.data(), idx.data(), w.data(), N, k, ew, act, y.data());
+    return y;
+  }
+  // y [N, Din] of moe_experts_forward on the GPU through `path`; host_offsets (optional) gets
+  // the plan's offsets.
+  std::vector<float> gpu(const GluActivation& act, cuda::MoeGemmPath path,
+                         std::vector<int64_t>* offsets_out = nullptr) const {
+    cuda::GemmContext context;
+    cuda::DeviceArena arena(size_t(64) << 20);
+    std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
+    cuda::MoeDispatchPlan plan;
+    cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
+                                  host_offsets.data());
+    cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
+                               upload(arena, down.bits), E, Din, F};
+    void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
+    float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * Din));
+    cuda::moe_experts_forward(context, upload(arena, x.bits), plan, upload(arena, w), ew, act, y,
+                              cuda::GemmOutType::F32, workspace, path);
+    cuda::synchronize();
+    if (offsets_out) *offsets_out = host_offsets;
+    return download(y, size_t(N * Din));
+  }
+};
+
 TEST(CudaMoeExperts, GroupedMatchesReference) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  const int64_t N = 200, E = 16, Din = 64, F = 48;
-  const int k = 4;
+  const ExpertsCase c(200, 16, 64, 48, 4, /*used=*/12, 77);  // experts 12..15 get no token
   for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
+    GluActivation act;
+    act.kind = kind;
+    const std::vector<float> y_ref = c.reference(act);
     for (auto path : {cuda::MoeGemmPath::Grouped, cuda::MoeGemmPath::Loop,
                       cuda::MoeGemmPath::GroupedOwn}) {
       SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " path=", int(path)));
-      GluActivation act;
-      act.kind = kind;
-      // Experts 12..15 receive no token (grouped GEMM must skip them).
-      const std::vector<int32_t> idx = random_routing(N, k, int(E), 12, 77);
-      const Bf16Host x = random_bf16(size_t(N * Din), 78);
-      const Bf16Host gate = random_bf16(size_t(E * F * Din), 79, 1.0f / std::sqrt(float(Din)));
-      const Bf16Host up = random_bf16(size_t(E * F * Din), 80, 1.0f / std::sqrt(float(Din)));
-      const Bf16Host down = random_bf16(size_t(E * Din * F), 81, 1.0f / std::sqrt(float(F)));
-      std::mt19937 rng(82);
-      std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
-      std::vector<float> w(static_cast<size_t>(N * k));
-      for (auto& value : w) value = uniform(rng);
-
-      std::vector<float> y_ref(static_cast<size_t>(N * Din));
-      ExpertWeights ew_cpu{gate.values.data(), up.values.data(), down.values.data(), E, Din, F};
-      moe_experts_reference(x.values.data(), idx.data(), w.data(), N, k, ew_cpu, act,
-                            y_ref.data());
-
-      cuda::GemmContext context;
-      cuda::DeviceArena arena(size_t(32) << 20);
-      std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
-      cuda::MoeDispatchPlan plan;
-      cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
-                                    host_offsets.data());
-      cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
-                                 upload(arena, down.bits), E, Din, F};
-      void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
-      float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * Din));
-      cuda::moe_experts_forward(context, upload(arena, x.bits), plan, upload(arena, w), ew, act,
-                                y, cuda::GemmOutType::F32, workspace, path);
-      cuda::synchronize();
-      const std::vector<float> y_gpu = download(y, size_t(N * Din));
+      const std::vector<float> y_gpu = c.gpu(act, path);
       ASSERT_TRUE(test::mla::all_finite(y_gpu));
       EXPECT_LE(test::rel_rms(y_gpu.data(), y_ref.data(), y_ref.size()), 1e-2);
     }
@@ -478,45 +499,15 @@ TEST(CudaMoeExperts, GroupedMatchesReference) {
 // so only bf16 roundings of the gate/up intermediates differ) and against the CPU reference.
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  const int64_t N = 300, E = 8, Din = 200, F = 136;
-  const int k = 4;
+  const ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
   GluActivation act;
   act.kind = Activation::SiTU;
-  const std::vector<int32_t> idx = random_routing(N, k, int(E), 6, 91);  // experts 6, 7 empty
-  const Bf16Host x = random_bf16(size_t(N * Din), 92);
-  const Bf16Host gate = random_bf16(size_t(E * F * Din), 93, 1.0f / std::sqrt(float(Din)));
-  const Bf16Host up = random_bf16(size_t(E * F * Din), 94, 1.0f / std::sqrt(float(Din)));
-  const Bf16Host down = random_bf16(size_t(E * Din * F), 95, 1.0f / std::sqrt(float(F)));
-  std::mt19937 rng(96);
-  std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
-  std::vector<float> w(static_cast<size_t>(N * k));
-  for (auto& value : w) value = uniform(rng);
-  std::vector<float> y_ref(static_cast<size_t>(N * Din));
-  ExpertWeights ew_cpu{gate.values.data(), up.values.data(), down.values.data(), E, Din, F};
-  moe_experts_reference(x.values.data(), idx.data(), w.data(), N, k, ew_cpu, act, y_ref.data());
-
-  cuda::GemmContext context;
-  cuda::DeviceArena arena(size_t(64) << 20);
-  std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
-  cuda::MoeDispatchPlan plan;
-  cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
-                                host_offsets.data());
-  ASSERT_GT(host_offsets[1] - host_offsets[0], 128);  // more than one row tile per expert
-  ASSERT_EQ(host_offsets[size_t(E)], host_offsets[6]);  // experts 6, 7 empty
-  const cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
-                                   upload(arena, down.bits), E, Din, F};
-  const uint16_t* x_dev = upload(arena, x.bits);
-  const float* w_dev = upload(arena, w);
-  auto run = [&](cuda::MoeGemmPath path) {
-    void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
-    float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * Din));
-    cuda::moe_experts_forward(context, x_dev, plan, w_dev, ew, act, y, cuda::GemmOutType::F32,
-                              workspace, path);
-    cuda::synchronize();
-    return download(y, size_t(N * Din));
-  };
-  const std::vector<float> own = run(cuda::MoeGemmPath::GroupedOwn);
-  const std::vector<float> loop = run(cuda::MoeGemmPath::Loop);
+  std::vector<int64_t> offsets;
+  const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets);
+  ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
+  ASSERT_EQ(offsets[8], offsets[6]);        // experts 6, 7 empty
+  const std::vector<float> loop = c.gpu(act, cuda::MoeGemmPath::Loop);
+  const std::vector<float> y_ref = c.reference(act);
   ASSERT_TRUE(test::mla::all_finite(own));
   EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
   EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);

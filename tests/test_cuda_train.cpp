@@ -127,6 +127,25 @@ void compare_gradients(const ModelConfig& c, int64_t B, int64_t T, bool packed, 
   EXPECT_LE(e, 2e-2) << what;
 }
 
+// The GPU trainer on configs/test.json: batch 4 of 64-token rows for `steps` steps, no
+// evaluations, no progress bar, writing to `out`.
+TrainerConfig gpu_trainer_config(const std::string& out, int steps, int warmup) {
+  TrainerConfig tc;
+  tc.model = test::source_dir() + "/configs/test.json";
+  tc.out = out;
+  tc.device = "cuda";
+  tc.batch = 4;
+  tc.warmup = warmup;
+  tc.steps = steps;
+  tc.eval_every = 0;
+  tc.progress = false;
+  TrainStage st;
+  st.seq_len = 64;
+  st.tokens = int64_t(steps) * 4 * 64;
+  tc.stages = {st};
+  return tc;
+}
+
 }  // namespace
 
 TEST(CudaTrain, GradientsMatchCpuOnTestConfig) {
@@ -238,20 +257,8 @@ TEST(CudaTrain, DeviceQbHistogramsMatchTheHostOnes) {
 TEST(CudaTrain, TrainerBalancesWithDeviceHistograms) {
   DM_SKIP_WITHOUT_GPU();
   const std::string out = test::temp_dir("cuda_train_qb_hist");
-  TrainerConfig tc;
-  tc.model = test::source_dir() + "/configs/test.json";
-  tc.out = out;
-  tc.device = "cuda";
+  TrainerConfig tc = gpu_trainer_config(out, /*steps=*/3, /*warmup=*/1);
   tc.balance = "qb-hist";
-  tc.batch = 4;
-  tc.warmup = 1;
-  tc.steps = 3;
-  tc.eval_every = 0;
-  tc.progress = false;
-  TrainStage st;
-  st.seq_len = 64;
-  st.tokens = 3 * 4 * 64;
-  tc.stages = {st};
   const TrainSummary r = train(tc);
   EXPECT_EQ(r.steps, 3);
   EXPECT_TRUE(std::isfinite(r.last_maxvio));
@@ -363,20 +370,8 @@ TEST(CudaTrain, TrainerRunsAndResumesOnTheGpu) {
   DM_SKIP_WITHOUT_GPU();
   namespace fs = std::filesystem;
   const std::string out = test::temp_dir("cuda_train");
-  TrainerConfig tc;
-  tc.model = test::source_dir() + "/configs/test.json";
-  tc.out = out;
-  tc.device = "cuda";
-  tc.batch = 4;
-  tc.warmup = 2;
-  tc.steps = 6;
+  TrainerConfig tc = gpu_trainer_config(out, /*steps=*/6, /*warmup=*/2);
   tc.stop_after = 4;
-  tc.eval_every = 0;
-  tc.progress = false;
-  TrainStage st;
-  st.seq_len = 64;
-  st.tokens = 6 * 4 * 64;
-  tc.stages = {st};
   const TrainSummary a = train(tc);
   EXPECT_EQ(a.steps, 4);
   ASSERT_TRUE(fs::exists(out + "/checkpoint/model.safetensors"));

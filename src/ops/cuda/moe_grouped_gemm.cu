@@ -450,23 +450,29 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_kernel(
   });
 }
 
+// Dynamic smem past 48 KB must be allowed per kernel; the carveout asks for the full 228 KB of
+// an SM as smem, so 2 CTAs fit.
+template <typename Kernel>
+void allow_two_ctas_of_smem(Kernel kernel, int bytes) {
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared)));
+}
+
+// Σ_e ceil(n_e / 128) ≤ R / 128 + E row tiles; CTAs past the last one return at once.
+dim3 rows_grid(int64_t R, int E, int64_t N) {
+  const int64_t row_tiles = (R + kTileM - 1) / kTileM + E;
+  return dim3(unsigned((N + kTileN - 1) / kTileN), unsigned(row_tiles));
+}
+
 }  // namespace
 
 void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
                              const uint16_t* B2, const int64_t* offsets, int E, int64_t R,
                              int64_t K, int64_t N, float* Y, CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
-  // Σ_e ceil(n_e / 128) ≤ R / 128 + E row tiles; CTAs past the last one return at once.
-  const int64_t row_tiles = (R + kTileM - 1) / kTileM + E;
-  const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(row_tiles));
-  // Dynamic smem past 48 KB must be allowed per kernel; the carveout asks for the full 228 KB
-  // of an SM as smem, so 2 CTAs fit.
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_f32_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsSmem));
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_f32_kernel,
-                                     cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     int(cudaSharedmemCarveoutMaxShared)));
-  grouped_rows_f32_kernel<<<grid, kThreads, kRowsSmem, reinterpret_cast<cudaStream_t>(stream)>>>(
+  allow_two_ctas_of_smem(grouped_rows_f32_kernel, kRowsSmem);
+  grouped_rows_f32_kernel<<<rows_grid(R, E, N), kThreads, kRowsSmem, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __nv_bfloat16*>(A1), reinterpret_cast<const __nv_bfloat16*>(B1),
       reinterpret_cast<const __nv_bfloat16*>(A2), reinterpret_cast<const __nv_bfloat16*>(B2),
       offsets, E, K, N, Y);
@@ -477,14 +483,8 @@ void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int
                                  int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                  CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
-  const int64_t row_tiles = (R + kTileM - 1) / kTileM + E;  // as launch_grouped_rows_f32
-  const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(row_tiles));
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsNkSmem));
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_kernel,
-                                     cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     int(cudaSharedmemCarveoutMaxShared)));
-  grouped_rows_nk_bf16_kernel<<<grid, kThreads, kRowsNkSmem,
+  allow_two_ctas_of_smem(grouped_rows_nk_bf16_kernel, kRowsNkSmem);
+  grouped_rows_nk_bf16_kernel<<<rows_grid(R, E, N), kThreads, kRowsNkSmem,
                                 reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
       offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
@@ -497,11 +497,7 @@ void launch_grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* 
   if (E <= 0 || M <= 0 || N <= 0) return;
   const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned((M + kTileM - 1) / kTileM),
                   unsigned(E));
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_weight_grad_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kWeightGradSmem));
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_weight_grad_kernel,
-                                     cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     int(cudaSharedmemCarveoutMaxShared)));
+  allow_two_ctas_of_smem(grouped_weight_grad_kernel, kWeightGradSmem);
   grouped_weight_grad_kernel<<<grid, kThreads, kWeightGradSmem,
                                reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __nv_bfloat16*>(A), lda, reinterpret_cast<const __nv_bfloat16*>(B),
