@@ -494,6 +494,38 @@ TEST(CudaKdaBackward, ReusesTheForwardWorkspaceBf16) {
   expect_gradients_close(reused, recomputed, 1e-5, 1e-6, "reuse vs recompute");
 }
 
+// The workspace arithmetic the training's memory plan relies on (host code only: it runs without
+// a GPU). The backward's workspace is the forward's followed by the backward's own region (which
+// the layer backward takes from the step's scratch instead); the split's own region is the fused
+// path's plus its hand-over (dP and dM partials [2, C, C], dβ partials [2, C], dX [C, VP] per
+// chunk-head, each view rounded up to 256 bytes); a shape the split does not take sizes as the
+// fused path.
+TEST(CudaKdaBackward, WorkspaceSizesAddUp) {
+  using Path = cu::KdaBackwardPath;
+  for (const KdaShape& s : {KdaShape{1, 300, 2, 128, 128}, KdaShape{2, 100, 3, 64, 32},
+                            KdaShape{1, 130, 2, 33, 17}}) {
+    const std::string what = describe(s, "workspace");
+    for (const Path path : {Path::Reference, Path::TensorCore, Path::TensorCoreSplit})
+      EXPECT_EQ(cu::kda_chunk_backward_workspace_bytes(s, path),
+                cu::kda_chunk_forward_workspace_bytes(s) + cu::kda_chunk_backward_own_bytes(s, path))
+          << what;
+    const int64_t chunk_heads = s.B * s.H * ((s.T + 63) / 64), VP = (s.V + 15) / 16 * 16;
+    auto view = [](int64_t floats) { return size_t((floats * 4 + 255) / 256 * 256); };
+    const size_t hand_over = cu::kda_backward_split_supported(s)
+                                 ? 2 * view(chunk_heads * 2 * 64 * 64) +
+                                       view(chunk_heads * 2 * 64) + view(chunk_heads * 64 * VP)
+                                 : 0;
+    EXPECT_EQ(cu::kda_chunk_backward_own_bytes(s, Path::TensorCoreSplit),
+              cu::kda_chunk_backward_own_bytes(s, Path::TensorCore) + hand_over)
+        << what;
+    EXPECT_EQ(cu::kda_chunk_backward_own_bytes(s, Path::TensorCore),
+              cu::kda_chunk_backward_own_bytes(s, Path::Reference))
+        << what;
+  }
+  EXPECT_FALSE(cu::kda_backward_split_supported({1, 130, 2, 33, 17}));  // KP = 48
+  EXPECT_TRUE(cu::kda_backward_split_supported({1, 130, 2, 32, 64}));
+}
+
 // The split stage 4 (value kernel over V halves, key kernel over K halves as a cluster of two)
 // against the fused kernel: the same products with the same precisions, only summed in another
 // order (dP, dM and the row dots in two halves), so within 1e-4 of each other, and both within
