@@ -526,6 +526,20 @@ TEST(CudaKdaBackward, WorkspaceSizesAddUp) {
   EXPECT_TRUE(cu::kda_backward_split_supported({1, 130, 2, 32, 64}));
 }
 
+// Why the split exists: its two kernels fit two blocks per H200 SM at the largest head dims
+// (K = V = 128), where the fused kernel fits one (host arithmetic: runs without a GPU). A layout
+// change that breaks this halves the split's occupancy without failing any GPU test.
+TEST(CudaKdaBackward, SplitKernelsFitTwoBlocksPerSm) {
+  constexpr size_t kTwoBlocks = 113 * 1024;  // (228 KB of an SM − 1 KB reserved per block) / 2
+  for (const KdaShape& s : {KdaShape{1, 8192, 16, 128, 128}, KdaShape{2, 100, 3, 64, 32},
+                            KdaShape{1, 150, 2, 32, 64}}) {
+    const cu::KdaStage4SharedBytes bytes = cu::kda_stage4_shared_bytes(s);
+    EXPECT_LE(bytes.value, kTwoBlocks) << describe(s, "value kernel");
+    EXPECT_LE(bytes.key, kTwoBlocks) << describe(s, "key kernel");
+  }
+  EXPECT_GT(cu::kda_stage4_shared_bytes({1, 8192, 16, 128, 128}).fused, kTwoBlocks);
+}
+
 // The split stage 4 (value kernel over V halves, key kernel over K halves as a cluster of two)
 // against the fused kernel: the same products with the same precisions, only summed in another
 // order (dP, dM and the row dots in two halves), so within 1e-4 of each other, and both within

@@ -126,6 +126,12 @@ void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // Synchronous (a symbol copy).
 void kda_stage4_phase_clock(bool enable);
 int kda_stage4_phase_cycles(long long* cycles, const char** names, int max_phases);
+// Dynamic shared memory per block of stage 4's tensor-core kernels at shape s (host arithmetic,
+// no GPU needed): an H200 SM holds two blocks of up to 113 KB (228 KB less 1 KB per block).
+struct KdaStage4SharedBytes {
+  size_t fused, value, key;
+};
+KdaStage4SharedBytes kda_stage4_shared_bytes(const KdaShape& s);
 // The same for one block (half 0) of each kernel of the split stage 4: kernel 0 = value, 1 = key.
 void kda_stage4_split_phase_clock(bool enable);
 int kda_stage4_split_phase_cycles(int kernel, long long* cycles, const char** names,

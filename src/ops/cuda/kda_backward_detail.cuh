@@ -56,6 +56,9 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
                                const KdaForwardWorkspace& ws, const float* d_states,
                                const KdaSplitWorkspace& split, cudaStream_t stream);
 
+// Their dynamic shared memory (bytes) for these dims.
+size_t kda_chunk_grad_value_shared_bytes(const KdaDims& d);
+size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d);
 // Their phase clocks (kda_stage4_split_phase_clock in kda.h).
 void kda_value_phase_clock(bool enable);
 int kda_value_phase_cycles(long long* cycles, const char** names, int max_phases);

@@ -493,6 +493,13 @@ KdaBackwardPath kda_backward_default_path() {
   return path;
 }
 
+KdaStage4SharedBytes kda_stage4_shared_bytes(const KdaShape& s) {
+  const kda_detail::KdaDims d = kda_detail::kda_make_dims(s, 1.0f, "cuda kda_stage4_shared_bytes");
+  return {kda_detail::kda_chunk_grad_tensor_cores_shared_bytes(d),
+          kda_detail::kda_chunk_grad_value_shared_bytes(d),
+          kda_detail::kda_chunk_grad_key_shared_bytes(d)};
+}
+
 bool kda_backward_split_supported(const KdaShape& s) {
   return kda_detail::kda_split_supported(
       kda_detail::kda_make_dims(s, 1.0f, "cuda kda_backward_split_supported"));

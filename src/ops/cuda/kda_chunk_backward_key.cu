@@ -526,6 +526,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
+size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d) { return size_t(key_layout(d).total); }
+
 void kda_key_phase_clock(bool enable) { phase_clock_enable(g_key_clock_on, enable); }
 int kda_key_phase_cycles(long long* cycles, const char** names, int max_phases) {
   return phase_clock_read(g_key_clock, kKeyPhaseNames, cycles, names, max_phases);

@@ -325,6 +325,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
+size_t kda_chunk_grad_value_shared_bytes(const KdaDims& d) { return size_t(value_layout(d).total); }
+
 void kda_value_phase_clock(bool enable) { phase_clock_enable(g_value_clock_on, enable); }
 int kda_value_phase_cycles(long long* cycles, const char** names, int max_phases) {
   return phase_clock_read(g_value_clock, kValuePhaseNames, cycles, names, max_phases);
