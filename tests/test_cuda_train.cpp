@@ -160,7 +160,8 @@ TEST(CudaTrain, GradientsMatchCpuWithPackedDocuments) {
 
 // Without recompute the KDA and MoE layers keep their forward internals for the backward: the
 // same kernels on the same inputs, so the loss is identical and the gradients agree to the last
-// bits (stage 4 sums dβ with shared-memory atomics, whose order is not fixed). Packed
+// bits (the default split stage 4 has no atomics; the fused one, DM_KDA_BACKWARD=tc, sums dβ
+// with shared-memory atomics, whose order is not fixed). Packed
 // documents, two steps (the kept memory is reused); the test config's MoE is latent with a norm,
 // so the kept u must be the pre-norm one.
 TEST(CudaTrain, KeptInternalsMatchRecompute) {
