@@ -182,6 +182,18 @@ double cache_estimate(const dm::ModelConfig& c, int64_t S, int64_t Lmax) {
   return bytes;
 }
 
+const char* moe_path_name(dm::cuda::MoeExpertsPath path) {
+  switch (path) {
+    case dm::cuda::MoeExpertsPath::Gathered:
+      return "gathered";
+    case dm::cuda::MoeExpertsPath::GroupedCublas:
+      return "grouped (cuBLAS)";
+    case dm::cuda::MoeExpertsPath::Grouped:
+      break;
+  }
+  return "grouped";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -289,7 +301,7 @@ int main(int argc, char** argv) {
                   "%.2f GB)\n", ms.front(), ms.back(), double(B * V * 4) / 1e6,
                   double(dec.scratch_bytes()) / 1e9);
       std::printf("       mode: %s; MoE at batch %lld: %s\n", dec.mode().c_str(), (long long)B,
-                  dec.moe_path(B) == dm::cuda::MoeExpertsPath::Gathered ? "gathered" : "grouped");
+                  moe_path_name(dec.moe_path(B)));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_cuda_decode: %s\n", e.what());

@@ -520,8 +520,10 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
   cuda::GpuDecoder graphed(dw, S, Lmax, decode_options(true, DecodeMoe::Gathered));
   cuda::GpuDecoder direct(dw, S, Lmax, decode_options(false, DecodeMoe::Gathered));
   cuda::GpuDecoder grouped(dw, S, Lmax, decode_options(false, DecodeMoe::Grouped));
-  cuda::GpuDecoder* decoders[3] = {&graphed, &direct, &grouped};
-  std::vector<std::vector<float>> logits(3, std::vector<float>(size_t(S * V)));
+  // Our grouped expert GEMMs read the dispatch plan on the device, so that path is captured too.
+  cuda::GpuDecoder graphed_grouped(dw, S, Lmax, decode_options(true, DecodeMoe::Grouped));
+  cuda::GpuDecoder* decoders[4] = {&graphed, &direct, &grouped, &graphed_grouped};
+  std::vector<std::vector<float>> logits(4, std::vector<float>(size_t(S * V)));
   std::vector<int32_t> tokens(static_cast<size_t>(S));
   std::mt19937_64 rng(5);
   auto random_token = [&] { return int32_t(rng() % uint64_t(V)); };
@@ -557,7 +559,7 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
       tokens[3] = random_token();
     }
     const bool want_logits = step != 25 && step != 26;  // (4 rows, no logits): its own graph
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < 4; ++i)
       decoders[i]->step(tokens.data(), want_logits ? logits[size_t(i)].data() : nullptr,
                         active.data());
     for (int64_t s = 0; s < S; ++s) {
@@ -569,6 +571,7 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
       const float* a = logits[0].data() + s * V;
       const float* b = logits[1].data() + s * V;
       const float* g = logits[2].data() + s * V;
+      const float* gg = logits[3].data() + s * V;
       ASSERT_TRUE(std::all_of(a, a + V, [](float x) { return std::isfinite(x); }))
           << "step " << step << " slot " << s;
       vs_direct.add(a, b, V);
@@ -577,6 +580,8 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
       EXPECT_EQ(argmax(a, V), argmax(b, V)) << "step " << step << " slot " << s;
       EXPECT_LE(test::rel_rms(a, b, size_t(V)), 1e-5) << "step " << step << " slot " << s;
       EXPECT_LE(test::rel_rms(a, g, size_t(V)), 2e-2) << "step " << step << " slot " << s;
+      EXPECT_EQ(argmax(g, V), argmax(gg, V)) << "step " << step << " slot " << s;
+      EXPECT_LE(test::rel_rms(gg, g, size_t(V)), 1e-5) << "step " << step << " slot " << s;
       tokens[size_t(s)] = int32_t(argmax(a, V));
     }
   }
@@ -597,6 +602,15 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
   EXPECT_GE(graphed.graph_replays(), 20) << graphed.mode();
   EXPECT_EQ(direct.graphs_captured(), 0);
   EXPECT_EQ(grouped.graphs_captured(), 0);
+  EXPECT_EQ(graphed_grouped.graphs_captured(), 4) << graphed_grouped.mode();
+  EXPECT_GE(graphed_grouped.graph_replays(), 20) << graphed_grouped.mode();
+  // Auto (E = 8, k = 2): gathered up to n = 4, cuBLAS' grouped GEMMs below 64 rows per expert
+  // (n < 256), ours from there.
+  cuda::GpuDecoder automatic(dw, 1, Lmax, decode_options(true, DecodeMoe::Auto));
+  EXPECT_EQ(automatic.moe_path(4), cuda::MoeExpertsPath::Gathered);
+  EXPECT_EQ(automatic.moe_path(5), cuda::MoeExpertsPath::GroupedCublas);
+  EXPECT_EQ(automatic.moe_path(255), cuda::MoeExpertsPath::GroupedCublas);
+  EXPECT_EQ(automatic.moe_path(256), cuda::MoeExpertsPath::Grouped);
 }
 
 #else

@@ -400,6 +400,15 @@ TEST(CudaMoeDispatch, PlanMatchesCpuAndRoundTrips) {
     const std::vector<int32_t> slot = download(plan.slot, size_t(N * k));
     EXPECT_TRUE(std::equal(token.begin(), token.end(), cpu.token));
     EXPECT_TRUE(std::equal(slot.begin(), slot.end(), cpu.slot));
+    // Built without the host copy (no synchronisation): the same device arrays.
+    cuda::MoeDispatchPlan device_only;
+    cuda::moe_dispatch_plan_build(idx_dev, N, k, E, &device_only, arena, nullptr);
+    EXPECT_EQ(device_only.host_offsets, nullptr);
+    const std::vector<int64_t> offsets = download(device_only.offsets, size_t(E) + 1);
+    EXPECT_TRUE(std::equal(offsets.begin(), offsets.end(), cpu.offsets));
+    EXPECT_EQ(download(device_only.row_of_pair, size_t(N * k)),
+              download(plan.row_of_pair, size_t(N * k)));
+    EXPECT_EQ(download(device_only.token, size_t(N * k)), token);
 
     // Round trip: permute rows, unpermute with weights 1/k → the original rows.
     const int64_t D = 40;
@@ -454,15 +463,18 @@ struct ExpertsCase {
     return y;
   }
   // y [N, Din] of moe_experts_forward on the GPU through `path`; host_offsets (optional) gets
-  // the plan's offsets.
+  // the plan's offsets. GroupedOwn runs on a plan built without its host copy, as the layers
+  // build it for that path.
   std::vector<float> gpu(const GluActivation& act, cuda::MoeGemmPath path,
                          std::vector<int64_t>* offsets_out = nullptr) const {
     cuda::GemmContext context;
     cuda::DeviceArena arena(size_t(64) << 20);
     std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
     cuda::MoeDispatchPlan plan;
+    const bool host_plan = path != cuda::MoeGemmPath::GroupedOwn;
     cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
-                                  host_offsets.data());
+                                  host_plan ? host_offsets.data() : nullptr);
+    if (!host_plan) host_offsets = download(plan.offsets, static_cast<size_t>(E) + 1);
     cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
                                upload(arena, down.bits), E, Din, F};
     void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));

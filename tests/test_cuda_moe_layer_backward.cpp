@@ -360,6 +360,10 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
       const float* dy_dev = upload(dy);
       void* workspace = arena.alloc_bytes(cuda::moe_experts_backward_workspace_bytes(N, k, ew));
 
+      // GroupedOwn runs on the same plan without its host copy (what the layers build for it):
+      // nothing it does may read host offsets.
+      cuda::MoeDispatchPlan device_only = plan;
+      device_only.host_offsets = nullptr;
       auto run = [&](cuda::MoeGemmPath path) {
         cuda::ExpertGradsF32 grads;
         grads.gate = upload(grad0);
@@ -370,7 +374,9 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
         // The same (Loop) recompute for both, so only the backward's path differs.
         cuda::moe_experts_recompute(context, x_dev, plan, w_dev, ew, act, nullptr, workspace,
                                     cuda::MoeGemmPath::Loop);
-        cuda::moe_experts_backward(context, plan, w_dev, ew, act, dy_dev, dweights, dx,
+        cuda::moe_experts_backward(context,
+                                   path == cuda::MoeGemmPath::GroupedOwn ? device_only : plan,
+                                   w_dev, ew, act, dy_dev, dweights, dx,
                                    /*dx_accumulate=*/false, grads, workspace, nullptr, path);
         ExpertsBackwardResult r;
         r.dweights = test::DeviceScratch::download(dweights, size_t(N * k));
@@ -381,7 +387,15 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
         return r;
       };
       const ExpertsBackwardResult grouped = run(cuda::MoeGemmPath::Grouped);
+      const ExpertsBackwardResult own = run(cuda::MoeGemmPath::GroupedOwn);
       const ExpertsBackwardResult loop = run(cuda::MoeGemmPath::Loop);
+      // GroupedOwn differs from Grouped in the dh kernel only: dW_down (upstream of dh) is
+      // bitwise equal; the rest within dh's bf16 rounding flips, against the loop as below.
+      expect_paths_agree("own expert_down", own.down, grouped.down, 0.0);
+      expect_paths_agree("own dweights", own.dweights, loop.dweights, 0.0);
+      expect_paths_agree("own dx", own.dx, loop.dx, 1e-5);
+      expect_paths_agree("own expert_gate", own.gate, loop.gate, 1e-5);
+      expect_paths_agree("own expert_up", own.up, loop.up, 1e-5);
       // Same kernel in both paths: dweights (upstream of the dh GEMM).
       expect_paths_agree("dweights", grouped.dweights, loop.dweights, 0.0);
       // The weight gradients and dx rows come from our grouped kernels against one cuBLAS GEMM
@@ -396,7 +410,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
       expect_paths_agree("expert_up", grouped.up, loop.up, 1e-5);
       // Empty experts: their gradients untouched (still the starting values) in both paths.
       const int64_t per_expert = F * Din;
-      for (const ExpertsBackwardResult* r : {&grouped, &loop})
+      for (const ExpertsBackwardResult* r : {&grouped, &own, &loop})
         for (int e : empty)
           for (int64_t i = e * per_expert; i < (e + 1) * per_expert; ++i) {
             ASSERT_EQ(r->gate[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;

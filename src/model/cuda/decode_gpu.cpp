@@ -39,12 +39,13 @@
 #include "model/residual.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/decode_ops.h"
+#include "ops/cuda/kda.h"
 #include "ops/cuda/kda_layer_ops.h"
 #include "ops/cuda/mla_layer_ops.h"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/moe_decode.h"
-#include "ops/cuda/residual_ops.h"
-#include "ops/cuda/kda.h"
 #include "ops/cuda/random_fill.h"
+#include "ops/cuda/residual_ops.h"
 
 namespace dm::cuda {
 
@@ -278,20 +279,29 @@ MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
       break;
   }
   const ExpertWeightsBf16 ew = moe_gpu::expert_weights(nullptr, nullptr, moe_shape(c));
-  return moe_decode_supported(n, k, ew) && moe_decode_preferred(n, k, ew.E)
-             ? MoeExpertsPath::Gathered
-             : MoeExpertsPath::Grouped;
+  if (moe_decode_supported(n, k, ew) && moe_decode_preferred(n, k, ew.E))
+    return MoeExpertsPath::Gathered;
+  // Below kOwnGroupedMinRows rows per expert on average, cuBLAS' grouped GEMM beats our
+  // 128-row tiles even with its host synchronisation and without graphs (Kimi-Linear-48B shape,
+  // batch 64, 2 rows per expert: 41.5 against 51.4 ms per step on an H200).
+  constexpr int64_t kOwnGroupedMinRows = 64;
+  return n * k < kOwnGroupedMinRows * ew.E ? MoeExpertsPath::GroupedCublas
+                                           : MoeExpertsPath::Grouped;
 }
 
+// The grouped expert path synchronises (host offsets) unless it runs on our grouped kernels.
 bool GpuDecoder::graphs_usable(MoeExpertsPath moe) const {
-  return options_.graphs && !graph_capture_failed_ && moe == MoeExpertsPath::Gathered;
+  if (!options_.graphs || graph_capture_failed_) return false;
+  return moe == MoeExpertsPath::Gathered ||
+         (moe == MoeExpertsPath::Grouped && moe_gemm_default_path() == MoeGemmPath::GroupedOwn);
 }
 
 std::string GpuDecoder::mode() const {
+  const bool grouped_own = moe_gemm_default_path() == MoeGemmPath::GroupedOwn;
   std::string graphs;
   if (!options_.graphs) graphs = "CUDA graphs off";
   else if (graph_capture_failed_) graphs = "CUDA graphs off (a capture failed)";
-  else if (has_moe_ && options_.moe == GpuDecodeOptions::Moe::Grouped)
+  else if (has_moe_ && options_.moe == GpuDecodeOptions::Moe::Grouped && !grouped_own)
     graphs = "CUDA graphs off (the grouped MoE path synchronises)";
   else graphs = str_cat("CUDA graphs on (", graphs_captured_, " captured, ", graph_replays_,
                         " replays)");
@@ -300,14 +310,17 @@ std::string GpuDecoder::mode() const {
     const MoeConfig& m = config().moe;
     switch (options_.moe) {
       case GpuDecodeOptions::Moe::Grouped:
-        moe = "routed experts: grouped GEMMs (host sync per MoE layer)";
+        moe = grouped_own ? "routed experts: our grouped GEMMs (no host sync)"
+                          : "routed experts: grouped cuBLAS GEMMs (host sync per MoE layer)";
         break;
       case GpuDecodeOptions::Moe::Gathered:
         moe = "routed experts: gathered decode kernels (moe_decode.h) for every n";
         break;
       case GpuDecodeOptions::Moe::Auto:
         moe = str_cat("routed experts: gathered decode kernels while n·", m.top_k, " ≤ ",
-                      m.num_experts, ", grouped GEMMs above (no graphs there)");
+                      m.num_experts, ", grouped cuBLAS GEMMs (no graphs) while n·", m.top_k,
+                      " < 64·", m.num_experts, ", grouped GEMMs above",
+                      grouped_own ? " (ours: graphs)" : " (cuBLAS: no graphs)");
         break;
     }
   }

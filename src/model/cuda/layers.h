@@ -56,22 +56,26 @@ struct MoeRoutingDevice {
   int32_t* idx = nullptr;    // [N, k]
 };
 // How the routed experts run:
-//   Grouped   dispatch plan + grouped tensor-core GEMMs (ops/cuda/moe.h): synchronises the stream
-//             once (the per-expert row counts go to the host for the GEMM launches). Prefill,
-//             training, large N.
+//   Grouped   dispatch plan + grouped tensor-core GEMMs (ops/cuda/moe.h) through
+//             moe_gemm_default_path(): by default our grouped kernels, which read the plan's
+//             offsets on the device (no synchronisation, capturable in a CUDA graph); with
+//             DM_MOE_GEMM=cublas|loop, cuBLAS as GroupedCublas. Prefill, training, large N.
+//   GroupedCublas  the same plan + cuBLAS' grouped GEMM: synchronises the stream once (the
+//             per-expert row counts go to the host for its launches). Faster than ours at a few
+//             rows per expert (our CTAs multiply 128-row tiles): the decoder's larger batches.
 //   Gathered  ops/cuda/moe_decode.h: routing read on the device, each hit expert's weights
 //             streamed once by CUDA-core GEMV kernels; never synchronises, so it can be captured
 //             in a CUDA graph (the decode step). Needs moe_decode_supported; fast while
 //             moe_decode_preferred (few rows per expert).
 // Everything else (router, latent projections and norm, shared experts) is the same code.
-enum class MoeExpertsPath : uint8_t { Grouped, Gathered };
+enum class MoeExpertsPath : uint8_t { Grouped, GroupedCublas, Gathered };
 
 // What the MoE forward keeps for its backward when training without recompute (Grouped path
-// only): the routing (scores, idx, weights), the dispatch plan with the host copy of its
-// offsets, the latent input z and the combined expert output u (fp32, before the latent norm),
-// and the experts' intermediates (the workspace moe_experts_recompute fills: sorted rows, g, u,
-// h, outputs). The backward then runs no router GEMM, no dispatch plan (so no stream
-// synchronisation) and no expert GEMM of the forward again. `device` holds
+// only): the routing (scores, idx, weights), the dispatch plan (with the host copy of its
+// offsets when the GEMMs are cuBLAS'), the latent input z and the combined expert output u (fp32,
+// before the latent norm), and the experts' intermediates (the workspace moe_experts_recompute
+// fills: sorted rows, g, u, h, outputs). The backward then runs no router GEMM, no dispatch plan
+// (so no stream synchronisation) and no expert GEMM of the forward again. `device` holds
 // moe_layer_kept_gpu_bytes (256-byte aligned); the views below are set by the forward.
 struct MoeKept {
   void* device = nullptr;

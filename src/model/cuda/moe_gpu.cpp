@@ -170,8 +170,13 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   moe_route(logits, bias, N, router_params(cfg), r.scores, r.idx, weight, r.cutoff, stream);
   MoeDispatchPlan local_plan;
   MoeDispatchPlan& plan = kept ? kept->plan : local_plan;
-  int64_t* host_offsets = host_offsets_buffer(E);
-  if (kept) {
+  // The cuBLAS expert paths need the plan's offsets on the host (a synchronisation); ours
+  // (GroupedOwn) reads them on the device.
+  const MoeGemmPath gemm_path =
+      path == MoeExpertsPath::GroupedCublas ? MoeGemmPath::Grouped : moe_gemm_default_path();
+  const bool host_plan = gemm_path != MoeGemmPath::GroupedOwn;
+  int64_t* host_offsets = host_plan ? host_offsets_buffer(E) : nullptr;
+  if (kept && host_plan) {
     kept->host_offsets.resize(size_t(E) + 1);
     host_offsets = kept->host_offsets.data();
   }
@@ -200,7 +205,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
     kept->workspace = keep.alloc_bytes(moe_experts_backward_workspace_bytes(N, int(k), ew));
     moe_experts_recompute(run.gemm, z, plan, weight, ew, glu_activation(cfg),
-                          static_cast<float*>(u), kept->workspace, moe_gemm_default_path(), stream);
+                          static_cast<float*>(u), kept->workspace, gemm_path, stream);
     kept->scores = r.scores;
     kept->idx = r.idx;
     kept->weight = weight;
@@ -217,8 +222,8 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
                                  stream);
     } else {
       void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
-      moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type,
-                          workspace, moe_gemm_default_path(), stream);
+      moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type, workspace,
+                          gemm_path, stream);
     }
   }
 

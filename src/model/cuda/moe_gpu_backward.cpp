@@ -150,9 +150,11 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
       moe_route(logits, bias, N, router_params(cfg), scores_new, idx_new, weight_new, nullptr,
                 stream);
     }
-    // Synchronises the stream once: the per-expert row counts go to the host.
+    // The cuBLAS expert paths synchronise the stream here: the per-expert row counts go to
+    // the host. GroupedOwn reads them on the device.
+    const bool host_plan = moe_gemm_default_path() != MoeGemmPath::GroupedOwn;
     moe_dispatch_plan_build(idx_new, N, int(k), int(E), &recomputed_plan, arena,
-                            host_offsets_buffer(E), stream);
+                            host_plan ? host_offsets_buffer(E) : nullptr, stream);
     scores = scores_new;
     idx = idx_new;
     weight = weight_new;
@@ -221,9 +223,9 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     expert_grads.up = grads.at(w.expert_up);
     expert_grads.down = grads.at(w.expert_down);
     // Latent: dz is written; plain: the experts' input is xn, so dz accumulates into dxn.
-    moe_experts_backward(run.gemm, plan, weight, ew, act, du, dweight,
-                         s.has_latent ? dz : dxn, /*dx_accumulate=*/!s.has_latent, expert_grads,
-                         workspace, stream);
+    moe_experts_backward(run.gemm, plan, weight, ew, act, du, dweight, s.has_latent ? dz : dxn,
+                         /*dx_accumulate=*/!s.has_latent, expert_grads, workspace, stream,
+                         moe_gemm_default_path());
   }
 
   // ---- Latent down-projection z = xn·W↓ᵀ: dW↓ [ℓ,d] += dzᵀ·xn; dxn += dz·W↓.

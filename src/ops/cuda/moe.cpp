@@ -32,10 +32,10 @@ void check_aligned(const char* who, const void* p, const char* name) {
 }
 
 void check_plan(const char* who, const MoeDispatchPlan& plan) {
-  DM_CHECK(plan.offsets && plan.row_of_pair && plan.token && plan.host_offsets, who,
-           ": dispatch plan not built");
-  DM_CHECK(plan.host_offsets[plan.E] == plan.N * plan.k, who, ": plan covers ",
-           plan.host_offsets[plan.E], " rows, expected N·k = ", plan.N * plan.k);
+  DM_CHECK(plan.offsets && plan.row_of_pair && plan.token, who, ": dispatch plan not built");
+  DM_CHECK(!plan.host_offsets || plan.host_offsets[plan.E] == plan.N * plan.k, who,
+           ": plan covers ", plan.host_offsets ? plan.host_offsets[plan.E] : 0,
+           " rows, expected N·k = ", plan.N * plan.k);
 }
 
 }  // namespace
@@ -149,9 +149,8 @@ void moe_dispatch_plan_build(const int32_t* idx, int64_t N, int k, int E, MoeDis
            " E=", E);
   DM_CHECK(E <= moe_detail::kDispatchMaxExperts, "moe_dispatch_plan_build: E=", E,
            " exceeds the supported maximum ", moe_detail::kDispatchMaxExperts);
-  DM_CHECK(N * k <= int64_t(std::numeric_limits<int32_t>::max()), "moe_dispatch_plan_build: N·k = ",
-           N * k, " rows exceed int32 row ids");
-  DM_CHECK(host_offsets, "moe_dispatch_plan_build: host_offsets buffer required");
+  DM_CHECK(N * k <= int64_t(std::numeric_limits<int32_t>::max()),
+           "moe_dispatch_plan_build: N·k = ", N * k, " rows exceed int32 row ids");
   const size_t pairs = size_t(std::max<int64_t>(N * k, 1));
   plan->N = N;
   plan->k = k;
@@ -165,6 +164,8 @@ void moe_dispatch_plan_build(const int32_t* idx, int64_t N, int k, int E, MoeDis
   moe_detail::memset_async(error_flag, 0, sizeof(int32_t), stream);
   moe_detail::launch_dispatch_plan(idx, N, k, E, plan->offsets, plan->token, plan->slot,
                                    plan->row_of_pair, scratch, error_flag, stream);
+  plan->host_offsets = nullptr;
+  if (!host_offsets) return;  // no copy, no synchronisation, no id check (see moe.h)
   int32_t host_error = 0;
   moe_detail::copy_to_host_and_wait(host_offsets, plan->offsets, (size_t(E) + 1) * sizeof(int64_t),
                                     &host_error, error_flag, sizeof(int32_t), stream);
@@ -208,6 +209,9 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
     launch_grouped_rows_nk_bf16(h, b.down_w, plan.offsets, E, rows, F, Din, b.expert_out, stream);
     return;
   }
+  DM_CHECK(plan.host_offsets,
+           "MoE expert GEMMs (cuda): the cuBLAS paths need the plan's host offsets "
+           "(moe_dispatch_plan_build with a host buffer)");
   if (path == MoeGemmPath::Grouped) {
     void* host = gemm.host_scratch(expert_grouped_host_bytes(b.E));
     run_expert_gemms_grouped(gemm.cublas_handle(), b, plan.host_offsets, plan.offsets, 0, host,
@@ -240,9 +244,9 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
 MoeGemmPath moe_gemm_default_path() {
   static const MoeGemmPath path = [] {
     const char* env = std::getenv("DM_MOE_GEMM");
-    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "cublas") == 0)
-      return MoeGemmPath::Grouped;
-    if (std::strcmp(env, "own") == 0) return MoeGemmPath::GroupedOwn;
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "own") == 0)
+      return MoeGemmPath::GroupedOwn;
+    if (std::strcmp(env, "cublas") == 0) return MoeGemmPath::Grouped;
     DM_CHECK(std::strcmp(env, "loop") == 0, "DM_MOE_GEMM must be 'cublas', 'own' or 'loop', got '",
              env, "'");
     return MoeGemmPath::Loop;

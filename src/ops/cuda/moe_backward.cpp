@@ -27,11 +27,17 @@ void check_aligned(const char* who, const void* p, const char* name) {
            " must be 16-byte aligned (vector loads)");
 }
 
-void check_plan(const char* who, const MoeDispatchPlan& plan, const ExpertWeightsBf16& ew) {
-  DM_CHECK(plan.offsets && plan.row_of_pair && plan.token && plan.slot && plan.host_offsets, who,
+// GroupedOwn runs on a plan without host offsets; the cuBLAS paths need them.
+void check_plan(const char* who, const MoeDispatchPlan& plan, const ExpertWeightsBf16& ew,
+                MoeGemmPath path) {
+  DM_CHECK(plan.offsets && plan.row_of_pair && plan.token && plan.slot, who,
            ": dispatch plan not built");
-  DM_CHECK(plan.host_offsets[plan.E] == plan.N * plan.k, who, ": plan covers ",
-           plan.host_offsets[plan.E], " rows, expected N·k = ", plan.N * plan.k);
+  DM_CHECK(plan.host_offsets || path == MoeGemmPath::GroupedOwn, who,
+           ": the cuBLAS paths need the plan's host offsets (moe_dispatch_plan_build with a host "
+           "buffer)");
+  DM_CHECK(!plan.host_offsets || plan.host_offsets[plan.E] == plan.N * plan.k, who,
+           ": plan covers ", plan.host_offsets ? plan.host_offsets[plan.E] : 0,
+           " rows, expected N·k = ", plan.N * plan.k);
   DM_CHECK(plan.E == ew.E, who, ": plan has ", plan.E, " experts, weights have ", ew.E);
   DM_CHECK(ew.Din > 0 && ew.F > 0 && ew.Din % 8 == 0 && ew.F % 8 == 0, who,
            ": Din and F must be positive multiples of 8, got Din=", ew.Din, " F=", ew.F);
@@ -86,7 +92,7 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
                            const float* w, const ExpertWeightsBf16& ew, const GluActivation& act,
                            float* y, void* workspace, MoeGemmPath path, CUstream_st* stream) {
   const char* who = "moe_experts_recompute (cuda)";
-  check_plan(who, plan, ew);
+  check_plan(who, plan, ew, path);
   DM_CHECK(x && w && workspace, who, ": null argument");
   if (plan.N == 0) return;
   const int64_t rows = plan.N * plan.k, Din = ew.Din, F = ew.F;
@@ -124,7 +130,7 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
                           const ExpertGradsF32& grads, void* workspace, CUstream_st* stream,
                           MoeGemmPath path) {
   const char* who = "moe_experts_backward (cuda)";
-  check_plan(who, plan, ew);
+  check_plan(who, plan, ew, path);
   DM_CHECK(w && dy && workspace, who, ": null argument");
   check_aligned(who, dy, "dy");
   if (dx) check_aligned(who, dx, "dx");
@@ -150,12 +156,20 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
     gemm.gemm_bf16(true, false, Din, F, n, 1.0f, dout + begin * Din, Din, buf.h + begin * F, F,
                    1.0f, grads.down + e * Din * F, GemmOutType::F32, F, stream);
   };
-  // The grouped path's fp32-output GEMMs run as our grouped kernels (one launch each), unless
-  // DM_MOE_GROUPED_F32=cublas asks for one cuBLAS GEMM per expert (A/B timing).
-  // GroupedOwn differs from Grouped in the forward's products only (the recompute above).
-  const bool grouped = path == MoeGemmPath::Grouped || path == MoeGemmPath::GroupedOwn;
-  const bool ours = grouped && grouped_f32_kernels();
-  if (grouped) {
+  // The grouped paths' fp32-output GEMMs run as our grouped kernels (one launch each); for
+  // Grouped, DM_MOE_GROUPED_F32=cublas asks for one cuBLAS GEMM per expert instead (A/B
+  // timing). GroupedOwn also runs the dh GEMM as our kernel, so nothing reads host offsets.
+  const bool own = path == MoeGemmPath::GroupedOwn;
+  const bool grouped = path == MoeGemmPath::Grouped || own;
+  const bool ours = own || (grouped && grouped_f32_kernels());
+  if (own) {
+    if (grads.down)
+      moe_detail::launch_grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F,
+                                             grads.down, stream);
+    // dh [R, F] = dout_e [n_e, Din]·W_down_e [Din, F], written over h (queued after dW_down).
+    moe_detail::launch_grouped_rows_bf16(dout, ew.down, plan.offsets, int(ew.E), rows, Din, F,
+                                         buf.h, stream);
+  } else if (grouped) {
     // dW_down has an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B: every
     // expert's in one launch of our grouped kernel, queued before the dh GEMMs overwrite h; then
     // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now

@@ -65,6 +65,8 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
 //     cuBLAS' grouped GEMM has no bf16 A/B → fp32 C form (cuBLAS 13.1 returns
 //     CUBLAS_STATUS_NOT_SUPPORTED for it under CUBLAS_COMPUTE_32F). DM_MOE_GROUPED_F32=cublas
 //     runs those as one cuBLASLt GEMM per expert instead (for A/B timing).
+//   GroupedOwn: as Grouped with dh from our grouped kernel too (launch_grouped_rows_bf16):
+//     only device offsets are read, so the plan may lack its host copy.
 //   Loop: every GEMM per expert through cuBLAS (the reference path).
 // The two paths differ in the dh GEMM's kernel (same bf16 rounding of an fp32 sum) and in the
 // fp32 summation order of the weight gradients and dx rows.

@@ -7,6 +7,7 @@
 //                               and B [R, N] (weight gradients: K = the expert's rows)
 //   launch_grouped_rows_f32     Y_e [n_e, N] = A1_e·B1_e (+ A2_e·B2_e), A_e = the expert's rows of
 //                               A [R, K], B_e = W + e·K·N [K, N] (the fp32 input-gradient rows)
+//   launch_grouped_rows_bf16    the same with one product and a bf16 out (the backward's dh rows)
 //   launch_grouped_rows_nk_bf16 Y_e [n_e, N] = A_e·W_eᵀ, W_e = W + e·N·K stored [N, K] (the expert
 //                               weights as the model keeps them: the forward's gate, up, down),
 //                               bf16 out; both operands [rows][k], plain ldmatrix
@@ -345,6 +346,14 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // ---- Y_e = A1_e·B1_e (+ A2_e·B2_e) over each expert's rows ---------------------------------
 
+// Two adjacent output elements (an even column: 8-byte / 4-byte aligned).
+__device__ __forceinline__ void store_pair(float* p, float x, float y) {
+  *reinterpret_cast<float2*>(p) = make_float2(x, y);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
 // Row tile `tile` of the grouped problem → its expert and first row (false: past the last tile).
 // Experts own ceil(n_e / 128) consecutive tiles in expert order; E is small (≤ 8192), so every
 // CTA walks the offsets (L2 hits) instead of reading a host-built table.
@@ -365,10 +374,13 @@ __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int E, int
   return false;
 }
 
-__global__ void __launch_bounds__(kThreads, 2) grouped_rows_f32_kernel(
-    const __nv_bfloat16* __restrict__ A1, const __nv_bfloat16* __restrict__ B1,
-    const __nv_bfloat16* __restrict__ A2, const __nv_bfloat16* __restrict__ B2,
-    const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N, float* __restrict__ Y) {
+// Out: float (the fp32 input-gradient rows) or __nv_bfloat16 (the backward's dh rows).
+template <typename Out>
+__global__ void __launch_bounds__(kThreads, 2)
+    grouped_rows_kernel(const __nv_bfloat16* __restrict__ A1, const __nv_bfloat16* __restrict__ B1,
+                        const __nv_bfloat16* __restrict__ A2, const __nv_bfloat16* __restrict__ B2,
+                        const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N,
+                        Out* __restrict__ Y) {
   int e = 0;
   int64_t row0 = 0, row_end = 0;
   if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
@@ -407,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_f32_kernel(
   for_each_pair(acc, w, [&](int r, int c, float x, float y) {
     const int64_t col = n0 + c;
     if (r >= tile_rows || col >= N) return;
-    *reinterpret_cast<float2*>(Y + (row0 + r) * N + col) = make_float2(x, y);
+    store_pair(Y + (row0 + r) * N + col, x, y);
   });
 }
 
@@ -446,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_kernel(
   for_each_pair(acc, w, [&](int r, int c, float x, float y) {
     const int64_t col = n0 + c;
     if (r >= tile_rows || col >= N) return;
-    *reinterpret_cast<__nv_bfloat162*>(Y + (row0 + r) * N + col) = __floats2bfloat162_rn(x, y);
+    store_pair(Y + (row0 + r) * N + col, x, y);
   });
 }
 
@@ -465,18 +477,32 @@ dim3 rows_grid(int64_t R, int E, int64_t N) {
   return dim3(unsigned((N + kTileN - 1) / kTileN), unsigned(row_tiles));
 }
 
+template <typename Out>
+void launch_grouped_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
+                         const uint16_t* B2, const int64_t* offsets, int E, int64_t R, int64_t K,
+                         int64_t N, Out* Y, CUstream_st* stream) {
+  if (E <= 0 || R <= 0 || N <= 0) return;
+  allow_two_ctas_of_smem(grouped_rows_kernel<Out>, kRowsSmem);
+  grouped_rows_kernel<Out>
+      <<<rows_grid(R, E, N), kThreads, kRowsSmem, reinterpret_cast<cudaStream_t>(stream)>>>(
+          reinterpret_cast<const __nv_bfloat16*>(A1), reinterpret_cast<const __nv_bfloat16*>(B1),
+          reinterpret_cast<const __nv_bfloat16*>(A2), reinterpret_cast<const __nv_bfloat16*>(B2),
+          offsets, E, K, N, Y);
+  DM_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
                              const uint16_t* B2, const int64_t* offsets, int E, int64_t R,
                              int64_t K, int64_t N, float* Y, CUstream_st* stream) {
-  if (E <= 0 || R <= 0 || N <= 0) return;
-  allow_two_ctas_of_smem(grouped_rows_f32_kernel, kRowsSmem);
-  grouped_rows_f32_kernel<<<rows_grid(R, E, N), kThreads, kRowsSmem, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const __nv_bfloat16*>(A1), reinterpret_cast<const __nv_bfloat16*>(B1),
-      reinterpret_cast<const __nv_bfloat16*>(A2), reinterpret_cast<const __nv_bfloat16*>(B2),
-      offsets, E, K, N, Y);
-  DM_CUDA_CHECK(cudaGetLastError());
+  launch_grouped_rows(A1, B1, A2, B2, offsets, E, R, K, N, Y, stream);
+}
+
+void launch_grouped_rows_bf16(const uint16_t* A, const uint16_t* B, const int64_t* offsets, int E,
+                              int64_t R, int64_t K, int64_t N, uint16_t* Y, CUstream_st* stream) {
+  launch_grouped_rows(A, B, nullptr, nullptr, offsets, E, R, K, N,
+                      reinterpret_cast<__nv_bfloat16*>(Y), stream);
 }
 
 void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int64_t* offsets,

@@ -65,6 +65,10 @@ void launch_grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* 
 void launch_grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
                              const uint16_t* B2, const int64_t* offsets, int E, int64_t R,
                              int64_t K, int64_t N, float* Y, CUstream_st* stream);
+// The same with one product (A2 = B2 = nullptr) and Y [R, N] bf16 (fp32 accumulation, one
+// rounding): the backward's dh = dout_e·W_down_e rows. Deterministic.
+void launch_grouped_rows_bf16(const uint16_t* A, const uint16_t* B, const int64_t* offsets, int E,
+                              int64_t R, int64_t K, int64_t N, uint16_t* Y, CUstream_st* stream);
 // The forward's per-expert products in one launch (moe_grouped_gemm.cu), WRITTEN, bf16:
 //   Y[r, :] = A[r, :]·W_eᵀ  for r in [offsets[e], offsets[e+1]),
 // A [R, K] bf16 (row stride K), W_e = W + e·N·K [N, K] bf16 row-major (the expert weights'
