@@ -604,11 +604,13 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
   EXPECT_EQ(grouped.graphs_captured(), 0);
   EXPECT_EQ(graphed_grouped.graphs_captured(), 4) << graphed_grouped.mode();
   EXPECT_GE(graphed_grouped.graph_replays(), 20) << graphed_grouped.mode();
-  // Auto (E = 8, k = 2): gathered up to n = 4, cuBLAS' grouped GEMMs below 64 rows per expert
-  // (n < 256), ours from there.
+  // Auto (E = 8, k = 2): gathered up to n = 4, ours (few rows) up to 2 rows per expert (n = 8),
+  // cuBLAS' grouped GEMMs below 64 rows per expert (n < 256), ours from there.
   cuda::GpuDecoder automatic(dw, 1, Lmax, decode_options(true, DecodeMoe::Auto));
   EXPECT_EQ(automatic.moe_path(4), cuda::MoeExpertsPath::Gathered);
-  EXPECT_EQ(automatic.moe_path(5), cuda::MoeExpertsPath::GroupedCublas);
+  EXPECT_EQ(automatic.moe_path(5), cuda::MoeExpertsPath::Grouped);
+  EXPECT_EQ(automatic.moe_path(8), cuda::MoeExpertsPath::Grouped);
+  EXPECT_EQ(automatic.moe_path(9), cuda::MoeExpertsPath::GroupedCublas);
   EXPECT_EQ(automatic.moe_path(255), cuda::MoeExpertsPath::GroupedCublas);
   EXPECT_EQ(automatic.moe_path(256), cuda::MoeExpertsPath::Grouped);
 }

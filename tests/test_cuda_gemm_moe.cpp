@@ -525,6 +525,35 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
 }
 
+// The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below
+// kMoeFewRowsPerExpert rows per expert on average (the decoder's batches), with 1, 2 and 4 token
+// groups per pass (by the mean rows per expert): experts of ~1 row (one partial group), of 40
+// rows (several passes over the weights, the last partial), and empty ones; K tails (Din = 200 is 6
+// steps of 32 + 8; F = 136 is 4 + 8) and a partial weight tile (N = 136 = 128 + 8 for gate/up).
+// Against Loop (cuBLAS per expert) and the CPU reference.
+TEST(CudaMoeExperts, GroupedOwnFewRowsMatchesLoop) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  for (auto [N, E, used] :
+       {std::tuple<int64_t, int64_t, int>{8, 64, 60}, {60, 64, 6}, {120, 64, 12}}) {
+    SCOPED_TRACE(str_cat("N=", N, " E=", E, " used=", used));
+    const ExpertsCase c(N, E, 200, 136, 4, used, 93);
+    ASSERT_LT(N * 4, cuda::kMoeFewRowsPerExpert * E);  // the few-rows kernel runs
+    GluActivation act;
+    act.kind = Activation::SiTU;
+    std::vector<int64_t> offsets;
+    const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets);
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; ++e)
+      most = std::max(most, offsets[size_t(e) + 1] - offsets[size_t(e)]);
+    if (used != 60) EXPECT_GT(most, 32);  // several passes over an expert's weights
+    const std::vector<float> loop = c.gpu(act, cuda::MoeGemmPath::Loop);
+    const std::vector<float> y_ref = c.reference(act);
+    ASSERT_TRUE(test::mla::all_finite(own));
+    EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
+    EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
+  }
+}
+
 // ---- QB statistics -----------------------------------------------------------------------------
 
 TEST(CudaMoeBalance, HistogramMatchesCpuAndExactQuantile) {

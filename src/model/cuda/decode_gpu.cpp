@@ -281,9 +281,11 @@ MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
   const ExpertWeightsBf16 ew = moe_gpu::expert_weights(nullptr, nullptr, moe_shape(c));
   if (moe_decode_supported(n, k, ew) && moe_decode_preferred(n, k, ew.E))
     return MoeExpertsPath::Gathered;
-  // Below kOwnGroupedMinRows rows per expert on average, cuBLAS' grouped GEMM beats our
-  // 128-row tiles even with its host synchronisation and without graphs (Kimi-Linear-48B shape,
-  // batch 64, 2 rows per expert: 41.5 against 51.4 ms per step on an H200).
+  // Measured on the Kimi-Linear-48B shape (H200, ms per step): up to 2 rows per expert our
+  // few-rows kernel (moe_grouped_few_rows.cu) is level with cuBLAS' grouped GEMM (batch 64:
+  // 42.5–42.9 graphed against 40.7–43.6) and needs no host sync; at 8 rows per expert cuBLAS is
+  // ahead (batch 256: 84.0 against 90.2), and below 64 rows our 128-row tiles lose to it.
+  if (n * k <= 2 * ew.E) return MoeExpertsPath::Grouped;
   constexpr int64_t kOwnGroupedMinRows = 64;
   return n * k < kOwnGroupedMinRows * ew.E ? MoeExpertsPath::GroupedCublas
                                            : MoeExpertsPath::Grouped;
@@ -318,8 +320,9 @@ std::string GpuDecoder::mode() const {
         break;
       case GpuDecodeOptions::Moe::Auto:
         moe = str_cat("routed experts: gathered decode kernels while n·", m.top_k, " ≤ ",
+                      m.num_experts, ", default grouped GEMMs while n·", m.top_k, " ≤ 2·",
                       m.num_experts, ", grouped cuBLAS GEMMs (no graphs) while n·", m.top_k,
-                      " < 64·", m.num_experts, ", grouped GEMMs above",
+                      " < 64·", m.num_experts, ", default grouped GEMMs above",
                       grouped_own ? " (ours: graphs)" : " (cuBLAS: no graphs)");
         break;
     }

@@ -51,10 +51,11 @@ struct GpuDecodeOptions {
   // false, no) turns it off.
   bool graphs = true;
   // Routed experts of the MoE layers. Auto: the gathered kernels (ops/cuda/moe_decode.h) while
-  // moe_decode_preferred(n, k, E) holds (mean rows per expert ≤ 1), cuBLAS' grouped GEMMs below
-  // 64 rows per expert (host sync, no graph), the default grouped GEMMs (moe_gemm_default_path:
-  // ours, graphed) above; Grouped / Gathered force the default grouped GEMMs or the gathered
-  // kernels for every n. Env DM_DECODE_MOE=auto|grouped|gathered.
+  // moe_decode_preferred(n, k, E) holds (mean rows per expert ≤ 1), the default grouped GEMMs
+  // (moe_gemm_default_path: ours, graphed) up to 2, cuBLAS' grouped GEMMs below 64 rows per
+  // expert (host sync, no graph), the default grouped GEMMs above; Grouped / Gathered force the
+  // default grouped GEMMs or the gathered kernels for every n. Env
+  // DM_DECODE_MOE=auto|grouped|gathered.
   enum class Moe : uint8_t { Auto, Grouped, Gathered };
   Moe moe = Moe::Auto;
   // The defaults above, overridden by the environment (a bad value is an error).

@@ -201,12 +201,18 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
   b.down_in = h == b.gate_out ? nullptr : h;
   if (path == MoeGemmPath::GroupedOwn) {
     const int E = b.E;
-    launch_grouped_rows_nk_bf16(b.x_sorted, b.gate_w, plan.offsets, E, rows, Din, F, b.gate_out,
-                                stream);
-    launch_grouped_rows_nk_bf16(b.x_sorted, b.up_w, plan.offsets, E, rows, Din, F, b.up_out,
-                                stream);
+    // Few rows per expert (decode batches): weight-streaming kernel; else 128-row tiles.
+    const bool few = rows < kMoeFewRowsPerExpert * E;
+    auto product = [&](const uint16_t* A, const uint16_t* W, int64_t K, int64_t N, uint16_t* Y) {
+      if (few)
+        launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
+      else
+        launch_grouped_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
+    };
+    product(b.x_sorted, b.gate_w, Din, F, b.gate_out);
+    product(b.x_sorted, b.up_w, Din, F, b.up_out);
     glu_forward(b.gate_out, b.up_out, h, rows * F, act, stream);
-    launch_grouped_rows_nk_bf16(h, b.down_w, plan.offsets, E, rows, F, Din, b.expert_out, stream);
+    product(h, b.down_w, F, Din, b.expert_out);
     return;
   }
   DM_CHECK(plan.host_offsets,

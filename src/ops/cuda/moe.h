@@ -114,6 +114,10 @@ struct ExpertWeightsBf16 {
 // no host copy and the MoE layer no synchronisation.
 // Never a dense masked product. Intermediates are bf16 (fp32 accumulate inside each GEMM).
 enum class MoeGemmPath : uint8_t { Grouped, Loop, GroupedOwn };
+// GroupedOwn's forward products below this many rows per expert on average (N·k < 16·E: the
+// decoder's batches) run on a weight-streaming kernel (weights as the MMA's M operand, tokens as
+// its N) instead of 128-row tiles, which would multiply mostly zero rows there.
+constexpr int64_t kMoeFewRowsPerExpert = 16;
 // The path the model layers use: env DM_MOE_GEMM = own (default: GroupedOwn) | cublas
 // (Grouped) | loop, read once. Ours and cuBLAS' time the same in training (gpu_1b step 118.5 vs
 // 118.4 ms on an H200); ours needs no host synchronisation.

@@ -78,6 +78,15 @@ void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int
                                  int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                  CUstream_st* stream);
 
+// The same product for few rows per expert (moe_grouped_few_rows.cu): weights as the MMA's
+// M operand, tokens as its N, each expert's W streamed once into registers; one CTA per
+// (128 weight rows, expert), grid (ceil(N / 128), E). R = offsets[E] (the host's N·k) sets the
+// rows per pass. Any row count works (further passes per expert), but it pays off below
+// kMoeFewRowsPerExpert (moe.h) rows per expert on average. Deterministic; K multiple of 8, pointers
+// 16-byte aligned.
+void launch_grouped_few_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
+                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
+                                     CUstream_st* stream);
 // Grouped expert GEMMs over the non-empty experts (host_offsets [E+1] is the host copy of the
 // plan's offsets, device_offsets the device one), bf16 in and out, fp32 accumulate:
 //   gate_out[r] = x_sorted[r]·gate_eᵀ, up_out[r] = x_sorted[r]·up_eᵀ   (rows r of expert e) ...
