@@ -176,7 +176,20 @@ void attention_check_doc_start_device(const int32_t* doc_start, int64_t B, int64
   attention_check_doc_start(host.data(), B, T);
 }
 
-MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_splits) {
+MlaSplitRule mla_split_rule_default() {
+  static const MlaSplitRule rule = [] {
+    const char* env = std::getenv("DM_MLA_DECODE_SPLITS");
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "fixed") == 0)
+      return MlaSplitRule::TwoCtasPerSm;
+    DM_CHECK(std::strcmp(env, "waves") == 0, "DM_MLA_DECODE_SPLITS must be 'fixed' or 'waves', ",
+             "got '", env, "'");
+    return MlaSplitRule::WholeWaves;
+  }();
+  return rule;
+}
+
+MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_splits,
+                              MlaSplitRule rule) {
   DM_CHECK(S >= 0 && H >= 0 && max_pages >= 0, "mla_decode_plan: bad shape S=", S, " H=", H,
            " max_pages=", max_pages);
   DM_CHECK(max_splits >= 1 && max_splits <= 256, "mla_decode_plan: max_splits must be in [1, 256]",
@@ -187,15 +200,39 @@ MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_
   if (S == 0 || H == 0 || max_pages == 0) return plan;
   constexpr int kMinPagesPerSplit = 4;
   const int64_t heads_per_cta = attention_detail::decode_heads_per_cta(H);
-  const int64_t ctas_without_split = int64_t(S) * ((H + heads_per_cta - 1) / heads_per_cta);
-  int64_t splits = (2 * int64_t(num_sms) + ctas_without_split - 1) / ctas_without_split;
-  splits = std::clamp<int64_t>(splits, 1, max_splits);
+  const int64_t ctas_per_split = int64_t(S) * ((H + heads_per_cta - 1) / heads_per_cta);
   // At least kMinPagesPerSplit pages per split; the split count follows from the page count
   // rounded that way (rounding the count first left 103 CTAs of 5 pages for 513 pages on 132
   // SMs, where 129 of 4 fill one wave).
-  plan.pages_per_split =
-      int(std::max<int64_t>(kMinPagesPerSplit, (max_pages + splits - 1) / splits));
-  plan.num_splits = (max_pages + plan.pages_per_split - 1) / plan.pages_per_split;
+  auto set_splits = [&](int64_t splits) {
+    plan.pages_per_split =
+        int(std::max<int64_t>(kMinPagesPerSplit, (max_pages + splits - 1) / splits));
+    plan.num_splits = (max_pages + plan.pages_per_split - 1) / plan.pages_per_split;
+  };
+  if (rule == MlaSplitRule::TwoCtasPerSm) {
+    const int64_t splits = (2 * int64_t(num_sms) + ctas_per_split - 1) / ctas_per_split;
+    set_splits(std::clamp<int64_t>(splits, 1, max_splits));
+    return plan;
+  }
+  // WholeWaves. The kernel holds one CTA per multiprocessor (its queries and two page tiles
+  // take ~170–200 KB of shared memory at Dk = 576), so `num_sms` CTAs make a wave and s splits
+  // of pps pages cost waves(s)·(pps + kCtaPages) page times, kCtaPages being a CTA's own traffic
+  // in pages (a page is 64·576·2 = 74 KB; a CTA of 32 heads loads 37 KB of queries and writes a
+  // 64 KB partial O that the combine reads back). The cheapest s, the fewest splits on ties.
+  constexpr int64_t kCtaPages = 2;
+  const int64_t most = std::max<int64_t>(
+      1, std::min<int64_t>(max_splits, (max_pages + kMinPagesPerSplit - 1) / kMinPagesPerSplit));
+  int64_t best_cost = std::numeric_limits<int64_t>::max(), best = 1;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t pps = std::max<int64_t>(kMinPagesPerSplit, (max_pages + s - 1) / s);
+    const int64_t splits = (max_pages + pps - 1) / pps;
+    const int64_t cost = (ctas_per_split * splits + num_sms - 1) / num_sms * (pps + kCtaPages);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  set_splits(best);
   return plan;
 }
 

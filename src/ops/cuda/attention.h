@@ -77,10 +77,20 @@ struct MlaDecodePlan {
   int pages_per_split = 1;  // pages each split walks
   int max_pages = 0;        // page_table row length
 };
+// How many splits (≥ 4 pages each):
+//   TwoCtasPerSm  ≥ 2 CTAs per multiprocessor (the default);
+//   WholeWaves    the fewest waves × (pages per split + a CTA's own traffic), one CTA per
+//                 multiprocessor (the kernel's shared memory allows no more at Dk = 576). At
+//                 batch 64 × 32K it takes 2 splits (128 CTAs: one wave) where the default takes
+//                 5 (320 CTAs: three waves, 2.4 waves' work). Written 2026-11-30, checked on an
+//                 H200 (all GPU tests) but not yet timed apart from another change: opt-in.
+// mla_split_rule_default(): env DM_MLA_DECODE_SPLITS = fixed (TwoCtasPerSm) | waves, read once.
+enum class MlaSplitRule : uint8_t { TwoCtasPerSm, WholeWaves };
+MlaSplitRule mla_split_rule_default();
 // max_pages: page_table row length (≥ ceil(longest seq_len / 64)). num_sms ≤ 0: read it off the
-// current device. The split count aims at ≥ 2 CTAs per multiprocessor with ≥ 4 pages per split.
-MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms = 0,
-                              int max_splits = 128);
+// current device.
+MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms = 0, int max_splits = 128,
+                              MlaSplitRule rule = mla_split_rule_default());
 // Device scratch for the split partials (0 when num_splits == 1).
 size_t mla_decode_workspace_bytes(const MlaDecodePlan& plan, int S, int H, int Dv);
 

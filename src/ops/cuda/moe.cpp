@@ -5,6 +5,7 @@
 #include "ops/cuda/moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -205,7 +206,8 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
     const bool few = rows < kMoeFewRowsPerExpert * E;
     auto product = [&](const uint16_t* A, const uint16_t* W, int64_t K, int64_t N, uint16_t* Y) {
       if (few)
-        launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
+        launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y,
+                                        moe_few_rows_ring(), stream);
       else
         launch_grouped_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
     };
@@ -246,6 +248,22 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
   }
 }
 }  // namespace moe_detail
+
+namespace {
+std::atomic<bool>& few_rows_ring_setting() {
+  static std::atomic<bool> on = [] {
+    const char* env = std::getenv("DM_MOE_FEW_ROWS");
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "registers") == 0) return false;
+    DM_CHECK(std::strcmp(env, "ring") == 0, "DM_MOE_FEW_ROWS must be 'registers' or 'ring', got '",
+             env, "'");
+    return true;
+  }();
+  return on;
+}
+}  // namespace
+
+bool moe_few_rows_ring() { return few_rows_ring_setting().load(std::memory_order_relaxed); }
+void moe_set_few_rows_ring(bool on) { few_rows_ring_setting().store(on, std::memory_order_relaxed); }
 
 MoeGemmPath moe_gemm_default_path() {
   static const MoeGemmPath path = [] {

@@ -118,6 +118,12 @@ enum class MoeGemmPath : uint8_t { Grouped, Loop, GroupedOwn };
 // decoder's batches) run on a weight-streaming kernel (weights as the MMA's M operand, tokens as
 // its N) instead of 128-row tiles, which would multiply mostly zero rows there.
 constexpr int64_t kMoeFewRowsPerExpert = 16;
+// How that kernel streams the weights: plain loads into registers (default) or a cp.async ring
+// in shared memory (env DM_MOE_FEW_ROWS=ring; more bytes in flight per SM). Both pass the GPU
+// tests; the ring is opt-in until it is timed on its own. Process-wide; the setter is for tests
+// and benchmarks.
+bool moe_few_rows_ring();
+void moe_set_few_rows_ring(bool on);
 // The path the model layers use: env DM_MOE_GEMM = own (default: GroupedOwn) | cublas
 // (Grouped) | loop, read once. Ours and cuBLAS' time the same in training (gpu_1b step 118.5 vs
 // 118.4 ms on an H200); ours needs no host synchronisation.
