@@ -604,15 +604,28 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
   EXPECT_EQ(grouped.graphs_captured(), 0);
   EXPECT_EQ(graphed_grouped.graphs_captured(), 4) << graphed_grouped.mode();
   EXPECT_GE(graphed_grouped.graph_replays(), 20) << graphed_grouped.mode();
-  // Auto (E = 8, k = 2): gathered up to n = 4, ours (few rows) up to 2 rows per expert (n = 8),
-  // cuBLAS' grouped GEMMs below 64 rows per expert (n < 256), ours from there.
-  cuda::GpuDecoder automatic(dw, 1, Lmax, decode_options(true, DecodeMoe::Auto));
-  EXPECT_EQ(automatic.moe_path(4), cuda::MoeExpertsPath::Gathered);
-  EXPECT_EQ(automatic.moe_path(5), cuda::MoeExpertsPath::Grouped);
-  EXPECT_EQ(automatic.moe_path(8), cuda::MoeExpertsPath::Grouped);
-  EXPECT_EQ(automatic.moe_path(9), cuda::MoeExpertsPath::GroupedCublas);
-  EXPECT_EQ(automatic.moe_path(255), cuda::MoeExpertsPath::GroupedCublas);
-  EXPECT_EQ(automatic.moe_path(256), cuda::MoeExpertsPath::Grouped);
+}
+
+// The decoder's routed-expert path by batch rows (host arithmetic: runs without a GPU). Kimi-
+// Linear-48B's experts (E = 256, k = 8): the gathered kernels up to one row per expert (n ≤ 32),
+// our few-rows grouped kernel up to two (n ≤ 64), cuBLAS' grouped GEMM below 64 (n < 2048), our
+// 128-row tiles from there; forced modes as asked.
+TEST(CudaDecode, MoePathByRowsPerExpert) {
+  using Path = cuda::MoeExpertsPath;
+  const cuda::ExpertWeightsBf16 ew{nullptr, nullptr, nullptr, 256, 2304, 1024};
+  auto path = [&](int64_t n) { return cuda::decode_moe_path(DecodeMoe::Auto, n, 8, ew); };
+  EXPECT_EQ(path(1), Path::Gathered);
+  EXPECT_EQ(path(32), Path::Gathered);
+  EXPECT_EQ(path(33), Path::Grouped);
+  EXPECT_EQ(path(64), Path::Grouped);
+  EXPECT_EQ(path(65), Path::GroupedCublas);
+  EXPECT_EQ(path(2047), Path::GroupedCublas);
+  EXPECT_EQ(path(2048), Path::Grouped);
+  EXPECT_EQ(cuda::decode_moe_path(DecodeMoe::Grouped, 1, 8, ew), Path::Grouped);
+  EXPECT_EQ(cuda::decode_moe_path(DecodeMoe::Gathered, 4096, 8, ew), Path::Gathered);
+  // Shapes the gathered kernels do not take (Din not a multiple of 8) skip them.
+  const cuda::ExpertWeightsBf16 odd{nullptr, nullptr, nullptr, 256, 2300, 1024};
+  EXPECT_EQ(cuda::decode_moe_path(DecodeMoe::Auto, 1, 8, odd), Path::Grouped);
 }
 
 #else

@@ -266,11 +266,9 @@ void GpuDecoder::init() {
   synchronize();
 }
 
-MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
-  if (!has_moe_) return MoeExpertsPath::Gathered;  // no MoE layer: nothing synchronises
-  const ModelConfig& c = config();
-  const int k = int(c.moe.top_k);
-  switch (options_.moe) {
+MoeExpertsPath decode_moe_path(GpuDecodeOptions::Moe mode, int64_t n, int k,
+                               const ExpertWeightsBf16& ew) {
+  switch (mode) {
     case GpuDecodeOptions::Moe::Grouped:
       return MoeExpertsPath::Grouped;
     case GpuDecodeOptions::Moe::Gathered:
@@ -278,7 +276,6 @@ MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
     case GpuDecodeOptions::Moe::Auto:
       break;
   }
-  const ExpertWeightsBf16 ew = moe_gpu::expert_weights(nullptr, nullptr, moe_shape(c));
   if (moe_decode_supported(n, k, ew) && moe_decode_preferred(n, k, ew.E))
     return MoeExpertsPath::Gathered;
   // Measured on the Kimi-Linear-48B shape (H200, ms per step): up to 2 rows per expert our
@@ -289,6 +286,13 @@ MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
   constexpr int64_t kOwnGroupedMinRows = 64;
   return n * k < kOwnGroupedMinRows * ew.E ? MoeExpertsPath::GroupedCublas
                                            : MoeExpertsPath::Grouped;
+}
+
+MoeExpertsPath GpuDecoder::moe_path(int64_t n) const {
+  if (!has_moe_) return MoeExpertsPath::Gathered;  // no MoE layer: nothing synchronises
+  const ModelConfig& c = config();
+  return decode_moe_path(options_.moe, n, int(c.moe.top_k),
+                         moe_gpu::expert_weights(nullptr, nullptr, moe_shape(c)));
 }
 
 // The grouped expert path synchronises (host offsets) unless it runs on our grouped kernels.

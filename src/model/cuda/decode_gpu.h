@@ -62,6 +62,11 @@ struct GpuDecodeOptions {
   static GpuDecodeOptions from_env();
 };
 
+// The routed-expert path of a decode step of n rows (GpuDecoder::moe_path for an MoE model):
+// pure host arithmetic over the options, k and the expert shapes.
+MoeExpertsPath decode_moe_path(GpuDecodeOptions::Moe mode, int64_t n, int k,
+                               const ExpertWeightsBf16& ew);
+
 class GpuDecoder {
  public:
   // Uploads its own bf16 + fp32 weight mirrors; `host` must outlive the decoder.
