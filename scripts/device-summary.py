@@ -96,6 +96,19 @@ def main():
             out.append(f"| decode batch {batch}, context {context} | {float(ms):.2f} ms/step "
                        f"({ratio}× the {float(floor):.2f} ms floor) | | {target} |")
 
+    # Opt-in decode variants against the default, batch 64 × 32K, each run twice.
+    ab = {}
+    for log in sorted(d.glob("decode_ab_*.log")):
+        variant = log.stem[len("decode_ab_"):].rsplit("_", 1)[0]
+        for line in log.read_text(errors="replace").splitlines():
+            m = re.match(r"\s*64\s+32768\s+([\d.]+)\s", line)
+            if m:
+                ab.setdefault(variant, []).append(float(m.group(1)))
+    for variant, runs in ab.items():
+        cells = " / ".join(f"{ms:.2f}" for ms in runs)
+        out.append(f"| decode batch 64, 32K, variant `{variant}` | {cells} ms/step | | "
+                   f"(A/B against `default`) |")
+
     # Training step: tokens/s and MFU against the PyTorch eager peer on the same GPU.
     # One row per run: with per-layer recompute, and with the KDA and MoE internals kept
     # (--recompute off).
