@@ -112,7 +112,7 @@ void check_variant(const Variant& v, int64_t N) {
   // GPU: scratch sized by the layer's own byte count (an overflow would throw).
   cuda::DeviceWeights dw(*w);
   cuda::GpuRun run(cuda::moe_layer_forward_gpu_bytes(cfg, N));
-  test::DeviceScratch io(size_t(N * d) * 12 + 4096);  // x bf16, y and y2 fp32
+  test::DeviceScratch io(size_t(N * d) * 16 + 8192);  // x bf16, y, y2 and y3 fp32
   const uint16_t* x_dev = io.upload(test::to_bf16(x));
   float* y_dev = io.zeros<float>(size_t(N * d));
   cuda::MoeRoutingDevice routing;
@@ -163,6 +163,18 @@ void check_variant(const Variant& v, int64_t N) {
   EXPECT_EQ(run.scratch.used(), mark);
   const std::vector<float> y2 = test::DeviceScratch::download(y2_dev, size_t(N * d));
   EXPECT_LE(test::rel_rms(y2.data(), y_gpu.data(), y2.size()), 1e-6);
+
+  // cuBLAS' grouped GEMMs (the decoder's middle batches; a plan with host offsets): the same
+  // routing, expert outputs within bf16 roundings of the default path's.
+  run.scratch.reset();
+  float* y3_dev = io.zeros<float>(size_t(N * d));
+  cuda::moe_layer_forward_gpu(run, dw, mw, x_dev, y3_dev, N, nullptr,
+                              cuda::MoeExpertsPath::GroupedCublas);
+  EXPECT_EQ(run.scratch.used(), mark);
+  const std::vector<float> y3 = test::DeviceScratch::download(y3_dev, size_t(N * d));
+  EXPECT_TRUE(test::all_finite(y3));
+  EXPECT_LE(test::rel_rms(y3.data(), y_gpu.data(), y3.size()), 5e-3);
+  EXPECT_LE(test::rel_rms(y3.data(), y_cpu.data(), y_cpu.size()), 1e-2);
 }
 
 TEST(CudaMoeLayer, MatchesCpuN200) {
