@@ -1,0 +1,439 @@
+// Training-side kernels of the GPU residual stream (residual_ops.h): the AttnRes backward (one
+// warp per row, then a fixed-order sum of the parameter partials), the embedding backward (radix
+// sort by token, then one writer per row) and the deterministic sum of squares.
+#include <algorithm>
+#include <type_traits>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include "ops/cuda/attnres_rows.cuh"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
+#include "ops/cuda/residual_ops.h"
+
+namespace dm::cuda {
+using namespace attnres_detail;
+namespace {
+
+// Blocks of the sum-of-squares first stage (fixed by n; ≤ kSumSquaresThreads so the second
+// stage is one pass of one block).
+constexpr int kSumSquaresThreads = 1024;
+int64_t sum_squares_blocks(int64_t n) {
+  return std::min<int64_t>((n + 256 * 16 - 1) / (256 * 16), kSumSquaresThreads);
+}
+
+// Grid for a grid-stride element-wise loop over n elements (n ≥ 1).
+unsigned elementwise_blocks(int64_t n, int threads) {
+  return unsigned(std::min<int64_t>((n + threads - 1) / threads, 8192));
+}
+
+size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+
+// ---- AttnRes backward --------------------------------------------------------------------------
+
+struct AttnResGradTargets {
+  float* dsrc[kAttnResCudaMaxSources];
+};
+
+// Grid of the AttnRes backward row kernel, a function of (N, D) only, so the order in which G
+// adds up (hence the bits of dquery / dnorm_w) never depends on scheduling or on the device.
+// `warps` rows run side by side per block: as many (≤ 8) as keep γ⊙w and one fp32 partial of G
+// per warp within kAttnResBackwardSmemBudget; each warp owns rows_per_warp rows, so that there
+// are at most kAttnResBackwardMaxBlocks blocks, each writing one fp64 partial [D].
+constexpr int kAttnResBackwardMaxWarps = 8;
+constexpr int64_t kAttnResBackwardMaxBlocks = 512;
+constexpr size_t kAttnResBackwardSmemBudget = 112 * 1024;  // half of an sm_90 SM's 228 KiB
+// Chunks per lane whose loads the element pass issues together (x, dout, dsrc: 24 float4).
+constexpr int kAttnResElementGroup = 8;
+
+struct AttnResBackwardGrid {
+  int warps;          // rows (warps) per block
+  int rows_per_warp;  // rows each warp walks
+  int64_t blocks;     // = the number of fp64 partials of G
+};
+
+AttnResBackwardGrid attnres_backward_grid(int64_t N, int64_t D) {
+  AttnResBackwardGrid grid{};
+  const int64_t fit =
+      int64_t(kAttnResBackwardSmemBudget / (size_t(std::max<int64_t>(D, 1)) * sizeof(float))) - 1;
+  grid.warps = int(std::clamp<int64_t>(fit, 1, kAttnResBackwardMaxWarps));
+  const int64_t rows = std::max<int64_t>(N, 1);
+  const int64_t max_rows_per_pass = grid.warps * kAttnResBackwardMaxBlocks;
+  grid.rows_per_warp = int((rows + max_rows_per_pass - 1) / max_rows_per_pass);
+  const int64_t rows_per_block = int64_t(grid.warps) * grid.rows_per_warp;
+  grid.blocks = (rows + rows_per_block - 1) / rows_per_block;
+  return grid;
+}
+
+// Dynamic shared memory of the backward row kernel: γ⊙w [D], then (parameter gradients wanted)
+// one fp32 partial of G [D] per warp.
+size_t attnres_backward_smem_bytes(int64_t D, int warps, bool param_grads) {
+  return size_t(1 + (param_grads ? warps : 0)) * size_t(D) * sizeof(float);
+}
+
+// AttnRes backward, stage 1. Warp w of block b owns rows n = (i·gridDim.x + b)·warps + w,
+// i = 0 … rows_per_warp − 1 (attnres_backward_grid). Per row:
+//   1. statistics, source by source, tile by tile: ss_j = Σ V², s_j = Σ V γ w, da_j = Σ dout·V
+//      (fp32 within a chunk, fp64 across chunks and lanes), three shuffle reductions per source
+//      into the lanes' SourceSlots;
+//   2. every lane, for its slots (fp64, the CPU formulas): r_j = 1/sqrt(ss_j/D + eps),
+//      a = softmax(r·s), dl_j = a_j (da_j − Σ_k a_k da_k), c_j = dl_j r_j, c3_j = dl_j s_j r_j³/D;
+//   3. element pass, sources in reverse order (the last read are the likeliest still in L2):
+//      dsrc[j] += a_j·dout + c_j·γ⊙w − c3_j·V_j in fp32, and the warp's fp32 partial of
+//      G = Σ_j c_j V_j in shared memory (lane-owned chunks, so no two lanes touch one element and
+//      no barrier is needed until the end).
+// Bytes per row: 4·D·(S + 1) for the statistics, then per source 4·D re-read (L2 for the last
+// few) + 4·D dsrc read + 4·D written; the dout row is re-read from L1/L2 for every source. The
+// dsrc stream and the last read of a source use evict-first hints so that they do not push the
+// row's remaining sources out of L2.
+// At the end the block sums its warps' partials in warp order, in fp64, into
+// partial[blockIdx.x, :]; partial == nullptr: no parameter gradient wanted (no partials kept).
+template <int kVec>
+__global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
+    attnres_backward_rows_kernel(AttnResSources sources, AttnResGradTargets targets, int S,
+                                 const float* query, const float* norm_w, const float* dout,
+                                 double* partial, int64_t N, int D, float eps,
+                                 int rows_per_warp) {
+  using Chunk = AttnResChunk<kVec>;
+  constexpr int K = kAttnResChunksPerLane, kGroup = kAttnResElementGroup;
+  static_assert(K % kGroup == 0, "element groups tile a tile");
+  extern __shared__ float4 attnres_smem[];
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int chunks = D / kVec;
+  Chunk* gw = reinterpret_cast<Chunk*>(attnres_smem);
+  float* warp_partials = reinterpret_cast<float*>(gw + chunks);  // [warps, D] if partial
+  attnres_fill_gamma_w(gw, query, norm_w, chunks);
+  if (partial) {
+    Chunk* zero = reinterpret_cast<Chunk*>(warp_partials);
+    for (int i = threadIdx.x; i < warps * chunks; i += blockDim.x) zero[i] = Chunk{};
+  }
+  __syncthreads();
+  const Chunk* gwc = gw;
+  Chunk* gpart = partial ? reinterpret_cast<Chunk*>(warp_partials + warp * D) : nullptr;
+
+  for (int i = 0; i < rows_per_warp; ++i) {
+    const int64_t n = (int64_t(i) * gridDim.x + blockIdx.x) * warps + warp;
+    if (n >= N) break;  // whole warps; rows grow with i
+    const Chunk* g = reinterpret_cast<const Chunk*>(dout + n * D);
+
+    SourceSlots logit{-INFINITY, -INFINITY}, r{0.0, 0.0}, s{0.0, 0.0}, da{0.0, 0.0};
+    for (int j = 0; j < S; ++j) {
+      const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
+      double ss = 0.0, dot = 0.0, gv = 0.0;
+      for (int base = 0; base < chunks; base += 32 * K) {
+        Chunk x[K], y[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = base + lane + 32 * k;
+          x[k] = c < chunks ? __ldcg(v + c) : Chunk{};  // L2 only: L1 keeps the dout row
+          y[k] = c < chunks ? g[c] : Chunk{};
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = base + lane + 32 * k;
+          if (c < chunks) {
+            ss += double(chunk_dot(x[k], x[k]));
+            dot += double(chunk_dot(x[k], gwc[c]));
+            gv += double(chunk_dot(x[k], y[k]));
+          }
+        }
+      }
+      ss = warp_sum(ss);
+      dot = warp_sum(dot);
+      gv = warp_sum(gv);
+      const double rj = 1.0 / sqrt(ss / double(D) + double(eps));
+      r.capture(j, rj, lane);
+      s.capture(j, dot, lane);
+      da.capture(j, gv, lane);
+      logit.capture(j, rj * dot, lane);
+    }
+
+    const SourceSlots a = softmax_slots(logit);
+    const double mean_da = warp_sum(a.lo * da.lo + a.hi * da.hi);
+    SourceSlots c, c3;  // unused slots: a = da = r = 0, so c = c3 = 0
+    {
+      const double dl_lo = a.lo * (da.lo - mean_da), dl_hi = a.hi * (da.hi - mean_da);
+      c.lo = dl_lo * r.lo;
+      c.hi = dl_hi * r.hi;
+      c3.lo = dl_lo * s.lo * r.lo * r.lo * r.lo / double(D);
+      c3.hi = dl_hi * s.hi * r.hi * r.hi * r.hi / double(D);
+    }
+
+    for (int j = S - 1; j >= 0; --j) {
+      float* dsrc_j = targets.dsrc[j];
+      if (dsrc_j == nullptr && gpart == nullptr) continue;  // warp-uniform
+      Chunk* dv = dsrc_j ? reinterpret_cast<Chunk*>(dsrc_j + n * D) : nullptr;
+      const float fa = a.broadcast_float(j), fc = c.broadcast_float(j),
+                  neg_fc3 = -c3.broadcast_float(j);
+      const Chunk* v = reinterpret_cast<const Chunk*>(sources.src[j] + n * D);
+      for (int base = 0; base < chunks; base += 32 * K) {
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += kGroup) {
+          // All of the group's loads go out before its first store: dsrc aliases nothing read
+          // here, but the compiler cannot know that and would not hoist a load over a store.
+          Chunk x[kGroup], y[kGroup], z[kGroup];
+#pragma unroll
+          for (int k = 0; k < kGroup; ++k) {
+            const int cc = base + lane + 32 * (k0 + k);
+            x[k] = y[k] = z[k] = Chunk{};
+            if (cc < chunks) {
+              x[k] = __ldcs(v + cc);
+              if (dv) {
+                y[k] = g[cc];
+                z[k] = __ldcs(dv + cc);
+              }
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < kGroup; ++k) {
+            const int cc = base + lane + 32 * (k0 + k);
+            if (cc >= chunks) continue;
+            if (dv) __stcs(dv + cc, chunk_update(z[k], fa, y[k], fc, gwc[cc], neg_fc3, x[k]));
+            if (gpart) gpart[cc] = chunk_lincomb(1.0f, gpart[cc], fc, x[k]);
+          }
+        }
+      }
+    }
+  }
+
+  if (partial == nullptr) return;  // block-uniform
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    double G = 0.0;
+    for (int w = 0; w < warps; ++w) G += double(warp_partials[w * D + d]);
+    partial[int64_t(blockIdx.x) * D + d] = G;
+  }
+}
+
+// AttnRes backward, stage 2: G[d] = Σ_b partial[b, d], then dquery[d] += G·w_d and
+// dnorm_w[d] += G·γ_d. A block of 32 columns × kAttnResParamGroups per 32-column slice of D:
+// thread (x, y) sums the partials b ≡ y (mod groups) in ascending b (a warp reads 256
+// contiguous bytes per b), then thread (x, 0) adds the group sums in group order: a fixed order,
+// so bit-identical run to run, and 16-way parallel over the ≤ 512 partials of a column.
+constexpr int kAttnResParamGroups = 16;
+__global__ void __launch_bounds__(32 * kAttnResParamGroups)
+    attnres_backward_params_kernel(const double* partial, int64_t blocks, const float* query,
+                                   const float* norm_w, float* dquery, float* dnorm_w, int D) {
+  __shared__ double group_sum[kAttnResParamGroups][32];
+  const int x = threadIdx.x, y = threadIdx.y;
+  const int d = blockIdx.x * 32 + x;
+  double acc = 0.0;
+  if (d < D) {
+#pragma unroll 4
+    for (int64_t b = y; b < blocks; b += kAttnResParamGroups) acc += partial[b * D + d];
+  }
+  group_sum[y][x] = acc;
+  __syncthreads();
+  if (y != 0 || d >= D) return;
+  double G = 0.0;
+  for (int k = 0; k < kAttnResParamGroups; ++k) G += group_sum[k][x];
+  if (dquery) dquery[d] += float(G * double(norm_w[d]));
+  if (dnorm_w) dnorm_w[d] += float(G * double(query[d]));
+}
+
+// Embedding backward, step 1: sort keys (token id, or V for an id outside [0, V): sorted last
+// and skipped) and values (the row index n).
+__global__ void embedding_backward_keys_kernel(const int64_t* tokens, int64_t N, int64_t V,
+                                               uint32_t* keys, uint32_t* rows) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N;
+       n += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = tokens[n];
+    keys[n] = uint32_t(t >= 0 && t < V ? t : V);
+    rows[n] = uint32_t(n);
+  }
+}
+
+// Embedding backward, step 3: sorted position i that starts a run of equal tokens (i = 0 or a
+// different key before it) sums dp over the run in sorted (= ascending n) order, in fp64, and
+// adds once to dtable[token]. Other positions do nothing; one block per position, grid-stride.
+__global__ void embedding_backward_accumulate_kernel(const uint32_t* keys, const uint32_t* rows,
+                                                     const float* dp, int64_t N, int64_t D,
+                                                     int64_t V, float* dtable) {
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const uint32_t key = keys[i];
+    if (int64_t(key) >= V || (i > 0 && keys[i - 1] == key)) continue;  // block-uniform branch
+    float* out = dtable + int64_t(key) * D;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+      double acc = 0.0;
+      for (int64_t k = i; k < N && keys[k] == key; ++k) acc += double(dp[int64_t(rows[k]) * D + d]);
+      out[d] = float(double(out[d]) + acc);
+    }
+  }
+}
+
+// Embedding backward, atomic variant: one block per row n (grid-stride), fp32 atomicAdd.
+__global__ void embedding_backward_atomic_kernel(const int64_t* tokens, const float* dp, int64_t N,
+                                                 int64_t D, float* dtable) {
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    float* out = dtable + tokens[n] * D;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(out + d, dp[n * D + d]);
+  }
+}
+
+// Sum of squares, stage 1: block b writes Σ over its grid-stride share of x² (fp64).
+__global__ void sum_squares_partial_kernel(const float* x, int64_t n, double* partial) {
+  __shared__ double scratch[32];
+  double acc = 0.0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const double v = x[i];
+    acc += v * v;
+  }
+  acc = block_sum(acc, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// Sum of squares, stage 2: one block of kSumSquaresThreads; thread t takes partial t (count ≤
+// kSumSquaresThreads), one fixed-order block reduction.
+__global__ void sum_squares_final_kernel(const double* partial, int64_t count, double* result) {
+  __shared__ double scratch[32];
+  const double v = threadIdx.x < count ? partial[threadIdx.x] : 0.0;
+  const double total = block_sum(v, scratch);
+  if (threadIdx.x == 0) *result = total;
+}
+
+__global__ void scale_inplace_kernel(float* x, int64_t n, float s) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] *= s;
+}
+
+}  // namespace
+
+// ---- training side ---------------------------------------------------------------------------
+
+size_t attnres_backward_workspace_bytes(int64_t N, int64_t D, int S) {
+  (void)S;
+  if (N <= 0 || D <= 0) return 0;
+  return align256(size_t(attnres_backward_grid(N, D).blocks) * size_t(D) * sizeof(double));
+}
+
+void attnres_backward(const float* const* src, int S, const float* query, const float* norm_w,
+                      const float* dout, float* const* dsrc, float* dquery, float* dnorm_w,
+                      int64_t N, int64_t D, float eps, void* workspace, CUstream_st* stream) {
+  DM_CHECK(S >= 1 && S <= kAttnResCudaMaxSources, "attnres_backward (CUDA): ", S,
+           " sources (1..", kAttnResCudaMaxSources, " supported)");
+  DM_CHECK(N >= 0 && D >= 0 && D <= kAttnResMaxWidth, "attnres_backward (CUDA): bad shape N=", N,
+           " D=", D, " (D ≤ ", kAttnResMaxWidth, ")");
+  if (N == 0 || D == 0) return;
+  const bool param_grads = dquery != nullptr || dnorm_w != nullptr;
+  DM_CHECK(!param_grads || workspace != nullptr,
+           "attnres_backward (CUDA): a workspace is needed for dquery / dnorm_w");
+  AttnResSources sources{};
+  AttnResGradTargets targets{};
+  bool vec4 = D % 4 == 0 && aligned16(query) && aligned16(norm_w) && aligned16(dout);
+  bool any_dsrc = false;
+  for (int j = 0; j < S; ++j) {
+    sources.src[j] = src[j];
+    targets.dsrc[j] = dsrc ? dsrc[j] : nullptr;
+    vec4 = vec4 && aligned16(src[j]) && aligned16(targets.dsrc[j]);
+    any_dsrc = any_dsrc || targets.dsrc[j] != nullptr;
+  }
+  if (!any_dsrc && !param_grads) return;
+  const AttnResBackwardGrid grid = attnres_backward_grid(N, D);
+  const size_t smem = attnres_backward_smem_bytes(D, grid.warps, param_grads);
+  double* partial = param_grads ? static_cast<double*>(workspace) : nullptr;
+  if (vec4)
+    launch_attnres_rows(attnres_backward_rows_kernel<4>, grid.blocks, grid.warps * 32, smem,
+                        stream, sources, targets, S, query, norm_w, dout, partial, N, int(D), eps,
+                        grid.rows_per_warp);
+  else
+    launch_attnres_rows(attnres_backward_rows_kernel<1>, grid.blocks, grid.warps * 32, smem,
+                        stream, sources, targets, S, query, norm_w, dout, partial, N, int(D), eps,
+                        grid.rows_per_warp);
+  check_last_error("attnres_backward (rows)");
+  if (!param_grads) return;
+  attnres_backward_params_kernel<<<unsigned((D + 31) / 32), dim3(32, kAttnResParamGroups), 0,
+                                   stream>>>(partial, grid.blocks, query, norm_w, dquery, dnorm_w,
+                                             int(D));
+  check_last_error("attnres_backward (params)");
+}
+
+namespace {
+// Radix-sort key bits: enough for every id in [0, V] (V itself is the "invalid id" key).
+int embedding_key_bits(int64_t V) {
+  int bits = 1;
+  while (bits < 32 && (int64_t(1) << bits) <= V) ++bits;
+  return bits;
+}
+// cub's scratch for sorting N (uint32 key, uint32 value) pairs on `bits` key bits; the query
+// launches nothing.
+size_t embedding_sort_temp_bytes(int64_t N, int bits) {
+  size_t bytes = 0;
+  DM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), int(N), 0, bits));
+  return bytes;
+}
+}  // namespace
+
+size_t embedding_backward_workspace_bytes(int64_t N, int64_t V) {
+  DM_CHECK(N >= 0 && N < (int64_t(1) << 31) && V > 0 && V < (int64_t(1) << 31),
+           "embedding_backward (CUDA): N=", N, " V=", V, " out of range");
+  if (N == 0) return 0;
+  // keys in/out, rows in/out (uint32 [N] each), then cub's scratch.
+  return 4 * align256(size_t(N) * sizeof(uint32_t)) +
+         align256(embedding_sort_temp_bytes(N, embedding_key_bits(V)));
+}
+
+void embedding_backward(const int64_t* tokens, const float* dp, int64_t N, int64_t D, int64_t V,
+                        float* dtable, void* workspace, CUstream_st* stream) {
+  DM_CHECK(N >= 0 && N < (int64_t(1) << 31) && V > 0 && V < (int64_t(1) << 31) && D >= 0,
+           "embedding_backward (CUDA): N=", N, " D=", D, " V=", V, " out of range");
+  if (N == 0 || D == 0) return;
+  DM_CHECK(workspace != nullptr, "embedding_backward (CUDA): workspace is null");
+  const int bits = embedding_key_bits(V);
+  const size_t slot = align256(size_t(N) * sizeof(uint32_t));
+  char* base = static_cast<char*>(workspace);
+  uint32_t* keys_in = reinterpret_cast<uint32_t*>(base);
+  uint32_t* keys_out = reinterpret_cast<uint32_t*>(base + slot);
+  uint32_t* rows_in = reinterpret_cast<uint32_t*>(base + 2 * slot);
+  uint32_t* rows_out = reinterpret_cast<uint32_t*>(base + 3 * slot);
+  void* sort_temp = base + 4 * slot;
+  size_t sort_temp_bytes = embedding_sort_temp_bytes(N, bits);
+  embedding_backward_keys_kernel<<<elementwise_blocks(N, 256), 256, 0, stream>>>(tokens, N, V,
+                                                                                 keys_in, rows_in);
+  check_last_error("embedding_backward (keys)");
+  // LSD radix sort is stable: equal tokens keep ascending n, so the per-token sum order is fixed.
+  DM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_temp, sort_temp_bytes, keys_in, keys_out,
+                                                rows_in, rows_out, int(N), 0, bits, stream));
+  embedding_backward_accumulate_kernel<<<unsigned(std::min<int64_t>(N, 65536)), kRowThreads, 0,
+                                         stream>>>(keys_out, rows_out, dp, N, D, V, dtable);
+  check_last_error("embedding_backward (accumulate)");
+}
+
+void embedding_backward(const int64_t* tokens, const float* dp, int64_t N, int64_t D,
+                        float* dtable, CUstream_st* stream) {
+  DM_CHECK(N >= 0 && D >= 0, "embedding_backward (CUDA): N=", N, " D=", D);
+  if (N == 0 || D == 0) return;
+  embedding_backward_atomic_kernel<<<unsigned(std::min<int64_t>(N, 65536)), kRowThreads, 0,
+                                     stream>>>(tokens, dp, N, D, dtable);
+  check_last_error("embedding_backward (atomic)");
+}
+
+size_t sum_squares_workspace_bytes(int64_t n) {
+  return align256(size_t(std::max<int64_t>(sum_squares_blocks(n), 1)) * sizeof(double));
+}
+
+void sum_squares(const float* x, int64_t n, double* result_device, void* workspace,
+                 CUstream_st* stream) {
+  DM_CHECK(n >= 0 && workspace != nullptr && result_device != nullptr,
+           "sum_squares (CUDA): n=", n, ", workspace and result must be set");
+  double* partial = static_cast<double*>(workspace);
+  const int64_t blocks = sum_squares_blocks(n);
+  if (blocks > 0) {
+    sum_squares_partial_kernel<<<unsigned(blocks), 256, 0, stream>>>(x, n, partial);
+    check_last_error("sum_squares (partial)");
+  }
+  sum_squares_final_kernel<<<1, kSumSquaresThreads, 0, stream>>>(partial, blocks, result_device);
+  check_last_error("sum_squares (final)");
+}
+
+void scale_inplace(float* x, int64_t n, float s, CUstream_st* stream) {
+  DM_CHECK(n >= 0, "scale_inplace (CUDA): n=", n);
+  if (n == 0) return;
+  scale_inplace_kernel<<<elementwise_blocks(n, 256), 256, 0, stream>>>(x, n, s);
+  check_last_error("scale_inplace");
+}
+
+}  // namespace dm::cuda
