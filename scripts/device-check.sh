@@ -141,16 +141,6 @@ if [ "$BENCH" = 1 ]; then
   bench bench_cuda_decode 50 $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
     --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
   bench bench_cuda_mla 45 $B/bench_cuda_mla
-  # Opt-in variants against the default in the same run, twice each (the batch-64 step varies
-  # by ~±4% between runs): the few-rows MoE kernel's cp.async ring and the MLA decode's
-  # whole-wave split plan (docs/gpu.md, "Not yet").
-  for round in 1 2; do
-    for variant in default DM_MOE_FEW_ROWS=ring DM_MLA_DECODE_SPLITS=waves; do
-      env_args=(); [ "$variant" = default ] || env_args=("$variant")
-      bench "decode_ab_${variant#*=}_$round" 20 env "${env_args[@]}" $B/bench_cuda_decode \
-        --config configs/kimi_linear_48b.json --cases 64x32768 --steps 10 --warmup 2
-    done
-  done
 fi
 if [ "$NCU" = 1 ] && [ -x "$B/bench_cuda_decode" ] && command -v ncu >/dev/null && fits "ncu decode" 45; then
   step "ncu: one decode step, batch 1, 32K context, per kernel"
@@ -179,6 +169,25 @@ if [ "$PEERS" = 1 ]; then
     --impl fla --shapes 1x8192x96x128,2x16384x16x128
   bench peer_torch_model 120 python3 bench/peers/deltamoe_torch.py forward-bench \
     --config "$MODEL_CFG" --seq 8192 --steps 3 --warmup 1 --device cuda --dtype bfloat16
+fi
+
+# Opt-in variants (docs/gpu.md) against the default in the same run, twice each (the batch-64
+# decode step varies by ~±4% between runs), after everything the targets need: the
+# few-rows MoE kernel's cp.async ring, the MLA decode's whole-wave split plan, and the MoE
+# forward's grouped GEMMs on warpgroup MMA.
+if [ "$BENCH" = 1 ]; then
+  for round in 1 2; do
+    for variant in default DM_MOE_FEW_ROWS=ring DM_MLA_DECODE_SPLITS=waves; do
+      env_args=(); [ "$variant" = default ] || env_args=("$variant")
+      bench "decode_ab_${variant#*=}_$round" 20 env "${env_args[@]}" $B/bench_cuda_decode \
+        --config configs/kimi_linear_48b.json --cases 64x32768 --steps 10 --warmup 2
+    done
+    for variant in default DM_MOE_WGMMA=1; do
+      env_args=(); [ "$variant" = default ] || env_args=("$variant")
+      bench "train_ab_${variant#*=}_$round" 25 env "${env_args[@]}" $B/bench_cuda_train \
+        --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3 --recompute off
+    done
+  done
 fi
 
 step "summary"

@@ -109,6 +109,18 @@ def main():
         out.append(f"| decode batch 64, 32K, variant `{variant}` | {cells} ms/step | | "
                    f"(A/B against `default`) |")
 
+    # Opt-in training variants against the default (bench_cuda_train, --recompute off).
+    tab = {}
+    for log in sorted(d.glob("train_ab_*.log")):
+        variant = log.stem[len("train_ab_"):].rsplit("_", 1)[0]
+        for j in json_lines(log.read_text(errors="replace")):
+            if j.get("impl") == "deltamoe":
+                tab.setdefault(variant, []).append(j["step_ms"])
+    for variant, runs in tab.items():
+        name = "default" if variant == "default" else f"DM_MOE_WGMMA={variant}"
+        cells = " / ".join(f"{ms:.1f}" for ms in runs)
+        out.append(f"| training step, variant `{name}` | {cells} ms | | (A/B against `default`) |")
+
     # Training step: tokens/s and MFU against the PyTorch eager peer on the same GPU.
     # One row per run: with per-layer recompute, and with the KDA and MoE internals kept
     # (--recompute off).

@@ -509,20 +509,27 @@ TEST(CudaMoeExperts, GroupedMatchesReference) {
 // (Din = 200 = 3·64 + 8 for gate/up, F = 136 = 2·64 + 8 for down) and two empty experts. Against
 // one cuBLASLt GEMM per expert (Loop: the same bf16 operands, fp32 accumulation in another order,
 // so only bf16 roundings of the gate/up intermediates differ) and against the CPU reference.
+// Both versions of the kernel: mma.sync (the default) and warpgroup MMA (DM_MOE_WGMMA=1).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   const ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
   GluActivation act;
   act.kind = Activation::SiTU;
-  std::vector<int64_t> offsets;
-  const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets);
-  ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
-  ASSERT_EQ(offsets[8], offsets[6]);        // experts 6, 7 empty
   const std::vector<float> loop = c.gpu(act, cuda::MoeGemmPath::Loop);
   const std::vector<float> y_ref = c.reference(act);
-  ASSERT_TRUE(test::mla::all_finite(own));
-  EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
-  EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
+  const bool wgmma_before = cuda::moe_grouped_wgmma();
+  for (bool wgmma : {false, true}) {
+    SCOPED_TRACE(str_cat("wgmma=", wgmma));
+    cuda::moe_set_grouped_wgmma(wgmma);
+    std::vector<int64_t> offsets;
+    const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets);
+    ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
+    ASSERT_EQ(offsets[8], offsets[6]);        // experts 6, 7 empty
+    ASSERT_TRUE(test::mla::all_finite(own));
+    EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
+    EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
+  }
+  cuda::moe_set_grouped_wgmma(wgmma_before);
 }
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below

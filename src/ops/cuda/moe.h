@@ -124,6 +124,11 @@ constexpr int64_t kMoeFewRowsPerExpert = 16;
 // and benchmarks.
 bool moe_few_rows_ring();
 void moe_set_few_rows_ring(bool on);
+// GroupedOwn's forward products above the few-rows regime through the warpgroup-MMA (wgmma)
+// version of the grouped kernel instead of the mma.sync one (env DM_MOE_WGMMA=1). Written
+// 2026-11-30 and NOT YET RUN ON A GPU: off until a device run checks and times it.
+bool moe_grouped_wgmma();
+void moe_set_grouped_wgmma(bool on);
 // The path the model layers use: env DM_MOE_GEMM = own (default: GroupedOwn) | cublas
 // (Grouped) | loop, read once. Ours and cuBLAS' time the same in training (gpu_1b step 118.5 vs
 // 118.4 ms on an H200); ours needs no host synchronisation.

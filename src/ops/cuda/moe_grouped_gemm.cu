@@ -48,6 +48,7 @@
 
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
 
 namespace dm::cuda::moe_detail {
@@ -59,7 +60,7 @@ using attention_detail::cp_async_wait;
 using attention_detail::ldmatrix_x4_trans;
 using attention_detail::mma_bf16_16x8x16;
 
-constexpr int kTileM = 128, kTileN = 128, kTileK = 64, kStages = 3;
+constexpr int kTileM = kGroupedTileRows, kTileN = 128, kTileK = 64, kStages = 3;
 constexpr int kWarpsM = 2, kWarpsN = 4;  // the CTA's warps, rows × columns
 constexpr int kThreads = 32 * kWarpsM * kWarpsN;
 constexpr int kWarpM = kTileM / kWarpsM, kWarpN = kTileN / kWarpsN;  // a warp's output tile
@@ -354,26 +355,6 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }
 
-// Row tile `tile` of the grouped problem → its expert and first row (false: past the last tile).
-// Experts own ceil(n_e / 128) consecutive tiles in expert order; E is small (≤ 8192), so every
-// CTA walks the offsets (L2 hits) instead of reading a host-built table.
-__device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int E, int64_t tile,
-                                              int* expert, int64_t* row0, int64_t* row_end) {
-  int64_t before = 0;
-  for (int e = 0; e < E; ++e) {
-    const int64_t begin = offsets[e], end = offsets[e + 1];
-    const int64_t tiles = (end - begin + kTileM - 1) / kTileM;
-    if (tile < before + tiles) {
-      *expert = e;
-      *row0 = begin + (tile - before) * kTileM;
-      *row_end = end;
-      return true;
-    }
-    before += tiles;
-  }
-  return false;
-}
-
 // Out: float (the fp32 input-gradient rows) or __nv_bfloat16 (the backward's dh rows).
 template <typename Out>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -471,12 +452,6 @@ void allow_two_ctas_of_smem(Kernel kernel, int bytes) {
                                      int(cudaSharedmemCarveoutMaxShared)));
 }
 
-// Σ_e ceil(n_e / 128) ≤ R / 128 + E row tiles; CTAs past the last one return at once.
-dim3 rows_grid(int64_t R, int E, int64_t N) {
-  const int64_t row_tiles = (R + kTileM - 1) / kTileM + E;
-  return dim3(unsigned((N + kTileN - 1) / kTileN), unsigned(row_tiles));
-}
-
 template <typename Out>
 void launch_grouped_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
                          const uint16_t* B2, const int64_t* offsets, int E, int64_t R, int64_t K,
@@ -484,7 +459,7 @@ void launch_grouped_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t*
   if (E <= 0 || R <= 0 || N <= 0) return;
   allow_two_ctas_of_smem(grouped_rows_kernel<Out>, kRowsSmem);
   grouped_rows_kernel<Out>
-      <<<rows_grid(R, E, N), kThreads, kRowsSmem, reinterpret_cast<cudaStream_t>(stream)>>>(
+      <<<grouped_rows_grid(R, E, N), kThreads, kRowsSmem, reinterpret_cast<cudaStream_t>(stream)>>>(
           reinterpret_cast<const __nv_bfloat16*>(A1), reinterpret_cast<const __nv_bfloat16*>(B1),
           reinterpret_cast<const __nv_bfloat16*>(A2), reinterpret_cast<const __nv_bfloat16*>(B2),
           offsets, E, K, N, Y);
@@ -510,7 +485,7 @@ void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int
                                  CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
   allow_two_ctas_of_smem(grouped_rows_nk_bf16_kernel, kRowsNkSmem);
-  grouped_rows_nk_bf16_kernel<<<rows_grid(R, E, N), kThreads, kRowsNkSmem,
+  grouped_rows_nk_bf16_kernel<<<grouped_rows_grid(R, E, N), kThreads, kRowsNkSmem,
                                 reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
       offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));

@@ -78,6 +78,11 @@ void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int
                                  int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                  CUstream_st* stream);
 
+// The same product on Hopper's warpgroup MMA (moe_grouped_gemm_wgmma.cu): same grid, tiling,
+// contract and output; opt-in (moe_grouped_wgmma(), moe.h) until a device run has checked it.
+void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
+                                       const int64_t* offsets, int E, int64_t R, int64_t K,
+                                       int64_t N, uint16_t* Y, CUstream_st* stream);
 // The same product for few rows per expert (moe_grouped_few_rows.cu): weights as the MMA's
 // M operand, tokens as its N, each expert's W streamed once into registers; one CTA per
 // (128 weight rows, expert), grid (ceil(N / 128), E). R = offsets[E] (the host's N·k) sets the

@@ -1,0 +1,163 @@
+// The forward's grouped expert products on Hopper's warpgroup MMA (moe_kernels.h
+// launch_grouped_rows_nk_bf16_wgmma): the same problem, grid and output as
+// launch_grouped_rows_nk_bf16 (moe_grouped_gemm.cu),
+//   Y[r, :] = A[r, :]·W_eᵀ  for r in [offsets[e], offsets[e+1]),  W_e [N, K] (k contiguous),
+// bf16 out, fp32 accumulation, but multiplied by wgmma from shared memory instead of mma.sync
+// from registers: there the mma.sync loop itself capped the kernel near 270 TFLOP/s (its
+// measurements), while wgmma issues a 64 × 128 × 16 product per instruction per warpgroup.
+//
+// CTA: a 128 × 128 output tile, 256 threads = two warpgroups, warpgroup g owning rows 64g … 64g
+// + 63 (64 fp32 accumulators a thread). K steps of 64 through a ring of 3 cp.async stages of
+// 32 KB (A rows then W rows, each [128][64] bf16 in the 128-byte-swizzled K-major layout of
+// wgmma.cuh): 97 KB a CTA with the alignment slack, 2 CTAs per SM. Per step: wait for its
+// copies, make them visible to the async proxy, wait for the previous step's wgmma batch (its
+// stage is refilled next), barrier, refill, then four m64n128k16 wgmmas (one per 16-deep slice)
+// as one batch left in flight while the next step's copies land.
+//
+// Written 2026-11-30 without a GPU to run it on: opt-in (moe_set_grouped_wgmma, env
+// DM_MOE_WGMMA=1) until a device run checks it against the mma.sync kernel and times it.
+//
+// Rows past the expert's end, rows past N and k past K are zero-filled in shared memory; each
+// output element has one writer and a fixed summation order: deterministic, no atomics.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/moe_grouped_tiles.cuh"
+#include "ops/cuda/moe_kernels.h"
+#include "ops/cuda/wgmma.cuh"
+
+namespace dm::cuda::moe_detail {
+namespace {
+
+using attention_detail::cp_async_16;
+using attention_detail::cp_async_commit;
+using attention_detail::cp_async_wait;
+
+constexpr int kTileM = kGroupedTileRows, kTileN = 128, kTileK = 64, kStages = 3;
+constexpr int kThreads = 256;                     // two warpgroups
+constexpr int kRowBytes = kTileK * 2;             // 128: one swizzled row
+constexpr int kTileBytes = kTileM * kRowBytes;    // 16 KB: [128][64] bf16
+constexpr int kStageBytes = 2 * kTileBytes;       // A rows, then W rows
+constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the ring to 1 KB
+static_assert(kTileN * kRowBytes == kTileBytes, "A and W tiles have the same shape");
+
+// Rows [row0, row_end) (≤ 128) of a row-major bf16 matrix with row length K, 64 k a step, into a
+// swizzled [128][64] tile: the thread owns 16-byte chunk c = tid % 8 of tile rows tid / 8 + 32i,
+// i < 4. Rows at or past row_end and k at or past K are zero-filled. (r + 32i) mod 8 = r mod 8,
+// so the swizzled chunk is the same for the thread's four rows.
+struct SwizzledRowsCopy {
+  int64_t offset;     // elements from the matrix to this thread's first chunk of the next step
+  int rows_left;      // rows from this thread's first row to row_end
+  int k_left;         // K − this thread's first k of the next step
+  uint32_t smem_off;  // bytes within the tile of its first chunk
+
+  __device__ __forceinline__ SwizzledRowsCopy(int64_t K, int64_t row0, int64_t row_end) {
+    const int r = threadIdx.x / 8, c = threadIdx.x % 8;
+    offset = (row0 + r) * K + c * 8;
+    const int64_t rows = row_end - row0 - r;
+    rows_left = int(rows < kTileM ? rows : kTileM);
+    k_left = int(K < (int64_t(1) << 30) ? K : (int64_t(1) << 30)) - c * 8;
+    smem_off = uint32_t(r * kRowBytes + ((c ^ (r & 7)) << 4));
+  }
+  __device__ __forceinline__ void issue(uint8_t* tile, const __nv_bfloat16* M, int64_t K) {
+    const __nv_bfloat16* src = M + offset;
+    const bool k_ok = k_left > 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool valid = k_ok && i * 32 < rows_left;
+      cp_async_16(tile + smem_off + i * 32 * kRowBytes, valid ? src : M, valid);
+      src += 32 * K;
+    }
+    offset += kTileK;
+    k_left -= kTileK;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel(
+    const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ W,
+    const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N,
+    __nv_bfloat16* __restrict__ Y) {
+  int e = 0;
+  int64_t row0 = 0, row_end = 0;
+  if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
+  const int64_t n0 = int64_t(blockIdx.x) * kTileN;
+  const int tile_rows = int(row_end - row0 < kTileM ? row_end - row0 : kTileM);
+  extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
+  // The ring starts at the first 1024-byte boundary of the shared window (swizzle atoms).
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));
+  uint8_t* ring = wgmma_smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const __nv_bfloat16* W_e = W + int64_t(e) * N * K;
+  SwizzledRowsCopy a_copy(K, row0, row0 + tile_rows);
+  SwizzledRowsCopy w_copy(K, n0, N);  // rows n0 … n0 + 127 of W_e; rows at or past N zero
+  const int group = threadIdx.x / 128;
+  float acc[64];
+#pragma unroll
+  for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+
+  const int k_steps = int((K + kTileK - 1) / kTileK);
+  auto load = [&](int slot) {
+    uint8_t* stage = ring + slot * kStageBytes;
+    a_copy.issue(stage, A, K);
+    w_copy.issue(stage + kTileBytes, W_e, K);
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_steps) load(s);
+    cp_async_commit();
+  }
+  int slot = 0;  // step t's slot: t % kStages
+  for (int t = 0; t < k_steps; ++t) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of step t have landed
+    wgmma::fence_proxy_async();    // ... and are visible to the async proxy
+    wgmma::wgmma_wait<0>();        // step t − 1's batch has read its stage
+    __syncthreads();
+    if (t + kStages - 1 < k_steps) load(slot == 0 ? kStages - 1 : slot - 1);
+    cp_async_commit();
+    const uint8_t* stage = ring + slot * kStageBytes;
+    const uint8_t* a_rows = stage + group * 64 * kRowBytes;
+    const uint8_t* w_rows = stage + kTileBytes;
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTileK / 16; ++kk)
+      wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
+                                 wgmma::smem_desc_sw128(w_rows + kk * 32), true);
+    wgmma::wgmma_commit();
+    slot = slot + 1 == kStages ? 0 : slot + 1;
+  }
+  wgmma::wgmma_wait<0>();
+  cp_async_wait<0>();
+
+  // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
+  // + (j mod 2) of the tile; adjacent columns go out as one bf16 pair.
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < 64; j += 2) {
+    const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+    const int64_t col = n0 + 8 * (j / 4) + 2 * (lane % 4);
+    if (r >= tile_rows || col >= N) continue;
+    *reinterpret_cast<__nv_bfloat162*>(Y + (row0 + r) * N + col) =
+        __floats2bfloat162_rn(acc[j], acc[j + 1]);
+  }
+}
+
+}  // namespace
+
+void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
+                                       const int64_t* offsets, int E, int64_t R, int64_t K,
+                                       int64_t N, uint16_t* Y, CUstream_st* stream) {
+  if (E <= 0 || R <= 0 || N <= 0) return;
+  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_wgmma_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_wgmma_kernel,
+                                     cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared)));
+  grouped_rows_nk_bf16_wgmma_kernel<<<grouped_rows_grid(R, E, N), kThreads, kSmemBytes,
+                                      reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
+      offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
+  DM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dm::cuda::moe_detail

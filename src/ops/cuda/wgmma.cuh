@@ -1,0 +1,75 @@
+// Hopper warpgroup MMA (wgmma) helpers: shared-memory matrix descriptors for 128-byte-swizzled
+// K-major tiles, the m64n128k16 bf16 → fp32 instruction, and its fences. Used by the kernels
+// that multiply from shared memory at the tensor cores' full rate (moe_grouped_gemm_wgmma.cu);
+// mma.sync tops out near 270 TFLOP/s there (moe_grouped_gemm.cu's measurements).
+//
+// Tile layout (K-major, 128-byte swizzle): a tile is R rows of 64 bf16 (128 bytes), stored row
+// after row from a 1024-byte-aligned base; the 16-byte chunk c (k = 8c … 8c + 7) of row r sits at
+// byte r·128 + ((c ^ (r mod 8))·16). Eight rows make one 1024-byte swizzle atom; the descriptor's
+// stride byte offset steps from one 8-row atom to the next. A k16 slice kk (0 … 3) of the tile is
+// the same descriptor with its start address advanced by 32·kk bytes (the hardware applies the
+// XOR to the address bits, so the advanced start reads the right chunks of every row).
+//
+// Accumulators of m64nNk16 (fp32), thread t of the warpgroup (warp w = t / 32, lane l): d[j],
+// j < N/2, is row 16w + l/4 + 8·((j / 2) mod 2), column 8·(j / 4) + 2·(l mod 4) + (j mod 2): the
+// mma.sync m16n8 C fragment of each 8-column block, stacked.
+//
+// Ordering: shared memory written by ordinary stores or cp.async must be made visible to the
+// async proxy wgmma reads through (fence_proxy_async, then a barrier) before the wgmma is issued;
+// wgmma_fence orders the warpgroup's register accesses before the first wgmma of a batch;
+// wgmma_commit closes a batch and wgmma_wait<n> waits until at most n batches are in flight (a
+// stage's shared memory may be overwritten, and the accumulators read, only after that).
+#pragma once
+#include <cstdint>
+
+namespace dm::cuda::wgmma {
+
+// Descriptor of a K-major, 128-byte-swizzled tile at shared address `smem` (1024-byte aligned,
+// or advanced from such a base by a k16 slice's 32·kk bytes).
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t desc = 0;
+  desc |= uint64_t((addr >> 4) & 0x3FFFu);          // start address, bits 0–13
+  desc |= uint64_t(1u) << 16;                        // leading byte offset (unused when swizzled)
+  desc |= uint64_t((1024u >> 4) & 0x3FFFu) << 32;    // stride byte offset: one 8-row atom
+  desc |= uint64_t(1u) << 62;                        // layout: 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// d (+)= A·Bᵀ for a 64 × 128 tile over 16 k: A [64 rows][16 k] and B [128 rows][16 k], both
+// K-major in shared memory (descriptors above). accumulate = false: d = A·Bᵀ.
+__device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
+                                                    uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
+}
+
+}  // namespace dm::cuda::wgmma
