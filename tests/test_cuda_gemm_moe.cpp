@@ -509,6 +509,29 @@ TEST(CudaMoeExperts, GroupedMatchesReference) {
 // (Din = 200 = 3·64 + 8 for gate/up, F = 136 = 2·64 + 8 for down) and two empty experts. Against
 // one cuBLASLt GEMM per expert (Loop: the same bf16 operands, fp32 accumulation in another order,
 // so only bf16 roundings of the gate/up intermediates differ) and against the CPU reference.
+// The wgmma conventions alone (wgmma.cuh: 128-byte-swizzled K-major descriptors, the k16
+// advance, the accumulator layout) on one 64 × 128 × 64 tile against the CPU: if the grouped
+// wgmma kernel below fails and this passes, the fault is in its ring or tiling.
+TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const Bf16Host a = random_bf16(64 * 64, 301), b = random_bf16(128 * 64, 302);
+  cuda::DeviceArena arena(size_t(1) << 20);
+  float* c_dev = test::mla::alloc_poisoned<float>(arena, 64 * 128);
+  cuda::moe_wgmma_tile_check(upload(arena, a.bits), upload(arena, b.bits), c_dev);
+  const std::vector<float> c = download(c_dev, 64 * 128);
+  std::vector<float> ref(64 * 128);
+  for (int i = 0; i < 64; ++i)
+    for (int j = 0; j < 128; ++j) {
+      double sum = 0.0;
+      for (int k = 0; k < 64; ++k)
+        sum += double(a.values[size_t(i * 64 + k)]) * double(b.values[size_t(j * 64 + k)]);
+      ref[size_t(i * 128 + j)] = float(sum);
+    }
+  ASSERT_TRUE(test::mla::all_finite(c));
+  // fp32 accumulation of exact bf16 products: only the summation order differs.
+  EXPECT_LE(test::rel_rms(c.data(), ref.data(), ref.size()), 1e-5);
+}
+
 // Both versions of the kernel: mma.sync (the default) and warpgroup MMA (DM_MOE_WGMMA=1).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();

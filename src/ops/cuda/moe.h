@@ -129,6 +129,10 @@ void moe_set_few_rows_ring(bool on);
 // 2026-11-30 and NOT YET RUN ON A GPU: off until a device run checks and times it.
 bool moe_grouped_wgmma();
 void moe_set_grouped_wgmma(bool on);
+// Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
+// C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
+// warpgroup, one tile. Synchronous with respect to the default stream.
+void moe_wgmma_tile_check(const uint16_t* A, const uint16_t* B, float* C);
 // The path the model layers use: env DM_MOE_GEMM = own (default: GroupedOwn) | cublas
 // (Grouped) | loop, read once. Ours and cuBLAS' time the same in training (gpu_1b step 118.5 vs
 // 118.4 ms on an H200); ours needs no host synchronisation.

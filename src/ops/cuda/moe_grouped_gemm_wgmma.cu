@@ -25,6 +25,7 @@
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/moe_grouped_tiles.cuh"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/moe_kernels.h"
 #include "ops/cuda/wgmma.cuh"
 
@@ -142,6 +143,42 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel
   }
 }
 
+// One warpgroup, one 64 × 128 tile over K = 64, fp32 out: the descriptor, swizzle, fence and
+// fragment conventions alone, without the ring or the expert tiling (moe_wgmma_tile_check).
+__global__ void __launch_bounds__(128) wgmma_tile_check_kernel(const __nv_bfloat16* __restrict__ A,
+                                                               const __nv_bfloat16* __restrict__ B,
+                                                               float* __restrict__ C) {
+  __shared__ __align__(1024) uint8_t tiles[2 * kTileBytes];  // A rows 0..63, then B rows 0..127
+  const int t = threadIdx.x;
+  for (int chunk = t; chunk < (64 + 128) * 8; chunk += 128) {
+    const int r = chunk / 8, c = chunk % 8;  // row of A (r < 64) or of B (r − 64), k chunk
+    const __nv_bfloat16* src = r < 64 ? A + r * 64 + c * 8 : B + (r - 64) * 64 + c * 8;
+    uint8_t* base = r < 64 ? tiles : tiles + kTileBytes;
+    const int row = r < 64 ? r : r - 64;
+    *reinterpret_cast<uint4*>(base + row * kRowBytes + ((c ^ (row & 7)) << 4)) =
+        *reinterpret_cast<const uint4*>(src);
+  }
+  wgmma::fence_proxy_async();
+  __syncthreads();
+  float acc[64];
+#pragma unroll
+  for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+  wgmma::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(tiles + kk * 32),
+                               wgmma::smem_desc_sw128(tiles + kTileBytes + kk * 32), true);
+  wgmma::wgmma_commit();
+  wgmma::wgmma_wait<0>();
+  const int warp = t / 32, lane = t % 32;
+#pragma unroll
+  for (int j = 0; j < 64; ++j) {
+    const int r = 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+    const int col = 8 * (j / 4) + 2 * (lane % 4) + (j % 2);
+    C[r * 128 + col] = acc[j];
+  }
+}
+
 }  // namespace
 
 void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
@@ -161,3 +198,14 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
 }
 
 }  // namespace dm::cuda::moe_detail
+
+namespace dm::cuda {
+
+void moe_wgmma_tile_check(const uint16_t* A, const uint16_t* B, float* C) {
+  moe_detail::wgmma_tile_check_kernel<<<1, 128>>>(reinterpret_cast<const __nv_bfloat16*>(A),
+                                                  reinterpret_cast<const __nv_bfloat16*>(B), C);
+  DM_CUDA_CHECK(cudaGetLastError());
+  DM_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace dm::cuda
