@@ -16,24 +16,16 @@
 // pass the config's context limit; the table prints the L used), every slot filled to L tokens,
 // `warmup` steps, then `steps` timed steps: host wall clock around GpuDecoder::step, which ends
 // with the logits' copy to the host; median ms/step. With graphs, a batch size's first step runs
-// directly and its second captures the graph: keep --warmup ≥ 2 so only replays are timed. A case whose cache (estimated from the
-// config) does not fit the free device memory is skipped with the sizes that decide it.
+// directly and its second captures the graph: keep --warmup ≥ 2 so only replays are timed. A case
+// whose cache (estimated from the config) does not fit the free device memory is skipped with the
+// sizes that decide it.
 //
-// HBM floor = bytes one step must move / the device-to-device copy bandwidth measured in the same
-// run (cudaMemcpy of 1 GiB timed with CUDA events, median of 5; 2 GiB of traffic per copy: read
-// + write). Bytes per step:
-//   weights, bf16 (fp32 for the element-wise parameters, whose fp32 copies the kernels read):
-//     B embedding rows + every matrix but the routed experts (attention, dense FFN, routers,
-//     shared experts, LM head) + per MoE layer the routed experts the batch hits. ASSUMPTION:
-//     that count is E·(1 − (1 − k/E)^B), the expected number of distinct experts when each
-//     token's k experts are uniformly random (exactly k at B = 1); random weights route close
-//     to uniformly, and the actual routing is not read back;
-//   per sequence: each KDA layer's state read + written (H·K·V fp32, twice) and conv tails
-//     (3·(kernel−1)·H·K bf16, twice); each MLA layer's L latent rows read + one written
-//     ((kvl + rope) × 2 B each).
-// Not in the floor: activations (≪ weights), the logits' device→host copy (B × V × 4 B over
-// PCIe, printed per case), launch and host overheads (without graphs: a kernel launch per op and,
-// on the grouped MoE path, one host sync per MoE layer for routing).
+// HBM floor = bytes one step must move (model/plan.h decode_step_bytes: the non-routed weights,
+// the routed experts the batch is expected to hit, KDA states read and written, the latent rows
+// read) / the device-to-device copy bandwidth measured in the same run (cudaMemcpy of 1 GiB timed
+// with CUDA events, median of 5; 2 GiB of traffic per copy: read + write). Not in the floor:
+// the logits' device→host copy (B × V × 4 B over PCIe, printed per case), launch and host
+// overheads.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -52,6 +44,7 @@
 #include "io/config.h"
 #include "model/cuda/decode_gpu.h"
 #include "model/cuda/gpu_run.h"
+#include "model/plan.h"
 #include "model/weights.h"
 #include "ops/cuda/device.h"
 
@@ -107,79 +100,6 @@ double copy_bandwidth(size_t size) {
   cudaEventDestroy(stop);
   std::sort(ms.begin(), ms.end());
   return 2.0 * double(size) / (ms[ms.size() / 2] * 1e-3);
-}
-
-// What one decode step of `batch` sequences at context `ctx` moves (see the header).
-struct StepBytes {
-  double weights = 0, experts_per_layer = 0, kda = 0, cache = 0;
-  double total() const { return weights + kda + cache; }
-};
-
-StepBytes step_bytes(const dm::ModelWeights& W, int64_t batch, int64_t ctx) {
-  const dm::ModelConfig& c = W.cfg;
-  const int64_t d = c.hidden, E = c.moe.num_experts, k = c.moe.top_k, F = c.moe.expert_ffn;
-  const int64_t l = c.moe.latent_dim ? c.moe.latent_dim : d;
-  // Routed-expert blocks [E, F, ℓ] / [E, ℓ, F] as host-arena offset ranges.
-  std::vector<std::pair<int64_t, int64_t>> routed;
-  int moe_layers = 0;
-  for (int i = 0; i < c.num_layers; ++i) {
-    if (c.ffns[size_t(i)] != dm::FfnKind::MoE) continue;
-    ++moe_layers;
-    const dm::MoeWeights& m = W.layers[size_t(i)].moe;
-    for (const float* p : {m.expert_gate, m.expert_up, m.expert_down})
-      routed.push_back({W.offset_of(p), W.offset_of(p) + E * F * l});
-  }
-  StepBytes b;
-  for (const dm::ParamEntry& e : W.params) {
-    const int64_t o = W.offset_of(e.data);
-    if (e.data == W.embed) {
-      b.weights += double(std::min<int64_t>(batch, c.vocab_size) * d) * 2;
-      continue;
-    }
-    bool is_routed = false;
-    for (const auto& r : routed) is_routed |= o >= r.first && o < r.second;
-    if (is_routed) continue;
-    b.weights += double(e.numel()) * (dm::param_init_is_matrix(e.init) ? 2 : 4);
-  }
-  if (moe_layers > 0 && E > 0) {
-    b.experts_per_layer =
-        batch == 1 ? double(k) : double(E) * (1.0 - std::pow(1.0 - double(k) / double(E), double(batch)));
-    b.weights += double(moe_layers) * b.experts_per_layer * double(3 * F * l) * 2;
-  }
-  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
-  const int64_t tail_rows = std::max(c.kda.conv_kernel - 1, 0);
-  const int64_t Wd = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
-  for (int i = 0; i < c.num_layers; ++i) {
-    if (c.mixers[size_t(i)] == dm::MixerKind::KDA)
-      b.kda += double(batch) * 2.0 * (double(H * K * K) * 4 + double(3 * tail_rows * H * K) * 2);
-    else
-      b.cache += double(batch) * double(ctx + 1) * double(Wd) * 2;
-  }
-  return b;
-}
-
-int64_t mla_layers(const dm::ModelConfig& c) {
-  return std::count(c.mixers.begin(), c.mixers.end(), dm::MixerKind::MLA);
-}
-int64_t latent_row_bytes(const dm::ModelConfig& c) {  // one token's cache row, one MLA layer
-  return (c.mla.kv_lora_rank + c.mla.qk_rope_dim) * 2;
-}
-double kda_bytes_per_slot(const dm::ModelConfig& c) {  // states + conv tails, all KDA layers
-  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
-  const int64_t kda_layers = c.num_layers - mla_layers(c);
-  return double(kda_layers) *
-         (double(H * K * K) * 4 + 3.0 * double(std::max(c.kda.conv_kernel - 1, 0) * H * K) * 2);
-}
-
-// Device bytes of the decoder's cache for S slots × Lmax tokens, from the config (the layout of
-// decode_gpu.h: KDA states + tails, MLA pages of 64 rows, page table, lengths; RoPE tables when on).
-double cache_estimate(const dm::ModelConfig& c, int64_t S, int64_t Lmax) {
-  const int64_t P = (Lmax + 63) / 64;
-  double bytes = double(S) * double(P) * 4 + double(S) * 4;
-  bytes += double(S) * kda_bytes_per_slot(c);
-  bytes += double(S) * double(mla_layers(c)) * double(P * 64) * double(latent_row_bytes(c));
-  if (c.mla.use_rope) bytes += double(Lmax) * double(c.mla.qk_rope_dim) * 4;
-  return bytes;
 }
 
 const char* moe_path_name(dm::cuda::MoeExpertsPath path) {
@@ -264,15 +184,15 @@ int main(int argc, char** argv) {
       size_t free_bytes = 0, total_bytes = 0;
       cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
       // Headroom for the step scratch, cuBLAS workspaces and the MoE plan: 2 GiB.
-      const double need = cache_estimate(c, B, Lmax), headroom = double(size_t(2) << 30);
+      const double need = dm::decode_cache_bytes(c, B, Lmax), headroom = double(size_t(2) << 30);
       if (need + headroom > double(free_bytes)) {
-        std::printf("skip %lldx%lld: its cache needs %.1f GB (%lld slots × %lld tokens × %lld MLA "
-                    "layers × %lld B per latent row, plus %.1f MB of KDA state per slot) + %.1f GB "
-                    "headroom, but only %.1f of %.1f GB are free after the weights\n",
-                    (long long)B, (long long)cs.context, need / 1e9, (long long)B, (long long)Lmax,
-                    (long long)mla_layers(c), (long long)latent_row_bytes(c),
-                    kda_bytes_per_slot(c) / 1e6, headroom / 1e9, double(free_bytes) / 1e9,
-                    double(total_bytes) / 1e9);
+        std::printf(
+            "skip %lldx%lld: its cache needs %.1f GB (%lld slots × %lld tokens × %.0f B of "
+            "latent rows per token, plus %.1f MB of KDA state per slot) + %.1f GB "
+            "headroom, but only %.1f of %.1f GB are free after the weights\n",
+            (long long)B, (long long)cs.context, need / 1e9, (long long)B, (long long)Lmax,
+            dm::latent_bytes_per_token(c), dm::kda_state_bytes_per_sequence(c) / 1e6,
+            headroom / 1e9, double(free_bytes) / 1e9, double(total_bytes) / 1e9);
         continue;
       }
       cu::GpuDecoder dec(dw, B, Lmax, options);
@@ -290,7 +210,7 @@ int main(int argc, char** argv) {
       for (float x : logits) finite &= std::isfinite(x);
       std::sort(ms.begin(), ms.end());
       const double med = ms[ms.size() / 2];
-      const StepBytes sb = step_bytes(W, B, L + warmup + steps / 2);
+      const dm::DecodeStepBytes sb = dm::decode_step_bytes(W, B, L + warmup + steps / 2);
       const double floor_ms = sb.total() / bw * 1e3;
       std::printf("%6lld %9lld %10.3f %11.1f %9.3f %7.2f | %8.2f %8.2f %7.3f %8.2f | %8.1f | %9.2f%s\n",
                   (long long)B, (long long)L, med, double(B) / (med * 1e-3), floor_ms,

@@ -4,9 +4,9 @@
 // `bench/peers/deltamoe_torch.py train-bench --device cuda --dtype bfloat16`.
 //   bench_cuda_train --config configs/gpu_1b.json --batch 1 --seq 4096 --steps 5 [--recompute off]
 // --recompute off: the KDA layers keep their forward internals instead of recomputing them.
-// MFU counts the model FLOPs of the step (no recompute): 6 · active parameters · tokens for the
-// matrices, plus 3 · 2 · 2 · (T/2) · H · (d_qk + d_v) per token and MLA layer for causal attention
-// (forward ×3 for the backward), over the H200's dense bf16 peak of 989 TFLOP/s.
+// MFU counts the model FLOPs of the step (no recompute; model/plan.h train_flops_per_token:
+// 6 · active parameters per token for the matrices, plus the MLA layers' causal attention), over
+// the H200's dense bf16 peak of 989 TFLOP/s.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +20,7 @@
 #include "io/config.h"
 #include "model/model.h"
 #include "model/params.h"
+#include "model/plan.h"
 #include "ops/cuda/device.h"
 #include "train/train_engine.h"
 
@@ -78,12 +79,7 @@ int main(int argc, char** argv) {
     const double t = times[times.size() / 2];
     std::sort(fb_times.begin(), fb_times.end());
     const double t_fb = fb_times[fb_times.size() / 2];
-    int mla_layers = 0;
-    for (int i = 0; i < c.num_layers; ++i) mla_layers += c.mixers[size_t(i)] == dm::MixerKind::MLA;
-    const double attn_flops_per_token = 3.0 * 2.0 * 2.0 * (double(T) / 2.0) * c.mla.num_heads *
-                                        double(c.mla.qk_nope_dim + c.mla.qk_rope_dim + c.mla.v_head_dim) *
-                                        mla_layers;
-    const double flops = (6.0 * double(pc.active) + attn_flops_per_token) * double(N);
+    const double flops = dm::train_flops_per_token(c, pc.active, T) * double(N);
     const double tflops = flops / t / 1e12;
     std::printf("%s on %s: %s parameters, %s active; B=%lld T=%lld; recompute %s\n",
                 config.c_str(), dm::cuda::device_description().c_str(),

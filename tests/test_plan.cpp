@@ -1,0 +1,128 @@
+// model/plan.h (the capacity and cost arithmetic) and `deltamoe plan`. Each quantity is checked
+// against an independent count over the weights layout or a closed form, and against the limits
+// that pin its assumptions (one expert set at batch 1, every expert at a huge batch).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "io/config.h"
+#include "model/params.h"
+#include "model/plan.h"
+#include "model/weights.h"
+#include "test_util.h"
+
+namespace dm {
+namespace {
+
+std::string config_path(const std::string& name) {
+  return test::source_dir() + "/configs/" + name + ".json";
+}
+
+// Σ over the layout's entries of (matrices: 2 B, element-wise: 4 B) — every weight read once.
+double all_weights_read_once(const ModelWeights& W) {
+  double bytes = 0;
+  for (const ParamEntry& e : W.params)
+    bytes += double(e.numel()) * (param_init_is_matrix(e.init) ? 2 : 4);
+  return bytes;
+}
+
+TEST(Plan, DecodeStepBytesLimits) {
+  for (const char* name : {"test", "kimi_linear_48b"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig c = load_config(config_path(name));
+    const ReservedWeights layout(c);
+    const ModelWeights& W = layout.get();
+    const int64_t k = c.moe.top_k, E = c.moe.num_experts;
+    const DecodeStepBytes one = decode_step_bytes(W, 1, 1000);
+    EXPECT_EQ(one.experts_per_layer, double(k));  // batch 1 hits exactly its k experts
+    // A batch far past the vocabulary and the expert count reads every weight once (the whole
+    // embedding, every expert): the same bytes as a plain pass over the layout.
+    const DecodeStepBytes huge = decode_step_bytes(W, int64_t(1) << 22, 1000);
+    EXPECT_NEAR(huge.experts_per_layer, double(E), 1e-6 * double(E));
+    EXPECT_NEAR(huge.weights, all_weights_read_once(W), 1e-6 * all_weights_read_once(W));
+    // Between them the expected experts grow with the batch; the per-sequence parts scale
+    // linearly with the batch, the latent reads with the context.
+    double previous = 0;
+    for (int64_t B : {1, 2, 8, 64, 512}) {
+      const DecodeStepBytes b = decode_step_bytes(W, B, 1000);
+      EXPECT_GT(b.experts_per_layer, previous);
+      EXPECT_LE(b.experts_per_layer, double(E));
+      previous = b.experts_per_layer;
+      EXPECT_DOUBLE_EQ(b.kda, double(B) * one.kda);
+      EXPECT_DOUBLE_EQ(b.cache, double(B) * one.cache);
+    }
+    const DecodeStepBytes longer = decode_step_bytes(W, 1, 2001);
+    EXPECT_DOUBLE_EQ(longer.cache, 2.0 * one.cache);  // (context + 1) rows per MLA layer
+    EXPECT_DOUBLE_EQ(one.cache, 1001.0 * latent_bytes_per_token(c));
+    EXPECT_DOUBLE_EQ(one.kda, 2.0 * kda_state_bytes_per_sequence(c));  // read + write
+  }
+}
+
+TEST(Plan, CacheTrainingStateAndFlops) {
+  const ModelConfig c = load_config(config_path("kimi_linear_48b"));
+  // Kimi-Linear-48B: 27 layers, MLA every fourth (7), kv_lora 512 + rope 64 in bf16; KDA 32
+  // heads of 128 with fp32 states and three bf16 conv tails of 3 rows.
+  int64_t mla = 0;
+  for (MixerKind m : c.mixers) mla += m == MixerKind::MLA;
+  EXPECT_DOUBLE_EQ(latent_bytes_per_token(c),
+                   double(mla) * double(c.mla.kv_lora_rank + c.mla.qk_rope_dim) * 2);
+  const int64_t H = c.kda.num_heads, K = c.kda.head_dim;
+  EXPECT_DOUBLE_EQ(kda_state_bytes_per_sequence(c),
+                   double(c.num_layers - mla) *
+                       (double(H * K * K) * 4 + 3.0 * double((c.kda.conv_kernel - 1) * H * K) * 2));
+  // The cache of S slots: S sequences' states and whole pages of latent rows (plus tables).
+  const double one = decode_cache_bytes(c, 1, 64), many = decode_cache_bytes(c, 8, 64);
+  EXPECT_GE(one, kda_state_bytes_per_sequence(c) + 64 * latent_bytes_per_token(c));
+  EXPECT_NEAR(many - one, 7 * (kda_state_bytes_per_sequence(c) + 64 * latent_bytes_per_token(c)),
+              7 * 64.0);
+
+  // Training state: 2 B per parameter (+4 per element-wise one) of compute copy, 4 + 4 + 8 of
+  // master, gradient and AdamW moments.
+  const ReservedWeights layout(c);
+  const ParamCount pc = count_params(c);
+  const TrainStateBytes ts = train_state_bytes(layout.get());
+  EXPECT_DOUBLE_EQ(ts.master, 4.0 * double(pc.total));
+  EXPECT_DOUBLE_EQ(ts.grads, 4.0 * double(pc.total));
+  EXPECT_DOUBLE_EQ(ts.optimizer, 8.0 * double(pc.total));
+  EXPECT_GE(ts.weights, 2.0 * double(pc.total));
+  EXPECT_LT(ts.weights, 2.001 * double(pc.total));  // element-wise parameters are few
+
+  // FLOPs per token: 6 per active parameter, plus the MLA layers' causal attention, which grows
+  // linearly with T: 3·2·2·(T/2)·H·(d_qk + d_v) per layer.
+  const double f0 = train_flops_per_token(c, pc.active, 0);
+  EXPECT_DOUBLE_EQ(f0, 6.0 * double(pc.active));
+  const double per_t = 6.0 * double(c.mla.num_heads) *
+                       double(c.mla.qk_nope_dim + c.mla.qk_rope_dim + c.mla.v_head_dim) *
+                       double(mla);
+  EXPECT_DOUBLE_EQ(train_flops_per_token(c, pc.active, 4096), f0 + 4096 * per_t);
+}
+
+TEST(PlanCli, JsonAndTable) {
+  const auto js = test::run_cli("plan --json --batch 1,64 --context 4096 --config " +
+                                config_path("kimi_linear_48b"));
+  ASSERT_EQ(js.exit_code, 0) << js.output;
+  const nlohmann::json j = nlohmann::json::parse(js.output);
+  const ModelConfig c = load_config(config_path("kimi_linear_48b"));
+  EXPECT_EQ(j["params"]["total"].get<int64_t>(), count_params(c).total);
+  EXPECT_FALSE(j["training"]["fits_memory"].get<bool>());  // 0.9 TB of state on one 141 GiB
+  ASSERT_EQ(j["serving"]["decode"].size(), 2u);
+  const auto& b1 = j["serving"]["decode"][0];
+  EXPECT_EQ(b1["experts_per_moe_layer"].get<double>(), double(c.moe.top_k));
+  // floor = bytes / bandwidth: 4.8 TB/s by default.
+  EXPECT_NEAR(b1["floor_ms"].get<double>(), b1["bytes_per_step"].get<double>() / 4.8e12 * 1e3,
+              1e-9);
+  EXPECT_GT(j["serving"]["max_batch"].get<int64_t>(), 64);  // 98 GB of weights, ~0.1 GB a slot
+  const auto table = test::run_cli("plan --config " + config_path("gpu_1b"));
+  EXPECT_EQ(table.exit_code, 0) << table.output;
+  EXPECT_NE(table.output.find("fits the device's memory"), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("HBM floor"), std::string::npos) << table.output;
+  // Bad input: a clear error, nonzero exit.
+  const auto bad = test::run_cli("plan --batch 0 --config " + config_path("test"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--batch"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace dm
