@@ -1,6 +1,7 @@
-// model/plan.h (the capacity and cost arithmetic) and `deltamoe plan`. Each quantity is checked
-// against an independent count over the weights layout or a closed form, and against the limits
-// that pin its assumptions (one expert set at batch 1, every expert at a huge batch).
+// model/plan.h (the capacity and cost arithmetic), `deltamoe plan` and `deltamoe bench train`. Each
+// quantity is checked against an independent count over the weights layout or a closed form, and
+// against the limits that pin its assumptions (one expert set at batch 1, every expert at a huge
+// batch).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include "model/plan.h"
 #include "model/weights.h"
 #include "test_util.h"
+#include "train/train_bench.h"
 
 namespace dm {
 namespace {
@@ -122,6 +124,42 @@ TEST(PlanCli, JsonAndTable) {
   const auto bad = test::run_cli("plan --batch 0 --config " + config_path("test"));
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--batch"), std::string::npos) << bad.output;
+}
+
+// `deltamoe bench train` on the CPU: a few steps of the test config, one JSON line whose
+// throughput agrees with its own step time and FLOP count; the text form; a clear error for a
+// GPU that is not there and for a sequence past the config's context.
+TEST(BenchCli, TrainJsonTextAndErrors) {
+  const std::string cfg = config_path("test");
+  const auto js = test::run_cli("bench train --json --seq 32 --steps 2 --warmup 1 --config " + cfg);
+  ASSERT_EQ(js.exit_code, 0) << js.output;
+  const nlohmann::json j = nlohmann::json::parse(js.output);
+  EXPECT_EQ(j["device"], "cpu");
+  EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
+  EXPECT_NEAR(j["tokens_per_s"].get<double>(), 32.0 / (j["step_ms"].get<double>() * 1e-3),
+              1e-6 * j["tokens_per_s"].get<double>());
+  const ModelConfig c = load_config(cfg);
+  EXPECT_NEAR(
+      j["model_tflops"].get<double>(),
+      train_flops_per_token(c, count_params(c).active, 32) * j["tokens_per_s"].get<double>() / 1e12,
+      1e-6 * j["model_tflops"].get<double>());
+  EXPECT_FALSE(j.contains("mfu"));  // no peak given on the CPU
+  const double loss = j["loss"].get<double>();
+  EXPECT_TRUE(std::isfinite(loss) && loss > 0) << loss;
+  EXPECT_GT(j["optimizer_bytes"].get<double>(), 0.0);
+
+  const auto text = test::run_cli(
+      "bench train --seq 16 --steps 1 --warmup 0 --peak-tflops 1 "
+      "--config " +
+      cfg);
+  EXPECT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("tokens/s"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("MFU"), std::string::npos) << text.output;
+
+  const auto too_long =
+      test::run_cli("bench train --seq " + std::to_string(c.max_context + 1) + " --config " + cfg);
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.output.find("context"), std::string::npos) << too_long.output;
 }
 
 }  // namespace

@@ -34,6 +34,8 @@ class TrainEngine {
   virtual void load_optimizer(const std::string& path) = 0;
   virtual size_t optimizer_bytes() const = 0;
   virtual size_t activation_peak() const = 0;
+  // Waits for the engine's queued work (the GPU's; the CPU engine's is done on return): timing.
+  virtual void synchronize() {}
 };
 
 // device: "cpu" or "cuda". The model's host weights must outlive the engine. A "cuda" engine in a

@@ -35,6 +35,7 @@ class GpuTrainEngine final : public TrainEngine {
   void load_optimizer(const std::string& path) override { opt_.load(path); }
   size_t optimizer_bytes() const override { return opt_.state_bytes(); }
   size_t activation_peak() const override { return peak_; }
+  void synchronize() override { cuda::synchronize(); }
 
  private:
   CUstream_st* stream() { return nullptr; }

@@ -1,0 +1,80 @@
+// Training-step throughput (train_bench.h).
+#include "train/train_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "model/model.h"
+#include "model/params.h"
+#include "model/plan.h"
+#include "train/train_engine.h"
+
+namespace dm {
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o) {
+  DM_CHECK(o.batch >= 1 && o.seq >= 2 && o.steps >= 1 && o.warmup >= 0,
+           "bench train: need batch ≥ 1, seq ≥ 2, steps ≥ 1 and warmup ≥ 0, got batch ", o.batch,
+           " seq ", o.seq, " steps ", o.steps, " warmup ", o.warmup);
+  DM_CHECK(o.seq <= cfg.max_context, "bench train: seq ", o.seq, " exceeds the config's context ",
+           cfg.max_context);
+  auto w = weights_allocate<float>(cfg);
+  weights_init(*w, o.seed);
+  Model model(std::move(w));
+  auto engine = make_train_engine(o.device, model, OptimizerConfig{});
+  const int64_t B = o.batch, T = o.seq, N = B * T;
+  // Random tokens; each row's targets are its next tokens (the last position has none).
+  std::mt19937_64 rng(o.seed + 2);
+  std::vector<int64_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  for (auto& t : tokens) t = int64_t(rng() % uint64_t(cfg.vocab_size));
+  for (int64_t i = 0; i < N; ++i) targets[size_t(i)] = (i + 1) % T ? tokens[size_t(i + 1)] : -1;
+  TrainOptions options;
+  options.recompute = o.recompute;
+
+  TrainBenchResult r;
+  std::vector<double> steps, forward_backward;
+  using Clock = std::chrono::steady_clock;
+  auto seconds = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    const auto t0 = Clock::now();
+    engine->zero_grads();
+    const TrainStepResult step = engine->forward_backward(tokens.data(), targets.data(), nullptr, B,
+                                                          T, 1.0 / double(N - B), options, nullptr);
+    const auto t1 = Clock::now();
+    const double norm = engine->grad_norm();  // synchronises on the GPU
+    if (norm > 1.0) engine->scale_grads(float(1.0 / norm));
+    engine->optimizer_step(1e-4f);
+    engine->synchronize();
+    const auto t2 = Clock::now();
+    if (s >= o.warmup) {
+      steps.push_back(seconds(t0, t2));
+      forward_backward.push_back(seconds(t0, t1));
+    }
+    r.loss = step.loss_sum / double(std::max<int64_t>(step.count, 1));
+  }
+  const ParamCount pc = count_params(cfg);
+  r.step_s = median(steps);
+  r.forward_backward_s = median(forward_backward);
+  r.tokens_per_step = N;
+  r.params = pc.total;
+  r.active_params = pc.active;
+  r.flops_per_token = train_flops_per_token(cfg, pc.active, T);
+  r.optimizer_bytes = engine->optimizer_bytes();
+  r.activation_peak = engine->activation_peak();
+  return r;
+}
+
+}  // namespace dm
