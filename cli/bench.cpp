@@ -1,16 +1,26 @@
-// `deltamoe bench train --config FILE [--device cpu|cuda] [--batch B] [--seq T] [--steps N]
-// [--warmup W] [--recompute on|off] [--peak-tflops P] [--json]`: training-step throughput of a
-// config (train/train_bench.h): tokens/s, model TFLOP/s and, given the device's peak, MFU; the
-// optimizer state and the activations' peak. The component benchmarks (Google Benchmark) and the
-// peers' side-by-side runs live in bench/ (docs/benchmarks.md).
+// End-to-end throughput from the CLI. The component benchmarks (Google Benchmark) and the peers'
+// side-by-side runs live in bench/ (docs/benchmarks.md).
+//   deltamoe bench train --config FILE [--device cpu|cuda] [--batch B] [--seq T] [--steps N]
+//       [--warmup W] [--recompute on|off] [--peak-tflops P] [--json]
+//     training-step throughput (train/train_bench.h): tokens/s, model TFLOP/s and, given the
+//     device's peak, MFU; the optimizer state and the activations' peak.
+//   deltamoe bench decode (--model DIR | --config FILE) [--device cpu|cuda] [--batch B]
+//       [--context L] [--steps N] [--warmup W] [--bandwidth-tbs BW] [--json]
+//     cached decode (infer/decode_bench.h): prefill tokens/s, ms per batched step, tokens/s, and
+//     against the step's HBM floor (model/plan.h) given the device's bandwidth.
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "command.h"
+#include "core/error.h"
+#include "infer/decode_bench.h"
 #include "io/config.h"
+#include "model/model.h"
 #include "model/params.h"
+#include "model/plan.h"
+#include "model/weights.h"
 #include "train/train_bench.h"
 
 namespace {
@@ -70,40 +80,125 @@ void run_bench_train(BenchTrainOptions& o) {
               size(r.optimizer_bytes).c_str(), size(r.activation_peak).c_str());
 }
 
-dm::cli::Registrar reg("bench", "Measure end-to-end throughput (bench train)", [](CLI::App* app) {
-  app->require_subcommand(1);
-  CLI::App* train = app->add_subcommand(
-      "train", "Training steps on random tokens: tokens/s, model TFLOP/s, MFU, memory");
-  auto opt = std::make_shared<BenchTrainOptions>();
-  train->add_option("--config", opt->config, "config.json (or a checkpoint directory)")->required();
-  train->add_option("--device", opt->bench.device, "cpu, or cuda (one GPU)")
-      ->default_val("cpu")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
-  train->add_option("--batch", opt->bench.batch, "Sequences per step")
-      ->default_val(1)
-      ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  train->add_option("--seq", opt->bench.seq, "Tokens per sequence")
-      ->default_val(256)
-      ->check(CLI::Range(int64_t(2), int64_t(1) << 24));
-  train->add_option("--steps", opt->bench.steps, "Timed steps (the median is reported)")
-      ->default_val(5)
-      ->check(CLI::Range(1, 1 << 20));
-  train->add_option("--warmup", opt->bench.warmup, "Untimed steps first")
-      ->default_val(2)
-      ->check(CLI::Range(0, 1 << 20));
-  train
-      ->add_option("--recompute", opt->recompute,
-                   "on: keep only each layer's input for the backward; off: keep the KDA and MoE "
-                   "internals (faster, more memory)")
-      ->default_val("on")
-      ->check(CLI::IsMember({"on", "off"}));
-  train
-      ->add_option("--peak-tflops", opt->peak_tflops,
-                   "Dense bf16 peak for MFU (default 989 on cuda: one H200; none on cpu)")
-      ->default_val(0.0)
-      ->check(CLI::Range(0.0, 1e7));
-  train->add_flag("--json", opt->json, "print one JSON line instead of text");
-  train->callback([opt] { run_bench_train(*opt); });
-});
+struct BenchDecodeOptions {
+  std::string model_dir, config;
+  dm::DecodeBenchOptions bench;
+  double bandwidth_tbs = 0;  // 0: the device's default (4.8 for cuda: one H200), none on cpu
+  bool json = false;
+};
+
+void run_bench_decode(const BenchDecodeOptions& o) {
+  DM_CHECK(o.model_dir.empty() != o.config.empty(),
+           "bench decode: give exactly one of --model DIR and --config FILE");
+  std::unique_ptr<dm::Model> model;
+  if (!o.model_dir.empty()) {
+    model = dm::Model::load(o.model_dir);
+  } else {
+    auto w = dm::weights_allocate<float>(dm::load_config(o.config));
+    dm::weights_init(*w, o.bench.seed);
+    model = std::make_unique<dm::Model>(std::move(w));
+  }
+  const double bw = o.bandwidth_tbs > 0 ? o.bandwidth_tbs : o.bench.device == "cuda" ? 4.8 : 0.0;
+  const dm::DecodeBenchResult r = dm::run_decode_bench(*model, o.bench);
+  const dm::DecodeStepBytes sb =
+      dm::decode_step_bytes(model->weights(), o.bench.batch, o.bench.context);
+  const double floor_s = bw > 0 ? sb.total() / (bw * 1e12) : 0.0;
+  if (o.json) {
+    nlohmann::ordered_json js;
+    js["impl"] = "deltamoe";
+    js["device"] = o.bench.device;
+    js["batch"] = r.batch;
+    js["context"] = r.context;
+    js["prefill_tokens_per_s"] = r.prefill_tokens_per_s();
+    js["step_ms"] = r.step_s * 1e3;
+    js["tokens_per_s"] = r.tokens_per_s();
+    js["bytes_per_step"] = sb.total();
+    if (bw > 0) {
+      js["bandwidth_tbs"] = bw;
+      js["floor_ms"] = floor_s * 1e3;
+      js["ratio_to_floor"] = r.step_s / floor_s;
+    }
+    std::printf("%s\n", js.dump().c_str());
+    return;
+  }
+  std::printf("%s on %s: batch %lld at %lld tokens of context\n",
+              o.model_dir.empty() ? o.config.c_str() : o.model_dir.c_str(), o.bench.device.c_str(),
+              (long long)r.batch, (long long)r.context);
+  std::printf("prefill %.0f tokens/s; decode %.3f ms per step, %.0f tokens/s",
+              r.prefill_tokens_per_s(), r.step_s * 1e3, r.tokens_per_s());
+  if (bw > 0)
+    std::printf("; %.2f GB per step, floor %.3f ms at %.3g TB/s (%.2fx)", sb.total() / 1e9,
+                floor_s * 1e3, bw, r.step_s / floor_s);
+  std::printf("\n");
+}
+
+dm::cli::Registrar reg(
+    "bench", "Measure end-to-end throughput (bench train, bench decode)", [](CLI::App* app) {
+      app->require_subcommand(1);
+      CLI::App* train = app->add_subcommand(
+          "train", "Training steps on random tokens: tokens/s, model TFLOP/s, MFU, memory");
+      auto opt = std::make_shared<BenchTrainOptions>();
+      train->add_option("--config", opt->config, "config.json (or a checkpoint directory)")
+          ->required();
+      train->add_option("--device", opt->bench.device, "cpu, or cuda (one GPU)")
+          ->default_val("cpu")
+          ->check(CLI::IsMember({"cpu", "cuda"}));
+      train->add_option("--batch", opt->bench.batch, "Sequences per step")
+          ->default_val(1)
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+      train->add_option("--seq", opt->bench.seq, "Tokens per sequence")
+          ->default_val(256)
+          ->check(CLI::Range(int64_t(2), int64_t(1) << 24));
+      train->add_option("--steps", opt->bench.steps, "Timed steps (the median is reported)")
+          ->default_val(5)
+          ->check(CLI::Range(1, 1 << 20));
+      train->add_option("--warmup", opt->bench.warmup, "Untimed steps first")
+          ->default_val(2)
+          ->check(CLI::Range(0, 1 << 20));
+      train
+          ->add_option(
+              "--recompute", opt->recompute,
+              "on: keep only each layer's input for the backward; off: keep the KDA and MoE "
+              "internals (faster, more memory)")
+          ->default_val("on")
+          ->check(CLI::IsMember({"on", "off"}));
+      train
+          ->add_option("--peak-tflops", opt->peak_tflops,
+                       "Dense bf16 peak for MFU (default 989 on cuda: one H200; none on cpu)")
+          ->default_val(0.0)
+          ->check(CLI::Range(0.0, 1e7));
+      train->add_flag("--json", opt->json, "print one JSON line instead of text");
+      train->callback([opt] { run_bench_train(*opt); });
+
+      CLI::App* decode = app->add_subcommand(
+          "decode", "Cached decode after random prompts: prefill tokens/s, ms per step, HBM floor");
+      auto dopt = std::make_shared<BenchDecodeOptions>();
+      decode->add_option("--model", dopt->model_dir, "Checkpoint directory");
+      decode->add_option("--config", dopt->config, "config.json (random weights)");
+      decode->add_option("--device", dopt->bench.device, "cpu, or cuda (one GPU)")
+          ->default_val("cpu")
+          ->check(CLI::IsMember({"cpu", "cuda"}));
+      decode->add_option("--batch", dopt->bench.batch, "Sequences decoded together")
+          ->default_val(1)
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+      decode->add_option("--context", dopt->bench.context, "Prompt tokens each sequence holds")
+          ->default_val(512)
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
+      decode->add_option("--steps", dopt->bench.steps, "Timed steps (the median is reported)")
+          ->default_val(16)
+          ->check(CLI::Range(1, 1 << 20));
+      decode->add_option("--warmup", dopt->bench.warmup, "Untimed steps first")
+          ->default_val(2)
+          ->check(CLI::Range(0, 1 << 20));
+      decode
+          ->add_option("--bandwidth-tbs", dopt->bandwidth_tbs,
+                       "Memory bandwidth for the HBM floor, which counts bf16 weights as on the "
+                       "GPU (default 4.8 "
+                       "on cuda: one H200; none on cpu)")
+          ->default_val(0.0)
+          ->check(CLI::Range(0.0, 1e4));
+      decode->add_flag("--json", dopt->json, "print one JSON line instead of text");
+      decode->callback([dopt] { run_bench_decode(*dopt); });
+    });
 
 }  // namespace

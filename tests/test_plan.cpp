@@ -1,4 +1,5 @@
-// model/plan.h (the capacity and cost arithmetic), `deltamoe plan` and `deltamoe bench train`. Each
+// model/plan.h (the capacity and cost arithmetic), `deltamoe plan`, and `deltamoe bench train` /
+// `bench decode` (train/train_bench.h, infer/decode_bench.h). Each
 // quantity is checked against an independent count over the weights layout or a closed form, and
 // against the limits that pin its assumptions (one expert set at batch 1, every expert at a huge
 // batch).
@@ -158,6 +159,36 @@ TEST(BenchCli, TrainJsonTextAndErrors) {
 
   const auto too_long =
       test::run_cli("bench train --seq " + std::to_string(c.max_context + 1) + " --config " + cfg);
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.output.find("context"), std::string::npos) << too_long.output;
+}
+
+// `deltamoe bench decode` on the CPU: random prompts into every slot, then timed steps; the
+// floor fields appear once a bandwidth is given and agree with model/plan.h.
+TEST(BenchCli, DecodeJsonAndErrors) {
+  const std::string cfg = config_path("test");
+  const auto js = test::run_cli(
+      "bench decode --json --batch 2 --context 40 --steps 3 "
+      "--bandwidth-tbs 1 --config " +
+      cfg);
+  ASSERT_EQ(js.exit_code, 0) << js.output;
+  const nlohmann::json j = nlohmann::json::parse(js.output);
+  EXPECT_EQ(j["batch"].get<int64_t>(), 2);
+  EXPECT_NEAR(j["tokens_per_s"].get<double>(), 2.0 / (j["step_ms"].get<double>() * 1e-3),
+              1e-6 * j["tokens_per_s"].get<double>());
+  EXPECT_GT(j["prefill_tokens_per_s"].get<double>(), 0.0);
+  const ModelConfig c = load_config(cfg);
+  const ReservedWeights layout(c);
+  const double bytes = decode_step_bytes(layout.get(), 2, 40).total();
+  EXPECT_DOUBLE_EQ(j["bytes_per_step"].get<double>(), bytes);
+  EXPECT_NEAR(j["floor_ms"].get<double>(), bytes / 1e12 * 1e3, 1e-12);
+  EXPECT_NEAR(j["ratio_to_floor"].get<double>(),
+              j["step_ms"].get<double>() / j["floor_ms"].get<double>(), 1e-9);
+  const auto neither = test::run_cli("bench decode --batch 1");
+  EXPECT_NE(neither.exit_code, 0);
+  EXPECT_NE(neither.output.find("exactly one of --model"), std::string::npos) << neither.output;
+  const auto too_long =
+      test::run_cli("bench decode --context " + std::to_string(c.max_context) + " --config " + cfg);
   EXPECT_NE(too_long.exit_code, 0);
   EXPECT_NE(too_long.output.find("context"), std::string::npos) << too_long.output;
 }
