@@ -193,5 +193,15 @@ TEST(BenchCli, DecodeJsonAndErrors) {
   EXPECT_NE(too_long.output.find("context"), std::string::npos) << too_long.output;
 }
 
+// `deltamoe env` names the threads, the BLAS kernels and what the GPU backend found (a reason
+// when there is no device, as on CI).
+TEST(EnvCli, PrintsThreadsBlasAndGpu) {
+  const auto r = test::run_cli("env");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("threads:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("BLAS kernels:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("CUDA backend:"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace dm
