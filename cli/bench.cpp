@@ -132,6 +132,22 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   std::printf("\n");
 }
 
+// The options both subcommands take: where they run, how many steps are timed after how many
+// untimed ones, and JSON output.
+void add_run_options(CLI::App* app, std::string* device, int* steps, int default_steps,
+                     int* warmup, bool* json) {
+  app->add_option("--device", *device, "cpu, or cuda (one GPU)")
+      ->default_val("cpu")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_option("--steps", *steps, "Timed steps (the median is reported)")
+      ->default_val(default_steps)
+      ->check(CLI::Range(1, 1 << 20));
+  app->add_option("--warmup", *warmup, "Untimed steps first")
+      ->default_val(2)
+      ->check(CLI::Range(0, 1 << 20));
+  app->add_flag("--json", *json, "print one JSON line instead of text");
+}
+
 dm::cli::Registrar reg(
     "bench", "Measure end-to-end throughput (bench train, bench decode)", [](CLI::App* app) {
       app->require_subcommand(1);
@@ -140,21 +156,13 @@ dm::cli::Registrar reg(
       auto opt = std::make_shared<BenchTrainOptions>();
       train->add_option("--config", opt->config, "config.json (or a checkpoint directory)")
           ->required();
-      train->add_option("--device", opt->bench.device, "cpu, or cuda (one GPU)")
-          ->default_val("cpu")
-          ->check(CLI::IsMember({"cpu", "cuda"}));
       train->add_option("--batch", opt->bench.batch, "Sequences per step")
           ->default_val(1)
           ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
       train->add_option("--seq", opt->bench.seq, "Tokens per sequence")
           ->default_val(256)
           ->check(CLI::Range(int64_t(2), int64_t(1) << 24));
-      train->add_option("--steps", opt->bench.steps, "Timed steps (the median is reported)")
-          ->default_val(5)
-          ->check(CLI::Range(1, 1 << 20));
-      train->add_option("--warmup", opt->bench.warmup, "Untimed steps first")
-          ->default_val(2)
-          ->check(CLI::Range(0, 1 << 20));
+      add_run_options(train, &opt->bench.device, &opt->bench.steps, 5, &opt->bench.warmup, &opt->json);
       train
           ->add_option(
               "--recompute", opt->recompute,
@@ -167,7 +175,6 @@ dm::cli::Registrar reg(
                        "Dense bf16 peak for MFU (default 989 on cuda: one H200; none on cpu)")
           ->default_val(0.0)
           ->check(CLI::Range(0.0, 1e7));
-      train->add_flag("--json", opt->json, "print one JSON line instead of text");
       train->callback([opt] { run_bench_train(*opt); });
 
       CLI::App* decode = app->add_subcommand(
@@ -175,29 +182,20 @@ dm::cli::Registrar reg(
       auto dopt = std::make_shared<BenchDecodeOptions>();
       decode->add_option("--model", dopt->model_dir, "Checkpoint directory");
       decode->add_option("--config", dopt->config, "config.json (random weights)");
-      decode->add_option("--device", dopt->bench.device, "cpu, or cuda (one GPU)")
-          ->default_val("cpu")
-          ->check(CLI::IsMember({"cpu", "cuda"}));
       decode->add_option("--batch", dopt->bench.batch, "Sequences decoded together")
           ->default_val(1)
           ->check(CLI::Range(int64_t(1), int64_t(1) << 16));
       decode->add_option("--context", dopt->bench.context, "Prompt tokens each sequence holds")
           ->default_val(512)
           ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
-      decode->add_option("--steps", dopt->bench.steps, "Timed steps (the median is reported)")
-          ->default_val(16)
-          ->check(CLI::Range(1, 1 << 20));
-      decode->add_option("--warmup", dopt->bench.warmup, "Untimed steps first")
-          ->default_val(2)
-          ->check(CLI::Range(0, 1 << 20));
+      add_run_options(decode, &dopt->bench.device, &dopt->bench.steps, 16, &dopt->bench.warmup,
+                      &dopt->json);
       decode
           ->add_option("--bandwidth-tbs", dopt->bandwidth_tbs,
                        "Memory bandwidth for the HBM floor, which counts bf16 weights as on the "
-                       "GPU (default 4.8 "
-                       "on cuda: one H200; none on cpu)")
+                       "GPU (default 4.8 on cuda: one H200; none on cpu)")
           ->default_val(0.0)
           ->check(CLI::Range(0.0, 1e4));
-      decode->add_flag("--json", dopt->json, "print one JSON line instead of text");
       decode->callback([dopt] { run_bench_decode(*dopt); });
     });
 
