@@ -17,6 +17,10 @@
 #include "io/config.h"
 #include "model/params.h"
 #include "model/weights.h"
+#if DELTAMOE_HAVE_CUDA
+#include "model/cuda/model_train_gpu.h"
+#include "ops/cuda/device.h"
+#endif
 
 namespace {
 
@@ -25,6 +29,7 @@ struct PlanOptions {
   std::string batches = "1,64";
   int64_t context = 32768;
   int64_t train_seq = 4096;
+  int64_t train_batch = 1;
   double memory_gib = 141.0;   // one H200
   double bandwidth_tbs = 4.8;  // its HBM3e, peak
   double peak_tflops = 989.0;  // its dense bf16 tensor-core peak
@@ -74,6 +79,17 @@ void run_plan(const PlanOptions& o) {
   nlohmann::ordered_json js;
   js["config"] = o.config;
   js["params"] = {{"total", pc.total}, {"active", pc.active}};
+  // Activations of one GPU's training step: the engine's own byte counts, in CUDA builds on a
+  // machine with a GPU (cub sizes its sort scratch through the device).
+  double act_recompute = 0, act_kept = 0;
+#if DELTAMOE_HAVE_CUDA
+  if (dm::cuda::device_available()) {
+    act_recompute =
+        double(dm::cuda::train_activation_plan_bytes(cfg, o.train_batch, o.train_seq, true));
+    act_kept =
+        double(dm::cuda::train_activation_plan_bytes(cfg, o.train_batch, o.train_seq, false));
+  }
+#endif
   js["training"] = {{"state_bytes",
                      {{"weights", ts.weights},
                       {"master", ts.master},
@@ -81,6 +97,7 @@ void run_plan(const PlanOptions& o) {
                       {"adamw", ts.optimizer},
                       {"total", ts.total()}}},
                     {"fits_memory", ts.total() <= memory},
+                    {"batch", o.train_batch},
                     {"seq_len", o.train_seq},
                     {"flops_per_token", flops},
                     {"tokens_per_s_at_mfu", train_tokens_per_s},
@@ -99,6 +116,9 @@ void run_plan(const PlanOptions& o) {
                       {"tokens_per_s_ceiling", double(B) / floor_s},
                       {"fits_memory", weights + double(B) * per_sequence <= memory}});
   }
+  if (act_recompute > 0)
+    js["training"]["activation_bytes"] = {{"recompute_on", act_recompute},
+                                          {"recompute_off", act_kept}};
   js["serving"] = {{"context", o.context},
                    {"weights_bytes", weights},
                    {"cache_bytes_per_sequence", per_sequence},
@@ -116,14 +136,22 @@ void run_plan(const PlanOptions& o) {
               dm::format_param_count(pc.total).c_str(), dm::format_param_count(pc.active).c_str());
   std::printf("device: %.0f GiB, %.1f TB/s, %.0f TFLOP/s dense bf16\n\n", o.memory_gib,
               o.bandwidth_tbs, o.peak_tflops);
-  std::printf(
-      "training on one device (bf16 compute, fp32 master, AdamW; activations not counted)\n");
+  std::printf("training on one device (bf16 compute, fp32 master, AdamW)\n");
   std::printf("  state %8.1f GB = weights %.1f + master %.1f + grads %.1f + AdamW moments %.1f\n",
               gb(ts.total()), gb(ts.weights), gb(ts.master), gb(ts.grads), gb(ts.optimizer));
   if (ts.total() <= memory)
-    std::printf("  fits the device's memory (before activations)\n");
+    std::printf("  the state fits the device's memory\n");
   else
     std::printf("  does not fit: %.1fx the device's memory\n", ts.total() / memory);
+  if (act_recompute == 0) {
+    std::printf("  activations: not counted (they need a CUDA build on a machine with a GPU)\n");
+  } else {
+    std::printf(
+        "  activations of a %lld x %lld step on the GPU: %.1f GB with recompute (total "
+        "%.1f GB), %.1f GB without (total %.1f GB)\n",
+        (long long)o.train_batch, (long long)o.train_seq, gb(act_recompute),
+        gb(ts.total() + act_recompute), gb(act_kept), gb(ts.total() + act_kept));
+  }
   std::printf("  %.2f GFLOP per token at T = %lld -> %.0f tokens/s at %.0f%% MFU\n\n", flops / 1e9,
               (long long)o.train_seq, train_tokens_per_s, 100 * o.mfu);
   std::printf("serving at %lld tokens of context (bf16 weights)\n", (long long)o.context);
@@ -160,6 +188,10 @@ dm::cli::Registrar reg(
       app->add_option("--batch", opt->batches, "Decode batch sizes, comma-separated")
           ->default_val("1,64");
       app->add_option("--train-seq", opt->train_seq, "Training sequence length")->default_val(4096);
+      app->add_option("--train-batch", opt->train_batch,
+                      "Sequences per training step (the activations scale with it)")
+          ->default_val(1)
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
       app->add_option("--memory-gib", opt->memory_gib, "Device memory (default: one H200)")
           ->default_val(141.0);
       app->add_option("--bandwidth-tbs", opt->bandwidth_tbs, "Device memory bandwidth, TB/s")

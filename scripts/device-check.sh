@@ -123,6 +123,12 @@ if [ -x "$B/deltamoe" ] && [ -n "${DM_GOLDENS:-}" ] && [ -d "$DM_GOLDENS/kimi_k3
 fi
 
 MODEL_CFG=${MODEL_CFG:-configs/gpu_1b.json}
+if [ -x "$B/deltamoe" ]; then
+  # The engine's own activation sizing (needs the device); bench_cuda_train's measured peak
+  # below should match the "without recompute" figure.
+  step "deltamoe plan (training memory with activations, decode floors)"
+  $B/deltamoe plan --config "$MODEL_CFG" --batch 1 2>&1 | tee "$LOG/plan.log" | head -12
+fi
 # bench NAME COST COMMAND...: runs COMMAND into $LOG/NAME.log when COST seconds still fit.
 bench() {
   local name=$1 cost=$2; shift 2

@@ -119,7 +119,8 @@ TEST(PlanCli, JsonAndTable) {
   EXPECT_GT(j["serving"]["max_batch"].get<int64_t>(), 64);  // 98 GB of weights, ~0.1 GB a slot
   const auto table = test::run_cli("plan --config " + config_path("gpu_1b"));
   EXPECT_EQ(table.exit_code, 0) << table.output;
-  EXPECT_NE(table.output.find("fits the device's memory"), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("the state fits the device's memory"), std::string::npos)
+      << table.output;
   EXPECT_NE(table.output.find("HBM floor"), std::string::npos) << table.output;
   // Bad input: a clear error, nonzero exit.
   const auto bad = test::run_cli("plan --batch 0 --config " + config_path("test"));

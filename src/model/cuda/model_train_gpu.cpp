@@ -132,15 +132,24 @@ size_t moe_kept_stride(const ModelConfig& c, int64_t N) {
   return round_up(moe_layer_kept_gpu_bytes(c, N));
 }
 
-void GpuTrainModel::ensure_kept(int64_t B, int64_t T) {
-  const ModelConfig& c = config();
+// The kept arena without recompute: every KDA and MoE layer's forward internals.
+size_t train_kept_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   int kda_layers = 0, moe_layers = 0;
   for (int i = 0; i < c.num_layers; ++i) {
     kda_layers += c.mixers[size_t(i)] == MixerKind::KDA;
     moe_layers += c.ffns[size_t(i)] == FfnKind::MoE;
   }
-  const size_t bytes = size_t(kda_layers) * kda_kept_stride(c, B, T) +
-                       size_t(moe_layers) * moe_kept_stride(c, B * T) + 256;
+  return size_t(kda_layers) * kda_kept_stride(c, B, T) +
+         size_t(moe_layers) * moe_kept_stride(c, B * T) + 256;
+}
+
+size_t train_activation_plan_bytes(const ModelConfig& c, int64_t B, int64_t T, bool recompute) {
+  return train_activation_bytes(c, B * T) + train_scratch_bytes(c, B, T) +
+         (recompute ? 0 : train_kept_bytes(c, B, T));
+}
+
+void GpuTrainModel::ensure_kept(int64_t B, int64_t T) {
+  const size_t bytes = train_kept_bytes(config(), B, T);
   if (kept_ && kept_->capacity() >= bytes) return;
   kept_.reset();
   kept_ = std::make_unique<DeviceArena>(bytes);

@@ -30,6 +30,12 @@ struct QbHistogramRange;  // train/balance.h
 
 namespace dm::cuda {
 
+// Device bytes a GpuTrainModel takes for steps of B × T tokens beyond the weights, gradients and
+// optimizer state: the activation arena, the step's scratch and, without recompute, every KDA and
+// MoE layer's kept forward internals (what activation_bytes() reports after such a step). Host
+// arithmetic: no device needed (`deltamoe plan`).
+size_t train_activation_plan_bytes(const ModelConfig& c, int64_t B, int64_t T, bool recompute);
+
 class GpuTrainModel {
  public:
   // `host` holds the starting weights and must outlive this object; the device copies are made
