@@ -362,13 +362,10 @@ __global__ void __launch_bounds__(kThreads, 2)
                         const __nv_bfloat16* __restrict__ A2, const __nv_bfloat16* __restrict__ B2,
                         const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N,
                         Out* __restrict__ Y) {
-  int e = 0;
-  int64_t row0 = 0, row_end = 0;
-  if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
-  const int64_t n0 = int64_t(blockIdx.x) * kTileN;
-  // Rows of this tile (≤ 128): one register instead of row_end's two (the K loop runs at the
-  // 128-register cap).
-  const int tile_rows = int(row_end - row0 < kTileM ? row_end - row0 : kTileM);
+  GroupedRowTile tile;
+  if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
+  const int e = tile.expert, tile_rows = tile.rows;
+  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kTileN;
   const WarpTile w;
   // The expert's last row tile may end within the first warp row: the second one then only
   // multiplies zero rows that are never written.
@@ -410,11 +407,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_kernel(
     const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ W,
     const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N, __nv_bfloat16* __restrict__ Y) {
-  int e = 0;
-  int64_t row0 = 0, row_end = 0;
-  if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
-  const int64_t n0 = int64_t(blockIdx.x) * kTileN;
-  const int tile_rows = int(row_end - row0 < kTileM ? row_end - row0 : kTileM);
+  GroupedRowTile tile;
+  if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
+  const int e = tile.expert, tile_rows = tile.rows;
+  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kTileN;
   const WarpTile w;
   const bool warp_has_rows = w.wm * kWarpM < tile_rows;
   __nv_bfloat16* smem = dynamic_smem();

@@ -80,11 +80,10 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel
     const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ W,
     const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N,
     __nv_bfloat16* __restrict__ Y) {
-  int e = 0;
-  int64_t row0 = 0, row_end = 0;
-  if (!find_row_tile(offsets, E, blockIdx.y, &e, &row0, &row_end)) return;
-  const int64_t n0 = int64_t(blockIdx.x) * kTileN;
-  const int tile_rows = int(row_end - row0 < kTileM ? row_end - row0 : kTileM);
+  GroupedRowTile tile;
+  if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
+  const int e = tile.expert, tile_rows = tile.rows;
+  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kTileN;
   extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
   // The ring starts at the first 1024-byte boundary of the shared window (swizzle atoms).
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));

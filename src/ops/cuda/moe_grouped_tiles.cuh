@@ -10,19 +10,27 @@ namespace dm::cuda::moe_detail {
 
 constexpr int kGroupedTileRows = 128;
 
-// Row tile `tile` of the grouped problem → its expert and first row (false: past the last tile).
-// E is small (≤ 8192), so every CTA walks the offsets (L2 hits) instead of reading a host-built
-// table.
+// One CTA's row tile: its expert, first row and rows (≤ 128; one register instead of the end's
+// two, which matters to kernels that run at the 128-register cap).
+struct GroupedRowTile {
+  int expert = 0;
+  int64_t row0 = 0;
+  int rows = 0;
+};
+
+// Row tile `tile` of the grouped problem (false: past the last tile). E is small (≤ 8192), so
+// every CTA walks the offsets (L2 hits) instead of reading a host-built table.
 __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int E, int64_t tile,
-                                              int* expert, int64_t* row0, int64_t* row_end) {
+                                              GroupedRowTile* out) {
   int64_t before = 0;
   for (int e = 0; e < E; ++e) {
     const int64_t begin = offsets[e], end = offsets[e + 1];
     const int64_t tiles = (end - begin + kGroupedTileRows - 1) / kGroupedTileRows;
     if (tile < before + tiles) {
-      *expert = e;
-      *row0 = begin + (tile - before) * kGroupedTileRows;
-      *row_end = end;
+      out->expert = e;
+      out->row0 = begin + (tile - before) * kGroupedTileRows;
+      const int64_t left = end - out->row0;
+      out->rows = int(left < kGroupedTileRows ? left : kGroupedTileRows);
       return true;
     }
     before += tiles;
