@@ -1,6 +1,6 @@
 // GPU training throughput (train/train_bench.h on the "cuda" engine, as `deltamoe bench train
 // --device cuda`): random init, random tokens, forward + backward (per-layer recompute) + clip +
-// AdamW per step; median tokens/s over --steps steps after 2 warm-up steps, MFU, device memory,
+// AdamW per step; median tokens/s over --steps steps after --warmup (2) steps, MFU, device memory,
 // and one JSON line for scripts/device-summary.py. Mirrors
 // `bench/peers/deltamoe_torch.py train-bench --device cuda --dtype bfloat16`.
 //   bench_cuda_train --config configs/gpu_1b.json --batch 1 --seq 4096 --steps 5 [--recompute off]
@@ -23,7 +23,7 @@
 int main(int argc, char** argv) {
   std::string config = "configs/gpu_1b.json";
   int64_t B = 1, T = 4096;
-  int steps = 5;
+  int steps = 5, warmup = 2;
   double peak_tflops = 989.0;
   bool recompute = true;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -31,6 +31,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--seq")) T = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--warmup"))
+      warmup = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--peak-tflops")) peak_tflops = std::atof(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--recompute")) recompute = std::strcmp(argv[i + 1], "off") != 0;
   }
@@ -45,6 +47,7 @@ int main(int argc, char** argv) {
     o.batch = B;
     o.seq = T;
     o.steps = steps;
+    o.warmup = warmup;
     o.recompute = recompute;
     const dm::TrainBenchResult r = dm::run_train_bench(c, o);
     const double t = r.step_s, tflops = r.model_tflops();

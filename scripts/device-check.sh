@@ -6,10 +6,13 @@
 # out/device-check) so they come back even when a step fails.
 #
 #   scripts/device-check.sh [--no-bench] [--no-peers] [--ncu] [--budget SECONDS] [--prebuilt DIR]
+#                           [--ab-decode VAR=VALUE]... [--ab-train VAR=VALUE]...
 #
 # --prebuilt DIR|ARCHIVE.tar.xz: take the binaries from DIR, or unpack them from the archive
 # (built here by scripts/device-prebuild.sh and carried), instead of building; steps whose
 # binary is missing there are skipped.
+# --ab-decode / --ab-train VAR=VALUE: time the batch-64 decode step / the training step with that
+# environment against the default, two rounds each, at the end.
 # --ncu: after the benchmarks, one batch-1 decode step of the 48B shape under Nsight Compute,
 # split per kernel by scripts/ncu-kernels.py (ncu.md; ~40 s).
 #
@@ -58,6 +61,7 @@ ship_logs() {
 }
 trap ship_logs EXIT
 BENCH=1 PEERS=1 NCU=0 BUDGET=560 PREBUILT=
+AB_DECODE=() AB_TRAIN=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0; shift ;;
@@ -65,6 +69,8 @@ while [ $# -gt 0 ]; do
     --ncu) NCU=1; shift ;;
     --budget) BUDGET=$2; shift 2 ;;
     --prebuilt) PREBUILT=$2; shift 2 ;;
+    --ab-decode) AB_DECODE+=("$2"); shift 2 ;;
+    --ab-train) AB_TRAIN+=("$2"); shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -177,22 +183,25 @@ if [ "$PEERS" = 1 ]; then
     --config "$MODEL_CFG" --seq 8192 --steps 3 --warmup 1 --device cuda --dtype bfloat16
 fi
 
-# Opt-in variants (docs/gpu.md) against the default in the same run, twice each (the batch-64
-# decode step varies by ~±4% between runs), after everything the targets need: the
-# few-rows MoE kernel's cp.async ring, the MLA decode's whole-wave split plan, and the MoE
-# forward's grouped GEMMs on warpgroup MMA.
-if [ "$BENCH" = 1 ]; then
+# Kernel variants (--ab-decode / --ab-train VAR=VALUE, e.g. DM_MLA_DECODE_SPLITS=fixed or
+# DM_MOE_WGMMA=0: docs/gpu.md) against the default in the same run, twice each (the batch-64
+# decode step varies by ~±4% between runs), after everything the targets need.
+if [ "$BENCH" = 1 ] && [ $((${#AB_DECODE[@]} + ${#AB_TRAIN[@]})) -gt 0 ]; then
   for round in 1 2; do
-    for variant in default DM_MOE_FEW_ROWS=ring DM_MLA_DECODE_SPLITS=waves; do
-      env_args=(); [ "$variant" = default ] || env_args=("$variant")
-      bench "decode_ab_${variant#*=}_$round" 20 env "${env_args[@]}" $B/bench_cuda_decode \
-        --config configs/kimi_linear_48b.json --cases 64x32768 --steps 10 --warmup 2
-    done
-    for variant in default DM_MOE_WGMMA=1; do
-      env_args=(); [ "$variant" = default ] || env_args=("$variant")
-      bench "train_ab_${variant#*=}_$round" 25 env "${env_args[@]}" $B/bench_cuda_train \
-        --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3 --recompute off
-    done
+    if [ ${#AB_DECODE[@]} -gt 0 ]; then
+      for variant in default "${AB_DECODE[@]}"; do
+        env_args=(); [ "$variant" = default ] || env_args=("$variant")
+        bench "decode_ab_${variant}_$round" 20 env "${env_args[@]}" $B/bench_cuda_decode \
+          --config configs/kimi_linear_48b.json --cases 64x32768 --steps 10 --warmup 2
+      done
+    fi
+    if [ ${#AB_TRAIN[@]} -gt 0 ]; then
+      for variant in default "${AB_TRAIN[@]}"; do
+        env_args=(); [ "$variant" = default ] || env_args=("$variant")
+        bench "train_ab_${variant}_$round" 25 env "${env_args[@]}" $B/bench_cuda_train \
+          --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3 --recompute off
+      done
+    fi
   done
 fi
 

@@ -96,7 +96,7 @@ def main():
             out.append(f"| decode batch {batch}, context {context} | {float(ms):.2f} ms/step "
                        f"({ratio}× the {float(floor):.2f} ms floor) | | {target} |")
 
-    # Opt-in decode variants against the default, batch 64 × 32K, each run twice.
+    # Decode variants (--ab-decode) against the default, batch 64 × 32K, each run twice.
     ab = {}
     for log in sorted(d.glob("decode_ab_*.log")):
         variant = log.stem[len("decode_ab_"):].rsplit("_", 1)[0]
@@ -109,7 +109,7 @@ def main():
         out.append(f"| decode batch 64, 32K, variant `{variant}` | {cells} ms/step | | "
                    f"(A/B against `default`) |")
 
-    # Opt-in training variants against the default (bench_cuda_train, --recompute off).
+    # Training variants against the default (bench_cuda_train, --recompute off).
     tab = {}
     for log in sorted(d.glob("train_ab_*.log")):
         variant = log.stem[len("train_ab_"):].rsplit("_", 1)[0]
@@ -117,7 +117,7 @@ def main():
             if j.get("impl") == "deltamoe":
                 tab.setdefault(variant, []).append(j["step_ms"])
     for variant, runs in tab.items():
-        name = "default" if variant == "default" else f"DM_MOE_WGMMA={variant}"
+        name = variant
         cells = " / ".join(f"{ms:.1f}" for ms in runs)
         out.append(f"| training step, variant `{name}` | {cells} ms | | (A/B against `default`) |")
 

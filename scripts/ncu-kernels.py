@@ -48,6 +48,9 @@ def main():
                     help="leave out kernels whose name contains this (repeatable)")
     ap.add_argument("--top", type=int, default=0, help="print only the first N rows")
     ap.add_argument("--width", type=int, default=60, help="characters of the kernel name")
+    ap.add_argument("--by-name", action="store_true",
+                    help="one row per kernel name over all its launch shapes (a training step "
+                         "launches the same kernel at many shapes)")
     args = ap.parse_args()
     with open(args.log, errors="replace") as f:
         kernels = [k for k in parse(f) if not any(s in k["name"] for s in args.skip)]
@@ -55,6 +58,19 @@ def main():
         sys.exit("ncu-kernels: no per-kernel summary found (was --print-summary per-kernel on?)")
     for k in kernels:
         k["total"] = k["calls"] * k.get("gpu__time_duration.sum", 0.0)
+        k["read"] = k["calls"] * k.get("dram__bytes_read.sum", 0.0)
+    if args.by_name:
+        merged = {}
+        for k in kernels:
+            m = merged.setdefault(k["name"], {"name": k["name"], "grid": "*", "block": "*",
+                                              "calls": 0, "total": 0.0, "read": 0.0})
+            m["calls"] += k["calls"]
+            m["total"] += k["total"]
+            m["read"] += k["read"]
+        kernels = list(merged.values())
+        for k in kernels:  # the means over every launch
+            k["gpu__time_duration.sum"] = k["total"] / k["calls"]
+            k["dram__bytes_read.sum"] = k["read"] / k["calls"]
     kernels.sort(key=lambda k: -k["total"])
     print("| total µs | calls | µs each | MB read each | GB/s | grid | block | kernel |")
     print("|---:|---:|---:|---:|---:|---|---|---|")

@@ -458,20 +458,22 @@ TEST(CudaMlaDecode, AbsorbedMatchesExpandedFullDims) {
 }
 
 TEST(CudaMlaDecode, PlanCoversThePageTable) {
-  // Pure host arithmetic (num_sms given): no device needed beyond the build.
+  // Pure host arithmetic (num_sms given): no device needed beyond the build. First the rule of
+  // at least two CTAs per multiprocessor (DM_MLA_DECODE_SPLITS=fixed).
+  const auto fixed = cuda::MlaSplitRule::TwoCtasPerSm;
   for (int S : {1, 8, 64})
     for (int max_pages : {1, 5, 512}) {
-      const cuda::MlaDecodePlan plan = cuda::mla_decode_plan(S, 32, max_pages, 132);
+      const cuda::MlaDecodePlan plan = cuda::mla_decode_plan(S, 32, max_pages, 132, 128, fixed);
       EXPECT_GE(int64_t(plan.num_splits) * plan.pages_per_split, max_pages);
       EXPECT_LT(int64_t(plan.num_splits - 1) * plan.pages_per_split, max_pages);
       EXPECT_GE(plan.num_splits, 1);
     }
   // Batch 1 with a 32K context is split to fill the machine; batch 64 much less.
-  EXPECT_GT(cuda::mla_decode_plan(1, 16, 512, 132).num_splits, 32);
-  EXPECT_LE(cuda::mla_decode_plan(64, 16, 512, 132).num_splits, 8);
-  // Whole waves of one CTA per multiprocessor: batch 1 at 32K, 128 splits of 4 pages (one wave);
-  // batch 64 (32 heads: one CTA per sequence and split), 2 splits of 256 pages (128 CTAs, one
-  // wave) rather than 5 of 103 (320 CTAs: three waves); batch 8, 16 splits of 32.
+  EXPECT_GT(cuda::mla_decode_plan(1, 16, 512, 132, 128, fixed).num_splits, 32);
+  EXPECT_LE(cuda::mla_decode_plan(64, 16, 512, 132, 128, fixed).num_splits, 8);
+  // Whole waves of one CTA per multiprocessor (the default): batch 1 at 32K, 128 splits of 4 pages
+  // (one wave); batch 64 (32 heads: one CTA per sequence and split), 2 splits of 256 pages (128
+  // CTAs, one wave) rather than 5 of 103 (320 CTAs: three waves); batch 8, 16 splits of 32.
   const auto waves = cuda::MlaSplitRule::WholeWaves;
   for (int S : {1, 8, 64})
     for (int max_pages : {1, 5, 512, 16384}) {
@@ -487,9 +489,7 @@ TEST(CudaMlaDecode, PlanCoversThePageTable) {
   EXPECT_EQ(sixty_four.num_splits, 2);
   EXPECT_EQ(sixty_four.pages_per_split, 256);
   EXPECT_EQ(cuda::mla_decode_plan(8, 32, 512, 132, 128, waves).num_splits, 16);
-  EXPECT_EQ(cuda::mla_decode_plan(64, 32, 512, 132, 128, cuda::MlaSplitRule::TwoCtasPerSm)
-                .num_splits,
-            5);
+  EXPECT_EQ(cuda::mla_decode_plan(64, 32, 512, 132, 128, fixed).num_splits, 5);
 }
 
 }  // namespace

@@ -532,7 +532,7 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
   EXPECT_LE(test::rel_rms(c.data(), ref.data(), ref.size()), 1e-5);
 }
 
-// Both versions of the kernel: mma.sync (the default) and warpgroup MMA (DM_MOE_WGMMA=1).
+// Both versions of the kernel: warpgroup MMA (the default) and mma.sync (DM_MOE_WGMMA=0).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   const ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
@@ -557,19 +557,15 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below
 // kMoeFewRowsPerExpert rows per expert on average (the decoder's batches), with 1, 2 and 4 token
-// groups per pass (by the mean rows per expert), weights by plain loads and through the cp.async
-// ring: experts of ~1 row (one partial group), of 40
+// groups per pass (by the mean rows per expert): experts of ~1 row (one partial group), of 40
 // rows (several passes over the weights, the last partial), and empty ones; K tails (Din = 200 is 6
 // steps of 32 + 8; F = 136 is 4 + 8) and a partial weight tile (N = 136 = 128 + 8 for gate/up).
 // Against Loop (cuBLAS per expert) and the CPU reference.
 TEST(CudaMoeExperts, GroupedOwnFewRowsMatchesLoop) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  const bool ring_before = cuda::moe_few_rows_ring();
-  for (bool ring : {false, true})
   for (auto [N, E, used] :
        {std::tuple<int64_t, int64_t, int>{8, 64, 60}, {60, 64, 6}, {120, 64, 12}}) {
-    SCOPED_TRACE(str_cat("N=", N, " E=", E, " used=", used, " ring=", ring));
-    cuda::moe_set_few_rows_ring(ring);
+    SCOPED_TRACE(str_cat("N=", N, " E=", E, " used=", used));
     const ExpertsCase c(N, E, 200, 136, 4, used, 93);
     ASSERT_LT(N * 4, cuda::kMoeFewRowsPerExpert * E);  // the few-rows kernel runs
     GluActivation act;
@@ -586,7 +582,6 @@ TEST(CudaMoeExperts, GroupedOwnFewRowsMatchesLoop) {
     EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
     EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
   }
-  cuda::moe_set_few_rows_ring(ring_before);
 }
 
 // ---- QB statistics -----------------------------------------------------------------------------

@@ -179,11 +179,11 @@ void attention_check_doc_start_device(const int32_t* doc_start, int64_t B, int64
 MlaSplitRule mla_split_rule_default() {
   static const MlaSplitRule rule = [] {
     const char* env = std::getenv("DM_MLA_DECODE_SPLITS");
-    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "fixed") == 0)
-      return MlaSplitRule::TwoCtasPerSm;
-    DM_CHECK(std::strcmp(env, "waves") == 0, "DM_MLA_DECODE_SPLITS must be 'fixed' or 'waves', ",
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "waves") == 0)
+      return MlaSplitRule::WholeWaves;
+    DM_CHECK(std::strcmp(env, "fixed") == 0, "DM_MLA_DECODE_SPLITS must be 'waves' or 'fixed', ",
              "got '", env, "'");
-    return MlaSplitRule::WholeWaves;
+    return MlaSplitRule::TwoCtasPerSm;
   }();
   return rule;
 }

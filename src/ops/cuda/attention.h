@@ -78,13 +78,13 @@ struct MlaDecodePlan {
   int max_pages = 0;        // page_table row length
 };
 // How many splits (≥ 4 pages each):
-//   TwoCtasPerSm  ≥ 2 CTAs per multiprocessor (the default);
 //   WholeWaves    the fewest waves × (pages per split + a CTA's own traffic), one CTA per
 //                 multiprocessor (the kernel's shared memory allows no more at Dk = 576). At
-//                 batch 64 × 32K it takes 2 splits (128 CTAs: one wave) where the default takes
-//                 5 (320 CTAs: three waves, 2.4 waves' work). Written 2026-11-30, checked on an
-//                 H200 (all GPU tests) but not yet timed apart from another change: opt-in.
-// mla_split_rule_default(): env DM_MLA_DECODE_SPLITS = fixed (TwoCtasPerSm) | waves, read once.
+//                 batch 64 × 32K it takes 2 splits (128 CTAs: one wave) where TwoCtasPerSm takes
+//                 5 (320 CTAs: three waves, 2.4 waves' work): the step 40.7/41.7 → 39.9/39.1 ms
+//                 on an H200 (two rounds, 2026-11-30). The default.
+//   TwoCtasPerSm  ≥ 2 CTAs per multiprocessor.
+// mla_split_rule_default(): env DM_MLA_DECODE_SPLITS = waves | fixed (TwoCtasPerSm), read once.
 enum class MlaSplitRule : uint8_t { TwoCtasPerSm, WholeWaves };
 MlaSplitRule mla_split_rule_default();
 // max_pages: page_table row length (≥ ceil(longest seq_len / 64)). num_sms ≤ 0: read it off the

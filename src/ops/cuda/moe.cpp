@@ -206,8 +206,7 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
     const bool few = rows < kMoeFewRowsPerExpert * E;
     auto product = [&](const uint16_t* A, const uint16_t* W, int64_t K, int64_t N, uint16_t* Y) {
       if (few)
-        launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y,
-                                        moe_few_rows_ring(), stream);
+        launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
       else if (moe_grouped_wgmma())
         launch_grouped_rows_nk_bf16_wgmma(A, W, plan.offsets, E, rows, K, N, Y, stream);
       else
@@ -252,26 +251,20 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
 }  // namespace moe_detail
 
 namespace {
-// An opt-in kernel variant's process-wide switch, read from env `var` once: unset, empty or
-// `off` → false, `on` → true, anything else an error.
+// A kernel variant's process-wide switch, read from env `var` once: unset, empty or `off` →
+// false, `on` → true, anything else an error.
 bool env_switch(const char* var, const char* off, const char* on) {
   const char* env = std::getenv(var);
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, off) == 0) return false;
   DM_CHECK(std::strcmp(env, on) == 0, var, " must be '", off, "' or '", on, "', got '", env, "'");
   return true;
 }
-std::atomic<bool>& few_rows_ring_setting() {
-  static std::atomic<bool> on{env_switch("DM_MOE_FEW_ROWS", "registers", "ring")};
-  return on;
-}
 std::atomic<bool>& grouped_wgmma_setting() {
-  static std::atomic<bool> on{env_switch("DM_MOE_WGMMA", "0", "1")};
+  static std::atomic<bool> on{!env_switch("DM_MOE_WGMMA", "1", "0")};
   return on;
 }
 }  // namespace
 
-bool moe_few_rows_ring() { return few_rows_ring_setting().load(std::memory_order_relaxed); }
-void moe_set_few_rows_ring(bool on) { few_rows_ring_setting().store(on, std::memory_order_relaxed); }
 bool moe_grouped_wgmma() { return grouped_wgmma_setting().load(std::memory_order_relaxed); }
 void moe_set_grouped_wgmma(bool on) { grouped_wgmma_setting().store(on, std::memory_order_relaxed); }
 

@@ -17,18 +17,17 @@
 // slice 1 elements 4–7), the same for both operands, so the products are exact dot products and
 // no shuffles are needed: for m16n8k16 the lane (g = lane / 4, t = lane % 4) holds k pairs
 // (2t, 2t+1) and (2t+8, 2t+9) of A row g / g+8 and of B column g, which here are elements
-// (4s, 4s+1) and (4s+2, 4s+3) of its chunks in slice s. Weights reach the registers one of two
-// ways (kRing): four k steps at a time by plain loads (16 × 16 bytes per lane in flight, ~128 KB
-// per SM with 16 warps resident; the default, timed above), or through a per-warp cp.async ring
-// in shared memory (`ring`: DM_MOE_FEW_ROWS=ring; see kStages). Tokens go in passes of up to 8·kGroups rows; an expert with more rows makes another
-// pass over its weights (read again, from HBM unless L2 still holds them).
+// (4s, 4s+1) and (4s+2, 4s+3) of its chunks in slice s. Weights reach the registers by plain
+// loads, four k steps at a time (16 × 16 bytes per lane in flight, ~128 KB per SM with 16 warps
+// resident). A per-warp cp.async ring in shared memory (6 stages, 160 KB in flight per SM) was
+// slower at batch 64 × 32K: 43.7/44.8 against 40.7/41.7 ms per step, two rounds on an H200
+// (2026-11-30), and was removed. Tokens go in passes of up to 8·kGroups rows; an expert with more
+// rows makes another pass over its weights (read again, from HBM unless L2 still holds them).
 //
 // Deterministic: each output has one writer and a fixed summation order. Weight rows past N and
 // k past K are zero-filled; rows past the expert's end are neither read nor written.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-
-#include <type_traits>
 
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
@@ -37,9 +36,6 @@
 namespace dm::cuda::moe_detail {
 namespace {
 
-using attention_detail::cp_async_16;
-using attention_detail::cp_async_commit;
-using attention_detail::cp_async_wait;
 using attention_detail::mma_bf16_16x8x16;
 
 constexpr int kWarps = 4;
@@ -48,23 +44,16 @@ constexpr int kRowsPerWarp = 32;  // weight rows: two m16 tiles
 constexpr int kRowsPerCta = kRowsPerWarp * kWarps;
 constexpr int kStepK = 32;  // k per step: 4 lanes × 8
 constexpr int kUnroll = 4;  // plain loads: k steps of weights in flight
-// Ring: each lane's weight chunks go through a per-warp ring of kStages k steps in shared memory
-// by cp.async (kStages − 1 steps, 10 KB a warp, in flight; a lane reads back only its own
-// chunks, so no barrier is needed): 48 KB a CTA, 4 CTAs and 160 KB in flight per SM. Passed
-// every GPU test on an H200 (2026-11-30) but not timed apart from another change: opt-in.
-constexpr int kStages = 6;
 
 // kGroups token groups of 8 per pass over the weights (8·kGroups rows): the launcher picks 1, 2
 // or 4 by the mean rows per expert. Fewer groups keep fewer accumulators live (158 registers at
 // 4 groups: 3 CTAs per SM; ≤ 128 at 1 or 2: 4), so more warps stream weights at once.
-template <int kGroups, bool kRing>
+template <int kGroups>
 __global__ void __launch_bounds__(kThreads, kGroups == 4 ? 3 : 4)
     grouped_few_rows_nk_bf16_kernel(const __nv_bfloat16* __restrict__ A,
                                     const __nv_bfloat16* __restrict__ W,
                                     const int64_t* __restrict__ offsets, int64_t K, int64_t N,
                                     __nv_bfloat16* __restrict__ Y) {
-  // [warp][slot][weight row i][lane] (ring only; one element otherwise).
-  __shared__ uint4 ring[kRing ? kWarps : 1][kRing ? kStages : 1][4][32];
   const int e = blockIdx.y;
   const int64_t row_begin = offsets[e], row_end = offsets[e + 1];
   if (row_end <= row_begin) return;
@@ -98,101 +87,38 @@ __global__ void __launch_bounds__(kThreads, kGroups == 4 ? 3 : 4)
       x_row[q] = reinterpret_cast<const uint4*>(A + (x_ok[q] ? r : row_begin) * K);
     }
     float acc[2][kGroups][4] = {};
-    // acc += one k step: wv = this lane's chunks of its 4 weight rows, xv = its token chunks.
-    auto mma_step = [&](const uint4 (&wv)[4], const uint4 (&xv)[kGroups]) {
+    for (int64_t s0 = 0; s0 < steps; s0 += kUnroll) {
+      uint4 wv[kUnroll][4];
 #pragma unroll
-      for (int q = 0; q < kGroups; ++q) {
-        if (q >= groups) break;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t chunk = (s0 + u) * 4 + t;
+        const bool k_ok = chunk < k_chunks;
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const uint4& lo = wv[2 * m];                      // row n0 + 16m + g
-          const uint4& hi = wv[2 * m + 1];                  // row n0 + 16m + g + 8
-          const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};  // slice 0: elements 0–3
-          const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};  // slice 1: elements 4–7
-          mma_bf16_16x8x16(acc[m][q], a0, xv[q].x, xv[q].y);
-          mma_bf16_16x8x16(acc[m][q], a1, xv[q].z, xv[q].w);
-        }
-      }
-    };
-    // This lane's token chunks of step `step` (zero past K and past the expert's rows).
-    auto load_x = [&](int64_t step, uint4 (&xv)[kGroups]) {
-      const int64_t chunk = step * 4 + t;
-      const bool k_ok = step < steps && chunk < k_chunks;
-#pragma unroll
-      for (int q = 0; q < kGroups; ++q)
-        xv[q] = q < groups && k_ok && x_ok[q] ? __ldg(x_row[q] + chunk)
+        for (int i = 0; i < 4; ++i)
+          wv[u][i] = k_ok && (w_ok >> i & 1u) ? __ldcs(w_row + i * row_stride + chunk)
                                               : make_uint4(0u, 0u, 0u, 0u);
-    };
-    if constexpr (!kRing) {
-      for (int64_t s0 = 0; s0 < steps; s0 += kUnroll) {
-        uint4 wv[kUnroll][4];
+      }
+      // (The x loads stay inside the group loop, each next to its MMAs: loading every group's
+      // first spilled at 2 groups.)
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t chunk = (s0 + u) * 4 + t;
-          const bool k_ok = chunk < k_chunks;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t chunk = (s0 + u) * 4 + t;
+        const bool k_ok = chunk < k_chunks;
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            wv[u][i] = k_ok && (w_ok >> i & 1u) ? __ldcs(w_row + i * row_stride + chunk)
-                                                : make_uint4(0u, 0u, 0u, 0u);
-        }
-        // (The x loads stay inside the group loop, each next to its MMAs: loading every group's
-        // first, as the ring does, spilled at 2 groups.)
+        for (int q = 0; q < kGroups; ++q) {
+          if (q >= groups) break;
+          const uint4 xv = k_ok && x_ok[q] ? __ldg(x_row[q] + chunk) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t chunk = (s0 + u) * 4 + t;
-          const bool k_ok = chunk < k_chunks;
-#pragma unroll
-          for (int q = 0; q < kGroups; ++q) {
-            if (q >= groups) break;
-            const uint4 xv =
-                k_ok && x_ok[q] ? __ldg(x_row[q] + chunk) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-              const uint4& lo = wv[u][2 * m];
-              const uint4& hi = wv[u][2 * m + 1];
-              const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
-              const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
-              mma_bf16_16x8x16(acc[m][q], a0, xv.x, xv.y);
-              mma_bf16_16x8x16(acc[m][q], a1, xv.z, xv.w);
-            }
+          for (int m = 0; m < 2; ++m) {
+            const uint4& lo = wv[u][2 * m];
+            const uint4& hi = wv[u][2 * m + 1];
+            const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+            const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+            mma_bf16_16x8x16(acc[m][q], a0, xv.x, xv.y);
+            mma_bf16_16x8x16(acc[m][q], a1, xv.z, xv.w);
           }
         }
       }
-    } else {
-      // Step `step`'s weight chunks of this lane into ring slot `slot` (rows past N and k past K
-      // zero-filled); one commit group per step, empty past the last.
-      auto issue = [&](int64_t step, int slot) {
-        if (step < steps) {
-          const int64_t chunk = step * 4 + t;
-          const bool k_ok = chunk < k_chunks;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const bool ok = k_ok && (w_ok >> i & 1u);
-            cp_async_16(&ring[warp][slot][i][lane], ok ? w_row + i * row_stride + chunk : w_row, ok);
-          }
-        }
-        cp_async_commit();
-      };
-#pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) issue(s, s);
-      uint4 xv[kGroups];
-      load_x(0, xv);
-      int slot = 0;  // step % kStages
-      for (int64_t step = 0; step < steps; ++step) {
-        cp_async_wait<kStages - 2>();  // this lane's copies of `step` have landed
-        uint4 wv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wv[i] = ring[warp][slot][i][lane];
-        // Refill the slot the previous step used (its values were consumed by that step's MMAs).
-        issue(step + kStages - 1, slot == 0 ? kStages - 1 : slot - 1);
-        uint4 xv_next[kGroups];
-        load_x(step + 1, xv_next);
-        mma_step(wv, xv);
-#pragma unroll
-        for (int q = 0; q < kGroups; ++q) xv[q] = xv_next[q];
-        slot = slot + 1 == kStages ? 0 : slot + 1;
-      }
-      cp_async_wait<0>();  // nothing of this pass left in flight before the next pass's prologue
     }
     // acc[m][q]: C[row n0 + 16m + g (+8 for c2, c3)][token pass0 + 8q + 2t (+1 for c1, c3)].
 #pragma unroll
@@ -213,19 +139,15 @@ __global__ void __launch_bounds__(kThreads, kGroups == 4 ? 3 : 4)
 }  // namespace
 
 void launch_grouped_few_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
-                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y, bool ring,
+                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                      CUstream_st* stream) {
   if (E <= 0 || N <= 0 || K <= 0) return;
   const dim3 grid(unsigned((N + kRowsPerCta - 1) / kRowsPerCta), unsigned(E));
   // Token groups per pass by the mean rows per expert (an expert with more rows makes further
   // passes over its weights).
-  auto pick = [&](auto ring_tag) {
-    constexpr bool kRingOn = decltype(ring_tag)::value;
-    return R <= 2 * int64_t(E)   ? grouped_few_rows_nk_bf16_kernel<1, kRingOn>
-           : R <= 6 * int64_t(E) ? grouped_few_rows_nk_bf16_kernel<2, kRingOn>
-                                 : grouped_few_rows_nk_bf16_kernel<4, kRingOn>;
-  };
-  auto kernel = ring ? pick(std::true_type{}) : pick(std::false_type{});
+  auto kernel = R <= 2 * int64_t(E)   ? grouped_few_rows_nk_bf16_kernel<1>
+                : R <= 6 * int64_t(E) ? grouped_few_rows_nk_bf16_kernel<2>
+                                      : grouped_few_rows_nk_bf16_kernel<4>;
   kernel<<<grid, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W), offsets,
       K, N, reinterpret_cast<__nv_bfloat16*>(Y));

@@ -14,8 +14,9 @@
 // stage is refilled next), barrier, refill, then four m64n128k16 wgmmas (one per 16-deep slice)
 // as one batch left in flight while the next step's copies land.
 //
-// Written 2026-11-30 without a GPU to run it on: opt-in (moe_set_grouped_wgmma, env
-// DM_MOE_WGMMA=1) until a device run checks it against the mma.sync kernel and times it.
+// The default since its first H200 run (2026-11-30, fourteenth session): it passes the tile and
+// grouped tests, and takes the gpu_1b training step (B 1, T 4096, recompute off) from
+// 119.1/119.5 ms on the mma.sync kernel to 117.9/117.9 (DM_MOE_WGMMA=0 selects mma.sync).
 //
 // Rows past the expert's end, rows past N and k past K are zero-filled in shared memory; each
 // output element has one writer and a fixed summation order: deterministic, no atomics.

@@ -89,10 +89,8 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
 // rows per pass. Any row count works (further passes per expert), but it pays off below
 // kMoeFewRowsPerExpert (moe.h) rows per expert on average. Deterministic; K multiple of 8, pointers
 // 16-byte aligned.
-// ring: weights through a per-warp cp.async ring in shared memory instead of plain loads into
-// registers (moe_few_rows_ring(), moe.h).
 void launch_grouped_few_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
-                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y, bool ring,
+                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                      CUstream_st* stream);
 // Grouped expert GEMMs over the non-empty experts (host_offsets [E+1] is the host copy of the
 // plan's offsets, device_offsets the device one), bf16 in and out, fp32 accumulate:
