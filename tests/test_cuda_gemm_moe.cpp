@@ -516,9 +516,8 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   const Bf16Host a = random_bf16(64 * 64, 301), b = random_bf16(128 * 64, 302);
   cuda::DeviceArena arena(size_t(1) << 20);
-  float* c_dev = test::mla::alloc_poisoned<float>(arena, 64 * 128);
-  cuda::moe_wgmma_tile_check(upload(arena, a.bits), upload(arena, b.bits), c_dev);
-  const std::vector<float> c = download(c_dev, 64 * 128);
+  const uint16_t* a_dev = upload(arena, a.bits);
+  const uint16_t* b_dev = upload(arena, b.bits);
   std::vector<float> ref(64 * 128);
   for (int i = 0; i < 64; ++i)
     for (int j = 0; j < 128; ++j) {
@@ -527,9 +526,17 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
         sum += double(a.values[size_t(i * 64 + k)]) * double(b.values[size_t(j * 64 + k)]);
       ref[size_t(i * 128 + j)] = float(sum);
     }
-  ASSERT_TRUE(test::mla::all_finite(c));
-  // fp32 accumulation of exact bf16 products: only the summation order differs.
-  EXPECT_LE(test::rel_rms(c.data(), ref.data(), ref.size()), 1e-5);
+  // Both operands K-major (the forward), B MN-major (the backward's rows), both MN-major (its
+  // weight gradients).
+  for (int transposed : {0, 1, 2}) {
+    SCOPED_TRACE(str_cat("transposed=", transposed));
+    float* c_dev = test::mla::alloc_poisoned<float>(arena, 64 * 128);
+    cuda::moe_wgmma_tile_check(a_dev, b_dev, c_dev, transposed);
+    const std::vector<float> c = download(c_dev, 64 * 128);
+    ASSERT_TRUE(test::mla::all_finite(c));
+    // fp32 accumulation of exact bf16 products: only the summation order differs.
+    EXPECT_LE(test::rel_rms(c.data(), ref.data(), ref.size()), 1e-5);
+  }
 }
 
 // Both versions of the kernel: warpgroup MMA (the default) and mma.sync (DM_MOE_WGMMA=0).

@@ -337,90 +337,103 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     // Non-zero starting gradients: the weight-gradient GEMMs accumulate (beta = 1).
     const std::vector<float> grad0 = test::random_normal(size_t(E * F * Din), 97, 0.01f);
 
-    for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
-      SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU));
-      GluActivation act;
-      act.kind = kind;
-      cuda::GemmContext context;
-      cuda::DeviceArena arena(size_t(64) << 20);
-      auto upload = [&](const auto& host) {
-        using T = typename std::decay_t<decltype(host)>::value_type;
-        T* device = arena.alloc<T>(host.size());
-        cuda::copy_to_device(device, host.data(), host.size() * sizeof(T));
-        return device;
-      };
-      std::vector<int64_t> host_offsets(size_t(E) + 1);
-      cuda::MoeDispatchPlan plan;
-      cuda::moe_dispatch_plan_build(upload(idx), N, k, int(E), &plan, arena, host_offsets.data());
-      for (int e : empty) ASSERT_EQ(host_offsets[size_t(e) + 1], host_offsets[size_t(e)]);
-      const cuda::ExpertWeightsBf16 ew{upload(test::to_bf16(gate)), upload(test::to_bf16(up)),
-                                       upload(test::to_bf16(down)), E, Din, F};
-      const uint16_t* x_dev = upload(test::to_bf16(x));
-      const float* w_dev = upload(w);
-      const float* dy_dev = upload(dy);
-      void* workspace = arena.alloc_bytes(cuda::moe_experts_backward_workspace_bytes(N, k, ew));
+    const bool rows_before = cuda::moe_grouped_wgmma_backward();
+    const bool wgrad_before = cuda::moe_wgmma_weight_grad();
+    // The mma.sync kernels, then the wgmma ones (both grouped paths take them).
+    for (bool wgmma : {false, true})
+      for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
+        SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " wgmma=", wgmma));
+        cuda::moe_set_grouped_wgmma_backward(wgmma);
+        cuda::moe_set_wgmma_weight_grad(wgmma);
+        GluActivation act;
+        act.kind = kind;
+        cuda::GemmContext context;
+        cuda::DeviceArena arena(size_t(64) << 20);
+        auto upload = [&](const auto& host) {
+          using T = typename std::decay_t<decltype(host)>::value_type;
+          T* device = arena.alloc<T>(host.size());
+          cuda::copy_to_device(device, host.data(), host.size() * sizeof(T));
+          return device;
+        };
+        std::vector<int64_t> host_offsets(size_t(E) + 1);
+        cuda::MoeDispatchPlan plan;
+        cuda::moe_dispatch_plan_build(upload(idx), N, k, int(E), &plan, arena, host_offsets.data());
+        for (int e : empty) ASSERT_EQ(host_offsets[size_t(e) + 1], host_offsets[size_t(e)]);
+        const cuda::ExpertWeightsBf16 ew{upload(test::to_bf16(gate)),
+                                         upload(test::to_bf16(up)),
+                                         upload(test::to_bf16(down)),
+                                         E,
+                                         Din,
+                                         F};
+        const uint16_t* x_dev = upload(test::to_bf16(x));
+        const float* w_dev = upload(w);
+        const float* dy_dev = upload(dy);
+        void* workspace = arena.alloc_bytes(cuda::moe_experts_backward_workspace_bytes(N, k, ew));
 
-      // GroupedOwn runs on the same plan without its host copy (what the layers build for it):
-      // nothing it does may read host offsets.
-      cuda::MoeDispatchPlan device_only = plan;
-      device_only.host_offsets = nullptr;
-      auto run = [&](cuda::MoeGemmPath path) {
-        cuda::ExpertGradsF32 grads;
-        grads.gate = upload(grad0);
-        grads.up = upload(grad0);
-        grads.down = upload(grad0);
-        float* dweights = upload(std::vector<float>(size_t(N * k), 7.0f));
-        float* dx = upload(std::vector<float>(size_t(N * Din), 7.0f));  // garbage: must be written
-        // The same (Loop) recompute for both, so only the backward's path differs.
-        cuda::moe_experts_recompute(context, x_dev, plan, w_dev, ew, act, nullptr, workspace,
-                                    cuda::MoeGemmPath::Loop);
-        cuda::moe_experts_backward(context,
-                                   path == cuda::MoeGemmPath::GroupedOwn ? device_only : plan,
-                                   w_dev, ew, act, dy_dev, dweights, dx,
-                                   /*dx_accumulate=*/false, grads, workspace, nullptr, path);
-        ExpertsBackwardResult r;
-        r.dweights = test::DeviceScratch::download(dweights, size_t(N * k));
-        r.dx = test::DeviceScratch::download(dx, size_t(N * Din));
-        r.gate = test::DeviceScratch::download(grads.gate, grad0.size());
-        r.up = test::DeviceScratch::download(grads.up, grad0.size());
-        r.down = test::DeviceScratch::download(grads.down, grad0.size());
-        return r;
-      };
-      const ExpertsBackwardResult grouped = run(cuda::MoeGemmPath::Grouped);
-      const ExpertsBackwardResult own = run(cuda::MoeGemmPath::GroupedOwn);
-      const ExpertsBackwardResult loop = run(cuda::MoeGemmPath::Loop);
-      // GroupedOwn differs from Grouped in the dh kernel only: dW_down (upstream of dh) is
-      // bitwise equal; the rest within dh's bf16 rounding flips, against the loop as below.
-      expect_paths_agree("own expert_down", own.down, grouped.down, 0.0);
-      expect_paths_agree("own dweights", own.dweights, loop.dweights, 0.0);
-      expect_paths_agree("own dx", own.dx, loop.dx, 1e-5);
-      expect_paths_agree("own expert_gate", own.gate, loop.gate, 1e-5);
-      expect_paths_agree("own expert_up", own.up, loop.up, 1e-5);
-      // Same kernel in both paths: dweights (upstream of the dh GEMM).
-      expect_paths_agree("dweights", grouped.dweights, loop.dweights, 0.0);
-      // The weight gradients and dx rows come from our grouped kernels against one cuBLAS GEMM
-      // per expert (fp32 sums in another order; dW_down was bitwise equal on an H200 at both
-      // shapes). dx, dW_gate and dW_up also sit downstream of the dh GEMM, whose kernel differs
-      // (grouped vs cuBLASLt): at the larger shape a few dh elements round to the neighbouring
-      // bf16 value, which moves them by ~5e-6 relative RMS. 1e-5 leaves room for that; a wrong
-      // group mapping, tile edge or skipped expert gives O(0.1–1).
-      expect_paths_agree("expert_down", grouped.down, loop.down, 1e-5);
-      expect_paths_agree("dx", grouped.dx, loop.dx, 1e-5);
-      expect_paths_agree("expert_gate", grouped.gate, loop.gate, 1e-5);
-      expect_paths_agree("expert_up", grouped.up, loop.up, 1e-5);
-      // Empty experts: their gradients untouched (still the starting values) in both paths.
-      const int64_t per_expert = F * Din;
-      for (const ExpertsBackwardResult* r : {&grouped, &own, &loop})
-        for (int e : empty)
-          for (int64_t i = e * per_expert; i < (e + 1) * per_expert; ++i) {
-            ASSERT_EQ(r->gate[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;
-            ASSERT_EQ(r->up[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;
-            ASSERT_EQ(r->down[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;
-          }
-      // Non-empty experts got something.
-      EXPECT_GT(test::rel_rms(loop.gate.data(), grad0.data(), grad0.size()), 1e-3);
-      EXPECT_GT(test::rel_rms(loop.down.data(), grad0.data(), grad0.size()), 1e-3);
-    }
+        // GroupedOwn runs on the same plan without its host copy (what the layers build for it):
+        // nothing it does may read host offsets.
+        cuda::MoeDispatchPlan device_only = plan;
+        device_only.host_offsets = nullptr;
+        auto run = [&](cuda::MoeGemmPath path) {
+          cuda::ExpertGradsF32 grads;
+          grads.gate = upload(grad0);
+          grads.up = upload(grad0);
+          grads.down = upload(grad0);
+          float* dweights = upload(std::vector<float>(size_t(N * k), 7.0f));
+          float* dx =
+              upload(std::vector<float>(size_t(N * Din), 7.0f));  // garbage: must be written
+          // The same (Loop) recompute for both, so only the backward's path differs.
+          cuda::moe_experts_recompute(context, x_dev, plan, w_dev, ew, act, nullptr, workspace,
+                                      cuda::MoeGemmPath::Loop);
+          cuda::moe_experts_backward(context,
+                                     path == cuda::MoeGemmPath::GroupedOwn ? device_only : plan,
+                                     w_dev, ew, act, dy_dev, dweights, dx,
+                                     /*dx_accumulate=*/false, grads, workspace, nullptr, path);
+          ExpertsBackwardResult r;
+          r.dweights = test::DeviceScratch::download(dweights, size_t(N * k));
+          r.dx = test::DeviceScratch::download(dx, size_t(N * Din));
+          r.gate = test::DeviceScratch::download(grads.gate, grad0.size());
+          r.up = test::DeviceScratch::download(grads.up, grad0.size());
+          r.down = test::DeviceScratch::download(grads.down, grad0.size());
+          return r;
+        };
+        const ExpertsBackwardResult grouped = run(cuda::MoeGemmPath::Grouped);
+        const ExpertsBackwardResult own = run(cuda::MoeGemmPath::GroupedOwn);
+        const ExpertsBackwardResult loop = run(cuda::MoeGemmPath::Loop);
+        // GroupedOwn differs from Grouped in the dh kernel only: dW_down (upstream of dh) is
+        // bitwise equal; the rest within dh's bf16 rounding flips, against the loop as below.
+        expect_paths_agree("own expert_down", own.down, grouped.down, 0.0);
+        expect_paths_agree("own dweights", own.dweights, loop.dweights, 0.0);
+        expect_paths_agree("own dx", own.dx, loop.dx, 1e-5);
+        expect_paths_agree("own expert_gate", own.gate, loop.gate, 1e-5);
+        expect_paths_agree("own expert_up", own.up, loop.up, 1e-5);
+        // Same kernel in both paths: dweights (upstream of the dh GEMM).
+        expect_paths_agree("dweights", grouped.dweights, loop.dweights, 0.0);
+        // The weight gradients and dx rows come from our grouped kernels against one cuBLAS GEMM
+        // per expert (fp32 sums in another order; dW_down was bitwise equal on an H200 at both
+        // shapes). dx, dW_gate and dW_up also sit downstream of the dh GEMM, whose kernel differs
+        // (grouped vs cuBLASLt): at the larger shape a few dh elements round to the neighbouring
+        // bf16 value, which moves them by ~5e-6 relative RMS. 1e-5 leaves room for that; a wrong
+        // group mapping, tile edge or skipped expert gives O(0.1–1).
+        expect_paths_agree("expert_down", grouped.down, loop.down, 1e-5);
+        expect_paths_agree("dx", grouped.dx, loop.dx, 1e-5);
+        expect_paths_agree("expert_gate", grouped.gate, loop.gate, 1e-5);
+        expect_paths_agree("expert_up", grouped.up, loop.up, 1e-5);
+        // Empty experts: their gradients untouched (still the starting values) in both paths.
+        const int64_t per_expert = F * Din;
+        for (const ExpertsBackwardResult* r : {&grouped, &own, &loop})
+          for (int e : empty)
+            for (int64_t i = e * per_expert; i < (e + 1) * per_expert; ++i) {
+              ASSERT_EQ(r->gate[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;
+              ASSERT_EQ(r->up[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;
+              ASSERT_EQ(r->down[size_t(i)], grad0[size_t(i)]) << "empty expert " << e;
+            }
+        // Non-empty experts got something.
+        EXPECT_GT(test::rel_rms(loop.gate.data(), grad0.data(), grad0.size()), 1e-3);
+        EXPECT_GT(test::rel_rms(loop.down.data(), grad0.data(), grad0.size()), 1e-3);
+      }
+    cuda::moe_set_grouped_wgmma_backward(rows_before);
+    cuda::moe_set_wgmma_weight_grad(wgrad_before);
   }
 }
 

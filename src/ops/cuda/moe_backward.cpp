@@ -4,15 +4,16 @@
 #include "ops/cuda/moe_backward.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <cstdint>
 #include <limits>
 
 #include "core/error.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/moe_experts_chain.h"
 #include "ops/cuda/moe_kernels.h"
 
@@ -77,6 +78,32 @@ ExpertBuffers carve(void* workspace, int64_t rows, const ExpertWeightsBf16& ew) 
   b.dx_sorted = static_cast<float*>(take(R * Din * 4));
   b.pointers = static_cast<const void**>(take(moe_detail::expert_pointer_array_bytes(int(ew.E))));
   return b;
+}
+
+// The grouped products through the wgmma kernels or the mma.sync ones (moe.h
+// moe_grouped_wgmma_backward(), moe_wgmma_weight_grad()); the same contracts (moe_kernels.h).
+void grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                         const int64_t* offsets, int E, int64_t M, int64_t N, float* C,
+                         CUstream_st* stream) {
+  if (moe_wgmma_weight_grad())
+    moe_detail::launch_grouped_weight_grad_wgmma(A, lda, B, ldb, offsets, E, M, N, C, stream);
+  else
+    moe_detail::launch_grouped_weight_grad(A, lda, B, ldb, offsets, E, M, N, C, stream);
+}
+void grouped_rows_bf16(const uint16_t* A, const uint16_t* B, const int64_t* offsets, int E,
+                       int64_t R, int64_t K, int64_t N, uint16_t* Y, CUstream_st* stream) {
+  if (moe_grouped_wgmma_backward())
+    moe_detail::launch_grouped_rows_bf16_wgmma(A, B, offsets, E, R, K, N, Y, stream);
+  else
+    moe_detail::launch_grouped_rows_bf16(A, B, offsets, E, R, K, N, Y, stream);
+}
+void grouped_rows_f32(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
+                      const uint16_t* B2, const int64_t* offsets, int E, int64_t R, int64_t K,
+                      int64_t N, float* Y, CUstream_st* stream) {
+  if (moe_grouped_wgmma_backward())
+    moe_detail::launch_grouped_rows_f32_wgmma(A1, B1, A2, B2, offsets, E, R, K, N, Y, stream);
+  else
+    moe_detail::launch_grouped_rows_f32(A1, B1, A2, B2, offsets, E, R, K, N, Y, stream);
 }
 
 }  // namespace
@@ -164,19 +191,16 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   const bool ours = own || (grouped && grouped_f32_kernels());
   if (own) {
     if (grads.down)
-      moe_detail::launch_grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F,
-                                             grads.down, stream);
+      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream);
     // dh [R, F] = dout_e [n_e, Din]·W_down_e [Din, F], written over h (queued after dW_down).
-    moe_detail::launch_grouped_rows_bf16(dout, ew.down, plan.offsets, int(ew.E), rows, Din, F,
-                                         buf.h, stream);
+    grouped_rows_bf16(dout, ew.down, plan.offsets, int(ew.E), rows, Din, F, buf.h, stream);
   } else if (grouped) {
     // dW_down has an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B: every
     // expert's in one launch of our grouped kernel, queued before the dh GEMMs overwrite h; then
     // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
     // (stream order), so the dh arrays reuse the first 3E entries of the same region.
     if (grads.down && ours)
-      moe_detail::launch_grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F,
-                                             grads.down, stream);
+      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream);
     if (grads.down && !ours)
       for (int64_t e = 0; e < ew.E; ++e) {
         const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
@@ -217,14 +241,14 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   // (the reference).
   if (ours) {
     if (grads.gate)
-      moe_detail::launch_grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
-                                             Din, grads.gate, stream);
+      grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F, Din, grads.gate,
+                          stream);
     if (grads.up)
-      moe_detail::launch_grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F,
-                                             Din, grads.up, stream);
+      grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F, Din, grads.up,
+                          stream);
     if (dx)
-      moe_detail::launch_grouped_rows_f32(dg, ew.gate, du, ew.up, plan.offsets, int(ew.E), rows,
-                                          F, Din, buf.dx_sorted, stream);
+      grouped_rows_f32(dg, ew.gate, du, ew.up, plan.offsets, int(ew.E), rows, F, Din, buf.dx_sorted,
+                       stream);
   }
   for (int64_t e = 0; e < ew.E && !ours; ++e) {
     const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;

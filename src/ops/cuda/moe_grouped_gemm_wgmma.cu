@@ -144,19 +144,29 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel
 }
 
 // One warpgroup, one 64 × 128 tile over K = 64, fp32 out: the descriptor, swizzle, fence and
-// fragment conventions alone, without the ring or the expert tiling (moe_wgmma_tile_check).
-__global__ void __launch_bounds__(128) wgmma_tile_check_kernel(const __nv_bfloat16* __restrict__ A,
-                                                               const __nv_bfloat16* __restrict__ B,
-                                                               float* __restrict__ C) {
-  __shared__ __align__(1024) uint8_t tiles[2 * kTileBytes];  // A rows 0..63, then B rows 0..127
+// fragment conventions alone, without the ring or the expert tiling (moe_wgmma_tile_check). A
+// and B go to shared memory K-major, or MN-major where kTransA / kTransB (wgmma.cuh's layouts;
+// A's 64 rows are one MN atom, B's 128 two), element by element.
+template <int kTransA, int kTransB>
+__global__ void __launch_bounds__(128)
+    wgmma_tile_check_kernel(const __nv_bfloat16* __restrict__ A,
+                            const __nv_bfloat16* __restrict__ B, float* __restrict__ C) {
+  __shared__ __align__(1024) uint8_t tiles[2 * kTileBytes];  // A (8 KB used), then B
   const int t = threadIdx.x;
-  for (int chunk = t; chunk < (64 + 128) * 8; chunk += 128) {
-    const int r = chunk / 8, c = chunk % 8;  // row of A (r < 64) or of B (r − 64), k chunk
-    const __nv_bfloat16* src = r < 64 ? A + r * 64 + c * 8 : B + (r - 64) * 64 + c * 8;
-    uint8_t* base = r < 64 ? tiles : tiles + kTileBytes;
-    const int row = r < 64 ? r : r - 64;
-    *reinterpret_cast<uint4*>(base + row * kRowBytes + ((c ^ (row & 7)) << 4)) =
-        *reinterpret_cast<const uint4*>(src);
+  // Byte offset of element (row i, k) of an operand: K-major line i, or MN-major atom i / 64,
+  // line k of it.
+  auto offset = [](bool mn_major, int i, int k) {
+    if (!mn_major) return i * kRowBytes + (((k / 8) ^ (i & 7)) << 4) + (k % 8) * 2;
+    const int line = (i / 64) * 64 + k;
+    return line * kRowBytes + ((((i % 64) / 8) ^ (k & 7)) << 4) + (i % 8) * 2;
+  };
+  for (int idx = t; idx < (64 + 128) * 64; idx += 128) {
+    const int i = idx / 64, k = idx % 64;  // row of A (i < 64) or of B (i − 64), k
+    if (i < 64)
+      *reinterpret_cast<__nv_bfloat16*>(tiles + offset(kTransA, i, k)) = A[i * 64 + k];
+    else
+      *reinterpret_cast<__nv_bfloat16*>(tiles + kTileBytes + offset(kTransB, i - 64, k)) =
+          B[(i - 64) * 64 + k];
   }
   wgmma::fence_proxy_async();
   __syncthreads();
@@ -165,9 +175,14 @@ __global__ void __launch_bounds__(128) wgmma_tile_check_kernel(const __nv_bfloat
   for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
   wgmma::wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-    wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(tiles + kk * 32),
-                               wgmma::smem_desc_sw128(tiles + kTileBytes + kk * 32), true);
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t da = kTransA ? wgmma::smem_desc_sw128_mn(tiles + kk * 16 * kRowBytes, 8192)
+                                : wgmma::smem_desc_sw128(tiles + kk * 32);
+    const uint64_t db =
+        kTransB ? wgmma::smem_desc_sw128_mn(tiles + kTileBytes + kk * 16 * kRowBytes, 8192)
+                : wgmma::smem_desc_sw128(tiles + kTileBytes + kk * 32);
+    wgmma::mma_m64n128k16_bf16<kTransA, kTransB>(acc, da, db, true);
+  }
   wgmma::wgmma_commit();
   wgmma::wgmma_wait<0>();
   const int warp = t / 32, lane = t % 32;
@@ -201,9 +216,14 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
 
 namespace dm::cuda {
 
-void moe_wgmma_tile_check(const uint16_t* A, const uint16_t* B, float* C) {
-  moe_detail::wgmma_tile_check_kernel<<<1, 128>>>(reinterpret_cast<const __nv_bfloat16*>(A),
-                                                  reinterpret_cast<const __nv_bfloat16*>(B), C);
+void moe_wgmma_tile_check(const uint16_t* A, const uint16_t* B, float* C, int transposed) {
+  DM_CHECK(transposed >= 0 && transposed <= 2,
+           "moe_wgmma_tile_check: transposed must be 0, 1 or 2");
+  auto A16 = reinterpret_cast<const __nv_bfloat16*>(A);
+  auto B16 = reinterpret_cast<const __nv_bfloat16*>(B);
+  if (transposed == 0) moe_detail::wgmma_tile_check_kernel<0, 0><<<1, 128>>>(A16, B16, C);
+  if (transposed == 1) moe_detail::wgmma_tile_check_kernel<0, 1><<<1, 128>>>(A16, B16, C);
+  if (transposed == 2) moe_detail::wgmma_tile_check_kernel<1, 1><<<1, 128>>>(A16, B16, C);
   DM_CUDA_CHECK(cudaGetLastError());
   DM_CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -79,10 +79,22 @@ void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int
                                  CUstream_st* stream);
 
 // The same product on Hopper's warpgroup MMA (moe_grouped_gemm_wgmma.cu): same grid, tiling,
-// contract and output; opt-in (moe_grouped_wgmma(), moe.h) until a device run has checked it.
+// contract and output; the default (moe_grouped_wgmma(), moe.h).
 void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
                                        const int64_t* offsets, int E, int64_t R, int64_t K,
                                        int64_t N, uint16_t* Y, CUstream_st* stream);
+// The backward's products on warpgroup MMA (moe_grouped_gemm_wgmma_backward.cu): the same
+// contracts, grids and outputs as launch_grouped_rows_f32, launch_grouped_rows_bf16 and
+// launch_grouped_weight_grad.
+void launch_grouped_rows_f32_wgmma(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2,
+                                   const uint16_t* B2, const int64_t* offsets, int E, int64_t R,
+                                   int64_t K, int64_t N, float* Y, CUstream_st* stream);
+void launch_grouped_rows_bf16_wgmma(const uint16_t* A, const uint16_t* B, const int64_t* offsets,
+                                    int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
+                                    CUstream_st* stream);
+void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint16_t* B,
+                                      int64_t ldb, const int64_t* offsets, int E, int64_t M,
+                                      int64_t N, float* C, CUstream_st* stream);
 // The same product for few rows per expert (moe_grouped_few_rows.cu): weights as the MMA's
 // M operand, tokens as its N, each expert's W streamed once into registers; one CTA per
 // (128 weight rows, expert), grid (ceil(N / 128), E). R = offsets[E] (the host's N·k) sets the

@@ -10,6 +10,17 @@
 // the same descriptor with its start address advanced by 32·kk bytes (the hardware applies the
 // XOR to the address bits, so the advanced start reads the right chunks of every row).
 //
+// MN-major tiles (128-byte swizzle; the operand's rows run along k, its MN elements are
+// contiguous, as in a [k][n] weight or the [rows][m] activations of a weight gradient): 64 MN
+// elements (128 bytes) per line, one line per k. A 128-wide operand is two such atoms,
+// [atom][k line][128 bytes], each 64 lines deep for a 64-deep k step; the 16-byte chunk c
+// (mn = 64·atom + 8c … +7) of line k sits at (64·atom + k)·128 + ((c ^ (k mod 8))·16), the same
+// swizzle as above with lines counted the same way. The descriptor's stride byte offset steps
+// from one 8-deep k group to the next (1024 bytes), its leading byte offset from one atom to the
+// next (8192 bytes for 64-deep atoms); a k16 slice kk is the start advanced by 16 lines
+// (2048·kk bytes, still 1024-byte aligned). wgmma reads such an operand with its transpose bit
+// set (the instruction's imm-trans-a / imm-trans-b).
+//
 // Accumulators of m64nNk16 (fp32), thread t of the warpgroup (warp w = t / 32, lane l): d[j],
 // j < N/2, is row 16w + l/4 + 8·((j / 2) mod 2), column 8·(j / 4) + 2·(l mod 4) + (j mod 2): the
 // mma.sync m16n8 C fragment of each 8-column block, stacked.
@@ -36,6 +47,18 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* smem) {
   return desc;
 }
 
+// Descriptor of an MN-major, 128-byte-swizzled tile at `smem` (1024-byte aligned); atom_bytes:
+// the distance from one 64-wide MN atom to the next.
+__device__ __forceinline__ uint64_t smem_desc_sw128_mn(const void* smem, uint32_t atom_bytes) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t desc = 0;
+  desc |= uint64_t((addr >> 4) & 0x3FFFu);              // start address, bits 0–13
+  desc |= uint64_t((atom_bytes >> 4) & 0x3FFFu) << 16;  // leading byte offset: next MN atom
+  desc |= uint64_t((1024u >> 4) & 0x3FFFu) << 32;       // stride byte offset: next 8-deep k group
+  desc |= uint64_t(1u) << 62;                           // layout: 128-byte swizzle
+  return desc;
+}
+
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -50,8 +73,10 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
-// d (+)= A·Bᵀ for a 64 × 128 tile over 16 k: A [64 rows][16 k] and B [128 rows][16 k], both
-// K-major in shared memory (descriptors above). accumulate = false: d = A·Bᵀ.
+// d (+)= A·Bᵀ for a 64 × 128 tile over 16 k: A [64 rows][16 k] and B [128 rows][16 k] in shared
+// memory (descriptors above), K-major, or MN-major where kTransA / kTransB is 1. accumulate =
+// false: d = A·Bᵀ.
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
                                                     uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -59,17 +84,22 @@ __device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t des
       ".reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
 }
 
 }  // namespace dm::cuda::wgmma

@@ -1,0 +1,279 @@
+// GPU benchmark of the grouped expert GEMMs of one MoE layer's training step (moe_kernels.h), at
+// the gpu_1b shape by default: 4096 tokens × top-6 over 32 experts (24576 rows, uneven like a
+// random router), Din 512, F 1024. One row per product and kernel: the mma.sync kernels, the
+// warpgroup-MMA ones, and, as the ceiling, one
+// dense cuBLASLt GEMM of the same total size. CUDA-event timing, median of --reps runs; each wgmma
+// result is also checked against the mma.sync one (relative RMS).
+//   bench_cuda_moe_gemm [--tokens 4096] [--top-k 6] [--experts 32] [--din 512] [--ffn 1024]
+//                       [--reps 20] [--only SUBSTRING]
+// --only: run only the products whose name contains SUBSTRING (e.g. dW, for a profiler).
+// FLOP counted: rows products 2·R·K·N (dx has two), weight gradients 2·R·M·N.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#if DELTAMOE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "core/error.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/moe.h"
+#include "ops/cuda/moe_kernels.h"
+
+namespace {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw dm::Error(dm::str_cat(what, ": ", cudaGetErrorString(e)));
+}
+
+double median_ms(const std::function<void()>& fn, int reps) {
+  for (int i = 0; i < 3; ++i) fn();
+  cuda_check(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "event");
+  cuda_check(cudaEventCreate(&stop), "event");
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    cuda_check(cudaEventRecord(start), "record");
+    fn();
+    cuda_check(cudaEventRecord(stop), "record");
+    cuda_check(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    cuda_check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void fill_random_bf16(uint16_t* device, size_t n, uint32_t seed) {
+  std::vector<uint16_t> host(n);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& x : host) x = dm::cuda::float_to_bf16(normal(rng));
+  dm::cuda::copy_to_device(device, host.data(), n * 2);
+}
+
+// Relative RMS of a against b (host copies of two device arrays of n floats or bf16).
+double rel_rms_device(const void* a, const void* b, size_t n, bool bf16) {
+  std::vector<double> x(n), y(n);
+  if (bf16) {
+    std::vector<uint16_t> ha(n), hb(n);
+    dm::cuda::copy_to_host(ha.data(), a, n * 2);
+    dm::cuda::copy_to_host(hb.data(), b, n * 2);
+    for (size_t i = 0; i < n; ++i) {
+      x[i] = dm::cuda::bf16_to_float(ha[i]);
+      y[i] = dm::cuda::bf16_to_float(hb[i]);
+    }
+  } else {
+    std::vector<float> ha(n), hb(n);
+    dm::cuda::copy_to_host(ha.data(), a, n * 4);
+    dm::cuda::copy_to_host(hb.data(), b, n * 4);
+    for (size_t i = 0; i < n; ++i) {
+      x[i] = ha[i];
+      y[i] = hb[i];
+    }
+  }
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (x[i] - y[i]) * (x[i] - y[i]);
+    den += y[i] * y[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+int run(int argc, char** argv) {
+  using namespace dm;
+  int64_t tokens = 4096, top_k = 6, E = 32, Din = 512, F = 1024;
+  int reps = 20;
+  std::string only;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const int64_t v = std::atoll(argv[i + 1]);
+    if (a == "--only")
+      only = argv[i + 1];
+    else if (a == "--tokens")
+      tokens = v;
+    else if (a == "--top-k")
+      top_k = v;
+    else if (a == "--experts")
+      E = v;
+    else if (a == "--din")
+      Din = v;
+    else if (a == "--ffn")
+      F = v;
+    else if (a == "--reps")
+      reps = int(v);
+    else
+      throw Error(str_cat("unknown option ", a));
+  }
+  std::printf("device: %s\n", cuda::device_description().c_str());
+  // Rows per expert: top_k distinct experts per token, uniformly at random.
+  std::mt19937 rng(7);
+  std::vector<int64_t> counts(size_t(E), 0);
+  std::vector<int> experts(static_cast<size_t>(E));
+  for (int e = 0; e < int(E); ++e) experts[size_t(e)] = e;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    for (int64_t s = 0; s < top_k; ++s) ++counts[size_t(experts[size_t(s)])];
+  }
+  std::vector<int64_t> offsets(size_t(E) + 1, 0);
+  for (int64_t e = 0; e < E; ++e) offsets[size_t(e) + 1] = offsets[size_t(e)] + counts[size_t(e)];
+  const int64_t R = offsets[size_t(E)];
+  const auto [lo, hi] = std::minmax_element(counts.begin(), counts.end());
+  std::printf("%lld rows over %lld experts (%lld … %lld each), Din %lld, F %lld\n", (long long)R,
+              (long long)E, (long long)*lo, (long long)*hi, (long long)Din, (long long)F);
+
+  cuda::DeviceArena arena(size_t(4) << 30);
+  auto bf16 = [&](size_t n, uint32_t seed) {
+    uint16_t* p = arena.alloc<uint16_t>(n);
+    fill_random_bf16(p, n, seed);
+    return p;
+  };
+  int64_t* d_offsets = arena.alloc<int64_t>(offsets.size());
+  cuda::copy_to_device(d_offsets, offsets.data(), offsets.size() * sizeof(int64_t));
+  const uint16_t* x = bf16(size_t(R * Din), 1);  // sorted token rows
+  const uint16_t* h = bf16(size_t(R * F), 2);    // GLU output rows
+  const uint16_t* dg = bf16(size_t(R * F), 3);   // gate / up gradients
+  const uint16_t* du = bf16(size_t(R * F), 4);
+  const uint16_t* dout = bf16(size_t(R * Din), 5);        // output-row gradients
+  const uint16_t* w_gate = bf16(size_t(E * F * Din), 6);  // [E, F, Din]
+  const uint16_t* w_up = bf16(size_t(E * F * Din), 7);
+  const uint16_t* w_down = bf16(size_t(E * Din * F), 8);  // [E, Din, F]
+  const size_t big = size_t(std::max(R * F, E * F * Din));
+  float* ref_f32 = arena.alloc<float>(big);
+  float* out_f32 = arena.alloc<float>(big);
+  uint16_t* ref_bf16 = arena.alloc<uint16_t>(big);
+  uint16_t* out_bf16 = arena.alloc<uint16_t>(big);
+  cuda::GemmContext gemm;
+
+  struct Product {
+    const char* name;
+    double flop;
+    bool bf16_out;
+    size_t out_elems;
+    std::function<void(bool wgmma, void* out)> run;
+    std::function<void()> dense;  // the same FLOPs as one cuBLASLt GEMM
+  };
+  const double rows = double(R);
+  std::vector<Product> products = {
+      {"fwd gate (x·W_gateᵀ)", 2 * rows * Din * F, true, size_t(R * F),
+       [&](bool w, void* o) {
+         auto f = w ? cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma
+                    : cuda::moe_detail::launch_grouped_rows_nk_bf16;
+         f(x, w_gate, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), nullptr);
+       },
+       [&] {
+         gemm.gemm_bf16(false, true, R, F, Din, 1.0f, x, Din, w_gate, Din, 0.0f, out_bf16,
+                        cuda::GemmOutType::Bf16, F);
+       }},
+      {"fwd down (h·W_downᵀ)", 2 * rows * F * Din, true, size_t(R * Din),
+       [&](bool w, void* o) {
+         auto f = w ? cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma
+                    : cuda::moe_detail::launch_grouped_rows_nk_bf16;
+         f(h, w_down, d_offsets, int(E), R, F, Din, static_cast<uint16_t*>(o), nullptr);
+       },
+       [&] {
+         gemm.gemm_bf16(false, true, R, Din, F, 1.0f, h, F, w_down, F, 0.0f, out_bf16,
+                        cuda::GemmOutType::Bf16, Din);
+       }},
+      {"bwd dh (dout·W_down)", 2 * rows * Din * F, true, size_t(R * F),
+       [&](bool w, void* o) {
+         auto f = w ? cuda::moe_detail::launch_grouped_rows_bf16_wgmma
+                    : cuda::moe_detail::launch_grouped_rows_bf16;
+         f(dout, w_down, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), nullptr);
+       },
+       [&] {
+         gemm.gemm_bf16(false, false, R, F, Din, 1.0f, dout, Din, w_down, F, 0.0f, out_bf16,
+                        cuda::GemmOutType::Bf16, F);
+       }},
+      {"bwd dx (dg·W_gate + du·W_up)", 4 * rows * F * Din, false, size_t(R * Din),
+       [&](bool w, void* o) {
+         auto f = w ? cuda::moe_detail::launch_grouped_rows_f32_wgmma
+                    : cuda::moe_detail::launch_grouped_rows_f32;
+         f(dg, w_gate, du, w_up, d_offsets, int(E), R, F, Din, static_cast<float*>(o), nullptr);
+       },
+       [&] {
+         gemm.gemm_bf16(false, false, R, Din, 2 * F, 1.0f, dg, 2 * F, w_gate, Din, 0.0f, out_f32,
+                        cuda::GemmOutType::F32, Din);
+       }},
+      {"bwd dW_gate (dgᵀ·x)", 2 * rows * F * Din, false, size_t(E * F * Din),
+       [&](bool w, void* o) {
+         auto f = w ? cuda::moe_detail::launch_grouped_weight_grad_wgmma
+                    : cuda::moe_detail::launch_grouped_weight_grad;
+         f(dg, F, x, Din, d_offsets, int(E), F, Din, static_cast<float*>(o), nullptr);
+       },
+       [&] {
+         gemm.gemm_bf16(true, false, F, Din, R, 1.0f, dg, F, x, Din, 0.0f, out_f32,
+                        cuda::GemmOutType::F32, Din);
+       }},
+      {"bwd dW_down (doutᵀ·h)", 2 * rows * Din * F, false, size_t(E * Din * F),
+       [&](bool w, void* o) {
+         auto f = w ? cuda::moe_detail::launch_grouped_weight_grad_wgmma
+                    : cuda::moe_detail::launch_grouped_weight_grad;
+         f(dout, Din, h, F, d_offsets, int(E), Din, F, static_cast<float*>(o), nullptr);
+       },
+       [&] {
+         gemm.gemm_bf16(true, false, Din, F, R, 1.0f, dout, Din, h, F, 0.0f, out_f32,
+                        cuda::GemmOutType::F32, F);
+       }},
+  };
+  (void)w_up;
+
+  std::printf(
+      "\n| product | kernel | µs | TFLOP/s | rel RMS vs mma.sync |\n|---|---|---:|---:|---:|\n");
+  for (const Product& p : products) {
+    if (!only.empty() && std::string(p.name).find(only) == std::string::npos) continue;
+    void* ref = p.bf16_out ? static_cast<void*>(ref_bf16) : static_cast<void*>(ref_f32);
+    void* out = p.bf16_out ? static_cast<void*>(out_bf16) : static_cast<void*>(out_f32);
+    auto row = [&](const char* kernel, double ms, const char* err) {
+      std::printf("| %s | %s | %.1f | %.1f | %s |\n", p.name, kernel, ms * 1e3,
+                  p.flop / (ms * 1e-3) / 1e12, err);
+    };
+    // The weight gradients accumulate into C: each check starts from zero and runs once, before
+    // any timing.
+    auto zero = [&](void* o) { cuda_check(cudaMemset(o, 0, p.out_elems * 4), "memset"); };
+    zero(ref);
+    p.run(false, ref);
+    cuda_check(cudaDeviceSynchronize(), "mma.sync");
+    zero(out);
+    p.run(true, out);
+    cuda_check(cudaDeviceSynchronize(), "wgmma");
+    char err[32];
+    std::snprintf(err, sizeof(err), "%.2e", rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+    row("mma.sync", median_ms([&] { p.run(false, ref); }, reps), "-");
+    row("wgmma", median_ms([&] { p.run(true, out); }, reps), err);
+    row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (!dm::cuda::device_available()) {
+      std::printf("no GPU: %s\n", dm::cuda::device_description().c_str());
+      return 0;
+    }
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
+#else
+int main() {
+  std::printf("built without the CUDA backend\n");
+  return 0;
+}
+#endif
