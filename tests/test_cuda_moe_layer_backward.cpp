@@ -338,13 +338,11 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     const std::vector<float> grad0 = test::random_normal(size_t(E * F * Din), 97, 0.01f);
 
     const bool rows_before = cuda::moe_grouped_wgmma_backward();
-    const bool wgrad_before = cuda::moe_wgmma_weight_grad();
     // The mma.sync kernels, then the wgmma ones (both grouped paths take them).
     for (bool wgmma : {false, true})
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
         SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " wgmma=", wgmma));
         cuda::moe_set_grouped_wgmma_backward(wgmma);
-        cuda::moe_set_wgmma_weight_grad(wgmma);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;
@@ -433,7 +431,6 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
         EXPECT_GT(test::rel_rms(loop.down.data(), grad0.data(), grad0.size()), 1e-3);
       }
     cuda::moe_set_grouped_wgmma_backward(rows_before);
-    cuda::moe_set_wgmma_weight_grad(wgrad_before);
   }
 }
 

@@ -267,10 +267,6 @@ std::atomic<bool>& grouped_wgmma_backward_setting() {
   static std::atomic<bool> on{!env_switch("DM_MOE_WGMMA_BACKWARD", "1", "0")};
   return on;
 }
-std::atomic<bool>& wgmma_weight_grad_setting() {
-  static std::atomic<bool> on{env_switch("DM_MOE_WGMMA_WGRAD", "0", "1")};
-  return on;
-}
 }  // namespace
 
 bool moe_grouped_wgmma_backward() {
@@ -278,10 +274,6 @@ bool moe_grouped_wgmma_backward() {
 }
 void moe_set_grouped_wgmma_backward(bool on) {
   grouped_wgmma_backward_setting().store(on, std::memory_order_relaxed);
-}
-bool moe_wgmma_weight_grad() { return wgmma_weight_grad_setting().load(std::memory_order_relaxed); }
-void moe_set_wgmma_weight_grad(bool on) {
-  wgmma_weight_grad_setting().store(on, std::memory_order_relaxed);
 }
 bool moe_grouped_wgmma() { return grouped_wgmma_setting().load(std::memory_order_relaxed); }
 void moe_set_grouped_wgmma(bool on) { grouped_wgmma_setting().store(on, std::memory_order_relaxed); }

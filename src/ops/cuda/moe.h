@@ -124,16 +124,14 @@ constexpr int64_t kMoeFewRowsPerExpert = 16;
 // 117.9/117.9 ms (two rounds). Process-wide; the setter is for tests and benchmarks.
 bool moe_grouped_wgmma();
 void moe_set_grouped_wgmma(bool on);
-// The backward's grouped row products (dh, and the dx rows in both grouped paths) through warpgroup
-// MMA (moe_grouped_gemm_wgmma_backward.cu; the default) or the mma.sync kernels (env
-// DM_MOE_WGMMA_BACKWARD=0). H200, 24576 rows over 32 experts: dh 126 → 99 µs, dx 211 → 133 µs.
+// The backward's grouped products (dh, the dx rows and the expert weight gradients, in both
+// grouped paths) through warpgroup MMA (moe_grouped_gemm_wgmma_backward.cu; the default) or the
+// mma.sync kernels (env DM_MOE_WGMMA_BACKWARD=0). H200, 24576 rows over 32 experts, Din 512,
+// F 1024 (bench_cuda_moe_gemm), µs: dh 126 → 99, dx 210 → 132, dW 115 → 92; gpu_1b step
+// 115.3 → 113.8 ms against wgmma rows with mma.sync weight gradients. Process-wide; the setter is
+// for tests and benchmarks.
 bool moe_grouped_wgmma_backward();
 void moe_set_grouped_wgmma_backward(bool on);
-// The expert weight gradients through the wgmma kernel (env DM_MOE_WGMMA_WGRAD=1): off, because
-// it measured slower than the mma.sync one (251 against 115 µs at the shape above). Both
-// settings are process-wide; the setters are for tests and benchmarks.
-bool moe_wgmma_weight_grad();
-void moe_set_wgmma_weight_grad(bool on);
 // Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
 // C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
 // warpgroup, one tile; transposed: 0 = both operands K-major in shared memory, 1 = B MN-major,

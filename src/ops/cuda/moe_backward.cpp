@@ -81,11 +81,11 @@ ExpertBuffers carve(void* workspace, int64_t rows, const ExpertWeightsBf16& ew) 
 }
 
 // The grouped products through the wgmma kernels or the mma.sync ones (moe.h
-// moe_grouped_wgmma_backward(), moe_wgmma_weight_grad()); the same contracts (moe_kernels.h).
+// moe_grouped_wgmma_backward()); the same contracts (moe_kernels.h).
 void grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                          const int64_t* offsets, int E, int64_t M, int64_t N, float* C,
                          CUstream_st* stream) {
-  if (moe_wgmma_weight_grad())
+  if (moe_grouped_wgmma_backward())
     moe_detail::launch_grouped_weight_grad_wgmma(A, lda, B, ldb, offsets, E, M, N, C, stream);
   else
     moe_detail::launch_grouped_weight_grad(A, lda, B, ldb, offsets, E, M, N, C, stream);
