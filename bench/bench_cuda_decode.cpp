@@ -41,6 +41,7 @@
 #include <cuda_runtime.h>
 
 #include "core/error.h"
+#include "cuda_bench_util.h"
 #include "io/config.h"
 #include "model/cuda/decode_gpu.h"
 #include "model/cuda/gpu_run.h"
@@ -52,9 +53,7 @@ namespace {
 
 namespace cu = dm::cuda;
 
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw dm::Error(dm::str_cat(what, ": ", cudaGetErrorString(e)));
-}
+using dm::bench::cuda_check;
 
 struct Case {
   int64_t batch, context;

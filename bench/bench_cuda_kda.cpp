@@ -24,6 +24,7 @@
 #if DELTAMOE_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda_bench_util.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
 
@@ -57,24 +58,7 @@ bool g_phases = false;  // --phases: print the stage-4 phase clock after each bf
 
 template <typename Fn>
 double time_median_ms(Fn&& fn, int warmup = 2, int reps = g_reps) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(start);
-    fn();
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float elapsed = 0;
-    cudaEventElapsedTime(&elapsed, start, stop);
-    ms.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return dm::bench::median_ms(fn, reps, warmup);
 }
 
 // All device buffers of one shape in one arena; Storage = float or uint16_t (bf16).

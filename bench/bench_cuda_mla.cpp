@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include "core/error.h"
+#include "cuda_bench_util.h"
 #include "io/config.h"
 #include "ops/cpu/attention.h"
 #include "ops/cpu/ffn.h"
@@ -42,45 +43,9 @@
 
 namespace {
 
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw dm::Error(dm::str_cat(what, ": ", cudaGetErrorString(e)));
-}
-
-// Median milliseconds of `reps` runs of fn after `warmup` runs, timed with CUDA events.
-double median_ms(const std::function<void()>& fn, int reps, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cuda_check(cudaDeviceSynchronize(), "warm-up");
-  cudaEvent_t start, stop;
-  cuda_check(cudaEventCreate(&start), "event");
-  cuda_check(cudaEventCreate(&stop), "event");
-  std::vector<double> times;
-  for (int i = 0; i < reps; ++i) {
-    cuda_check(cudaEventRecord(start), "record");
-    fn();
-    cuda_check(cudaEventRecord(stop), "record");
-    cuda_check(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    cuda_check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-// Fills n bf16 values on the device with N(0, stddev) samples: one random host block, tiled by
-// device-to-device copies (timing needs non-trivial data, not independent samples everywhere).
-void fill_random_bf16(uint16_t* device, size_t n, uint32_t seed, float stddev = 1.0f) {
-  const size_t block = std::min<size_t>(n, size_t(1) << 22);
-  std::vector<uint16_t> host(block);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, stddev);
-  for (auto& x : host) x = dm::cuda::float_to_bf16(normal(rng));
-  dm::cuda::copy_to_device(device, host.data(), block * 2);
-  for (size_t done = block; done < n; done += block)
-    dm::cuda::copy_device_to_device(device + done, device, std::min(block, n - done) * 2);
-}
+using dm::bench::cuda_check;
+using dm::bench::fill_random_bf16;
+using dm::bench::median_ms;
 
 struct Row {
   std::string item, shape;

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "core/error.h"
+#include "cuda_bench_util.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
@@ -29,39 +30,9 @@
 
 namespace {
 
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw dm::Error(dm::str_cat(what, ": ", cudaGetErrorString(e)));
-}
-
-double median_ms(const std::function<void()>& fn, int reps) {
-  for (int i = 0; i < 3; ++i) fn();
-  cuda_check(cudaDeviceSynchronize(), "warm-up");
-  cudaEvent_t start, stop;
-  cuda_check(cudaEventCreate(&start), "event");
-  cuda_check(cudaEventCreate(&stop), "event");
-  std::vector<double> times;
-  for (int i = 0; i < reps; ++i) {
-    cuda_check(cudaEventRecord(start), "record");
-    fn();
-    cuda_check(cudaEventRecord(stop), "record");
-    cuda_check(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    cuda_check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-void fill_random_bf16(uint16_t* device, size_t n, uint32_t seed) {
-  std::vector<uint16_t> host(n);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (auto& x : host) x = dm::cuda::float_to_bf16(normal(rng));
-  dm::cuda::copy_to_device(device, host.data(), n * 2);
-}
+using dm::bench::cuda_check;
+using dm::bench::fill_random_bf16;
+using dm::bench::median_ms;
 
 // Relative RMS of a against b (host copies of two device arrays of n floats or bf16).
 double rel_rms_device(const void* a, const void* b, size_t n, bool bf16) {
