@@ -1,7 +1,7 @@
 // GPU benchmark of the grouped expert GEMMs of one MoE layer's training step (moe_kernels.h), at
 // the gpu_1b shape by default: 4096 tokens × top-6 over 32 experts (24576 rows, uneven like a
 // random router), Din 512, F 1024. One row per product and kernel: the mma.sync kernels, the
-// warpgroup-MMA ones, and, as the ceiling, one
+// warpgroup-MMA ones in both schedules (moe.h moe_wgmma_overlap), and, as the ceiling, one
 // dense cuBLASLt GEMM of the same total size. CUDA-event timing, median of --reps runs; each wgmma
 // result is also checked against the mma.sync one (relative RMS).
 //   bench_cuda_moe_gemm [--tokens 4096] [--top-k 6] [--experts 32] [--din 512] [--ffn 1024]
@@ -216,13 +216,23 @@ int run(int argc, char** argv) {
     zero(ref);
     p.run(false, ref);
     cuda_check(cudaDeviceSynchronize(), "mma.sync");
-    zero(out);
-    p.run(true, out);
-    cuda_check(cudaDeviceSynchronize(), "wgmma");
-    char err[32];
-    std::snprintf(err, sizeof(err), "%.2e", rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+    // wgmma in both schedules (moe.h moe_wgmma_overlap): checked first, then timed.
+    char err[2][32];
+    for (int overlap = 0; overlap < 2; ++overlap) {
+      cuda::moe_set_wgmma_overlap(overlap == 1);
+      zero(out);
+      p.run(true, out);
+      cuda_check(cudaDeviceSynchronize(), "wgmma");
+      std::snprintf(err[overlap], sizeof(err[overlap]), "%.2e",
+                    rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+    }
     row("mma.sync", median_ms([&] { p.run(false, ref); }, reps), "-");
-    row("wgmma", median_ms([&] { p.run(true, out); }, reps), err);
+    for (int overlap = 0; overlap < 2; ++overlap) {
+      cuda::moe_set_wgmma_overlap(overlap == 1);
+      row(overlap ? "wgmma, overlapped schedule" : "wgmma",
+          median_ms([&] { p.run(true, out); }, reps), err[overlap]);
+    }
+    cuda::moe_set_wgmma_overlap(false);
     row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");
   }
   return 0;

@@ -153,6 +153,7 @@ if [ "$BENCH" = 1 ]; then
   bench bench_cuda_decode 50 $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
     --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
   bench bench_cuda_mla 45 $B/bench_cuda_mla
+  bench bench_cuda_moe_gemm 15 $B/bench_cuda_moe_gemm
 fi
 if [ "$NCU" = 1 ] && [ -x "$B/bench_cuda_decode" ] && command -v ncu >/dev/null && fits "ncu decode" 45; then
   step "ncu: one decode step, batch 1, 32K context, per kernel"

@@ -338,11 +338,13 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     const std::vector<float> grad0 = test::random_normal(size_t(E * F * Din), 97, 0.01f);
 
     const bool rows_before = cuda::moe_grouped_wgmma_backward();
-    // The mma.sync kernels, then the wgmma ones (both grouped paths take them).
-    for (bool wgmma : {false, true})
+    // The mma.sync kernels, then the wgmma ones (both grouped paths take them) in both schedules.
+    const bool overlap_before = cuda::moe_wgmma_overlap();
+    for (int variant : {0, 1, 2})  // mma.sync, wgmma, wgmma overlapped
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
-        SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " wgmma=", wgmma));
-        cuda::moe_set_grouped_wgmma_backward(wgmma);
+        SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " variant=", variant));
+        cuda::moe_set_grouped_wgmma_backward(variant > 0);
+        cuda::moe_set_wgmma_overlap(variant == 2);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;
@@ -431,6 +433,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
         EXPECT_GT(test::rel_rms(loop.down.data(), grad0.data(), grad0.size()), 1e-3);
       }
     cuda::moe_set_grouped_wgmma_backward(rows_before);
+    cuda::moe_set_wgmma_overlap(overlap_before);
   }
 }
 

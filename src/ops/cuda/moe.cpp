@@ -267,8 +267,16 @@ std::atomic<bool>& grouped_wgmma_backward_setting() {
   static std::atomic<bool> on{!env_switch("DM_MOE_WGMMA_BACKWARD", "1", "0")};
   return on;
 }
+std::atomic<bool>& wgmma_overlap_setting() {
+  static std::atomic<bool> on{env_switch("DM_MOE_WGMMA_OVERLAP", "0", "1")};
+  return on;
+}
 }  // namespace
 
+bool moe_wgmma_overlap() { return wgmma_overlap_setting().load(std::memory_order_relaxed); }
+void moe_set_wgmma_overlap(bool on) {
+  wgmma_overlap_setting().store(on, std::memory_order_relaxed);
+}
 bool moe_grouped_wgmma_backward() {
   return grouped_wgmma_backward_setting().load(std::memory_order_relaxed);
 }

@@ -132,6 +132,13 @@ void moe_set_grouped_wgmma(bool on);
 // for tests and benchmarks.
 bool moe_grouped_wgmma_backward();
 void moe_set_grouped_wgmma_backward(bool on);
+// The wgmma grouped kernels' schedule (forward and backward): false (the default) waits for step
+// t − 1's MMAs, refills their stage, then issues step t's; true (env DM_MOE_WGMMA_OVERLAP=1)
+// issues step t's first, so the tensor cores have the next batch queued while the refill waits
+// (one more barrier a step). Written 2026-11-30 after the device budget ran out: NOT YET RUN ON
+// A GPU. bench_cuda_moe_gemm times both.
+bool moe_wgmma_overlap();
+void moe_set_wgmma_overlap(bool on);
 // Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
 // C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
 // warpgroup, one tile; transposed: 0 = both operands K-major in shared memory, 1 = B MN-major,

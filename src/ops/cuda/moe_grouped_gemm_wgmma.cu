@@ -77,10 +77,14 @@ struct SwizzledRowsCopy {
   }
 };
 
-__global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel(
-    const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ W,
-    const int64_t* __restrict__ offsets, int E, int64_t K, int64_t N,
-    __nv_bfloat16* __restrict__ Y) {
+// kOverlap (moe_wgmma_overlap(), moe.h): issue step t's wgmma batch before waiting for step
+// t − 1's, then refill t − 1's stage (two barriers a step instead of one).
+template <bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 2)
+    grouped_rows_nk_bf16_wgmma_kernel(const __nv_bfloat16* __restrict__ A,
+                                      const __nv_bfloat16* __restrict__ W,
+                                      const int64_t* __restrict__ offsets, int E, int64_t K,
+                                      int64_t N, __nv_bfloat16* __restrict__ Y) {
   GroupedRowTile tile;
   if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
   const int e = tile.expert, tile_rows = tile.rows;
@@ -110,12 +114,17 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel
   }
   int slot = 0;  // step t's slot: t % kStages
   for (int t = 0; t < k_steps; ++t) {
+    const int previous = slot == 0 ? kStages - 1 : slot - 1;  // step t − 1's slot
     cp_async_wait<kStages - 2>();  // this thread's copies of step t have landed
     wgmma::fence_proxy_async();    // ... and are visible to the async proxy
-    wgmma::wgmma_wait<0>();        // step t − 1's batch has read its stage
-    __syncthreads();
-    if (t + kStages - 1 < k_steps) load(slot == 0 ? kStages - 1 : slot - 1);
-    cp_async_commit();
+    if constexpr (!kOverlap) {
+      wgmma::wgmma_wait<0>();  // step t − 1's batch has read its stage
+      __syncthreads();
+      if (t + kStages - 1 < k_steps) load(previous);
+      cp_async_commit();
+    } else {
+      __syncthreads();  // every copy of t is in
+    }
     const uint8_t* stage = ring + slot * kStageBytes;
     const uint8_t* a_rows = stage + group * 64 * kRowBytes;
     const uint8_t* w_rows = stage + kTileBytes;
@@ -125,6 +134,14 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_nk_bf16_wgmma_kernel
       wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
                                  wgmma::smem_desc_sw128(w_rows + kk * 32), true);
     wgmma::wgmma_commit();
+    if constexpr (kOverlap) {
+      // Step t's batch is queued behind t − 1's: only then wait for t − 1 (both warpgroups) and
+      // refill its stage.
+      wgmma::wgmma_wait<1>();
+      __syncthreads();
+      if (t + kStages - 1 < k_steps) load(previous);
+      cp_async_commit();
+    }
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   wgmma::wgmma_wait<0>();
@@ -200,15 +217,16 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
                                        const int64_t* offsets, int E, int64_t R, int64_t K,
                                        int64_t N, uint16_t* Y, CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_wgmma_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  DM_CUDA_CHECK(cudaFuncSetAttribute(grouped_rows_nk_bf16_wgmma_kernel,
-                                     cudaFuncAttributePreferredSharedMemoryCarveout,
+  auto kernel = moe_wgmma_overlap() ? grouped_rows_nk_bf16_wgmma_kernel<true>
+                                    : grouped_rows_nk_bf16_wgmma_kernel<false>;
+  DM_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
-  grouped_rows_nk_bf16_wgmma_kernel<<<grouped_rows_grid(R, E, N), kThreads, kSmemBytes,
-                                      reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
-      offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
+  kernel<<<grouped_rows_grid(R, E, N), kThreads, kSmemBytes,
+           reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W), offsets,
+      E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -26,6 +26,7 @@
 
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
 #include "ops/cuda/wgmma.cuh"
@@ -98,7 +99,9 @@ struct BackwardArgs {
 constexpr int kStages = 3;
 static_assert(kTile * kStagedLd * 4 <= kStages * kStageBytes, "the staged tile fits the ring");
 
-template <Product kProduct, typename Out>
+// kOverlap (moe_wgmma_overlap(), moe.h): issue step t's wgmma batch before waiting for step
+// t − 1's, then refill t − 1's stage (two barriers a step instead of one).
+template <Product kProduct, typename Out, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(const BackwardArgs a) {
   constexpr bool kRows = kProduct == Product::Rows;
   int e = 0, tile_rows = 0, steps = 0, steps_per_product = 0;
@@ -151,12 +154,17 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
   }
   int slot = 0;  // step t's slot: t mod kStages
   for (int t = 0; t < steps; ++t) {
+    const int previous = slot == 0 ? kStages - 1 : slot - 1;  // step t − 1's slot
     cp_async_wait<kStages - 2>();  // this thread's copies of step t have landed
     wgmma::fence_proxy_async();    // ... and are visible to the async proxy
-    wgmma::wgmma_wait<0>();        // step t − 1's batch has read its stage
-    __syncthreads();               // ... in both warpgroups, and every copy of t is in
-    if (t + kStages - 1 < steps) load(t + kStages - 1, slot == 0 ? kStages - 1 : slot - 1);
-    cp_async_commit();
+    if constexpr (!kOverlap) {
+      wgmma::wgmma_wait<0>();  // step t − 1's batch has read its stage
+      __syncthreads();         // ... in both warpgroups, and every copy of t is in
+      if (t + kStages - 1 < steps) load(t + kStages - 1, previous);
+      cp_async_commit();
+    } else {
+      __syncthreads();  // every copy of t is in
+    }
     const uint8_t* a_tile = ring + slot * kStageBytes;
     const uint8_t* b_tile = a_tile + kOperandBytes;
     // Warpgroup g's 64 rows: K-major lines 64g … (rows), MN atom g (weight gradient); both at
@@ -175,6 +183,14 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
             true);
     }
     wgmma::wgmma_commit();
+    if constexpr (kOverlap) {
+      // Step t's batch is queued behind t − 1's, so the tensor cores never wait on the refill:
+      // only then wait for t − 1 (both warpgroups) and refill its stage.
+      wgmma::wgmma_wait<1>();
+      __syncthreads();
+      if (t + kStages - 1 < steps) load(t + kStages - 1, previous);
+      cp_async_commit();
+    }
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   wgmma::wgmma_wait<0>();
@@ -239,7 +255,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
 template <Product kProduct, typename Out>
 void launch(const BackwardArgs& a, dim3 grid, CUstream_st* stream) {
   constexpr int kSmem = kStages * kStageBytes + 1024;  // + slack to align the ring to 1 KB
-  auto kernel = grouped_wgmma_backward_kernel<kProduct, Out>;
+  auto kernel = moe_wgmma_overlap() ? grouped_wgmma_backward_kernel<kProduct, Out, true>
+                                    : grouped_wgmma_backward_kernel<kProduct, Out, false>;
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
