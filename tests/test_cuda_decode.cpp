@@ -305,6 +305,70 @@ TEST(CudaDecode, ChunkedPrefillMatchesTokenByTokenAndCpu) {
   check_chunked_prefill(c, "rope/yarn variant");
 }
 
+// extend(): a prompt fed in pieces (the first by prefill, the rest continuing the slot: KDA from
+// its carried state and conv tails, MLA through its pages) against one prefill of the whole
+// prompt and the CPU forward, on the prompt's last logits and the next 8 decode steps. Pieces
+// shorter than the conv tail, one across a page boundary and one over several KDA chunks.
+// Written 2026-11-30 without a GPU to run it on.
+namespace {
+void check_extend(const ModelConfig& c, const char* what) {
+  auto model = bf16_model(c, 21);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, n = 200, extra = 8;
+  const std::vector<int32_t> prompt = random_tokens(n, V, 77);
+  const std::vector<int32_t> cont = random_tokens(extra, V, 78);
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), cont.begin(), cont.end());
+  const std::vector<float> cpu = cpu_logits(*model, seq);
+  for (const std::vector<int64_t>& pieces :
+       {std::vector<int64_t>{70, 130}, std::vector<int64_t>{2, 1, 64, 133}}) {
+    cuda::GpuDecoder whole(dw, 1, n + extra), pieced(dw, 2, n + extra);
+    std::vector<float> a(static_cast<size_t>(V)), b(static_cast<size_t>(V));
+    whole.prefill(0, prompt.data(), n, a.data());
+    // Slot 1 of two, so the slot's pages and states are not the first ones.
+    int64_t at = 0;
+    for (int64_t piece : pieces) {
+      pieced.extend(1, prompt.data() + at, piece, b.data());
+      at += piece;
+      EXPECT_EQ(pieced.length(1), at);
+    }
+    ASSERT_EQ(at, n);
+    RowStats vs_whole, vs_cpu;
+    vs_whole.add(b.data(), a.data(), V);
+    vs_cpu.add(b.data(), cpu.data() + (n - 1) * V, V);
+    const int active[2] = {0, 1};
+    std::vector<float> two(size_t(2 * V));
+    for (int64_t s = 0; s < extra; ++s) {
+      whole.step(&cont[size_t(s)], a.data());
+      const int32_t tokens[2] = {0, cont[size_t(s)]};
+      pieced.step(tokens, two.data(), active);
+      vs_whole.add(two.data() + V, a.data(), V);
+      vs_cpu.add(two.data() + V, cpu.data() + (n + s) * V, V);
+    }
+    std::printf(
+        "[          ] %s extend in %zu pieces: vs one prefill rel RMS max %.2e, vs CPU "
+        "max %.2e, argmax agreement %.3f / %.3f\n",
+        what, pieces.size(), vs_whole.worst, vs_cpu.worst, vs_whole.agreement(),
+        vs_cpu.agreement());
+    EXPECT_LE(vs_whole.worst, 2e-2) << what << " pieces " << pieces.size();
+    EXPECT_LE(vs_cpu.worst, 2.5e-2) << what << " pieces " << pieces.size();
+    EXPECT_GE(vs_cpu.agreement(), 0.85) << what << " pieces " << pieces.size();
+  }
+}
+}  // namespace
+
+TEST(CudaDecode, ExtendMatchesOnePrefill) {
+  DM_SKIP_WITHOUT_GPU();
+  ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  check_extend(c, "test config");
+  c.mla.use_rope = true;
+  c.mla.yarn.enabled = true;
+  c.mla.yarn.factor = 4;
+  c.mla.yarn.original_max_position = 32;
+  validate_config(c, "extend rope variant");
+  check_extend(c, "rope/yarn variant");
+}
+
 // The reference goldens' greedy continuations, teacher-forced through the GPU decoder (prompt
 // fed by the chunked prefill), and `deltamoe generate --device cuda` equal to generate_gpu
 // in-process.

@@ -4,7 +4,8 @@
 // KDA: configs/test.json (safe gate, full-rank output gate) and edited copies covering the
 // softplus gate and the low-rank output gate, plus wider heads with a shorter conv; B = 2 with
 // T = 100 (a partial chunk) and T = 300 (state carried over chunks); packed documents whose
-// starts fall inside the conv window and on chunk edges. FFN: SiTU (test.json) and SwiGLU.
+// starts fall inside the conv window and on chunk edges; a sequence fed in pieces through a
+// continuing carry. FFN: SiTU (test.json) and SwiGLU.
 // Each case also checks that the *_bytes scratch suffices and is released. Skips without a GPU.
 #include <gtest/gtest.h>
 
@@ -17,13 +18,14 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/error.h"
+#include "cuda_test_util.h"
 #include "io/config.h"
 #include "model/cuda/layers.h"
 #include "model/kda.h"
 #include "model/moe.h"
 #include "model/weights.h"
 #include "ops/cuda/device.h"
-#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace dm {
@@ -168,6 +170,86 @@ TEST(CudaKdaLayer, PackedDocuments) {
   run_kda_case(kSafeFull, 2, 100, true);
   run_kda_case(kSoftplusLow, 2, 100, true);
   run_kda_case(kWide, 2, 300, true);
+}
+
+// A sequence fed in pieces through a continuing carry (KdaCarry::continues: the state is the
+// operator's initial state, the tails the convs' left context) equals one call over the whole
+// sequence and the CPU layer. Pieces: 70 + 80 (a partial chunk first), 2 + 1 + 147 (pieces
+// shorter than the conv's context of Kc − 1 = 3 rows) and 64 + 64 + 22 (whole chunks).
+// Written 2026-11-30 without a GPU to run it on.
+TEST(CudaKdaLayer, CarryContinuesAcrossCalls) {
+  DM_SKIP_WITHOUT_GPU();
+  ModelConfig cfg = base_config();
+  cfg.init_std = kTestInitStd;
+  const int layer = first_layer(cfg, MixerKind::KDA);
+  ASSERT_GE(layer, 0);
+  const auto w = rounded_weights(cfg, 17);
+  const KdaWeights& kw = w->layers[size_t(layer)].kda;
+  const int64_t T = 150, d = cfg.hidden, H = cfg.kda.num_heads, K = cfg.kda.head_dim;
+  const int64_t HK = H * K, ctx = cfg.kda.conv_kernel - 1;
+  ASSERT_EQ(ctx, 3);
+  const std::vector<float> x = test::round_bf16(test::random_normal(size_t(T * d), 41));
+  std::vector<float> y_cpu(size_t(T * d));
+  Arena ws(kda_layer_workspace_bytes(cfg, 1, T));
+  kda_layer_forward<float>(cfg, kw, x.data(), y_cpu.data(), 1, T, ws, KdaRunOptions{64});
+
+  cuda::DeviceWeights dw(*w);
+  cuda::GpuRun run(cuda::kda_layer_forward_gpu_bytes(cfg, 1, T));
+  const size_t state_n = size_t(H * K * K), tail_n = size_t(ctx * HK);
+  test::DeviceScratch io(size_t(T * d) * (2 + 4 * 2) + 2 * (state_n * 4 + 3 * tail_n * 2) +
+                         64 * 1024);
+  const uint16_t* x_dev = io.upload(test::to_bf16(x));
+  auto carry_buffers = [&]() {
+    cuda::KdaCarry carry;
+    carry.state = io.zeros<float>(state_n);
+    for (auto& tail : carry.tail) tail = io.zeros<uint16_t>(tail_n);
+    return carry;
+  };
+  auto download_carry = [&](const cuda::KdaCarry& carry) {
+    std::vector<float> all = test::DeviceScratch::download(carry.state, state_n);
+    for (const uint16_t* tail : carry.tail)
+      for (uint16_t bits : test::DeviceScratch::download(tail, tail_n))
+        all.push_back(cuda::bf16_to_float(bits));
+    return all;
+  };
+
+  // One call over all T tokens.
+  float* y_whole_dev = io.zeros<float>(size_t(T * d));
+  const cuda::KdaCarry whole = carry_buffers();
+  cuda::kda_layer_forward_gpu(run, dw, kw, x_dev, y_whole_dev, 1, T, nullptr, &whole);
+  const std::vector<float> y_whole = test::DeviceScratch::download(y_whole_dev, size_t(T * d));
+  const std::vector<float> carry_whole = download_carry(whole);
+  ASSERT_TRUE(test::all_finite(y_whole));
+  EXPECT_LE(test::rel_rms(y_whole.data(), y_cpu.data(), y_cpu.size()), 1e-2);
+
+  float* y_dev = io.zeros<float>(size_t(T * d));
+  const cuda::KdaCarry pieces_carry = carry_buffers();
+  for (const std::vector<int64_t>& pieces :
+       {std::vector<int64_t>{70, 80}, std::vector<int64_t>{2, 1, 147},
+        std::vector<int64_t>{64, 64, 22}}) {
+    SCOPED_TRACE(str_cat("pieces ", pieces[0], " + ", pieces[1], pieces.size() > 2 ? " + …" : ""));
+    cuda::KdaCarry carry = pieces_carry;
+    int64_t at = 0;
+    for (int64_t n : pieces) {
+      carry.continues = at > 0;
+      cuda::kda_layer_forward_gpu(run, dw, kw, x_dev + at * d, y_dev + at * d, 1, n, nullptr,
+                                  &carry);
+      EXPECT_EQ(run.scratch.used(), 0u) << "scratch not released";
+      at += n;
+    }
+    ASSERT_EQ(at, T);
+    const std::vector<float> y = test::DeviceScratch::download(y_dev, size_t(T * d));
+    ASSERT_TRUE(test::all_finite(y));
+    const double err_cpu = test::rel_rms(y.data(), y_cpu.data(), y_cpu.size());
+    const double err_whole = test::rel_rms(y.data(), y_whole.data(), y_whole.size());
+    const std::vector<float> carried = download_carry(carry);
+    const double err_carry = test::rel_rms(carried.data(), carry_whole.data(), carry_whole.size());
+    std::printf("[CudaKdaLayer] pieces: rel RMS vs CPU %.3e, vs one call %.3e, carry %.3e\n",
+                err_cpu, err_whole, err_carry);
+    EXPECT_LE(err_cpu, 1e-2);
+    EXPECT_LE(err_whole, 1e-2);
+    EXPECT_LE(err_carry, 1e-2);
+  }
 }
 
 // ---- Dense FFN -------------------------------------------------------------------------------

@@ -450,6 +450,43 @@ void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* las
   }
 }
 
+size_t GpuDecoder::mla_step_bytes(int64_t n) const {
+  Carver cv;
+  carve_mla(cv, config(), n, attention_ws_bytes(config(), n, pages_per_slot_, num_sms_));
+  return cv.bytes;
+}
+
+void GpuDecoder::reserve_prefill(int64_t n) {
+  if (n <= prefill_capacity_) return;
+  const ModelConfig& c = config();
+  const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
+  const int64_t Wd = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  const int nb = std::max(1, residual_num_blocks(c));
+  // Stream buffers p, x, out [n, d] fp32, xn [n, d] bf16, AttnRes blocks, ids, positions, slots,
+  // sequence lengths, the per-row page tables [n, P], one kv_a row block [n, Wd] fp32, the last
+  // row's logits [V].
+  const size_t a = 256;
+  auto r = [&](size_t b) { return (b + a - 1) / a * a; };
+  const size_t act = 3 * r(size_t(n * d) * 4) + r(size_t(n * d) * 2) + r(size_t(n * d * nb) * 4) +
+                     r(size_t(n) * 8) + 3 * r(size_t(n) * 4) + r(size_t(n * P) * 4) +
+                     r(size_t(n * Wd) * 4) + r(size_t(V) * 4) + 4096;
+  size_t layer = 0;
+  for (int i = 0; i < c.num_layers; ++i) {
+    layer =
+        std::max(layer, c.mixers[i] == MixerKind::KDA
+                            ? kda_layer_forward_gpu_bytes(c, 1, n)
+                            : std::max(mla_layer_forward_gpu_bytes(c, 1, n), mla_step_bytes(n)));
+    layer = std::max(layer, c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, n)
+                                                      : dense_ffn_forward_gpu_bytes(c, n));
+  }
+  prefill_run_.reset();
+  prefill_act_.reset();
+  // The legacy default stream: the layer forwards mix in synchronous copies (decode_gpu.h).
+  prefill_run_ = std::make_unique<GpuRun>(layer + (size_t(1) << 20), nullptr);
+  prefill_act_ = std::make_unique<DeviceArena>(act);
+  prefill_capacity_ = n;
+}
+
 void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
   const ModelConfig& c = config();
   const ModelWeights& W = dw_->host();
@@ -457,30 +494,7 @@ void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, fl
   const MlaConfig& m = c.mla;
   const int64_t Wd = m.kv_lora_rank + m.qk_rope_dim;
   const int nb = std::max(1, residual_num_blocks(c));
-  // Stream buffers p, x, out [n, d] fp32, xn [n, d] bf16, AttnRes blocks, ids, positions, the
-  // per-row page tables [n, P], one kv_a row block [n, Wd] fp32, the last row's logits [V].
-  auto act_bytes = [&](int64_t rows) {
-    const size_t a = 256;
-    auto r = [&](size_t b) { return (b + a - 1) / a * a; };
-    return 3 * r(size_t(rows * d) * 4) + r(size_t(rows * d) * 2) + r(size_t(rows * d * nb) * 4) +
-           r(size_t(rows) * 8) + r(size_t(rows) * 4) + r(size_t(rows * P) * 4) +
-           r(size_t(rows * Wd) * 4) + r(size_t(V) * 4) + 4096;
-  };
-  if (n > prefill_capacity_) {
-    size_t layer = 0;
-    for (int i = 0; i < c.num_layers; ++i) {
-      layer = std::max(layer, c.mixers[i] == MixerKind::KDA ? kda_layer_forward_gpu_bytes(c, 1, n)
-                                                            : mla_layer_forward_gpu_bytes(c, 1, n));
-      layer = std::max(layer, c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, n)
-                                                         : dense_ffn_forward_gpu_bytes(c, n));
-    }
-    prefill_run_.reset();
-    prefill_act_.reset();
-    // The legacy default stream: the layer forwards mix in synchronous copies (decode_gpu.h).
-    prefill_run_ = std::make_unique<GpuRun>(layer + (size_t(1) << 20), nullptr);
-    prefill_act_ = std::make_unique<DeviceArena>(act_bytes(n));
-    prefill_capacity_ = n;
-  }
+  reserve_prefill(n);
   GpuRun& run = *prefill_run_;
   DeviceArena& act = *prefill_act_;
   act.reset();
@@ -514,7 +528,7 @@ void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, fl
   auto mixer = [&](int i, const uint16_t* in, float* o) {
     const size_t l = size_t(i);
     if (c.mixers[i] == MixerKind::KDA) {
-      KdaCarryOut carry;
+      KdaCarry carry;
       carry.state = kda_state_[l] + slot * HK * c.kda.head_dim;
       carry.tail[0] = kda_tail_q_[l] + slot * tail;
       carry.tail[1] = kda_tail_k_[l] + slot * tail;
@@ -548,6 +562,99 @@ void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, fl
   check_last_error("GpuDecoder chunked prefill");
   if (last_logits) copy_to_host(last_logits, logits, size_t(V) * sizeof(float));
   host_lengths_[size_t(slot)] = n;
+}
+
+void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+  DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder::extend: slot ", slot, " outside [0, ", S_, ")");
+  const int64_t L = host_lengths_[size_t(slot)];
+  if (L == 0) {
+    prefill(slot, ids, n, last_logits);
+    return;
+  }
+  DM_CHECK(n > 0 && L + n <= max_length_, "GpuDecoder::extend: ", n, " more tokens after ", L,
+           " do not fit the decoder (max length ", max_length_, ")");
+  const ModelConfig& c = config();
+  const ModelWeights& W = dw_->host();
+  const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
+  for (int64_t t = 0; t < n; ++t)
+    DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::extend: token id ", ids[t], " at position ",
+             L + t, " outside the vocabulary [0, ", V, ")");
+  const int nb = std::max(1, residual_num_blocks(c));
+  reserve_prefill(n);
+  GpuRun& run = *prefill_run_;
+  DeviceArena& act = *prefill_act_;
+  act.reset();
+  run.scratch.reset();
+  CUstream_st* stream = run.stream;
+  float* p = act.alloc<float>(size_t(n * d));
+  float* x = act.alloc<float>(size_t(n * d));
+  float* out = act.alloc<float>(size_t(n * d));
+  uint16_t* xn = act.alloc<uint16_t>(size_t(n * d));
+  float* blocks = act.alloc<float>(size_t(n * d * nb));
+  int64_t* ids_dev = act.alloc<int64_t>(size_t(n));
+  int32_t* positions = act.alloc<int32_t>(size_t(n));
+  int32_t* slots = act.alloc<int32_t>(size_t(n));
+  int32_t* seq_len = act.alloc<int32_t>(size_t(n));
+  int32_t* row_table = act.alloc<int32_t>(size_t(n * P));
+  float* logits = act.alloc<float>(size_t(V));
+  {
+    // Row t: position L + t of the slot, seeing L + t + 1 tokens through its static pages.
+    std::vector<int64_t> ids64(ids, ids + n);
+    const size_t rows_n = static_cast<size_t>(n);
+    std::vector<int32_t> pos(rows_n), slot_of(rows_n, int32_t(slot)), len(rows_n),
+        table(rows_n * size_t(P));
+    for (int64_t t = 0; t < n; ++t) {
+      pos[size_t(t)] = int32_t(L + t);
+      len[size_t(t)] = int32_t(L + t + 1);
+      for (int64_t j = 0; j < P; ++j) table[size_t(t * P + j)] = int32_t(slot * P + j);
+    }
+    copy_to_device(ids_dev, ids64.data(), size_t(n) * sizeof(int64_t));
+    copy_to_device(positions, pos.data(), pos.size() * sizeof(int32_t));
+    copy_to_device(slots, slot_of.data(), slot_of.size() * sizeof(int32_t));
+    copy_to_device(seq_len, len.data(), len.size() * sizeof(int32_t));
+    copy_to_device(row_table, table.data(), table.size() * sizeof(int32_t));
+  }
+  Rows rows;
+  rows.n = n;
+  rows.slots = slots;
+  rows.positions = positions;
+  rows.seq_len = seq_len;
+  rows.row_table = row_table;
+  embedding_gather(dw_->bf16(W.embed), ids_dev, n, d, p, stream);
+  const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim;
+  const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
+  auto mixer = [&](int i, const uint16_t* in, float* o) {
+    const size_t l = size_t(i);
+    if (c.mixers[i] == MixerKind::KDA) {
+      KdaCarry carry;
+      carry.state = kda_state_[l] + slot * HK * c.kda.head_dim;
+      carry.tail[0] = kda_tail_q_[l] + slot * tail;
+      carry.tail[1] = kda_tail_k_[l] + slot * tail;
+      carry.tail[2] = kda_tail_v_[l] + slot * tail;
+      carry.continues = true;
+      kda_layer_forward_gpu(run, *dw_, W.layers[l].kda, in, o, 1, n, nullptr, &carry);
+      return;
+    }
+    mla_step(run, i, in, o, rows);
+  };
+  auto ffn = [&](int i, const uint16_t* in, float* o) {
+    if (c.ffns[i] == FfnKind::MoE)
+      moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n);
+    else
+      dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
+  };
+  const GpuResidualOps ops{dw_, stream};
+  const uint16_t* final_hidden = residual_stack_forward<float>(
+      c, W, n, p, x, xn, out, blocks, mixer, ffn, [](const char*, int, const float*) {}, ops);
+  if (last_logits)
+    linear(run, final_hidden + (n - 1) * d, dw_->bf16(W.lm_head), 1, d, V, logits,
+           GemmOutType::F32);
+  const int32_t length = int32_t(L + n);
+  copy_to_device(lengths_ + slot, &length, sizeof(int32_t));
+  synchronize();
+  check_last_error("GpuDecoder extend");
+  if (last_logits) copy_to_host(last_logits, logits, size_t(V) * sizeof(float));
+  host_lengths_[size_t(slot)] = L + n;
 }
 
 const float* GpuDecoder::run_rows(int64_t n, bool want_logits) {
@@ -635,7 +742,8 @@ void GpuDecoder::record_step(const DecodeStepBuffers& b, int64_t n, bool want_lo
   rows.row_table = b.row_table;
   auto mixer = [&](int i, const uint16_t* in, float* o) {
     if (c.mixers[i] == MixerKind::KDA) kda_step(i, in, o, rows);
-    else mla_step(i, in, o, rows);
+    else
+      mla_step(run, i, in, o, rows);
   };
   auto ffn = [&](int i, const uint16_t* in, float* o) {
     if (c.ffns[i] == FfnKind::MoE)

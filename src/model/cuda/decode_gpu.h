@@ -110,6 +110,16 @@ class GpuDecoder {
   void prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
                bool token_by_token = false);
 
+  // Appends the ids [n] to slot `slot`'s sequence at positions length(slot) … + n − 1 in one
+  // chunked pass (a prompt fed in pieces, or the rest of a prompt after a restored prefix):
+  // KDA continues from the slot's state and conv tails (KdaCarry::continues), MLA writes the new
+  // latent rows and attends through the slot's pages, row t seeing positions ≤ length + t.
+  // Writes the last position's logits [V] (host) when last_logits is given. On an empty slot this
+  // is prefill(). Each row's attention reads the whole cached context (the paged decode kernel):
+  // meant for pieces of up to a few thousand rows, not for a long prompt in one call.
+  // Written 2026-11-30 without a GPU to run it on (CudaDecode.ExtendMatchesOnePrefill).
+  void extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
+
   // BENCHMARK ONLY (bench/bench_cuda_decode.cpp): makes slot `slot` look as if `length` tokens
   // had been decoded, without running the model — prefilling 1M tokens would take minutes.
   // Sets the slot's length and fills, with device kernels (no host loop over the cache), every
@@ -135,7 +145,14 @@ class GpuDecoder {
   bool graphs_usable(MoeExpertsPath moe) const;
   void prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
   void kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
-  void mla_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
+  // The MLA sub-layer of n rows at their own positions: writes their latent rows into the pages,
+  // then attends through the pages (paged absorbed kernel) — a decode step's rows, or the new
+  // tokens of one slot (extend()). Temporaries from run's scratch, kernels on run's stream.
+  void mla_step(GpuRun& run, int layer, const uint16_t* xn, float* y, const Rows& rows);
+  // Scratch bytes mla_step takes for n rows.
+  size_t mla_step_bytes(int64_t n) const;
+  // Grows the chunked forward's run and stream buffers to n rows (prefill, extend).
+  void reserve_prefill(int64_t n);
 
   GpuDecodeOptions options_;
   // Declared before everything that queues work on it, so it is destroyed last.

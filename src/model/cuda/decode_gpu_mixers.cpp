@@ -121,12 +121,11 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
 }
 
-void GpuDecoder::mla_step(int layer, const uint16_t* xn, float* y, const Rows& rows) {
+void GpuDecoder::mla_step(GpuRun& run, int layer, const uint16_t* xn, float* y, const Rows& rows) {
   const ModelConfig& c = config();
   const MlaConfig& m = c.mla;
   const MlaWeights& w = dw_->host().layers[size_t(layer)].mla;
   const DeviceWeights& dw = *dw_;
-  GpuRun& run = *run_;
   CUstream_st* stream = run.stream;
   const int64_t n = rows.n, d = c.hidden, H = m.num_heads, nope = m.qk_nope_dim;
   const int64_t rope = m.qk_rope_dim, dq = nope + rope, dv = m.v_head_dim;

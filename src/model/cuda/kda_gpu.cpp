@@ -31,7 +31,7 @@ void check(const ModelConfig& c, int64_t B, int64_t T, const char* what) {
 }
 
 void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const uint16_t* xn,
-                   int64_t B, int64_t T, const int32_t* doc_start, const KdaCarryOut* carry,
+                   int64_t B, int64_t T, const int32_t* doc_start, const KdaCarry* carry,
                    const ForwardViews& v) {
   const ModelConfig& c = dw.config();
   const Dims dims = dims_of(c, B, T);
@@ -49,16 +49,30 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
   const Branch branches[3] = {Branch{w.q_proj, w.q_conv, v.q_raw, v.q},
                               Branch{w.k_proj, w.k_conv, v.k_raw, v.k},
                               Branch{w.v_proj, w.v_conv, v.v_raw, v.v}};
+  const int64_t ctx = dims.Kc - 1;  // the conv's left context, in rows
+  const bool continues = carry && carry->continues && ctx > 0;
+  DM_CHECK(!continues || v.context_rows >= ctx,
+           "kda_layer_forward_gpu: no room for the carried conv tail");
+  const size_t row_bytes = size_t(HK) * sizeof(uint16_t);
   for (int i = 0; i < 3; ++i) {
     const Branch& br = branches[i];
     linear(run, xn, dw.bf16(br.proj), N, d, HK, br.raw, GemmOutType::Bf16);
+    if (continues) {
+      // [tail ; raw] (ctx + T rows) through the conv; its first ctx output rows are discarded.
+      uint16_t* joined = br.raw - ctx * HK;
+      copy_device_to_device(joined, carry->tail[i], size_t(ctx) * row_bytes);
+      kda_short_conv_silu_forward(joined, dw.f32(br.conv), br.out - ctx * HK, 1, T + ctx, HK,
+                                  dims.Kc, nullptr, stream);
+      // The new tail: the last ctx rows of [tail ; raw] (some of the old tail when T < ctx).
+      copy_device_to_device(carry->tail[i], joined + T * HK, size_t(ctx) * row_bytes);
+      continue;
+    }
     kda_short_conv_silu_forward(br.raw, dw.f32(br.conv), br.out, B, T, HK, dims.Kc, doc_start,
                                 stream);
-    if (carry && dims.Kc > 1) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
-      const int64_t rows = dims.Kc - 1, kept = std::min<int64_t>(rows, T);
-      const size_t row_bytes = size_t(HK) * sizeof(uint16_t);
-      if (kept < rows) fill_zero(carry->tail[i], size_t(rows - kept) * row_bytes);
-      copy_device_to_device(carry->tail[i] + (rows - kept) * HK, br.raw + (T - kept) * HK,
+    if (carry && ctx > 0) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
+      const int64_t kept = std::min<int64_t>(ctx, T);
+      if (kept < ctx) fill_zero(carry->tail[i], size_t(ctx - kept) * row_bytes);
+      copy_device_to_device(carry->tail[i] + (ctx - kept) * HK, br.raw + (T - kept) * HK,
                             size_t(kept) * row_bytes);
     }
   }
@@ -74,7 +88,9 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
 
   const KdaShape shape{B, T, H, K, K};
   const float scale = 1.0f / std::sqrt(float(K));
-  kda_chunk_forward(v.q, v.k, v.v, v.g, v.beta, /*s0=*/nullptr, v.o,
+  // A continuing carry's state is the initial state, overwritten in place with the final one.
+  kda_chunk_forward(v.q, v.k, v.v, v.g, v.beta,
+                    /*s0=*/carry && carry->continues ? carry->state : nullptr, v.o,
                     /*sT=*/carry ? carry->state : nullptr, shape, scale, v.operator_workspace,
                     doc_start, stream);
 
@@ -98,15 +114,23 @@ namespace {
 // orders every use): `raw` [N, H·K] holds W_q x, W_k x, W_v x (each dead once its conv ran), then
 // f_b f_a x (dead after the gate kernel), then the output gate; `low` [N, K] holds f_a x, then
 // g_a x; the norm runs in place in o.
+// raw, q, k and v have Kc − 1 rows of room in front for a continuing carry's conv tail, rounded
+// up to 256 bytes so the views keep the arena's alignment.
 kda_gpu::ForwardViews forward_carve(kda_gpu::ScratchPlan& plan, const kda_gpu::Dims& dims,
                                     const KdaShape& shape) {
-  const int64_t N = dims.N, HK = dims.HK;
+  const int64_t N = dims.N, HK = dims.HK, ctx = std::max<int64_t>(dims.Kc - 1, 0);
+  const int64_t room = (ctx * HK * 2 + 255) / 256 * 256 / 2;  // elements, ≥ ctx rows
   kda_gpu::ForwardViews v{};
-  uint16_t* raw = plan.take<uint16_t>(N * HK);
+  v.context_rows = ctx;
+  auto with_context = [&]() -> uint16_t* {
+    uint16_t* p = plan.take<uint16_t>(N * HK + room);
+    return p ? p + room : nullptr;  // null while `plan` only counts
+  };
+  uint16_t* raw = with_context();
   v.q_raw = v.k_raw = v.v_raw = v.gate_raw = v.out_gate = raw;
-  v.q = plan.take<uint16_t>(N * HK);
-  v.k = plan.take<uint16_t>(N * HK);
-  v.v = plan.take<uint16_t>(N * HK);
+  v.q = with_context();
+  v.k = with_context();
+  v.v = with_context();
   v.g = plan.take<uint16_t>(N * HK);
   v.gate_low = v.out_gate_low = plan.take<uint16_t>(N * dims.K);
   v.beta_logits = plan.take<float>(N * dims.H);
@@ -128,11 +152,13 @@ size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
 
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start, const KdaCarryOut* carry, void* kept) {
+                           const int32_t* doc_start, const KdaCarry* carry, void* kept) {
   const ModelConfig& c = dw.config();
   kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   DM_CHECK(carry == nullptr || (B == 1 && doc_start == nullptr),
            "kda_layer_forward_gpu: the decode carry needs one unpacked sequence (B = 1)");
+  DM_CHECK(carry == nullptr || !carry->continues || kept == nullptr,
+           "kda_layer_forward_gpu: a continuing carry is for inference (no kept intermediates)");
   const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
   if (dims.N == 0) return;
   DeviceArenaScope scope(run.scratch);

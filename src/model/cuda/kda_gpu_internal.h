@@ -59,6 +59,10 @@ struct ForwardViews {
   uint16_t* out_gate;               // [N, H·K] output gate before the sigmoid
   uint16_t* normed;                 // [N, H·K] RMSNorm(o_h)·o_norm ⊙ σ(out_gate): o_proj's input
   void* operator_workspace;         // ≥ kda_chunk_forward_workspace_bytes
+  // Rows of room before q_raw, k_raw, v_raw and before q, k, v (the same count for both): a
+  // continuing carry (KdaCarry::continues) puts the conv tail there, and the conv's output for
+  // those rows, discarded, lands in front of q, k, v. Needs ≥ Kc − 1; 0 where not carved.
+  int64_t context_rows = 0;
 };
 
 // The forward's views with every intermediate in its own buffer and an operator workspace big
@@ -70,7 +74,7 @@ ForwardViews keep_carve(ScratchPlan& plan, const ModelConfig& c, const Dims& dim
 // Every step of the layer forward before o_proj, in the order of model/kda.cpp, into `v`
 // (carry: the decode carry of kda_layer_forward_gpu, nullable). N = B·T > 0.
 void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const uint16_t* xn,
-                   int64_t B, int64_t T, const int32_t* doc_start, const KdaCarryOut* carry,
+                   int64_t B, int64_t T, const int32_t* doc_start, const KdaCarry* carry,
                    const ForwardViews& v);
 
 }  // namespace dm::cuda::kda_gpu

@@ -25,9 +25,14 @@ namespace dm::cuda {
 // What a prompt's forward leaves for cached decoding (B = 1, decode_gpu.h): the final KDA state
 // and each branch's last Kc−1 raw (pre-conv) projections, oldest first, zero rows standing in for
 // positions before 0 — exactly what the decode step's conv tail holds.
-struct KdaCarryOut {
-  float* state = nullptr;  // [H, K, K] fp32 (written)
-  uint16_t* tail[3] = {};  // q, k, v: [Kc−1, H·K] bf16 (written)
+// continues = true: the call continues a sequence whose carry these buffers already hold (a
+// prompt prefilled in pieces, or after a cached prefix): the state is the operator's initial
+// state and the tails the short convs' left context; both are then overwritten with the carry
+// after this call's tokens. false: the tokens start at position 0 (the buffers are only written).
+struct KdaCarry {
+  float* state = nullptr;  // [H, K, K] fp32
+  uint16_t* tail[3] = {};  // q, k, v: [Kc−1, H·K] bf16
+  bool continues = false;
 };
 // kept (training without the mixer recompute; nullable): kda_layer_kept_gpu_bytes of device
 // memory, 256-byte aligned, where the forward leaves every intermediate for
@@ -36,8 +41,8 @@ size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 size_t kda_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
                            const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start = nullptr,
-                           const KdaCarryOut* carry = nullptr, void* kept = nullptr);
+                           const int32_t* doc_start = nullptr, const KdaCarry* carry = nullptr,
+                           void* kept = nullptr);
 
 size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
