@@ -436,7 +436,7 @@ void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* las
     DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::prefill: token id ", ids[t],
              " at position ", t, " outside the vocabulary [0, ", V, ")");
   if (!token_by_token && n > 1) {
-    prefill_chunked(slot, ids, n, last_logits);
+    forward_rows(slot, ids, n, 0, last_logits);
     return;
   }
   for (int64_t t = 0; t < n; ++t) {
@@ -487,7 +487,24 @@ void GpuDecoder::reserve_prefill(int64_t n) {
   prefill_capacity_ = n;
 }
 
-void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+  DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder::extend: slot ", slot, " outside [0, ", S_, ")");
+  const int64_t L = host_lengths_[size_t(slot)];
+  if (L == 0) {
+    prefill(slot, ids, n, last_logits);
+    return;
+  }
+  DM_CHECK(n > 0 && L + n <= max_length_, "GpuDecoder::extend: ", n, " more tokens after ", L,
+           " do not fit the decoder (max length ", max_length_, ")");
+  const int64_t V = config().vocab_size;
+  for (int64_t t = 0; t < n; ++t)
+    DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::extend: token id ", ids[t], " at position ",
+             L + t, " outside the vocabulary [0, ", V, ")");
+  forward_rows(slot, ids, n, L, last_logits);
+}
+
+void GpuDecoder::forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64_t start,
+                              float* last_logits) {
   const ModelConfig& c = config();
   const ModelWeights& W = dw_->host();
   const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
@@ -507,105 +524,21 @@ void GpuDecoder::prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, fl
   float* blocks = act.alloc<float>(size_t(n * d * nb));
   int64_t* ids_dev = act.alloc<int64_t>(size_t(n));
   int32_t* positions = act.alloc<int32_t>(size_t(n));
+  int32_t* slots = act.alloc<int32_t>(size_t(n));
+  int32_t* seq_len = act.alloc<int32_t>(size_t(n));
   int32_t* row_table = act.alloc<int32_t>(size_t(n * P));
   float* kv_a = act.alloc<float>(size_t(n * Wd));
   float* logits = act.alloc<float>(size_t(V));
   {
-    std::vector<int64_t> ids64(ids, ids + n);
-    copy_to_device(ids_dev, ids64.data(), size_t(n) * sizeof(int64_t));
-    // Positions 0..n−1 of the slot; every row reads the slot's static page table row.
-    std::vector<int32_t> pos(static_cast<size_t>(n)), table(static_cast<size_t>(n * P));
-    for (int64_t t = 0; t < n; ++t) {
-      pos[size_t(t)] = int32_t(t);
-      for (int64_t j = 0; j < P; ++j) table[size_t(t * P + j)] = int32_t(slot * P + j);
-    }
-    copy_to_device(positions, pos.data(), pos.size() * sizeof(int32_t));
-    copy_to_device(row_table, table.data(), table.size() * sizeof(int32_t));
-  }
-  embedding_gather(dw_->bf16(W.embed), ids_dev, n, d, p, stream);
-  const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim;
-  const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
-  auto mixer = [&](int i, const uint16_t* in, float* o) {
-    const size_t l = size_t(i);
-    if (c.mixers[i] == MixerKind::KDA) {
-      KdaCarry carry;
-      carry.state = kda_state_[l] + slot * HK * c.kda.head_dim;
-      carry.tail[0] = kda_tail_q_[l] + slot * tail;
-      carry.tail[1] = kda_tail_k_[l] + slot * tail;
-      carry.tail[2] = kda_tail_v_[l] + slot * tail;
-      kda_layer_forward_gpu(run, *dw_, W.layers[l].kda, in, o, 1, n, nullptr, &carry);
-      return;
-    }
-    const MlaWeights& w = W.layers[l].mla;
-    mla_layer_forward_gpu(run, *dw_, w, in, o, 1, n);
-    // The cache rows [RMSNorm(c) ; RoPE(kr)] of every prompt position, as decode writes them.
-    linear(run, in, dw_->bf16(w.kv_a), n, d, Wd, kv_a, GemmOutType::F32);
-    const bool rope = m.use_rope && m.qk_rope_dim > 0;
-    decode_mla_write_latent(kv_a, dw_->f32(w.kv_a_norm), n, m.kv_lora_rank, m.qk_rope_dim,
-                            m.latent_norm_eps, rope ? rope_cos_ : nullptr,
-                            rope ? rope_sin_ : nullptr, positions, row_table, P, kPageTokens,
-                            mla_pages_[l], stream);
-  };
-  auto ffn = [&](int i, const uint16_t* in, float* o) {
-    if (c.ffns[i] == FfnKind::MoE) moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n);
-    else dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
-  };
-  const GpuResidualOps ops{dw_, stream};
-  const uint16_t* final_hidden = residual_stack_forward<float>(
-      c, W, n, p, x, xn, out, blocks, mixer, ffn, [](const char*, int, const float*) {}, ops);
-  if (last_logits)
-    linear(run, final_hidden + (n - 1) * d, dw_->bf16(W.lm_head), 1, d, V, logits,
-           GemmOutType::F32);
-  const int32_t length = int32_t(n);
-  copy_to_device(lengths_ + slot, &length, sizeof(int32_t));
-  synchronize();
-  check_last_error("GpuDecoder chunked prefill");
-  if (last_logits) copy_to_host(last_logits, logits, size_t(V) * sizeof(float));
-  host_lengths_[size_t(slot)] = n;
-}
-
-void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
-  DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder::extend: slot ", slot, " outside [0, ", S_, ")");
-  const int64_t L = host_lengths_[size_t(slot)];
-  if (L == 0) {
-    prefill(slot, ids, n, last_logits);
-    return;
-  }
-  DM_CHECK(n > 0 && L + n <= max_length_, "GpuDecoder::extend: ", n, " more tokens after ", L,
-           " do not fit the decoder (max length ", max_length_, ")");
-  const ModelConfig& c = config();
-  const ModelWeights& W = dw_->host();
-  const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
-  for (int64_t t = 0; t < n; ++t)
-    DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::extend: token id ", ids[t], " at position ",
-             L + t, " outside the vocabulary [0, ", V, ")");
-  const int nb = std::max(1, residual_num_blocks(c));
-  reserve_prefill(n);
-  GpuRun& run = *prefill_run_;
-  DeviceArena& act = *prefill_act_;
-  act.reset();
-  run.scratch.reset();
-  CUstream_st* stream = run.stream;
-  float* p = act.alloc<float>(size_t(n * d));
-  float* x = act.alloc<float>(size_t(n * d));
-  float* out = act.alloc<float>(size_t(n * d));
-  uint16_t* xn = act.alloc<uint16_t>(size_t(n * d));
-  float* blocks = act.alloc<float>(size_t(n * d * nb));
-  int64_t* ids_dev = act.alloc<int64_t>(size_t(n));
-  int32_t* positions = act.alloc<int32_t>(size_t(n));
-  int32_t* slots = act.alloc<int32_t>(size_t(n));
-  int32_t* seq_len = act.alloc<int32_t>(size_t(n));
-  int32_t* row_table = act.alloc<int32_t>(size_t(n * P));
-  float* logits = act.alloc<float>(size_t(V));
-  {
-    // Row t: position L + t of the slot, seeing L + t + 1 tokens through its static pages.
-    std::vector<int64_t> ids64(ids, ids + n);
+    // Row t: position start + t of the slot, seeing start + t + 1 tokens through the slot's
+    // static page table row.
     const size_t rows_n = static_cast<size_t>(n);
+    std::vector<int64_t> ids64(ids, ids + n);
     std::vector<int32_t> pos(rows_n), slot_of(rows_n, int32_t(slot)), len(rows_n),
         table(rows_n * size_t(P));
     for (int64_t t = 0; t < n; ++t) {
-      pos[size_t(t)] = int32_t(L + t);
-      len[size_t(t)] = int32_t(L + t + 1);
+      pos[size_t(t)] = int32_t(start + t);
+      len[size_t(t)] = int32_t(start + t + 1);
       for (int64_t j = 0; j < P; ++j) table[size_t(t * P + j)] = int32_t(slot * P + j);
     }
     copy_to_device(ids_dev, ids64.data(), size_t(n) * sizeof(int64_t));
@@ -631,11 +564,23 @@ void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last
       carry.tail[0] = kda_tail_q_[l] + slot * tail;
       carry.tail[1] = kda_tail_k_[l] + slot * tail;
       carry.tail[2] = kda_tail_v_[l] + slot * tail;
-      carry.continues = true;
+      carry.continues = start > 0;
       kda_layer_forward_gpu(run, *dw_, W.layers[l].kda, in, o, 1, n, nullptr, &carry);
       return;
     }
-    mla_step(run, i, in, o, rows);
+    if (start > 0) {  // the new rows write their latents, then attend through the pages
+      mla_step(run, i, in, o, rows);
+      return;
+    }
+    const MlaWeights& w = W.layers[l].mla;
+    mla_layer_forward_gpu(run, *dw_, w, in, o, 1, n);
+    // The cache rows [RMSNorm(c) ; RoPE(kr)] of every prompt position, as decode writes them.
+    linear(run, in, dw_->bf16(w.kv_a), n, d, Wd, kv_a, GemmOutType::F32);
+    const bool rope = m.use_rope && m.qk_rope_dim > 0;
+    decode_mla_write_latent(kv_a, dw_->f32(w.kv_a_norm), n, m.kv_lora_rank, m.qk_rope_dim,
+                            m.latent_norm_eps, rope ? rope_cos_ : nullptr,
+                            rope ? rope_sin_ : nullptr, positions, row_table, P, kPageTokens,
+                            mla_pages_[l], stream);
   };
   auto ffn = [&](int i, const uint16_t* in, float* o) {
     if (c.ffns[i] == FfnKind::MoE)
@@ -649,12 +594,12 @@ void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last
   if (last_logits)
     linear(run, final_hidden + (n - 1) * d, dw_->bf16(W.lm_head), 1, d, V, logits,
            GemmOutType::F32);
-  const int32_t length = int32_t(L + n);
+  const int32_t length = int32_t(start + n);
   copy_to_device(lengths_ + slot, &length, sizeof(int32_t));
   synchronize();
-  check_last_error("GpuDecoder extend");
+  check_last_error("GpuDecoder chunked forward");
   if (last_logits) copy_to_host(last_logits, logits, size_t(V) * sizeof(float));
-  host_lengths_[size_t(slot)] = L + n;
+  host_lengths_[size_t(slot)] = start + n;
 }
 
 const float* GpuDecoder::run_rows(int64_t n, bool want_logits) {

@@ -143,7 +143,10 @@ class GpuDecoder {
   void capture_step(StepGraph& g, const DecodeStepBuffers& b, int64_t n, bool want_logits,
                     MoeExpertsPath moe);
   bool graphs_usable(MoeExpertsPath moe) const;
-  void prefill_chunked(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
+  // The chunked pass of prefill (start = 0: MLA through the prefill attention, then its latent
+  // rows) and extend (start = the slot's length: KDA continues its carry, MLA through mla_step),
+  // ids [n] at positions start … start + n − 1.
+  void forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64_t start, float* last_logits);
   void kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
   // The MLA sub-layer of n rows at their own positions: writes their latent rows into the pages,
   // then attends through the pages (paged absorbed kernel) — a decode step's rows, or the new
