@@ -25,17 +25,16 @@
 
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
-#include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
 #include "ops/cuda/wgmma.cuh"
+#include "ops/cuda/wgmma_pipeline.cuh"
 
 namespace dm::cuda::moe_detail {
 namespace {
 
 using attention_detail::cp_async_16;
-using attention_detail::cp_async_commit;
-using attention_detail::cp_async_wait;
 
 constexpr int kTileM = kGroupedTileRows, kTileN = 128, kTileK = 64, kStages = 3;
 constexpr int kThreads = 256;                     // two warpgroups
@@ -102,50 +101,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
 
   const int k_steps = int((K + kTileK - 1) / kTileK);
-  auto load = [&](int slot) {
+  // The copies are stateful (each issue advances k): they go out in step order, as the ring asks.
+  auto load = [&](int, int slot) {
     uint8_t* stage = ring + slot * kStageBytes;
     a_copy.issue(stage, A, K);
     w_copy.issue(stage + kTileBytes, W_e, K);
   };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_steps) load(s);
-    cp_async_commit();
-  }
-  int slot = 0;  // step t's slot: t % kStages
-  for (int t = 0; t < k_steps; ++t) {
-    const int previous = slot == 0 ? kStages - 1 : slot - 1;  // step t − 1's slot
-    cp_async_wait<kStages - 2>();  // this thread's copies of step t have landed
-    wgmma::fence_proxy_async();    // ... and are visible to the async proxy
-    if constexpr (!kOverlap) {
-      wgmma::wgmma_wait<0>();  // step t − 1's batch has read its stage
-      __syncthreads();
-      if (t + kStages - 1 < k_steps) load(previous);
-      cp_async_commit();
-    } else {
-      __syncthreads();  // every copy of t is in
-    }
+  auto multiply = [&](int slot) {
     const uint8_t* stage = ring + slot * kStageBytes;
     const uint8_t* a_rows = stage + group * 64 * kRowBytes;
     const uint8_t* w_rows = stage + kTileBytes;
-    wgmma::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kTileK / 16; ++kk)
       wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
                                  wgmma::smem_desc_sw128(w_rows + kk * 32), true);
-    wgmma::wgmma_commit();
-    if constexpr (kOverlap) {
-      // Step t's batch is queued behind t − 1's: only then wait for t − 1 (both warpgroups) and
-      // refill its stage.
-      wgmma::wgmma_wait<1>();
-      __syncthreads();
-      if (t + kStages - 1 < k_steps) load(previous);
-      cp_async_commit();
-    }
-    slot = slot + 1 == kStages ? 0 : slot + 1;
-  }
-  wgmma::wgmma_wait<0>();
-  cp_async_wait<0>();
+  };
+  wgmma::ring_pipeline<kStages, kOverlap>(k_steps, load, multiply);
 
   // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
   // + (j mod 2) of the tile; adjacent columns go out as one bf16 pair.

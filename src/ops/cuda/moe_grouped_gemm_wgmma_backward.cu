@@ -30,13 +30,12 @@
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
 #include "ops/cuda/wgmma.cuh"
+#include "ops/cuda/wgmma_pipeline.cuh"
 
 namespace dm::cuda::moe_detail {
 namespace {
 
 using attention_detail::cp_async_16;
-using attention_detail::cp_async_commit;
-using attention_detail::cp_async_wait;
 
 constexpr int kTile = kGroupedTileRows;  // 128 × 128 output tiles
 constexpr int kStepK = 64;
@@ -147,30 +146,12 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
   float acc[64];
 #pragma unroll
   for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) load(s, s);
-    cp_async_commit();
-  }
-  int slot = 0;  // step t's slot: t mod kStages
-  for (int t = 0; t < steps; ++t) {
-    const int previous = slot == 0 ? kStages - 1 : slot - 1;  // step t − 1's slot
-    cp_async_wait<kStages - 2>();  // this thread's copies of step t have landed
-    wgmma::fence_proxy_async();    // ... and are visible to the async proxy
-    if constexpr (!kOverlap) {
-      wgmma::wgmma_wait<0>();  // step t − 1's batch has read its stage
-      __syncthreads();         // ... in both warpgroups, and every copy of t is in
-      if (t + kStages - 1 < steps) load(t + kStages - 1, previous);
-      cp_async_commit();
-    } else {
-      __syncthreads();  // every copy of t is in
-    }
+  // Warpgroup g's 64 rows: K-major lines 64g … (rows), MN atom g (weight gradient); both at
+  // g·8 KB.
+  auto multiply = [&](int slot) {
     const uint8_t* a_tile = ring + slot * kStageBytes;
     const uint8_t* b_tile = a_tile + kOperandBytes;
-    // Warpgroup g's 64 rows: K-major lines 64g … (rows), MN atom g (weight gradient); both at
-    // g·8 KB.
     const uint8_t* a_rows = a_tile + group * kAtomBytes;
-    wgmma::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kStepK / 16; ++kk) {
       const uint64_t desc_b = wgmma::smem_desc_sw128_mn(b_tile + kk * 16 * kLineBytes, kAtomBytes);
@@ -182,19 +163,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
             acc, wgmma::smem_desc_sw128_mn(a_rows + kk * 16 * kLineBytes, kAtomBytes), desc_b,
             true);
     }
-    wgmma::wgmma_commit();
-    if constexpr (kOverlap) {
-      // Step t's batch is queued behind t − 1's, so the tensor cores never wait on the refill:
-      // only then wait for t − 1 (both warpgroups) and refill its stage.
-      wgmma::wgmma_wait<1>();
-      __syncthreads();
-      if (t + kStages - 1 < steps) load(t + kStages - 1, previous);
-      cp_async_commit();
-    }
-    slot = slot + 1 == kStages ? 0 : slot + 1;
-  }
-  wgmma::wgmma_wait<0>();
-  cp_async_wait<0>();
+  };
+  wgmma::ring_pipeline<kStages, kOverlap>(steps, load, multiply);
 
   // acc[j]: tile row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) +
   // 2·(lane mod 4) + (j mod 2); adjacent columns go out as one pair.
