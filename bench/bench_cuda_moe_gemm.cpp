@@ -198,7 +198,6 @@ int run(int argc, char** argv) {
                         cuda::GemmOutType::F32, F);
        }},
   };
-  (void)w_up;
 
   std::printf(
       "\n| product | kernel | µs | TFLOP/s | rel RMS vs mma.sync |\n|---|---|---:|---:|---:|\n");

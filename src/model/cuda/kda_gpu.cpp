@@ -114,14 +114,15 @@ namespace {
 // orders every use): `raw` [N, H·K] holds W_q x, W_k x, W_v x (each dead once its conv ran), then
 // f_b f_a x (dead after the gate kernel), then the output gate; `low` [N, K] holds f_a x, then
 // g_a x; the norm runs in place in o.
-// raw, q, k and v have Kc − 1 rows of room in front for a continuing carry's conv tail, rounded
-// up to 256 bytes so the views keep the arena's alignment.
+// with_room (a continuing carry, KdaCarry::continues): raw, q, k and v get Kc − 1 rows of room in
+// front for the carried conv tail, rounded up to 256 bytes so the views keep the arena's
+// alignment. Without it the views are laid out as they always were.
 kda_gpu::ForwardViews forward_carve(kda_gpu::ScratchPlan& plan, const kda_gpu::Dims& dims,
-                                    const KdaShape& shape) {
+                                    const KdaShape& shape, bool with_room) {
   const int64_t N = dims.N, HK = dims.HK, ctx = std::max<int64_t>(dims.Kc - 1, 0);
-  const int64_t room = (ctx * HK * 2 + 255) / 256 * 256 / 2;  // elements, ≥ ctx rows
+  const int64_t room = with_room ? (ctx * HK * 2 + 255) / 256 * 256 / 2 : 0;  // elements
   kda_gpu::ForwardViews v{};
-  v.context_rows = ctx;
+  v.context_rows = with_room ? ctx : 0;
   auto with_context = [&]() -> uint16_t* {
     uint16_t* p = plan.take<uint16_t>(N * HK + room);
     return p ? p + room : nullptr;  // null while `plan` only counts
@@ -145,8 +146,8 @@ kda_gpu::ForwardViews forward_carve(kda_gpu::ScratchPlan& plan, const kda_gpu::D
 size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
-  kda_gpu::ScratchPlan counter;
-  forward_carve(counter, dims, KdaShape{B, T, dims.H, dims.K, dims.K});
+  kda_gpu::ScratchPlan counter;  // the larger layout: with room for a continuing carry
+  forward_carve(counter, dims, KdaShape{B, T, dims.H, dims.K, dims.K}, /*with_room=*/true);
   return counter.bytes;
 }
 
@@ -167,8 +168,9 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
   kept_plan.base = static_cast<char*>(kept);
   const KdaShape shape{B, T, dims.H, dims.K, dims.K};
   // Kept for the backward: every intermediate in its own buffer (as the backward recomputes them).
-  const kda_gpu::ForwardViews v = kept ? kda_gpu::keep_carve(kept_plan, c, dims, shape)
-                                       : forward_carve(plan, dims, shape);
+  const kda_gpu::ForwardViews v =
+      kept ? kda_gpu::keep_carve(kept_plan, c, dims, shape)
+           : forward_carve(plan, dims, shape, carry != nullptr && carry->continues);
   kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, carry, v);
   linear(run, v.normed, dw.bf16(w.o_proj), dims.N, dims.HK, dims.d, y, GemmOutType::F32);
 }
