@@ -251,24 +251,25 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
 }  // namespace moe_detail
 
 namespace {
-// A kernel variant's process-wide switch, read from env `var` once: unset, empty or `off` →
-// false, `on` → true, anything else an error.
-bool env_switch(const char* var, const char* off, const char* on) {
+// A kernel variant's process-wide switch from env `var` ("1" on, "0" off; unset or empty: the
+// fallback; anything else an error), read once by each setting below.
+bool env_flag(const char* var, bool fallback) {
   const char* env = std::getenv(var);
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, off) == 0) return false;
-  DM_CHECK(std::strcmp(env, on) == 0, var, " must be '", off, "' or '", on, "', got '", env, "'");
-  return true;
+  if (env == nullptr || env[0] == '\0') return fallback;
+  DM_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, var,
+           " must be '0' or '1', got '", env, "'");
+  return env[0] == '1';
 }
 std::atomic<bool>& grouped_wgmma_setting() {
-  static std::atomic<bool> on{!env_switch("DM_MOE_WGMMA", "1", "0")};
+  static std::atomic<bool> on{env_flag("DM_MOE_WGMMA", true)};
   return on;
 }
 std::atomic<bool>& grouped_wgmma_backward_setting() {
-  static std::atomic<bool> on{!env_switch("DM_MOE_WGMMA_BACKWARD", "1", "0")};
+  static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_BACKWARD", true)};
   return on;
 }
 std::atomic<bool>& wgmma_overlap_setting() {
-  static std::atomic<bool> on{env_switch("DM_MOE_WGMMA_OVERLAP", "0", "1")};
+  static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_OVERLAP", false)};
   return on;
 }
 }  // namespace
