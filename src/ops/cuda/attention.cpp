@@ -128,6 +128,17 @@ void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16
     attention_detail::launch_attention_forward_simple(p, q, k, v, o, lse, stream);
 }
 
+void attention_causal_forward(const float* q, const float* k, const float* v, float* o, float* lse,
+                              const AttnShape& s, double scale, const int32_t* doc_start,
+                              CUstream_st* stream) {
+  const char* who = "attention_causal_forward (cuda, fp32)";
+  const AttentionProblem p = checked_problem(who, s, scale, doc_start);
+  if (p.B == 0 || p.T == 0 || p.H == 0) return;
+  // Scalar fp32 loads: no alignment beyond the element's own is needed.
+  DM_CHECK(q && k && v && o, who, ": null argument");
+  attention_detail::launch_attention_forward_simple(p, q, k, v, o, lse, stream);
+}
+
 size_t attention_causal_backward_workspace_bytes(const AttnShape& s) {
   return attention_detail::attention_backward_scratch_bytes(int(s.B), int(s.T), int(s.H));
 }

@@ -1,7 +1,8 @@
 // Causal attention forward on the GPU (SPEC §1.2, expanded MLA form for prefill/training):
 // a FlashAttention-2 style tiled kernel on bf16 tensor cores, and a plain one-warp-per-row kernel
-// that serves as the GPU reference. Layouts as ops/cpu/attention.h: q, k [B,T,H,Dqk],
-// v, o [B,T,H,Dv] (bf16), lse [B,H,T] (fp32, natural log).
+// that serves as the GPU reference (and, on fp32 operands, as the fp32 GPU mode's attention).
+// Layouts as ops/cpu/attention.h: q, k [B,T,H,Dqk], v, o [B,T,H,Dv] (bf16; fp32 for the simple
+// kernel's fp32 instantiation), lse [B,H,T] (fp32, natural log).
 //
 // Tiled kernel, one CTA = one (batch, head, block of kBlockM = 16·kWarps query rows):
 //   registers: each warp owns 16 query rows: its Q fragments (Dqk/16 × 4 regs), the O
@@ -24,6 +25,7 @@
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
 
 namespace dm::cuda::attention_detail {
 
@@ -245,11 +247,24 @@ void launch_forward_tiled_instance(const ForwardArgs& args, CUstream_st* stream)
 }
 
 // GPU reference: one warp per (b, t, h) row, fp32 online softmax over the visible keys one at a
-// time (no tensor cores, no tiles). Dqk, Dv ≤ 256.
+// time (no tensor cores, no tiles). Dqk, Dv ≤ 256. Operands stored as S: uint16_t (bf16 bits,
+// the bf16 path's reference) or float (the fp32 GPU mode); the math is fp32 either way.
 constexpr int kSimpleMaxDim = 256;
 constexpr int kSimpleSlots = kSimpleMaxDim / 32;
 
-__global__ void attention_forward_simple_kernel(const ForwardArgs a, float scale) {
+template <typename S>
+struct SimpleForwardArgs {
+  const S* q;  // [B, T, H, Dqk]
+  const S* k;  // [B, T, H, Dqk]
+  const S* v;  // [B, T, H, Dv]
+  S* o;        // [B, T, H, Dv]
+  float* lse;  // [B, H, T] or nullptr
+  const int32_t* doc_start;
+  int B, T, H, Dqk, Dv;
+};
+
+template <typename S>
+__global__ void attention_forward_simple_kernel(const SimpleForwardArgs<S> a, float scale) {
   const int warps_per_block = blockDim.x / 32;
   const int64_t row = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -264,7 +279,7 @@ __global__ void attention_forward_simple_kernel(const ForwardArgs a, float scale
 #pragma unroll
   for (int i = 0; i < kSimpleSlots; ++i) {
     const int d = lane + 32 * i;
-    qv[i] = d < a.Dqk ? __bfloat162float(a.q[row * a.Dqk + d]) : 0.0f;
+    qv[i] = d < a.Dqk ? load_as_float(a.q, row * a.Dqk + d) : 0.0f;
     ov[i] = 0.0f;
   }
   float running_max = -INFINITY, running_sum = 0.0f;
@@ -274,7 +289,7 @@ __global__ void attention_forward_simple_kernel(const ForwardArgs a, float scale
 #pragma unroll
     for (int i = 0; i < kSimpleSlots; ++i) {
       const int d = lane + 32 * i;
-      if (d < a.Dqk) dot += qv[i] * __bfloat162float(a.k[key_row * a.Dqk + d]);
+      if (d < a.Dqk) dot += qv[i] * load_as_float(a.k, key_row * a.Dqk + d);
     }
     const float score = warp_sum(dot) * scale;
     const float new_max = fmaxf(running_max, score);
@@ -284,7 +299,7 @@ __global__ void attention_forward_simple_kernel(const ForwardArgs a, float scale
 #pragma unroll
     for (int i = 0; i < kSimpleSlots; ++i) {
       const int d = lane + 32 * i;
-      const float vd = d < a.Dv ? __bfloat162float(a.v[key_row * a.Dv + d]) : 0.0f;
+      const float vd = d < a.Dv ? load_as_float(a.v, key_row * a.Dv + d) : 0.0f;
       ov[i] = ov[i] * correction + p * vd;
     }
     running_max = new_max;
@@ -293,10 +308,24 @@ __global__ void attention_forward_simple_kernel(const ForwardArgs a, float scale
 #pragma unroll
   for (int i = 0; i < kSimpleSlots; ++i) {
     const int d = lane + 32 * i;
-    if (d < a.Dv) a.o[row * a.Dv + d] = __float2bfloat16(ov[i] * inverse);
+    if (d < a.Dv) store_from_float(a.o, row * a.Dv + d, ov[i] * inverse);
   }
   if (a.lse && lane == 0)
     a.lse[(int64_t(b) * a.H + h) * a.T + t] = running_max + logf(running_sum);
+}
+
+template <typename S>
+void launch_forward_simple(const AttentionProblem& p, const S* q, const S* k, const S* v, S* o,
+                           float* lse, CUstream_st* stream) {
+  if (p.B == 0 || p.T == 0 || p.H == 0) return;
+  DM_CHECK(p.Dqk <= kSimpleMaxDim && p.Dv <= kSimpleMaxDim,
+           "attention forward (simple): head dims ", p.Dqk, "/", p.Dv, " exceed ", kSimpleMaxDim);
+  const SimpleForwardArgs<S> args{q, k, v, o, lse, p.doc_start, p.B, p.T, p.H, p.Dqk, p.Dv};
+  const int64_t rows = int64_t(p.B) * p.T * p.H;
+  const int warps_per_block = 4;
+  attention_forward_simple_kernel<S>
+      <<<ceil_div(rows, warps_per_block), warps_per_block * 32, 0, stream>>>(args, p.scale);
+  check_last_error("attention_forward_simple_kernel");
 }
 
 ForwardArgs make_forward_args(const AttentionProblem& p, const uint16_t* q, const uint16_t* k,
@@ -339,15 +368,12 @@ void launch_attention_forward_tiled(const AttentionProblem& p, const uint16_t* q
 void launch_attention_forward_simple(const AttentionProblem& p, const uint16_t* q,
                                      const uint16_t* k, const uint16_t* v, uint16_t* o,
                                      float* lse, CUstream_st* stream) {
-  if (p.B == 0 || p.T == 0 || p.H == 0) return;
-  DM_CHECK(p.Dqk <= kSimpleMaxDim && p.Dv <= kSimpleMaxDim, "attention forward (simple): head dims ",
-           p.Dqk, "/", p.Dv, " exceed ", kSimpleMaxDim);
-  const ForwardArgs args = make_forward_args(p, q, k, v, o, lse);
-  const int64_t rows = int64_t(p.B) * p.T * p.H;
-  const int warps_per_block = 4;
-  attention_forward_simple_kernel<<<ceil_div(rows, warps_per_block), warps_per_block * 32, 0,
-                                    stream>>>(args, p.scale);
-  check_last_error("attention_forward_simple_kernel");
+  launch_forward_simple(p, q, k, v, o, lse, stream);
+}
+
+void launch_attention_forward_simple(const AttentionProblem& p, const float* q, const float* k,
+                                     const float* v, float* o, float* lse, CUstream_st* stream) {
+  launch_forward_simple(p, q, k, v, o, lse, stream);
 }
 
 }  // namespace dm::cuda::attention_detail

@@ -40,6 +40,13 @@ void attention_causal_forward(const uint16_t* q, const uint16_t* k, const uint16
                               const int32_t* doc_start = nullptr, CUstream_st* stream = nullptr,
                               AttentionKernel kernel = AttentionKernel::Auto);
 
+// fp32 (the fp32 GPU mode): q, k, v, o fp32, every product and the softmax in fp32 (CUDA cores,
+// the Simple kernel's scheme on fp32 operands; Dqk, Dv ≤ 256). Same layouts, lse and doc_start
+// rules as above. Checked against the CPU float attention at 1e-5.
+void attention_causal_forward(const float* q, const float* k, const float* v, float* o, float* lse,
+                              const AttnShape& s, double scale, const int32_t* doc_start = nullptr,
+                              CUstream_st* stream = nullptr);
+
 // Device scratch attention_causal_backward needs: Δ [B,H,T] fp32 and per-32-row minimum
 // document starts.
 size_t attention_causal_backward_workspace_bytes(const AttnShape& s);

@@ -24,6 +24,9 @@ void launch_attention_forward_tiled(const AttentionProblem& p, const uint16_t* q
 void launch_attention_forward_simple(const AttentionProblem& p, const uint16_t* q,
                                      const uint16_t* k, const uint16_t* v, uint16_t* o,
                                      float* lse, CUstream_st* stream);
+// The same kernel on fp32 q, k, v, o (the fp32 GPU mode): one body, templated on the storage.
+void launch_attention_forward_simple(const AttentionProblem& p, const float* q, const float* k,
+                                     const float* v, float* o, float* lse, CUstream_st* stream);
 
 // Backward scratch: Δ [B,H,T] fp32 and the per-32-row-block minimum document start
 // [B, ceil(T/32)] int32.

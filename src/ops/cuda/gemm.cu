@@ -1,4 +1,6 @@
-// cuBLASLt dense GEMM (bf16 in, fp32 accumulate, bf16/fp32 out), row-major like core/gemm.h.
+// cuBLASLt dense GEMM, row-major like core/gemm.h: bf16 operands with fp32 accumulation and
+// bf16/fp32 output (gemm_bf16*), and all-fp32 products with full-precision multiplies (gemm_f32,
+// the fp32 GPU mode). Both go through one cuBLASLt call and one algorithm cache.
 //
 // Row-major → column-major mapping: a row-major [r, c] matrix with leading dimension ld is the
 // column-major [c, r] matrix with the same ld, so C = op(A)·op(B) (row-major) is computed as the
@@ -50,10 +52,190 @@ __global__ void gemm_scale_output_kernel(OutT* C, int64_t M, int64_t N, int64_t 
   }
 }
 
+// K = 0: C ← beta·C (no product to run; beta = 1 leaves C alone).
+template <typename OutT>
+void scale_output(const char* who, OutT* C, int64_t M, int64_t N, int64_t ldc, float beta,
+                  CUstream_st* stream) {
+  if (beta == 1.0f) return;
+  const int threads = 256;
+  const int blocks = ceil_div(M * N, threads);
+  gemm_scale_output_kernel<<<blocks, threads, 0, stream>>>(C, M, N, ldc, beta);
+  check_last_error(who);
+}
+
+// Shape checks shared by every entry point; false when the product is empty (M or N = 0).
+bool check_gemm_shape(const char* who, int64_t M, int64_t N, int64_t K, int64_t ldc) {
+  DM_CHECK(M >= 0 && N >= 0 && K >= 0, who, ": negative shape M=", M, " N=", N, " K=", K);
+  if (M == 0 || N == 0) return false;
+  DM_CHECK(ldc >= N, who, ": ldc=", ldc, " < N=", N);
+  return true;
+}
+
+void check_gemm_operands(const char* who, bool trans_a, bool trans_b, int64_t M, int64_t N,
+                         int64_t K, const void* A, int64_t lda, const void* B, int64_t ldb,
+                         const void* C) {
+  DM_CHECK(lda >= (trans_a ? M : K), who, ": lda=", lda, " too small (ta=", trans_a, ", M=", M,
+           ", K=", K, ")");
+  DM_CHECK(ldb >= (trans_b ? K : N), who, ": ldb=", ldb, " too small (tb=", trans_b, ", K=", K,
+           ", N=", N, ")");
+  DM_CHECK(A && B && C, who, ": null matrix pointer");
+}
+
+// One checked cuBLASLt product (row-major, as the public calls take it; K ≥ 1). A and B share
+// one element type (bf16 or fp32), C has its own; compute is always CUBLAS_COMPUTE_32F (fp32
+// accumulation, and for fp32 operands full-precision multiplies: TF32 would be
+// CUBLAS_COMPUTE_32F_FAST_TF32).
+struct LtProduct {
+  const char* who;
+  bool trans_a, trans_b;
+  int64_t M, N, K;
+  float alpha, beta;
+  const void* A;
+  int64_t lda, stride_a;
+  const void* B;
+  int64_t ldb, stride_b;
+  void* C;
+  int64_t ldc, stride_c;
+  int64_t batch;
+  cudaDataType_t ab_type, c_type;
+};
+
+// Cache key of a product: transposes, power-of-two buckets of M, N, K, leading dims, the operand
+// and output element types, beta ≠ 0, alignments, batch and strides.
+constexpr int kAlgoKeyLength = 18;
+
+size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
+
+// Runs p through cuBLASLt with the algorithm cached for its key (heuristic query on a miss).
+// CacheEntry is GemmContext::AlgoCacheEntry {key, algo} (private to the class, so deduced here
+// rather than named); cache holds kAlgoCacheCapacity entries, cache_used / cache_next are the
+// context's fill count and round-robin cursor.
+template <typename CacheEntry>
+void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
+                      size_t workspace_bytes, CacheEntry* cache, int& cache_used, int& cache_next,
+                      CUstream_st* stream) {
+  // Column-major problem: m' = N, n' = M, A' = B (op = tb), B' = A (op = ta).
+  const cublasOperation_t op_a = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const uint64_t a_rows = p.trans_b ? p.K : p.N, a_cols = p.trans_b ? p.N : p.K;
+  const uint64_t b_rows = p.trans_a ? p.M : p.K, b_cols = p.trans_a ? p.K : p.M;
+
+  cublasLtMatmulDescOpaque_t op_desc;
+  DM_CUBLAS_CHECK(cublasLtMatmulDescInit(&op_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  DM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op_desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
+                                                 sizeof(op_a)));
+  DM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op_desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                                 sizeof(op_b)));
+  cublasLtMatrixLayoutOpaque_t a_layout, b_layout, c_layout;
+  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&a_layout, p.ab_type, a_rows, a_cols, p.ldb));
+  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&b_layout, p.ab_type, b_rows, b_cols, p.lda));
+  DM_CUBLAS_CHECK(
+      cublasLtMatrixLayoutInit(&c_layout, p.c_type, uint64_t(p.N), uint64_t(p.M), p.ldc));
+  if (p.batch > 1) {  // batch i reads A + i·stride_a, B + i·stride_b and writes C + i·stride_c
+    const int32_t count = int32_t(p.batch);
+    const struct {
+      cublasLtMatrixLayoutOpaque_t* layout;
+      int64_t stride;
+    } strided[3] = {{&a_layout, p.stride_b}, {&b_layout, p.stride_a}, {&c_layout, p.stride_c}};
+    for (const auto& l : strided) {
+      DM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          l.layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      DM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          l.layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &l.stride, sizeof(l.stride)));
+    }
+  }
+
+  // Batched: every batch's matrix starts stride elements further, so the stride's byte offset
+  // bounds the alignment too.
+  const int64_t ab_bytes = int64_t(element_bytes(p.ab_type)),
+                c_bytes = int64_t(element_bytes(p.c_type));
+  auto aligned_with = [](const void* ptr, int64_t offset_bytes) {
+    const uint32_t a = pointer_alignment(ptr);
+    const uint32_t o = pointer_alignment(reinterpret_cast<const void*>(uintptr_t(offset_bytes)));
+    return a < o ? a : o;
+  };
+  const uint32_t align_a = aligned_with(p.B, p.stride_b * ab_bytes),
+                 align_b = aligned_with(p.A, p.stride_a * ab_bytes),
+                 align_c = aligned_with(p.C, p.stride_c * c_bytes);
+  // The cache is keyed on the power-of-two bucket of each dimension, not its exact value: the
+  // MoE's per-expert GEMMs change M (rows of an expert) or K (its rows, for weight gradients)
+  // every call, and a heuristic query per call costs more than the GEMM. An algorithm chosen for
+  // one shape of a bucket is reused for the others; if cuBLASLt rejects it for a shape, that call
+  // queries its own (uncached). The element types are part of the key: a bf16 algorithm must
+  // never run an fp32 product of the same shape.
+  auto bucket = [](int64_t x) { return int64_t(64 - __builtin_clzll(uint64_t(x))); };
+  const int64_t key[kAlgoKeyLength] = {p.trans_a,
+                                       p.trans_b,
+                                       bucket(p.M),
+                                       bucket(p.N),
+                                       bucket(p.K),
+                                       p.lda,
+                                       p.ldb,
+                                       p.ldc,
+                                       int64_t(p.ab_type),
+                                       int64_t(p.c_type),
+                                       p.beta != 0.0f,
+                                       int64_t(align_a),
+                                       int64_t(align_b),
+                                       int64_t(align_c),
+                                       p.batch,
+                                       p.stride_a,
+                                       p.stride_b,
+                                       p.stride_c};
+  static_assert(sizeof(key) == sizeof(cache[0].key), "cache key length");
+  const cublasLtMatmulAlgo_t* algo = nullptr;
+  for (int i = 0; i < cache_used; ++i)
+    if (std::memcmp(cache[i].key, key, sizeof(key)) == 0) {
+      algo = &cache[i].algo;
+      break;
+    }
+  auto heuristic = [&](cublasLtMatmulAlgo_t* out) {
+    cublasLtMatmulPreferenceOpaque_t preference;
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&preference));
+    const uint64_t max_workspace = workspace_bytes;
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+        sizeof(max_workspace)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int returned = 0;
+    DM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, &op_desc, &a_layout, &b_layout, &c_layout,
+                                                   &c_layout, &preference, 1, &result, &returned));
+    DM_CHECK(returned > 0, p.who, ": cuBLASLt found no algorithm for M=", p.M, " N=", p.N,
+             " K=", p.K, " lda=", p.lda, " ldb=", p.ldb, " ldc=", p.ldc);
+    *out = result.algo;
+  };
+  auto run = [&](const cublasLtMatmulAlgo_t* a) {
+    return cublasLtMatmul(lt, &op_desc, &p.alpha, p.B, &a_layout, p.A, &b_layout, &p.beta, p.C,
+                          &c_layout, p.C, &c_layout, a, static_cast<char*>(workspace),
+                          workspace_bytes, stream);
+  };
+  if (!algo) {
+    // Fixed-capacity cache, round-robin replacement once full.
+    const int slot = cache_used < kAlgoCacheCapacity ? cache_used++ : cache_next++;
+    if (cache_next >= kAlgoCacheCapacity) cache_next = 0;
+    std::memcpy(cache[slot].key, key, sizeof(key));
+    heuristic(&cache[slot].algo);
+    DM_CUBLAS_CHECK(run(&cache[slot].algo));
+    return;
+  }
+  if (run(algo) == CUBLAS_STATUS_SUCCESS) return;
+  cublasLtMatmulAlgo_t exact;  // the bucket's algorithm does not apply to this shape
+  heuristic(&exact);
+  DM_CUBLAS_CHECK(run(&exact));
+}
+
 }  // namespace
 
 struct GemmContext::AlgoCacheEntry {
-  int64_t key[17];
+  int64_t key[kAlgoKeyLength];
   cublasLtMatmulAlgo_t algo;
 };
 
@@ -93,146 +275,58 @@ void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, in
                             float alpha, const uint16_t* A, int64_t lda, const uint16_t* B,
                             int64_t ldb, float beta, void* C, GemmOutType c_type, int64_t ldc,
                             CUstream_st* stream) {
-  gemm_bf16_strided_batched(trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C,
-                            c_type, ldc, 0, 1, stream);
+  gemm_bf16_strided_batched(trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, c_type,
+                            ldc, 0, 1, stream);
 }
 
 void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t M, int64_t N,
-                                            int64_t K, float alpha, const uint16_t* A,
-                                            int64_t lda, int64_t stride_a, const uint16_t* B,
-                                            int64_t ldb, int64_t stride_b, float beta, void* C,
+                                            int64_t K, float alpha, const uint16_t* A, int64_t lda,
+                                            int64_t stride_a, const uint16_t* B, int64_t ldb,
+                                            int64_t stride_b, float beta, void* C,
                                             GemmOutType c_type, int64_t ldc, int64_t stride_c,
                                             int64_t batch, CUstream_st* stream) {
-  DM_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm_bf16: negative shape M=", M, " N=", N, " K=", K);
   DM_CHECK(batch >= 1 && batch <= (int64_t(1) << 30), "gemm_bf16: batch ", batch, " out of range");
-  if (M == 0 || N == 0) return;
-  DM_CHECK(ldc >= N, "gemm_bf16: ldc=", ldc, " < N=", N);
+  if (!check_gemm_shape("gemm_bf16", M, N, K, ldc)) return;
   const bool out_f32 = c_type == GemmOutType::F32;
   if (K == 0) {
     DM_CHECK(batch == 1, "gemm_bf16: K = 0 is not supported batched");
-    if (beta == 1.0f) return;
-    const int threads = 256;
-    const int blocks = ceil_div(M * N, threads);
     if (out_f32)
-      gemm_scale_output_kernel<<<blocks, threads, 0, stream>>>(static_cast<float*>(C), M, N, ldc,
-                                                               beta);
+      scale_output("gemm_bf16 (K = 0 scale)", static_cast<float*>(C), M, N, ldc, beta, stream);
     else
-      gemm_scale_output_kernel<<<blocks, threads, 0, stream>>>(static_cast<__nv_bfloat16*>(C), M,
-                                                               N, ldc, beta);
-    check_last_error("gemm_bf16 (K = 0 scale)");
+      scale_output("gemm_bf16 (K = 0 scale)", static_cast<__nv_bfloat16*>(C), M, N, ldc, beta,
+                   stream);
     return;
   }
-  DM_CHECK(lda >= (trans_a ? M : K), "gemm_bf16: lda=", lda, " too small (ta=", trans_a, ", M=", M,
-           ", K=", K, ")");
-  DM_CHECK(ldb >= (trans_b ? K : N), "gemm_bf16: ldb=", ldb, " too small (tb=", trans_b, ", K=", K,
-           ", N=", N, ")");
-  DM_CHECK(A && B && C, "gemm_bf16: null matrix pointer");
+  check_gemm_operands("gemm_bf16", trans_a, trans_b, M, N, K, A, lda, B, ldb, C);
   // Few-row linear layers (decoding): bandwidth-bound, our GEMV streams the weights faster than
   // the tiles cuBLASLt picks for them (gemv.h).
   if (batch == 1 && !trans_a && trans_b && gemv_applies(M, K, A, lda, B, ldb)) {
     launch_gemv_bf16(M, N, K, alpha, A, lda, B, ldb, beta, C, c_type, ldc, stream);
     return;
   }
+  const LtProduct p{"gemm_bf16", trans_a,  trans_b,     M,
+                    N,           K,        alpha,       beta,
+                    A,           lda,      stride_a,    B,
+                    ldb,         stride_b, C,           ldc,
+                    stride_c,    batch,    CUDA_R_16BF, out_f32 ? CUDA_R_32F : CUDA_R_16BF};
+  lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
+                   cache_used_, cache_next_, stream);
+}
 
-  // Column-major problem: m' = N, n' = M, A' = B (op = tb), B' = A (op = ta).
-  const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const uint64_t a_rows = trans_b ? K : N, a_cols = trans_b ? N : K;
-  const uint64_t b_rows = trans_a ? M : K, b_cols = trans_a ? K : M;
-  const cudaDataType_t c_dtype = out_f32 ? CUDA_R_32F : CUDA_R_16BF;
-
-  cublasLtMatmulDescOpaque_t op_desc;
-  DM_CUBLAS_CHECK(cublasLtMatmulDescInit(&op_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  DM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op_desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
-                                                 sizeof(op_a)));
-  DM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op_desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
-                                                 sizeof(op_b)));
-  cublasLtMatrixLayoutOpaque_t a_layout, b_layout, c_layout;
-  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&a_layout, CUDA_R_16BF, a_rows, a_cols, ldb));
-  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&b_layout, CUDA_R_16BF, b_rows, b_cols, lda));
-  DM_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&c_layout, c_dtype, uint64_t(N), uint64_t(M), ldc));
-  if (batch > 1) {  // batch i reads A + i·stride_a, B + i·stride_b and writes C + i·stride_c
-    const int32_t count = int32_t(batch);
-    const struct {
-      cublasLtMatrixLayoutOpaque_t* layout;
-      int64_t stride;
-    } strided[3] = {{&a_layout, stride_b}, {&b_layout, stride_a}, {&c_layout, stride_c}};
-    for (const auto& l : strided) {
-      DM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
-          l.layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-      DM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
-          l.layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &l.stride, sizeof(l.stride)));
-    }
-  }
-
-  // Batched: every batch's matrix starts stride elements further, so the stride's byte offset
-  // bounds the alignment too.
-  const size_t c_bytes = out_f32 ? 4 : 2;
-  auto aligned_with = [](const void* p, int64_t offset_bytes) {
-    const uint32_t a = pointer_alignment(p);
-    const uint32_t o = pointer_alignment(reinterpret_cast<const void*>(uintptr_t(offset_bytes)));
-    return a < o ? a : o;
-  };
-  const uint32_t align_a = aligned_with(B, stride_b * 2), align_b = aligned_with(A, stride_a * 2),
-                 align_c = aligned_with(C, stride_c * int64_t(c_bytes));
-  // The cache is keyed on the power-of-two bucket of each dimension, not its exact value: the
-  // MoE's per-expert GEMMs change M (rows of an expert) or K (its rows, for weight gradients)
-  // every call, and a heuristic query per call costs more than the GEMM. An algorithm chosen for
-  // one shape of a bucket is reused for the others; if cuBLASLt rejects it for a shape, that call
-  // queries its own (uncached).
-  auto bucket = [](int64_t x) { return int64_t(64 - __builtin_clzll(uint64_t(x))); };
-  const int64_t key[17] = {trans_a,      trans_b,      bucket(M),   bucket(N), bucket(K),
-                           lda,          ldb,          ldc,         out_f32, beta != 0.0f,
-                           int64_t(align_a), int64_t(align_b), int64_t(align_c), batch,
-                           stride_a,     stride_b,     stride_c};
-  const cublasLtMatmulAlgo_t* algo = nullptr;
-  for (int i = 0; i < cache_used_; ++i)
-    if (std::memcmp(cache_[i].key, key, sizeof(key)) == 0) {
-      algo = &cache_[i].algo;
-      break;
-    }
-  auto heuristic = [&](cublasLtMatmulAlgo_t* out) {
-    cublasLtMatmulPreferenceOpaque_t preference;
-    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&preference));
-    const uint64_t max_workspace = lt_workspace_bytes_;
-    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        &preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-        sizeof(max_workspace)));
-    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-    DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int returned = 0;
-    DM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
-        static_cast<cublasLtHandle_t>(lt_), &op_desc, &a_layout, &b_layout, &c_layout, &c_layout,
-        &preference, 1, &result, &returned));
-    DM_CHECK(returned > 0, "gemm_bf16: cuBLASLt found no algorithm for M=", M, " N=", N, " K=", K,
-             " lda=", lda, " ldb=", ldb, " ldc=", ldc);
-    *out = result.algo;
-  };
-  auto run = [&](const cublasLtMatmulAlgo_t* a) {
-    return cublasLtMatmul(static_cast<cublasLtHandle_t>(lt_), &op_desc, &alpha, B, &a_layout, A,
-                          &b_layout, &beta, C, &c_layout, C, &c_layout, a,
-                          static_cast<char*>(workspace_), lt_workspace_bytes_, stream);
-  };
-  if (!algo) {
-    // Fixed-capacity cache, round-robin replacement once full.
-    const int slot = cache_used_ < kAlgoCacheCapacity ? cache_used_++ : cache_next_++;
-    if (cache_next_ >= kAlgoCacheCapacity) cache_next_ = 0;
-    std::memcpy(cache_[slot].key, key, sizeof(key));
-    heuristic(&cache_[slot].algo);
-    DM_CUBLAS_CHECK(run(&cache_[slot].algo));
+void GemmContext::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                           const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                           float* C, int64_t ldc, CUstream_st* stream) {
+  if (!check_gemm_shape("gemm_f32", M, N, K, ldc)) return;
+  if (K == 0) {
+    scale_output("gemm_f32 (K = 0 scale)", C, M, N, ldc, beta, stream);
     return;
   }
-  if (run(algo) == CUBLAS_STATUS_SUCCESS) return;
-  cublasLtMatmulAlgo_t exact;  // the bucket's algorithm does not apply to this shape
-  heuristic(&exact);
-  DM_CUBLAS_CHECK(run(&exact));
+  check_gemm_operands("gemm_f32", trans_a, trans_b, M, N, K, A, lda, B, ldb, C);
+  // No GEMV shortcut: gemv.h reads bf16 weights only; cuBLASLt takes every fp32 shape.
+  const LtProduct p{"gemm_f32", trans_a, trans_b, M, N, K,   alpha, beta, A,          lda,
+                    0,          B,       ldb,     0, C, ldc, 0,     1,    CUDA_R_32F, CUDA_R_32F};
+  lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
+                   cache_used_, cache_next_, stream);
 }
 
 }  // namespace dm::cuda

@@ -39,6 +39,12 @@ class GemmContext {
                  const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                  void* C, GemmOutType c_type, int64_t ldc, CUstream_st* stream = nullptr);
 
+  // The same product in fp32: A, B, C fp32, fp32 accumulation with full-precision multiplies
+  // (CUBLAS_COMPUTE_32F: no TF32), for the fp32 GPU mode. Same conventions and cache.
+  void gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                int64_t ldc, CUstream_st* stream = nullptr);
+
   // `batch` independent GEMMs of one shape in one call: product i reads A + i·stride_a,
   // B + i·stride_b and writes C + i·stride_c (strides in elements; 0 = the same matrix each time).
   // K = 0 is not supported here. Same algorithm cache as gemm_bf16.

@@ -1,5 +1,7 @@
 // CUDA KDA decay gate, β sigmoid and gated per-head RMSNorm (formulas in kda_layer_ops.h; CPU
 // twins in ops/cpu/kda_prep.cpp and ops/cpu/norm_gated.cpp). The short conv is in short_conv.cu.
+// Each kernel is templated on the activation storage, bf16 bits (uint16_t) or fp32 (the fp32 GPU
+// mode), so both precisions share one body and one launch; the math is fp32 in both.
 //
 // All memory-bound: element kernels run one thread per output element over a grid-stride loop,
 // with consecutive threads on consecutive channels so every load and store is coalesced; the
@@ -27,10 +29,11 @@ int grid_blocks(int64_t n) {
   return int(std::max<int64_t>(1, std::min<int64_t>(wanted, 65536)));
 }
 
-// f, g [N, H·K]; A_log [H]; dt_bias [H·K].
-__global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_log,
-                                const float* __restrict__ dt_bias, uint16_t* g, int64_t HK,
-                                int64_t K, bool safe_gate, float lower_bound, int64_t total) {
+// f, g [N, H·K] (Act storage); A_log [H]; dt_bias [H·K].
+template <typename Act>
+__global__ void kda_gate_kernel(const Act* f, const float* __restrict__ A_log,
+                                const float* __restrict__ dt_bias, Act* g, int64_t HK, int64_t K,
+                                bool safe_gate, float lower_bound, int64_t total) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = i % HK;
@@ -40,18 +43,21 @@ __global__ void kda_gate_kernel(const uint16_t* f, const float* __restrict__ A_l
   }
 }
 
-__global__ void beta_sigmoid_kernel(const float* __restrict__ z, uint16_t* __restrict__ beta,
+// z fp32 [n] → β [n] (Out storage).
+template <typename Out>
+__global__ void beta_sigmoid_kernel(const float* __restrict__ z, Out* __restrict__ beta,
                                     int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     store_from_float(beta, i, sigmoid_f32(z[i]));
 }
 
-// One warp per row of D: x, gate, y [rows, D]; w [D]. Each lane rewrites only the elements it
-// read, so y may alias x.
-__global__ void rmsnorm_gated_kernel(const uint16_t* x, const float* __restrict__ w,
-                                     const uint16_t* __restrict__ gate, uint16_t* y, int64_t rows,
-                                     int64_t D, float eps) {
+// One warp per row of D: x, gate, y [rows, D] (Act storage); w [D]. Each lane rewrites only the
+// elements it read, so y may alias x.
+template <typename Act>
+__global__ void rmsnorm_gated_kernel(const Act* x, const float* __restrict__ w,
+                                     const Act* __restrict__ gate, Act* y, int64_t rows, int64_t D,
+                                     float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kNormRowsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
@@ -70,36 +76,69 @@ __global__ void rmsnorm_gated_kernel(const uint16_t* x, const float* __restrict_
   }
 }
 
+// Launches shared by the bf16 and fp32 overloads (the same grids for both).
+template <typename Act>
+void gate_forward_launch(const Act* f, const float* A_log, const float* dt_bias, Act* g, int64_t N,
+                         int64_t H, int64_t K, bool safe_gate, float lower_bound,
+                         KdaLayerStream stream) {
+  DM_CHECK(N >= 0 && H > 0 && K > 0, "cuda kda_gate_forward: bad shape N=", N, " H=", H,
+           " K=", K);
+  const int64_t total = N * H * K;
+  if (total == 0) return;
+  kda_gate_kernel<Act><<<grid_blocks(total), kThreads, 0, stream>>>(f, A_log, dt_bias, g, H * K, K,
+                                                                    safe_gate, lower_bound, total);
+  check_last_error("cuda kda_gate_forward");
+}
+
+template <typename Out>
+void beta_sigmoid_launch(const float* z, Out* beta, int64_t n, KdaLayerStream stream) {
+  DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_forward: bad size ", n);
+  if (n == 0) return;
+  beta_sigmoid_kernel<Out><<<grid_blocks(n), kThreads, 0, stream>>>(z, beta, n);
+  check_last_error("cuda kda_beta_sigmoid_forward");
+}
+
+template <typename Act>
+void rmsnorm_gated_launch(const Act* x, const float* w, const Act* gate, Act* y, int64_t rows,
+                          int64_t D, float eps, KdaLayerStream stream) {
+  DM_CHECK(rows >= 0 && D > 0, "cuda kda_rmsnorm_gated_forward: bad shape rows=", rows, " D=", D);
+  if (rows == 0) return;
+  const int64_t blocks = (rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock;
+  DM_CHECK(blocks <= 0x7fffffff, "cuda kda_rmsnorm_gated_forward: too many rows ", rows);
+  rmsnorm_gated_kernel<Act><<<unsigned(blocks), kThreads, 0, stream>>>(x, w, gate, y, rows, D, eps);
+  check_last_error("cuda kda_rmsnorm_gated_forward");
+}
+
 }  // namespace
 
 void kda_gate_forward(const uint16_t* f, const float* A_log, const float* dt_bias, uint16_t* g,
                       int64_t N, int64_t H, int64_t K, bool safe_gate, float lower_bound,
                       KdaLayerStream stream) {
-  DM_CHECK(N >= 0 && H > 0 && K > 0, "cuda kda_gate_forward: bad shape N=", N, " H=", H,
-           " K=", K);
-  const int64_t total = N * H * K;
-  if (total == 0) return;
-  kda_gate_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(f, A_log, dt_bias, g, H * K, K,
-                                                               safe_gate, lower_bound, total);
-  check_last_error("cuda kda_gate_forward");
+  gate_forward_launch(f, A_log, dt_bias, g, N, H, K, safe_gate, lower_bound, stream);
+}
+
+void kda_gate_forward(const float* f, const float* A_log, const float* dt_bias, float* g, int64_t N,
+                      int64_t H, int64_t K, bool safe_gate, float lower_bound,
+                      KdaLayerStream stream) {
+  gate_forward_launch(f, A_log, dt_bias, g, N, H, K, safe_gate, lower_bound, stream);
 }
 
 void kda_beta_sigmoid_forward(const float* z, uint16_t* beta, int64_t n, KdaLayerStream stream) {
-  DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_forward: bad size ", n);
-  if (n == 0) return;
-  beta_sigmoid_kernel<<<grid_blocks(n), kThreads, 0, stream>>>(z, beta, n);
-  check_last_error("cuda kda_beta_sigmoid_forward");
+  beta_sigmoid_launch(z, beta, n, stream);
 }
 
-void kda_rmsnorm_gated_forward(const uint16_t* x, const float* w, const uint16_t* gate,
-                               uint16_t* y, int64_t rows, int64_t D, float eps,
-                               KdaLayerStream stream) {
-  DM_CHECK(rows >= 0 && D > 0, "cuda kda_rmsnorm_gated_forward: bad shape rows=", rows, " D=", D);
-  if (rows == 0) return;
-  const int64_t blocks = (rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock;
-  DM_CHECK(blocks <= 0x7fffffff, "cuda kda_rmsnorm_gated_forward: too many rows ", rows);
-  rmsnorm_gated_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(x, w, gate, y, rows, D, eps);
-  check_last_error("cuda kda_rmsnorm_gated_forward");
+void kda_beta_sigmoid_forward(const float* z, float* beta, int64_t n, KdaLayerStream stream) {
+  beta_sigmoid_launch(z, beta, n, stream);
+}
+
+void kda_rmsnorm_gated_forward(const uint16_t* x, const float* w, const uint16_t* gate, uint16_t* y,
+                               int64_t rows, int64_t D, float eps, KdaLayerStream stream) {
+  rmsnorm_gated_launch(x, w, gate, y, rows, D, eps, stream);
+}
+
+void kda_rmsnorm_gated_forward(const float* x, const float* w, const float* gate, float* y,
+                               int64_t rows, int64_t D, float eps, KdaLayerStream stream) {
+  rmsnorm_gated_launch(x, w, gate, y, rows, D, eps, stream);
 }
 
 }  // namespace dm::cuda

@@ -44,4 +44,18 @@ void kda_rmsnorm_gated_forward(const uint16_t* x, const float* w, const uint16_t
                                uint16_t* y, int64_t rows, int64_t D, float eps,
                                KdaLayerStream stream = nullptr);
 
+// ---- fp32 twins (the fp32 GPU mode: model/cuda/layers.h with float activations) ------------
+// The same math and argument rules as the bf16 versions above, with every activation fp32 (no
+// rounding anywhere): the GPU side of the CPU float engine, checked against it at 1e-5.
+void kda_short_conv_silu_forward(const float* x, const float* w, float* y, int64_t B, int64_t T,
+                                 int64_t C, int Kc, const int32_t* doc_start,
+                                 KdaLayerStream stream = nullptr);
+void kda_gate_forward(const float* f, const float* A_log, const float* dt_bias, float* g, int64_t N,
+                      int64_t H, int64_t K, bool safe_gate, float lower_bound,
+                      KdaLayerStream stream = nullptr);
+void kda_beta_sigmoid_forward(const float* z, float* beta, int64_t n,
+                              KdaLayerStream stream = nullptr);
+void kda_rmsnorm_gated_forward(const float* x, const float* w, const float* gate, float* y,
+                               int64_t rows, int64_t D, float eps, KdaLayerStream stream = nullptr);
+
 }  // namespace dm::cuda

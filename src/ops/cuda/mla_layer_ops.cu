@@ -2,7 +2,9 @@
 //
 // All memory-bound: one thread per output element (or rotary pair) with consecutive threads on
 // consecutive elements, so loads and stores coalesce; the latent RMSNorm is one block per row.
-// Math in fp32 (the RoPE table angle in fp64, as the CPU builds it).
+// Math in fp32 (the RoPE table angle in fp64, as the CPU builds it). The four forward kernels
+// are templated on the activation storage, bf16 bits (uint16_t) or fp32 (the fp32 GPU mode), so
+// both precisions share one body and one launch configuration.
 #include <algorithm>
 #include <cmath>
 
@@ -44,12 +46,14 @@ __global__ void rope_table_kernel(MlaRopeFrequencies f, int64_t T, float* cos_ou
   }
 }
 
-// One block per row: y[row, 0:D] = x[row, 0:D] · r · w (x fp32 with leading dim ldx, y bf16).
-__global__ void rmsnorm_rows_kernel(const float* x, int64_t ldx, const float* w, uint16_t* y,
-                                    int64_t D, float eps) {
+// One block per row: y[row, 0:D] = x[row, 0:D] · r · w (x fp32 with leading dim ldx; y bf16 or
+// fp32 per Out, contiguous).
+template <typename Out>
+__global__ void rmsnorm_rows_kernel(const float* x, int64_t ldx, const float* w, Out* y, int64_t D,
+                                    float eps) {
   __shared__ float reduce_scratch[32];
   const float* x_row = x + int64_t(blockIdx.x) * ldx;
-  uint16_t* y_row = y + int64_t(blockIdx.x) * D;
+  Out* y_row = y + int64_t(blockIdx.x) * D;
   float sum_squares = 0.0f;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) sum_squares += x_row[i] * x_row[i];
   sum_squares = block_sum(sum_squares, reduce_scratch);
@@ -58,11 +62,12 @@ __global__ void rmsnorm_rows_kernel(const float* x, int64_t ldx, const float* w,
     store_from_float(y_row, i, x_row[i] * inverse_rms * w[i]);
 }
 
-// q [N, H, dq] in place: one thread per (token, head, pair). sin_sign = −1 rotates by −angle
-// (the backward: the transpose of the forward rotation, amplitude included).
-__global__ void rope_queries_kernel(uint16_t* q, int64_t N, int64_t T, int64_t H, int64_t dq,
-                                    int64_t nope, int64_t half, const float* cos,
-                                    const float* sin, const int32_t* doc_start, float sin_sign) {
+// q [N, H, dq] (Act storage) in place: one thread per (token, head, pair). sin_sign = −1 rotates
+// by −angle (the backward: the transpose of the forward rotation, amplitude included).
+template <typename Act>
+__global__ void rope_queries_kernel(Act* q, int64_t N, int64_t T, int64_t H, int64_t dq,
+                                    int64_t nope, int64_t half, const float* cos, const float* sin,
+                                    const int32_t* doc_start, float sin_sign) {
   const int64_t total = N * H * half;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -70,7 +75,7 @@ __global__ void rope_queries_kernel(uint16_t* q, int64_t N, int64_t T, int64_t H
     const int64_t n = row / H;
     const int64_t table = token_position(n, T, doc_start) * half + i;
     const float c = cos[table], s = sin_sign * sin[table];
-    uint16_t* pair = q + row * dq + nope + 2 * i;
+    Act* pair = q + row * dq + nope + 2 * i;
     const float x0 = load_as_float(pair, 0), x1 = load_as_float(pair, 1);
     store_from_float(pair, 0, x0 * c - x1 * s);
     store_from_float(pair, 1, x1 * c + x0 * s);
@@ -79,11 +84,13 @@ __global__ void rope_queries_kernel(uint16_t* q, int64_t N, int64_t T, int64_t H
 
 // k [N, H, dq] then v [N, H, dv]: one thread per output element of either (index space
 // [0, N·H·dq) for k, the rest for v). The rotated kr is recomputed per head (H small reads of
-// the same row; cheaper than a second pass).
-__global__ void assemble_kv_kernel(const uint16_t* kv, const float* kv_a, int64_t N, int64_t T,
+// the same row; cheaper than a second pass). kv, k, v share the Act storage, so the nope and v
+// slices are plain element copies.
+template <typename Act>
+__global__ void assemble_kv_kernel(const Act* kv, const float* kv_a, int64_t N, int64_t T,
                                    int64_t H, int64_t nope, int64_t rope, int64_t dv, int64_t kvl,
                                    const float* cos, const float* sin, const int32_t* doc_start,
-                                   uint16_t* k, uint16_t* v) {
+                                   Act* k, Act* v) {
   const int64_t dq = nope + rope, kv_width = nope + dv;
   const int64_t k_total = N * H * dq, total = k_total + N * H * dv;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
@@ -115,7 +122,8 @@ __global__ void assemble_kv_kernel(const uint16_t* kv, const float* kv_a, int64_
   }
 }
 
-__global__ void gate_multiply_kernel(uint16_t* o, const uint16_t* g, int64_t n) {
+template <typename Act>
+__global__ void gate_multiply_kernel(Act* o, const Act* g, int64_t n) {
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
        idx += int64_t(gridDim.x) * blockDim.x)
     store_from_float(o, idx, load_as_float(o, idx) * sigmoid_f32(load_as_float(g, idx)));
@@ -206,6 +214,51 @@ void copy_rows_launch(const float* x, int64_t ldx, Out* y, int64_t ldy, int64_t 
   check_last_error("mla_copy_rows");
 }
 
+// Forward launches shared by the bf16 and fp32 overloads (the same grids for both).
+template <typename Out>
+void rmsnorm_rows_launch(const float* x, int64_t ldx, const float* w, Out* y, int64_t N, int64_t D,
+                         double eps, CUstream_st* stream) {
+  DM_CHECK(D > 0 && ldx >= D && N >= 0 && N <= int64_t(INT32_MAX),
+           "mla_rmsnorm_rows: bad shape N=", N, " D=", D, " ldx=", ldx);
+  if (N == 0) return;
+  rmsnorm_rows_kernel<Out><<<unsigned(N), kRowThreads, 0, stream>>>(x, ldx, w, y, D, float(eps));
+  check_last_error("mla_rmsnorm_rows");
+}
+
+template <typename Act>
+void rope_queries_launch(Act* q, int64_t B, int64_t T, int64_t H, int64_t nope, int64_t rope,
+                         const float* cos, const float* sin, const int32_t* doc_start,
+                         CUstream_st* stream) {
+  DM_CHECK(rope > 0 && rope % 2 == 0 && cos && sin, "mla_rope_queries: rotary dim ", rope,
+           " must be even and positive, with tables");
+  const int64_t N = B * T, total = N * H * (rope / 2);
+  if (total == 0) return;
+  rope_queries_kernel<Act><<<grid_for(total), kThreads, 0, stream>>>(
+      q, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, 1.0f);
+  check_last_error("mla_rope_queries");
+}
+
+template <typename Act>
+void assemble_kv_launch(const Act* kv, const float* kv_a, int64_t B, int64_t T, int64_t H,
+                        int64_t nope, int64_t rope, int64_t dv, int64_t kvl, const float* cos,
+                        const float* sin, const int32_t* doc_start, Act* k, Act* v,
+                        CUstream_st* stream) {
+  DM_CHECK(nope >= 0 && rope >= 0 && dv > 0 && kvl > 0 && (!cos || (sin && rope % 2 == 0)),
+           "mla_assemble_kv: bad dims nope=", nope, " rope=", rope, " dv=", dv, " kvl=", kvl);
+  const int64_t N = B * T, total = N * H * (nope + rope + dv);
+  if (total == 0) return;
+  assemble_kv_kernel<Act><<<grid_for(total), kThreads, 0, stream>>>(
+      kv, kv_a, N, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
+  check_last_error("mla_assemble_kv");
+}
+
+template <typename Act>
+void gate_multiply_launch(Act* o, const Act* g, int64_t n, CUstream_st* stream) {
+  if (n <= 0) return;
+  gate_multiply_kernel<Act><<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
+  check_last_error("mla_gate_multiply");
+}
+
 }  // namespace
 
 void mla_rope_tables_device(const MlaRopeFrequencies& f, int64_t T, float* cos, float* sin,
@@ -219,42 +272,42 @@ void mla_rope_tables_device(const MlaRopeFrequencies& f, int64_t T, float* cos, 
 
 void mla_rmsnorm_rows(const float* x, int64_t ldx, const float* w, uint16_t* y, int64_t N,
                       int64_t D, double eps, CUstream_st* stream) {
-  DM_CHECK(D > 0 && ldx >= D && N >= 0 && N <= int64_t(INT32_MAX), "mla_rmsnorm_rows: bad shape N=",
-           N, " D=", D, " ldx=", ldx);
-  if (N == 0) return;
-  rmsnorm_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(x, ldx, w, y, D, float(eps));
-  check_last_error("mla_rmsnorm_rows");
+  rmsnorm_rows_launch(x, ldx, w, y, N, D, eps, stream);
+}
+void mla_rmsnorm_rows(const float* x, int64_t ldx, const float* w, float* y, int64_t N, int64_t D,
+                      double eps, CUstream_st* stream) {
+  rmsnorm_rows_launch(x, ldx, w, y, N, D, eps, stream);
 }
 
 void mla_rope_queries(uint16_t* q, int64_t B, int64_t T, int64_t H, int64_t nope, int64_t rope,
                       const float* cos, const float* sin, const int32_t* doc_start,
                       CUstream_st* stream) {
-  DM_CHECK(rope > 0 && rope % 2 == 0 && cos && sin, "mla_rope_queries: rotary dim ", rope,
-           " must be even and positive, with tables");
-  const int64_t N = B * T, total = N * H * (rope / 2);
-  if (total == 0) return;
-  rope_queries_kernel<<<grid_for(total), kThreads, 0, stream>>>(
-      q, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, 1.0f);
-  check_last_error("mla_rope_queries");
+  rope_queries_launch(q, B, T, H, nope, rope, cos, sin, doc_start, stream);
+}
+void mla_rope_queries(float* q, int64_t B, int64_t T, int64_t H, int64_t nope, int64_t rope,
+                      const float* cos, const float* sin, const int32_t* doc_start,
+                      CUstream_st* stream) {
+  rope_queries_launch(q, B, T, H, nope, rope, cos, sin, doc_start, stream);
 }
 
 void mla_assemble_kv(const uint16_t* kv, const float* kv_a, int64_t B, int64_t T, int64_t H,
                      int64_t nope, int64_t rope, int64_t dv, int64_t kvl, const float* cos,
                      const float* sin, const int32_t* doc_start, uint16_t* k, uint16_t* v,
                      CUstream_st* stream) {
-  DM_CHECK(nope >= 0 && rope >= 0 && dv > 0 && kvl > 0 && (!cos || (sin && rope % 2 == 0)),
-           "mla_assemble_kv: bad dims nope=", nope, " rope=", rope, " dv=", dv, " kvl=", kvl);
-  const int64_t N = B * T, total = N * H * (nope + rope + dv);
-  if (total == 0) return;
-  assemble_kv_kernel<<<grid_for(total), kThreads, 0, stream>>>(kv, kv_a, N, T, H, nope, rope, dv,
-                                                               kvl, cos, sin, doc_start, k, v);
-  check_last_error("mla_assemble_kv");
+  assemble_kv_launch(kv, kv_a, B, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v, stream);
+}
+void mla_assemble_kv(const float* kv, const float* kv_a, int64_t B, int64_t T, int64_t H,
+                     int64_t nope, int64_t rope, int64_t dv, int64_t kvl, const float* cos,
+                     const float* sin, const int32_t* doc_start, float* k, float* v,
+                     CUstream_st* stream) {
+  assemble_kv_launch(kv, kv_a, B, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v, stream);
 }
 
 void mla_gate_multiply(uint16_t* o, const uint16_t* g, int64_t n, CUstream_st* stream) {
-  if (n <= 0) return;
-  gate_multiply_kernel<<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
-  check_last_error("mla_gate_multiply");
+  gate_multiply_launch(o, g, n, stream);
+}
+void mla_gate_multiply(float* o, const float* g, int64_t n, CUstream_st* stream) {
+  gate_multiply_launch(o, g, n, stream);
 }
 
 void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out, int64_t n,
@@ -278,7 +331,7 @@ void mla_rope_queries_backward(uint16_t* dq, int64_t B, int64_t T, int64_t H, in
            rope, " must be even and positive, with tables");
   const int64_t N = B * T, total = N * H * (rope / 2);
   if (total == 0) return;
-  rope_queries_kernel<<<grid_for(total), kThreads, 0, stream>>>(
+  rope_queries_kernel<uint16_t><<<grid_for(total), kThreads, 0, stream>>>(
       dq, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, -1.0f);
   check_last_error("mla_rope_queries_backward");
 }

@@ -55,6 +55,19 @@ void mla_assemble_kv(const uint16_t* kv, const float* kv_a, int64_t B, int64_t T
 // Output gate, in place: o[i] = o[i] · sigmoid(g[i]) for i < n (o, g bf16; fp32 math).
 void mla_gate_multiply(uint16_t* o, const uint16_t* g, int64_t n, CUstream_st* stream = nullptr);
 
+// fp32 twins of the four forward kernels above (the fp32 GPU mode): same math and arguments,
+// every activation fp32 (y, q, kv, k, v, o, g), nothing rounded.
+void mla_rmsnorm_rows(const float* x, int64_t ldx, const float* w, float* y, int64_t N, int64_t D,
+                      double eps, CUstream_st* stream = nullptr);
+void mla_rope_queries(float* q, int64_t B, int64_t T, int64_t H, int64_t nope, int64_t rope,
+                      const float* cos, const float* sin, const int32_t* doc_start,
+                      CUstream_st* stream = nullptr);
+void mla_assemble_kv(const float* kv, const float* kv_a, int64_t B, int64_t T, int64_t H,
+                     int64_t nope, int64_t rope, int64_t dv, int64_t kvl, const float* cos,
+                     const float* sin, const int32_t* doc_start, float* k, float* v,
+                     CUstream_st* stream = nullptr);
+void mla_gate_multiply(float* o, const float* g, int64_t n, CUstream_st* stream = nullptr);
+
 // ---- Backward ----------------------------------------------------------------------------------
 
 // Out of place: out[i] = bf16(o[i] · sigmoid(g[i])) (the training recompute keeps o ungated for

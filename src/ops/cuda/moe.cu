@@ -1,7 +1,7 @@
 // Mixture-of-experts kernels (SPEC §1.5, §1.6): sigmoid router with expert groups and QB cutoffs,
 // QB histogram statistics, token dispatch (stable counting sort by expert), row gather/scatter
 // and the grouped expert GEMMs through cublasGemmGroupedBatchedEx. The checked entry points are
-// in moe.cpp; this file only launches.
+// in moe.cpp (moe_f32.cu for the fp32 row moves); this file only launches.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -424,8 +424,11 @@ __global__ void dispatch_assign_kernel(const int32_t* idx, int64_t N, int k, int
   }
 }
 
-__global__ void permute_rows_kernel(const uint4* x, const int32_t* token, int64_t rows,
-                                    int64_t chunks_per_row, uint4* sorted) {
+// Chunk: what one thread copies per step: uint4 (8 bf16 or 4 fp32 elements, 16-byte accesses)
+// or float (fp32 rows whose width is not a multiple of 4, or that are not 16-byte aligned).
+template <typename Chunk>
+__global__ void permute_rows_kernel(const Chunk* x, const int32_t* token, int64_t rows,
+                                    int64_t chunks_per_row, Chunk* sorted) {
   const int64_t total = rows * chunks_per_row;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -466,6 +469,50 @@ __global__ void unpermute_rows_kernel(const uint4* sorted, const int32_t* row_of
     }
   }
 }
+
+// kVec consecutive floats from p: one 16-byte access for kVec = 4 (p 16-byte aligned), else one
+// scalar.
+template <int kVec>
+__device__ __forceinline__ void load_floats(const float* p, float (&v)[kVec]) {
+  if constexpr (kVec == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+  } else {
+    static_assert(kVec == 1, "kVec is 4 or 1");
+    v[0] = p[0];
+  }
+}
+
+// The fp32 twin of unpermute_rows_kernel: y [N, D] fp32 (written), sorted [N·k, D] fp32, one
+// thread per kVec columns of a token, the same fp32 sums in slot order. kVec = 4 needs D % 4 == 0
+// and 16-byte aligned sorted / y; kVec = 1 takes any D.
+template <int kVec>
+__global__ void unpermute_rows_f32_kernel(const float* sorted, const int32_t* row_of_pair,
+                                          const float* w, int64_t N, int k, int64_t D, float* y) {
+  const int64_t chunks_per_row = D / kVec, total = N * chunks_per_row;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / chunks_per_row, c = i % chunks_per_row;
+    float acc[kVec] = {};
+    for (int s = 0; s < k; ++s) {
+      const float weight = w[t * k + s];
+      float v[kVec];
+      load_floats<kVec>(sorted + int64_t(row_of_pair[t * k + s]) * D + c * kVec, v);
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) acc[q] += weight * v[q];
+    }
+    float* out = y + t * D + c * kVec;
+    if constexpr (kVec == 4)
+      *reinterpret_cast<float4*>(out) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    else
+      out[0] = acc[0];
+  }
+}
+
+bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // cuBLAS grouped-GEMM pointer arrays for the non-empty experts in ascending order (group g).
 // Layout (9E entries): A1 B1 C1 [2E each: gate groups 0..G−1, up groups G..2G−1], A2 B2 C2 [E].
@@ -573,7 +620,7 @@ void launch_dispatch_plan(const int32_t* idx, int64_t N, int k, int E, int64_t* 
 void launch_permute_rows(const uint16_t* x, const int32_t* token, int64_t rows, int64_t D,
                          uint16_t* sorted, CUstream_st* stream) {
   if (rows == 0 || D == 0) return;
-  permute_rows_kernel<<<grid_for(rows * (D / 8), 256), 256, 0, stream>>>(
+  permute_rows_kernel<uint4><<<grid_for(rows * (D / 8), 256), 256, 0, stream>>>(
       reinterpret_cast<const uint4*>(x), token, rows, D / 8, reinterpret_cast<uint4*>(sorted));
   check_last_error("permute_rows_kernel");
 }
@@ -585,6 +632,30 @@ void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, c
   unpermute_rows_kernel<<<grid_for(N * (D / 8), 256), 256, 0, stream>>>(
       reinterpret_cast<const uint4*>(sorted), row_of_pair, w, N, k, D / 8, y, y_f32);
   check_last_error("unpermute_rows_kernel");
+}
+
+void launch_permute_rows(const float* x, const int32_t* token, int64_t rows, int64_t D,
+                         float* sorted, CUstream_st* stream) {
+  if (rows == 0 || D == 0) return;
+  if (D % 4 == 0 && aligned_16(x) && aligned_16(sorted))
+    permute_rows_kernel<uint4><<<grid_for(rows * (D / 4), 256), 256, 0, stream>>>(
+        reinterpret_cast<const uint4*>(x), token, rows, D / 4, reinterpret_cast<uint4*>(sorted));
+  else
+    permute_rows_kernel<float>
+        <<<grid_for(rows * D, 256), 256, 0, stream>>>(x, token, rows, D, sorted);
+  check_last_error("permute_rows_kernel (fp32)");
+}
+
+void launch_unpermute_rows(const float* sorted, const int32_t* row_of_pair, const float* w,
+                           int64_t N, int k, int64_t D, float* y, CUstream_st* stream) {
+  if (N == 0 || D == 0) return;
+  if (D % 4 == 0 && aligned_16(sorted) && aligned_16(y))
+    unpermute_rows_f32_kernel<4>
+        <<<grid_for(N * (D / 4), 256), 256, 0, stream>>>(sorted, row_of_pair, w, N, k, D, y);
+  else
+    unpermute_rows_f32_kernel<1>
+        <<<grid_for(N * D, 256), 256, 0, stream>>>(sorted, row_of_pair, w, N, k, D, y);
+  check_last_error("unpermute_rows_f32_kernel");
 }
 
 size_t expert_pointer_array_bytes(int E) { return size_t(9) * size_t(E) * sizeof(void*); }

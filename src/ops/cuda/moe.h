@@ -98,6 +98,12 @@ void moe_permute_rows(const uint16_t* x, const MoeDispatchPlan& plan, int64_t D,
 void moe_unpermute_rows(const uint16_t* sorted, const MoeDispatchPlan& plan, const float* w,
                         int64_t D, void* y, GemmOutType y_type, CUstream_st* stream = nullptr);
 
+// fp32 twins (the fp32 GPU mode): fp32 rows, D any positive width.
+void moe_permute_rows(const float* x, const MoeDispatchPlan& plan, int64_t D, float* sorted,
+                      CUstream_st* stream = nullptr);
+void moe_unpermute_rows(const float* sorted, const MoeDispatchPlan& plan, const float* w, int64_t D,
+                        float* y, CUstream_st* stream = nullptr);
+
 // ---- Grouped experts (ops/cpu/moe.h moe_experts_forward), bf16 weights stacked per expert:
 // gate, up [E, F, Din]; down [E, Din, F].
 struct ExpertWeightsBf16 {
@@ -157,5 +163,22 @@ void moe_experts_forward(GemmContext& gemm, const uint16_t* x, const MoeDispatch
                          const float* w, const ExpertWeightsBf16& ew, const GluActivation& act,
                          void* y, GemmOutType y_type, void* workspace,
                          MoeGemmPath path = MoeGemmPath::Grouped, CUstream_st* stream = nullptr);
+
+// ---- fp32 experts (the fp32 GPU mode): the same chain with fp32 weights, rows and
+// intermediates, one cuBLAS fp32 GEMM per non-empty expert and projection (GemmContext::gemm_f32,
+// no TF32). The plan must have been built with host_offsets (the per-expert launches need the
+// row counts on the host).
+struct ExpertWeightsF32 {
+  const float* gate = nullptr;  // [E, F, Din]
+  const float* up = nullptr;    // [E, F, Din]
+  const float* down = nullptr;  // [E, Din, F]
+  int64_t E = 0, Din = 0, F = 0;
+};
+// Device scratch: sorted x [N·k, Din], gate/h and up [N·k, F], expert outputs [N·k, Din] fp32.
+size_t moe_experts_forward_workspace_bytes(int64_t N, int k, const ExpertWeightsF32& ew);
+// y[N, Din] = Σ_{j∈T(t)} w[t,slot]·E_j(x[t]) (written, fp32); x [N, Din] fp32.
+void moe_experts_forward(GemmContext& gemm, const float* x, const MoeDispatchPlan& plan,
+                         const float* w, const ExpertWeightsF32& ew, const GluActivation& act,
+                         float* y, void* workspace, CUstream_st* stream = nullptr);
 
 }  // namespace dm::cuda

@@ -1,28 +1,35 @@
 // Kernels of the GPU residual stream (residual_ops.h): one block per row for RMSNorm, one warp
 // per row for AttnRes, grid-stride loops for the element-wise ones. The training side (AttnRes
 // and embedding backward, the deterministic sum of squares) is residual_ops_backward.cu.
+// The gather and the RMSNorm kernels are templated on the table / normed-row storage, bf16 bits
+// (uint16_t) or fp32 (the fp32 GPU mode): one body and one launch configuration for both.
 #include <algorithm>
 #include <type_traits>
 
 #include "ops/cuda/attnres_rows.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/residual_ops.h"
 
 namespace dm::cuda {
 using namespace attnres_detail;
 namespace {
 
-template <typename Id>
-__global__ void embedding_gather_kernel(const __nv_bfloat16* table, const Id* tokens, int64_t D,
+// One block per token: out[n, :] = fp32(table[tokens[n], :]); Table is uint16_t (bf16 bits) or
+// float.
+template <typename Table, typename Id>
+__global__ void embedding_gather_kernel(const Table* table, const Id* tokens, int64_t D,
                                         float* out) {
   const int64_t n = blockIdx.x;
-  const __nv_bfloat16* row = table + int64_t(tokens[n]) * D;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[n * D + i] = __bfloat162float(row[i]);
+  const Table* row = table + int64_t(tokens[n]) * D;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[n * D + i] = load_as_float(row, i);
 }
 
-__global__ void rmsnorm_to_bf16_kernel(const float* x, const float* w, __nv_bfloat16* y, int64_t D,
-                                       float eps) {
+// One block per row: y[row, :] = x[row, :] · rsqrt(mean(x²) + eps) · w, y stored as Out (bf16
+// bits rounded to nearest even, or fp32).
+template <typename Out>
+__global__ void rmsnorm_rows_kernel(const float* x, const float* w, Out* y, int64_t D, float eps) {
   __shared__ float reduce_scratch[32];
   const float* row = x + int64_t(blockIdx.x) * D;
   float sum_squares = 0.0f;
@@ -30,7 +37,7 @@ __global__ void rmsnorm_to_bf16_kernel(const float* x, const float* w, __nv_bflo
   sum_squares = block_sum(sum_squares, reduce_scratch);
   const float inverse_rms = rsqrtf(sum_squares / float(D) + eps);
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
-    y[int64_t(blockIdx.x) * D + i] = __float2bfloat16(row[i] * inverse_rms * w[i]);
+    store_from_float(y, int64_t(blockIdx.x) * D + i, row[i] * inverse_rms * w[i]);
 }
 
 // The same for rows of D ≤ 4·kRowVec4 floats with D % 4 == 0: the row and the weights are read
@@ -39,34 +46,47 @@ __global__ void rmsnorm_to_bf16_kernel(const float* x, const float* w, __nv_bflo
 // ~8.6 µs per 2304-wide row on dependent load latency.
 constexpr int kRowVec4 = 4;  // float4 per thread: rows up to 4·4·256 = 4096 wide
 
+// Stores float4 chunk j of a normed row, x · r · w per element: as two bf16 pairs, or as one
+// float4. (The bf16 one forms each pair's products right before its store, as the bf16-only
+// kernel did.)
+__device__ __forceinline__ void store_normed_chunk(uint16_t* y_row, int64_t j, float4 x, float4 w,
+                                                   float inverse_rms) {
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(y_row);
+  out[2 * j] = __floats2bfloat162_rn(x.x * inverse_rms * w.x, x.y * inverse_rms * w.y);
+  out[2 * j + 1] = __floats2bfloat162_rn(x.z * inverse_rms * w.z, x.w * inverse_rms * w.w);
+}
+__device__ __forceinline__ void store_normed_chunk(float* y_row, int64_t j, float4 x, float4 w,
+                                                   float inverse_rms) {
+  reinterpret_cast<float4*>(y_row)[j] =
+      make_float4(x.x * inverse_rms * w.x, x.y * inverse_rms * w.y, x.z * inverse_rms * w.z,
+                  x.w * inverse_rms * w.w);
+}
+
 // The norm half of the vec4 row kernels: xv/wv hold thread t's float4 chunks t, t + 256, … of
-// the row and of w (zeros past the row); y_row ← bf16(x · rsqrt(mean(x²) + eps) · w).
-__device__ __forceinline__ void rmsnorm_row_vec4_to_bf16(const float4 (&xv)[kRowVec4],
-                                                         const float4 (&wv)[kRowVec4], int64_t D,
-                                                         float eps, __nv_bfloat16* y_row,
-                                                         float* reduce_scratch) {
+// the row and of w (zeros past the row); y_row ← x · rsqrt(mean(x²) + eps) · w as Out (bf16
+// bits or fp32).
+template <typename Out>
+__device__ __forceinline__ void rmsnorm_row_vec4(const float4 (&xv)[kRowVec4],
+                                                 const float4 (&wv)[kRowVec4], int64_t D, float eps,
+                                                 Out* y_row, float* reduce_scratch) {
   float sum_squares = 0.0f;
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i)
     sum_squares += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
   sum_squares = block_sum(sum_squares, reduce_scratch);
   const float inverse_rms = rsqrtf(sum_squares / float(D) + eps);
-  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(y_row);
   const int64_t D4 = D / 4;
 #pragma unroll
   for (int i = 0; i < kRowVec4; ++i) {
     const int64_t j = threadIdx.x + int64_t(i) * kRowThreads;
     if (j >= D4) continue;
-    out[2 * j] = __floats2bfloat162_rn(xv[i].x * inverse_rms * wv[i].x,
-                                       xv[i].y * inverse_rms * wv[i].y);
-    out[2 * j + 1] = __floats2bfloat162_rn(xv[i].z * inverse_rms * wv[i].z,
-                                           xv[i].w * inverse_rms * wv[i].w);
+    store_normed_chunk(y_row, j, xv[i], wv[i], inverse_rms);
   }
 }
 
+template <typename Out>
 __global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_to_bf16_vec4_kernel(const float* x, const float* w, __nv_bfloat16* y, int64_t D,
-                                float eps) {
+    rmsnorm_rows_vec4_kernel(const float* x, const float* w, Out* y, int64_t D, float eps) {
   __shared__ float reduce_scratch[32];
   const int64_t D4 = D / 4;
   const float4* row = reinterpret_cast<const float4*>(x + int64_t(blockIdx.x) * D);
@@ -78,14 +98,15 @@ __global__ void __launch_bounds__(kRowThreads)
     xv[i] = j < D4 ? row[j] : make_float4(0.f, 0.f, 0.f, 0.f);
     wv[i] = j < D4 ? weight[j] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  rmsnorm_row_vec4_to_bf16(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
+  rmsnorm_row_vec4(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
 }
 
-// p += out, then the vec4 norm of p (the same norm code as rmsnorm_to_bf16_vec4_kernel on the
+// p += out, then the vec4 norm of p (the same norm code as rmsnorm_rows_vec4_kernel on the
 // updated row, so the fused walk's rows equal the two-kernel walk's bit for bit).
+template <typename Out>
 __global__ void __launch_bounds__(kRowThreads)
-    add_rmsnorm_to_bf16_vec4_kernel(float* p, const float* out, const float* w,
-                                    __nv_bfloat16* y, int64_t D, float eps) {
+    add_rmsnorm_rows_vec4_kernel(float* p, const float* out, const float* w, Out* y, int64_t D,
+                                 float eps) {
   __shared__ float reduce_scratch[32];
   const int64_t D4 = D / 4;
   float4* row = reinterpret_cast<float4*>(p + int64_t(blockIdx.x) * D);
@@ -104,7 +125,7 @@ __global__ void __launch_bounds__(kRowThreads)
       row[j] = xv[i];
     }
   }
-  rmsnorm_row_vec4_to_bf16(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
+  rmsnorm_row_vec4(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
 }
 
 __global__ void add_inplace_kernel(float* dst, const float* src, int64_t n) {
@@ -288,54 +309,80 @@ __global__ void __launch_bounds__(kAttnResForwardWarps * 32, 3)
   }
 }
 
-}  // namespace
-
-template <typename Id>
-void embedding_gather_impl(const uint16_t* table, const Id* tokens, int64_t N, int64_t D,
-                           float* out, CUstream_st* stream) {
+// Launches shared by the bf16 and fp32 overloads (the same grids and kernel choice for both).
+template <typename Table, typename Id>
+void embedding_gather_launch(const Table* table, const Id* tokens, int64_t N, int64_t D, float* out,
+                             CUstream_st* stream) {
   if (N == 0) return;
-  embedding_gather_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(table), tokens, D, out);
+  embedding_gather_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(table, tokens, D, out);
   check_last_error("embedding_gather");
 }
+
+// The float4 kernel for rows of D % 4 == 0 up to 4·kRowVec4·kRowThreads with 16-byte aligned
+// pointers (every model width), the scalar one otherwise.
+template <typename Out>
+void rmsnorm_rows_launch(const float* x, const float* w, Out* y, int64_t N, int64_t D, float eps,
+                         CUstream_st* stream, const char* what) {
+  if (N == 0) return;
+  if (D % 4 == 0 && D <= 4 * kRowVec4 * kRowThreads && aligned16(x) && aligned16(w) &&
+      aligned16(y))
+    rmsnorm_rows_vec4_kernel<Out><<<unsigned(N), kRowThreads, 0, stream>>>(x, w, y, D, eps);
+  else
+    rmsnorm_rows_kernel<Out><<<unsigned(N), kRowThreads, 0, stream>>>(x, w, y, D, eps);
+  check_last_error(what);
+}
+
+// Fused on the float4 path; add_inplace then the norm otherwise (the same values either way).
+template <typename Out>
+void add_rmsnorm_rows_launch(float* p, const float* out, const float* w, Out* y, int64_t N,
+                             int64_t D, float eps, CUstream_st* stream, const char* what) {
+  if (N == 0) return;
+  if (D % 4 == 0 && D <= 4 * kRowVec4 * kRowThreads && aligned16(p) && aligned16(out) &&
+      aligned16(w) && aligned16(y)) {
+    add_rmsnorm_rows_vec4_kernel<Out>
+        <<<unsigned(N), kRowThreads, 0, stream>>>(p, out, w, y, D, eps);
+    check_last_error(what);
+    return;
+  }
+  add_inplace(p, out, N * D, stream);
+  rmsnorm_rows_launch(p, w, y, N, D, eps, stream, what);
+}
+
+}  // namespace
+
 void embedding_gather(const uint16_t* table, const int64_t* tokens, int64_t N, int64_t D,
                       float* out, CUstream_st* stream) {
-  embedding_gather_impl(table, tokens, N, D, out, stream);
+  embedding_gather_launch(table, tokens, N, D, out, stream);
 }
 void embedding_gather(const uint16_t* table, const int32_t* tokens, int64_t N, int64_t D,
                       float* out, CUstream_st* stream) {
-  embedding_gather_impl(table, tokens, N, D, out, stream);
+  embedding_gather_launch(table, tokens, N, D, out, stream);
+}
+void embedding_gather(const float* table, const int64_t* tokens, int64_t N, int64_t D, float* out,
+                      CUstream_st* stream) {
+  embedding_gather_launch(table, tokens, N, D, out, stream);
+}
+void embedding_gather(const float* table, const int32_t* tokens, int64_t N, int64_t D, float* out,
+                      CUstream_st* stream) {
+  embedding_gather_launch(table, tokens, N, D, out, stream);
 }
 
 void rmsnorm_to_bf16(const float* x, const float* w, uint16_t* y, int64_t N, int64_t D, float eps,
                      CUstream_st* stream) {
-  if (N == 0) return;
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (D % 4 == 0 && D <= 4 * kRowVec4 * kRowThreads && aligned16(x) && aligned16(w) &&
-      aligned16(y))
-    rmsnorm_to_bf16_vec4_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
-        x, w, reinterpret_cast<__nv_bfloat16*>(y), D, eps);
-  else
-    rmsnorm_to_bf16_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
-        x, w, reinterpret_cast<__nv_bfloat16*>(y), D, eps);
-  check_last_error("rmsnorm_to_bf16");
+  rmsnorm_rows_launch(x, w, y, N, D, eps, stream, "rmsnorm_to_bf16");
+}
+void rmsnorm_to_f32(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps,
+                    CUstream_st* stream) {
+  rmsnorm_rows_launch(x, w, y, N, D, eps, stream, "rmsnorm_to_f32");
 }
 
 void add_rmsnorm_to_bf16(float* p, const float* out, const float* w, uint16_t* y, int64_t N,
                          int64_t D, float eps, CUstream_st* stream) {
-  if (N == 0) return;
-  const auto aligned16 = [](const void* ptr) {
-    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-  };
-  if (D % 4 == 0 && D <= 4 * kRowVec4 * kRowThreads && aligned16(p) && aligned16(out) &&
-      aligned16(w) && aligned16(y)) {
-    add_rmsnorm_to_bf16_vec4_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
-        p, out, w, reinterpret_cast<__nv_bfloat16*>(y), D, eps);
-    check_last_error("add_rmsnorm_to_bf16");
-    return;
-  }
-  add_inplace(p, out, N * D, stream);
-  rmsnorm_to_bf16(p, w, y, N, D, eps, stream);
+  add_rmsnorm_rows_launch(p, out, w, y, N, D, eps, stream, "add_rmsnorm_to_bf16");
+}
+void add_rmsnorm_to_f32(float* p, const float* out, const float* w, float* y, int64_t N, int64_t D,
+                        float eps, CUstream_st* stream) {
+  add_rmsnorm_rows_launch(p, out, w, y, N, D, eps, stream, "add_rmsnorm_to_f32");
 }
 
 void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {

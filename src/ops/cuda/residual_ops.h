@@ -30,6 +30,16 @@ void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream = 
 void add_rmsnorm_to_bf16(float* p, const float* out, const float* w, uint16_t* y, int64_t N,
                          int64_t D, float eps, CUstream_st* stream = nullptr);
 
+// fp32 twins for the fp32 GPU mode (the normed rows stay fp32; fp32 embedding table):
+void embedding_gather(const float* table, const int64_t* tokens, int64_t N, int64_t D, float* out,
+                      CUstream_st* stream = nullptr);
+void embedding_gather(const float* table, const int32_t* tokens, int64_t N, int64_t D, float* out,
+                      CUstream_st* stream = nullptr);
+void rmsnorm_to_f32(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps,
+                    CUstream_st* stream = nullptr);
+void add_rmsnorm_to_f32(float* p, const float* out, const float* w, float* y, int64_t N, int64_t D,
+                        float eps, CUstream_st* stream = nullptr);
+
 // Block AttnRes (ops/cpu/attnres.h): for each row n over S sources V_j = src[j][n, :],
 //   logit_j = r_j · Σ_d V_jd γ_d w_d,  r_j = rsqrt(mean(V_j²) + eps),
 //   out[n] = Σ_j softmax_j(logit) V_j.

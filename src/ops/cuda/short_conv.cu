@@ -1,5 +1,7 @@
 // The KDA layer's depthwise causal short conv + SiLU on CUDA, forward and backward (formulas in
-// kda_layer_ops.h / kda_layer_backward_ops.h; CPU twins in ops/cpu/kda_prep.cpp).
+// kda_layer_ops.h / kda_layer_backward_ops.h; CPU twins in ops/cpu/kda_prep.cpp). The forward
+// kernel is templated on the activation storage: bf16 bits, or fp32 for the fp32 GPU mode (one
+// body, fp32 math either way; only the loads and the store differ).
 //
 // Layout, both directions: a thread owns one channel c and a RUN of kConvRun consecutive tokens
 // of one row, loads the run's inputs (plus a Kc−1 halo) into registers with every load issued
@@ -100,11 +102,12 @@ __device__ __forceinline__ float conv_taps(const float (&w)[KC], const float (&x
   return a;
 }
 
-// x, y [B, T, C]; w [C, KC]. Grid (ceil(C / 32), ≤ 65535), block (32, 8); grid-stride over runs.
-template <int KC>
+// x, y [B, T, C] (Act: bf16 bits uint16_t, or float in the fp32 mode); w [C, KC]. Grid
+// (ceil(C / 32), ≤ 65535), block (32, 8); grid-stride over runs.
+template <int KC, typename Act>
 __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
-    short_conv_silu_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w_all,
-                           uint16_t* __restrict__ y, ConvRuns runs, int64_t C,
+    short_conv_silu_kernel(const Act* __restrict__ x, const float* __restrict__ w_all,
+                           Act* __restrict__ y, ConvRuns runs, int64_t C,
                            const int32_t* __restrict__ doc_start) {
   constexpr int kSpan = KC - 1 + kConvRun;  // positions t0−KC+1 … t0+kConvRun−1
   const int64_t c = int64_t(blockIdx.x) * kConvLanes + threadIdx.x;
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
     int firsts[kConvRun];
     load_positions(x, base, t0 - (KC - 1), T, C, c, xs);
     load_firsts(doc_start, base, t0, T, firsts);
-    uint16_t* out = y + (base + t0) * C + c;
+    Act* out = y + (base + t0) * C + c;
 #pragma unroll
     for (int i = 0; i < kConvRun; ++i) {
       if (t0 + i >= t1) break;
@@ -234,11 +237,11 @@ void with_taps(int Kc, F&& f) {
   }
 }
 
-}  // namespace
-
-void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y, int64_t B,
-                                 int64_t T, int64_t C, int Kc, const int32_t* doc_start,
-                                 KdaLayerStream stream) {
+// The forward launch for either activation type (bf16 bits or fp32): same grid either way.
+template <typename Act>
+void short_conv_silu_forward_launch(const Act* x, const float* w, Act* y, int64_t B, int64_t T,
+                                    int64_t C, int Kc, const int32_t* doc_start,
+                                    KdaLayerStream stream) {
   DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0, "cuda kda_short_conv_silu_forward: bad shape B=",
            B, " T=", T, " C=", C, " Kc=", Kc);
   if (B * T == 0) return;
@@ -246,10 +249,24 @@ void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y,
   const dim3 grid(unsigned(ceil_div(C, kConvLanes)),
                   unsigned(std::min<int64_t>(ceil_div(runs.total, kConvRunsPerBlock), 65535)));
   with_taps(Kc, [&](auto taps) {
-    short_conv_silu_kernel<decltype(taps)::value>
+    short_conv_silu_kernel<decltype(taps)::value, Act>
         <<<grid, dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
   });
   check_last_error("cuda kda_short_conv_silu_forward");
+}
+
+}  // namespace
+
+void kda_short_conv_silu_forward(const uint16_t* x, const float* w, uint16_t* y, int64_t B,
+                                 int64_t T, int64_t C, int Kc, const int32_t* doc_start,
+                                 KdaLayerStream stream) {
+  short_conv_silu_forward_launch(x, w, y, B, T, C, Kc, doc_start, stream);
+}
+
+void kda_short_conv_silu_forward(const float* x, const float* w, float* y, int64_t B, int64_t T,
+                                 int64_t C, int Kc, const int32_t* doc_start,
+                                 KdaLayerStream stream) {
+  short_conv_silu_forward_launch(x, w, y, B, T, C, Kc, doc_start, stream);
 }
 
 size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc) {
