@@ -29,11 +29,16 @@ class DeviceGenerator {
 #endif
   }
 
-  // cuda: uploads the weights once (bf16 compute, fp32 logits, host sampling).
-  DeviceGenerator(Model& model, const std::string& device) : model_(model) {
+  // cuda: uploads the weights once (bf16 compute, fp32 logits, host sampling); fp32 = true: the
+  // fp32 GPU mode (fp32 weights and compute, no decode cache: generate_gpu_fp32). The CPU
+  // engine is fp32 whatever `fp32` says.
+  DeviceGenerator(Model& model, const std::string& device, bool fp32 = false) : model_(model) {
     require(device);
 #if DELTAMOE_HAVE_CUDA
-    if (device == "cuda") dw_ = std::make_unique<cuda::DeviceWeights>(model.weights());
+    if (device == "cuda" && fp32)
+      gpu_fp32_ = std::make_unique<cuda::GpuModel>(model.weights(), cuda::WeightPrecision::F32);
+    else if (device == "cuda")
+      dw_ = std::make_unique<cuda::DeviceWeights>(model.weights());
 #endif
   }
 
@@ -41,6 +46,7 @@ class DeviceGenerator {
                                 const std::function<void(int32_t)>& on_token) {
 #if DELTAMOE_HAVE_CUDA
     if (dw_) return cuda::generate_gpu(*dw_, prompt, go, on_token);
+    if (gpu_fp32_) return cuda::generate_gpu_fp32(*gpu_fp32_, prompt, go, on_token);
 #endif
     return dm::generate(model_, prompt, go, on_token);
   }
@@ -49,6 +55,7 @@ class DeviceGenerator {
   Model& model_;
 #if DELTAMOE_HAVE_CUDA
   std::unique_ptr<cuda::DeviceWeights> dw_;
+  std::unique_ptr<cuda::GpuModel> gpu_fp32_;
 #endif
 };
 

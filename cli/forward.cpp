@@ -21,9 +21,10 @@ const dm::Tensor& input_ids(const dm::SafetensorsReader& in, const std::string& 
   return ids;
 }
 
-// --device cuda: the GPU forward (bf16 compute); writes logits (and router choices with --all).
+// --device cuda: the GPU forward (bf16 compute, or fp32 with --precision fp32); writes logits
+// (and router choices with --all).
 void run_forward_cuda(const std::string& model_dir, const std::string& input,
-                      const std::string& output, bool all) {
+                      const std::string& output, bool all, bool fp32) {
 #if DELTAMOE_HAVE_CUDA
   DM_CHECK(dm::cuda::device_available(), "--device cuda: ", dm::cuda::device_description());
   auto model = dm::Model::load(model_dir);
@@ -32,7 +33,8 @@ void run_forward_cuda(const std::string& model_dir, const std::string& input,
   const dm::Tensor& ids = input_ids(in, input);
   const int64_t B = ids.shape[0], T = ids.shape[1], V = c.vocab_size;
   DM_CHECK(B > 0 && T > 0, input, ": tensor 'input_ids' is empty");
-  dm::cuda::GpuModel gpu(model->weights());
+  dm::cuda::GpuModel gpu(model->weights(),
+                         fp32 ? dm::cuda::WeightPrecision::F32 : dm::cuda::WeightPrecision::Bf16);
   std::vector<float> logits(size_t(B * T * V));
   std::vector<dm::cuda::GpuForwardRouting> routing;
   gpu.forward(ids.as<int64_t>(), B, T, logits.data(), nullptr, all ? &routing : nullptr);
@@ -47,7 +49,7 @@ void run_forward_cuda(const std::string& model_dir, const std::string& input,
   }
   w.write(output);
 #else
-  (void)model_dir, (void)input, (void)output, (void)all;
+  (void)model_dir, (void)input, (void)output, (void)all, (void)fp32;
   throw dm::Error("--device cuda: this build has no CUDA backend (configure with -DDELTAMOE_CUDA=ON)");
 #endif
 }
@@ -95,7 +97,7 @@ dm::cli::Registrar reg("forward", "Run one forward pass: input_ids [B,T] -> logi
   static std::string model, input, output;
   static bool all = false;
   static int chunk = 64;
-  static std::string device = "cpu";
+  static std::string device = "cpu", precision = "bf16";
   app->add_option("--model", model, "Model directory (config.json + safetensors)")->required();
   app->add_option("--input", input, "safetensors file with input_ids [B,T] int64")->required();
   app->add_option("--output", output, "Output safetensors (logits, hidden_0..hidden_L)")->required();
@@ -106,9 +108,15 @@ dm::cli::Registrar reg("forward", "Run one forward pass: input_ids [B,T] -> logi
                   "cpu (fp32; writes hidden states) or cuda (bf16 compute on the GPU; writes logits, "
                   "router choices with --all)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_option("--precision", precision,
+                  "With --device cuda: bf16 (fast; bf16 weights and activations) or fp32 (every "
+                  "weight, activation and GEMM in fp32: the CPU's numbers to ~1e-6)")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
   app->callback([] {
-    if (device == "cuda") run_forward_cuda(model, input, output, all);
-    else run_forward(model, input, output, all, chunk);
+    if (device == "cuda")
+      run_forward_cuda(model, input, output, all, precision == "fp32");
+    else
+      run_forward(model, input, output, all, chunk);
   });
 });
 

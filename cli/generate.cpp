@@ -35,7 +35,7 @@ dm::cli::Registrar reg("generate", "Generate a continuation of a prompt", [](CLI
   static int64_t max_new = 32;
   static dm::SamplingParams sp;
   static bool json_out = false;
-  static std::string device = "cpu";
+  static std::string device = "cpu", precision = "bf16";
   sp.temperature = 0.0f;
   auto* grp = app->add_option_group("prompt");
   grp->add_option("--prompt", prompt, "Prompt text (needs a tokenizer)");
@@ -53,6 +53,10 @@ dm::cli::Registrar reg("generate", "Generate a continuation of a prompt", [](CLI
   app->add_flag("--json", json_out, "Print {\"output_ids\": [...]} (the new tokens only)");
   app->add_option("--device", device, "cpu (fp32) or cuda (bf16 compute on the GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_option("--precision", precision,
+                  "With --device cuda: bf16 (the fast decoder) or fp32 (fp32 weights and compute, "
+                  "no decode cache: each token re-runs the sequence; for checking against the CPU)")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
   app->callback([] {
     dm::cli::DeviceGenerator::require(device);
     auto model = dm::Model::load(model_dir);
@@ -82,7 +86,7 @@ dm::cli::Registrar reg("generate", "Generate a continuation of a prompt", [](CLI
       else std::printf("%d ", t);
       std::fflush(stdout);
     };
-    dm::cli::DeviceGenerator generator(*model, device);
+    dm::cli::DeviceGenerator generator(*model, device, precision == "fp32");
     const auto out = generator.generate(ids, go, on_token);
     if (json_out) {
       std::printf("{\"output_ids\": [");

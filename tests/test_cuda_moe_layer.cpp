@@ -198,7 +198,8 @@ TEST(CudaMoeLayer, EmptyBatchAndBytes) {
   cuda::GpuRun run(cuda::moe_layer_forward_gpu_bytes(cfg, 0));
   cuda::MoeRoutingDevice routing;
   const MoeWeights& mw = w->layers[size_t(first_moe_layer(cfg))].moe;
-  cuda::moe_layer_forward_gpu(run, dw, mw, nullptr, nullptr, 0, &routing);
+  cuda::moe_layer_forward_gpu(run, dw, mw, static_cast<const uint16_t*>(nullptr), nullptr, 0,
+                              &routing);
   cuda::synchronize();
   EXPECT_NE(routing.idx, nullptr);
 }

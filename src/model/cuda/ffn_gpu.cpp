@@ -15,35 +15,42 @@
 namespace dm::cuda {
 namespace {
 
-// One [N, F] bf16 view, rounded up to the scratch arena's 256-byte alignment.
-size_t ffn_gpu_view_bytes(int64_t N, int64_t F) {
-  return (size_t(N) * size_t(F) * sizeof(uint16_t) + 255) / 256 * 256;
+// One [N, F] view of elem_bytes elements, rounded up to the scratch arena's 256-byte alignment.
+size_t ffn_gpu_view_bytes(int64_t N, int64_t F, size_t elem_bytes = sizeof(uint16_t)) {
+  return (size_t(N) * size_t(F) * elem_bytes + 255) / 256 * 256;
 }
 
 }  // namespace
 
-size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
+size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N, WeightPrecision precision) {
   DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_forward_gpu: bad shape N=", N, " F=",
            c.dense_ffn);
   // gate (→ h) and up, plus slack for an unaligned arena mark.
-  return 2 * ffn_gpu_view_bytes(N, c.dense_ffn) + 256;
+  const size_t elem = precision == WeightPrecision::F32 ? sizeof(float) : sizeof(uint16_t);
+  return 2 * ffn_gpu_view_bytes(N, c.dense_ffn, elem) + 256;
 }
 
-void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w,
-                           const uint16_t* xn, float* y, int64_t N) {
+template <typename A>
+void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
+                           float* y, int64_t N) {
   const ModelConfig& c = dw.config();
   const int64_t d = c.hidden, F = c.dense_ffn;
   DM_CHECK(N >= 0 && d > 0 && F > 0, "dense_ffn_forward_gpu: bad shape N=", N, " d=", d,
            " F=", F);
   if (N == 0) return;
   DeviceArenaScope scope(run.scratch);
-  uint16_t* gate = run.scratch.alloc<uint16_t>(size_t(N) * size_t(F));  // [N, F]; h after the GLU
-  uint16_t* up = run.scratch.alloc<uint16_t>(size_t(N) * size_t(F));    // [N, F]
-  linear(run, xn, dw.bf16(w.gate), N, d, F, gate, GemmOutType::Bf16);
-  linear(run, xn, dw.bf16(w.up), N, d, F, up, GemmOutType::Bf16);
+  A* gate = run.scratch.alloc<A>(size_t(N) * size_t(F));  // [N, F]; h after the GLU
+  A* up = run.scratch.alloc<A>(size_t(N) * size_t(F));    // [N, F]
+  linear(run, xn, dw.operand<A>(w.gate), N, d, F, gate, activation_out<A>());
+  linear(run, xn, dw.operand<A>(w.up), N, d, F, up, activation_out<A>());
   glu_forward(gate, up, gate, N * F, glu_activation(c), run.stream);
-  linear(run, gate, dw.bf16(w.down), N, F, d, y, GemmOutType::F32);
+  linear(run, gate, dw.operand<A>(w.down), N, F, d, y, GemmOutType::F32);
 }
+
+template void dense_ffn_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const FfnWeights&,
+                                              const uint16_t*, float*, int64_t);
+template void dense_ffn_forward_gpu<float>(GpuRun&, const DeviceWeights&, const FfnWeights&,
+                                           const float*, float*, int64_t);
 
 size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N) {
   DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_backward_gpu: bad shape N=", N, " F=",

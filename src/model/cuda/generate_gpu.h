@@ -8,6 +8,7 @@
 
 #include "infer/generate.h"
 #include "model/cuda/gpu_run.h"
+#include "model/cuda/model_gpu.h"
 
 namespace dm::cuda {
 
@@ -17,5 +18,13 @@ namespace dm::cuda {
 std::vector<int32_t> generate_gpu(const DeviceWeights& dw, const std::vector<int32_t>& prompt,
                                   const GenerateOptions& opt,
                                   const std::function<void(int32_t)>& on_token = nullptr);
+
+// The fp32 GPU mode's generation (GpuModel with WeightPrecision::F32): the same loop, but every
+// step runs the whole sequence through GpuModel::forward_last — there is no fp32 decode cache —
+// so a step costs a prefill of the sequence so far. It exists to check the GPU path against the
+// CPU float engine token for token (greedy continuations match), not to serve.
+std::vector<int32_t> generate_gpu_fp32(GpuModel& model, const std::vector<int32_t>& prompt,
+                                       const GenerateOptions& opt,
+                                       const std::function<void(int32_t)>& on_token = nullptr);
 
 }  // namespace dm::cuda

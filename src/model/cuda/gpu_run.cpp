@@ -44,16 +44,22 @@ int64_t f32_total(const ModelWeights& w) {
   return total;
 }
 
+// The fp32 mode's one range: the whole arena, packed at its own offsets.
+std::vector<DeviceWeights::F32Range> whole_arena(const ModelWeights& w) {
+  return {DeviceWeights::F32Range{0, arena_numel(w), 0}};
+}
+
 }  // namespace
 
-DeviceWeights::DeviceWeights(const ModelWeights& host)
+DeviceWeights::DeviceWeights(const ModelWeights& host, WeightPrecision precision)
     : host_(host),
       numel_(arena_numel(host)),
-      f32_ranges_(f32_ranges_of(host)),
-      f32_numel_(f32_total(host)),
-      arena_(size_t(arena_numel(host)) * sizeof(uint16_t) + 256 +
-             size_t(f32_total(host)) * sizeof(float)) {
-  bf16_ = arena_.alloc<uint16_t>(size_t(numel_));
+      f32_ranges_(precision == WeightPrecision::F32 ? whole_arena(host) : f32_ranges_of(host)),
+      f32_numel_(precision == WeightPrecision::F32 ? arena_numel(host) : f32_total(host)),
+      arena_(
+          (precision == WeightPrecision::F32 ? 0 : size_t(arena_numel(host)) * sizeof(uint16_t)) +
+          256 + size_t(f32_numel_) * sizeof(float)) {
+  if (precision == WeightPrecision::Bf16) bf16_ = arena_.alloc<uint16_t>(size_t(numel_));
   f32_ = arena_.alloc<float>(size_t(f32_numel_));
   sync_from_host();
 }
@@ -105,6 +111,13 @@ DeviceWeights::DeviceWeights(ModelWeights& host, RandomInit init)
   check_last_error("DeviceWeights random init");
 }
 
+const uint16_t* DeviceWeights::bf16(const float* host_view) const {
+  DM_CHECK(bf16_ != nullptr,
+           "DeviceWeights: fp32 weights have no bf16 copy (the fp32 GPU mode "
+           "runs the fp32 layer paths)");
+  return bf16_ + offset(host_view);
+}
+
 const float* DeviceWeights::f32(const float* host_view) const {
   const int64_t o = offset(host_view);
   auto it = std::upper_bound(f32_ranges_.begin(), f32_ranges_.end(), o,
@@ -125,6 +138,7 @@ void DeviceWeights::sync_from_host() {
   const float* base = static_cast<const float*>(host_.arena_base());
   for (const F32Range& r : f32_ranges_)
     copy_to_device(f32_ + r.packed, base + r.begin, size_t(r.end - r.begin) * sizeof(float));
+  if (!bf16_) return;  // the fp32 mode: the range above was the whole arena
   // Round on the host in slabs (the host arena is fp32); one staging buffer per call.
   const int64_t slab = int64_t(1) << 22;
   std::vector<uint16_t> staging(size_t(std::min(slab, numel_)));
@@ -174,9 +188,11 @@ void DeviceWeights::upload_param(const float* host_view, int64_t n, CUstream_st*
   const int64_t o = offset(host_view);
   DM_CHECK(n >= 0 && o + n <= numel_, "DeviceWeights::upload_param: range outside the weights");
   stream_synchronize(stream);  // the staging copies below are synchronous
-  std::vector<uint16_t> staging(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) staging[size_t(i)] = float_to_bf16(host_view[i]);
-  copy_to_device(bf16_ + o, staging.data(), size_t(n) * sizeof(uint16_t));
+  if (bf16_) {
+    std::vector<uint16_t> staging(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) staging[size_t(i)] = float_to_bf16(host_view[i]);
+    copy_to_device(bf16_ + o, staging.data(), size_t(n) * sizeof(uint16_t));
+  }
   for (const F32Range& r : f32_ranges_) {  // the fp32 copy, where the parameter has one
     const int64_t b = std::max(o, r.begin), e = std::min(o + n, r.end);
     if (b < e)
@@ -199,6 +215,13 @@ void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_
             void* y, GemmOutType y_type, float beta) {
   run.gemm.gemm_bf16(false, true, N, out, in, 1.0f, x, in, W, in, beta, y, y_type, out,
                      run.stream);
+}
+
+void linear(GpuRun& run, const float* x, const float* W, int64_t N, int64_t in, int64_t out,
+            void* y, GemmOutType y_type, float beta) {
+  DM_CHECK(y_type == GemmOutType::F32, "linear (fp32): the output of an fp32 GEMM is fp32");
+  run.gemm.gemm_f32(false, true, N, out, in, 1.0f, x, in, W, in, beta, static_cast<float*>(y), out,
+                    run.stream);
 }
 
 void linear_many(GpuRun& run, const uint16_t* x, int64_t N, int64_t in, const LinearOut* outs,

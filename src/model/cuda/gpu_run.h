@@ -9,9 +9,15 @@
 // with bf16(p) / f32(p); f32() of a matrix is an error. Weights cost 2 bytes per parameter plus 4
 // per element-wise one; one cudaMalloc for both. The routing bias changes during training:
 // sync_from_host() re-uploads everything.
+//
+// The fp32 GPU mode (WeightPrecision::F32, docs/gpu.md) mirrors EVERY parameter in fp32 instead,
+// at the host offsets (4 bytes per parameter, no bf16 copy): f32(p) then takes any parameter and
+// bf16(p) is an error. Layers templated on their activation type A read their matrices with
+// operand<A>(p), which is bf16(p) for bf16 activations and f32(p) for fp32 ones.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "model/weights.h"
@@ -25,13 +31,18 @@ struct RandomInit {
   uint64_t seed = 1;
 };
 
+// bf16: the compute copy of the matrices is bf16 (the default, every fast path); f32: every
+// parameter in fp32 (the fp32 GPU mode: inference checked against the CPU float engine).
+enum class WeightPrecision : uint8_t { Bf16, F32 };
+
 class DeviceWeights {
  public:
   // One fp32-mirrored parameter: host offsets [begin, end) → packed offset.
   struct F32Range {
     int64_t begin, end, packed;
   };
-  explicit DeviceWeights(const ModelWeights& host);
+  explicit DeviceWeights(const ModelWeights& host,
+                         WeightPrecision precision = WeightPrecision::Bf16);
   // Random initialisation on the device, for models larger than host memory (bench_cuda_decode;
   // `host` is typically a ReservedWeights layout): each N(0,σ) matrix (σ = param_init_std) is
   // drawn straight into the bf16 mirror by a device kernel, arena element i from a hash of
@@ -42,8 +53,18 @@ class DeviceWeights {
   // weights_init's rules but are not weights_init's values (different generators).
   DeviceWeights(ModelWeights& host, RandomInit init);
   // Device twin of a host parameter view (any pointer inside the host arena).
-  const uint16_t* bf16(const float* host_view) const { return bf16_ + offset(host_view); }
+  const uint16_t* bf16(const float* host_view) const;
   const float* f32(const float* host_view) const;
+  // The GEMM operand of a matrix for activations of type A (uint16_t: bf16, float: fp32).
+  template <typename A>
+  const A* operand(const float* host_view) const {
+    static_assert(std::is_same_v<A, uint16_t> || std::is_same_v<A, float>);
+    if constexpr (std::is_same_v<A, float>)
+      return f32(host_view);
+    else
+      return bf16(host_view);
+  }
+  WeightPrecision precision() const { return bf16_ ? WeightPrecision::Bf16 : WeightPrecision::F32; }
   const ModelWeights& host() const { return host_; }
   const ModelConfig& config() const { return host_.cfg; }
   void sync_from_host();
@@ -104,6 +125,15 @@ struct GpuRun {
 // beta = 1 accumulates into an fp32/bf16 y).
 void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in, int64_t out,
             void* y, GemmOutType y_type, float beta = 0.0f);
+// The fp32 GPU mode's linear: x, W, y fp32 (full-precision multiplies, no TF32); y_type must be
+// F32 (the argument keeps one call shape for layers templated on their activation type).
+void linear(GpuRun& run, const float* x, const float* W, int64_t N, int64_t in, int64_t out,
+            void* y, GemmOutType y_type, float beta = 0.0f);
+// What a GEMM writes for activations of type A: bf16 rows, or fp32 in the fp32 mode.
+template <typename A>
+constexpr GemmOutType activation_out() {
+  return std::is_same_v<A, float> ? GemmOutType::F32 : GemmOutType::Bf16;
+}
 
 // Several linears of the same x: y_i[N, out_i] = x[N, in]·W_iᵀ (beta 0). At decode sizes
 // (N ≤ kGemvMaxRows) one GEMV launch computes them all (ops/cuda/gemv.h); otherwise one GEMM

@@ -12,6 +12,7 @@
 // (kda_gpu_backward.cpp), which keeps every intermediate instead of sharing buffers.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "core/error.h"
 #include "model/cuda/kda_gpu_internal.h"
@@ -30,9 +31,13 @@ void check(const ModelConfig& c, int64_t B, int64_t T, const char* what) {
            kKdaCudaMaxHeadDim, " (the chunked CUDA operator's limit)");
 }
 
-void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const uint16_t* xn,
+template <typename A>
+void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
                    int64_t B, int64_t T, const int32_t* doc_start, const KdaCarry* carry,
-                   const ForwardViews& v) {
+                   const ForwardViewsT<A>& v) {
+  constexpr bool kBf16 = std::is_same_v<A, uint16_t>;
+  constexpr GemmOutType kOut = activation_out<A>();
+  DM_CHECK(kBf16 || carry == nullptr, "kda_layer_forward_gpu: the fp32 mode keeps no decode carry");
   const ModelConfig& c = dw.config();
   const Dims dims = dims_of(c, B, T);
   const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
@@ -43,8 +48,8 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
   struct Branch {
     const float* proj;
     const float* conv;
-    uint16_t* raw;
-    uint16_t* out;
+    A* raw;
+    A* out;
   };
   const Branch branches[3] = {Branch{w.q_proj, w.q_conv, v.q_raw, v.q},
                               Branch{w.k_proj, w.k_conv, v.k_raw, v.k},
@@ -56,34 +61,38 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
   const size_t row_bytes = size_t(HK) * sizeof(uint16_t);
   for (int i = 0; i < 3; ++i) {
     const Branch& br = branches[i];
-    linear(run, xn, dw.bf16(br.proj), N, d, HK, br.raw, GemmOutType::Bf16);
-    if (continues) {
-      // [tail ; raw] (ctx + T rows) through the conv; its first ctx output rows are discarded.
-      uint16_t* joined = br.raw - ctx * HK;
-      copy_device_to_device(joined, carry->tail[i], size_t(ctx) * row_bytes);
-      kda_short_conv_silu_forward(joined, dw.f32(br.conv), br.out - ctx * HK, 1, T + ctx, HK,
-                                  dims.Kc, nullptr, stream);
-      // The new tail: the last ctx rows of [tail ; raw] (some of the old tail when T < ctx).
-      copy_device_to_device(carry->tail[i], joined + T * HK, size_t(ctx) * row_bytes);
-      continue;
+    linear(run, xn, dw.operand<A>(br.proj), N, d, HK, br.raw, kOut);
+    if constexpr (kBf16) {
+      if (continues) {
+        // [tail ; raw] (ctx + T rows) through the conv; its first ctx output rows are discarded.
+        uint16_t* joined = br.raw - ctx * HK;
+        copy_device_to_device(joined, carry->tail[i], size_t(ctx) * row_bytes);
+        kda_short_conv_silu_forward(joined, dw.f32(br.conv), br.out - ctx * HK, 1, T + ctx, HK,
+                                    dims.Kc, nullptr, stream);
+        // The new tail: the last ctx rows of [tail ; raw] (some of the old tail when T < ctx).
+        copy_device_to_device(carry->tail[i], joined + T * HK, size_t(ctx) * row_bytes);
+        continue;
+      }
     }
     kda_short_conv_silu_forward(br.raw, dw.f32(br.conv), br.out, B, T, HK, dims.Kc, doc_start,
                                 stream);
-    if (carry && ctx > 0) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
-      const int64_t kept = std::min<int64_t>(ctx, T);
-      if (kept < ctx) fill_zero(carry->tail[i], size_t(ctx - kept) * row_bytes);
-      copy_device_to_device(carry->tail[i] + (ctx - kept) * HK, br.raw + (T - kept) * HK,
-                            size_t(kept) * row_bytes);
+    if constexpr (kBf16) {
+      if (carry && ctx > 0) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
+        const int64_t kept = std::min<int64_t>(ctx, T);
+        if (kept < ctx) fill_zero(carry->tail[i], size_t(ctx - kept) * row_bytes);
+        copy_device_to_device(carry->tail[i] + (ctx - kept) * HK, br.raw + (T - kept) * HK,
+                              size_t(kept) * row_bytes);
+      }
     }
   }
 
   // Per-channel log decay g = gate(W_f↑ W_f↓ x) and per-head β = sigmoid(W_β x).
-  linear(run, xn, dw.bf16(w.f_a), N, d, K, v.gate_low, GemmOutType::Bf16);
-  linear(run, v.gate_low, dw.bf16(w.f_b), N, K, HK, v.gate_raw, GemmOutType::Bf16);
+  linear(run, xn, dw.operand<A>(w.f_a), N, d, K, v.gate_low, kOut);
+  linear(run, v.gate_low, dw.operand<A>(w.f_b), N, K, HK, v.gate_raw, kOut);
   kda_gate_forward(v.gate_raw, dw.f32(w.A_log), dw.f32(w.dt_bias), v.g, N, H, K,
                    c.kda.gate == KdaGateKind::Safe, c.kda.gate_lower_bound, stream);
   // β's logits stay fp32 (N·H values) so the sigmoid rounds once, into the bf16 operator input.
-  linear(run, xn, dw.bf16(w.b_proj), N, d, H, v.beta_logits, GemmOutType::F32);
+  linear(run, xn, dw.operand<A>(w.b_proj), N, d, H, v.beta_logits, GemmOutType::F32);
   kda_beta_sigmoid_forward(v.beta_logits, v.beta, N * H, stream);
 
   const KdaShape shape{B, T, H, K, K};
@@ -97,14 +106,21 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
   // Output gate (full-rank or low-rank), then per-head RMSNorm ⊙ sigmoid(gate) (rows = N·H
   // heads of K; normed may be o itself).
   if (c.kda.full_rank_output_gate) {
-    linear(run, xn, dw.bf16(w.g_full), N, d, HK, v.out_gate, GemmOutType::Bf16);
+    linear(run, xn, dw.operand<A>(w.g_full), N, d, HK, v.out_gate, kOut);
   } else {
-    linear(run, xn, dw.bf16(w.g_a), N, d, K, v.out_gate_low, GemmOutType::Bf16);
-    linear(run, v.out_gate_low, dw.bf16(w.g_b), N, K, HK, v.out_gate, GemmOutType::Bf16);
+    linear(run, xn, dw.operand<A>(w.g_a), N, d, K, v.out_gate_low, kOut);
+    linear(run, v.out_gate_low, dw.operand<A>(w.g_b), N, K, HK, v.out_gate, kOut);
   }
   kda_rmsnorm_gated_forward(v.o, dw.f32(w.o_norm), v.out_gate, v.normed, N * H, K, c.rms_eps,
                             stream);
 }
+
+template void forward_steps<uint16_t>(GpuRun&, const DeviceWeights&, const KdaWeights&,
+                                      const uint16_t*, int64_t, int64_t, const int32_t*,
+                                      const KdaCarry*, const ForwardViews&);
+template void forward_steps<float>(GpuRun&, const DeviceWeights&, const KdaWeights&, const float*,
+                                   int64_t, int64_t, const int32_t*, const KdaCarry*,
+                                   const ForwardViewsT<float>&);
 
 }  // namespace kda_gpu
 
@@ -117,62 +133,86 @@ namespace {
 // with_room (a continuing carry, KdaCarry::continues): raw, q, k and v get Kc − 1 rows of room in
 // front for the carried conv tail, rounded up to 256 bytes so the views keep the arena's
 // alignment. Without it the views are laid out as they always were.
-kda_gpu::ForwardViews forward_carve(kda_gpu::ScratchPlan& plan, const kda_gpu::Dims& dims,
-                                    const KdaShape& shape, bool with_room) {
+// A: the activation type (uint16_t bf16, or float in the fp32 mode; no carry there).
+template <typename A>
+kda_gpu::ForwardViewsT<A> forward_carve(kda_gpu::ScratchPlan& plan, const kda_gpu::Dims& dims,
+                                        const KdaShape& shape, bool with_room) {
   const int64_t N = dims.N, HK = dims.HK, ctx = std::max<int64_t>(dims.Kc - 1, 0);
   const int64_t room = with_room ? (ctx * HK * 2 + 255) / 256 * 256 / 2 : 0;  // elements
-  kda_gpu::ForwardViews v{};
+  kda_gpu::ForwardViewsT<A> v{};
   v.context_rows = with_room ? ctx : 0;
-  auto with_context = [&]() -> uint16_t* {
-    uint16_t* p = plan.take<uint16_t>(N * HK + room);
+  auto with_context = [&]() -> A* {
+    A* p = plan.take<A>(N * HK + room);
     return p ? p + room : nullptr;  // null while `plan` only counts
   };
-  uint16_t* raw = with_context();
+  A* raw = with_context();
   v.q_raw = v.k_raw = v.v_raw = v.gate_raw = v.out_gate = raw;
   v.q = with_context();
   v.k = with_context();
   v.v = with_context();
-  v.g = plan.take<uint16_t>(N * HK);
-  v.gate_low = v.out_gate_low = plan.take<uint16_t>(N * dims.K);
+  v.g = plan.take<A>(N * HK);
+  v.gate_low = v.out_gate_low = plan.take<A>(N * dims.K);
   v.beta_logits = plan.take<float>(N * dims.H);
-  v.beta = plan.take<uint16_t>(N * dims.H);
-  v.o = v.normed = plan.take<uint16_t>(N * HK);
+  v.beta = plan.take<A>(N * dims.H);
+  v.o = v.normed = plan.take<A>(N * HK);
   v.operator_workspace = plan.take_bytes(kda_chunk_forward_workspace_bytes(shape));
   return v;
 }
 
 }  // namespace
 
-size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
+                                   WeightPrecision precision) {
   kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
-  kda_gpu::ScratchPlan counter;  // the larger layout: with room for a continuing carry
-  forward_carve(counter, dims, KdaShape{B, T, dims.H, dims.K, dims.K}, /*with_room=*/true);
+  kda_gpu::ScratchPlan counter;
+  const KdaShape shape{B, T, dims.H, dims.K, dims.K};
+  if (precision == WeightPrecision::F32) {
+    forward_carve<float>(counter, dims, shape, /*with_room=*/false);
+    return counter.bytes;
+  }
+  // The larger layout: with room for a continuing carry.
+  forward_carve<uint16_t>(counter, dims, shape, /*with_room=*/true);
   return counter.bytes;
 }
 
-void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
-                           const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start, const KdaCarry* carry, void* kept) {
+template <typename A>
+void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start,
+                           const KdaCarry* carry, void* kept) {
   const ModelConfig& c = dw.config();
   kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   DM_CHECK(carry == nullptr || (B == 1 && doc_start == nullptr),
            "kda_layer_forward_gpu: the decode carry needs one unpacked sequence (B = 1)");
   DM_CHECK(carry == nullptr || !carry->continues || kept == nullptr,
            "kda_layer_forward_gpu: a continuing carry is for inference (no kept intermediates)");
+  DM_CHECK((std::is_same_v<A, uint16_t>) || kept == nullptr,
+           "kda_layer_forward_gpu: the fp32 mode is inference only (nothing kept)");
   const kda_gpu::Dims dims = kda_gpu::dims_of(c, B, T);
   if (dims.N == 0) return;
   DeviceArenaScope scope(run.scratch);
   kda_gpu::ScratchPlan plan{&run.scratch};
-  kda_gpu::ScratchPlan kept_plan;
-  kept_plan.base = static_cast<char*>(kept);
   const KdaShape shape{B, T, dims.H, dims.K, dims.K};
-  // Kept for the backward: every intermediate in its own buffer (as the backward recomputes them).
-  const kda_gpu::ForwardViews v =
-      kept ? kda_gpu::keep_carve(kept_plan, c, dims, shape)
-           : forward_carve(plan, dims, shape, carry != nullptr && carry->continues);
-  kda_gpu::forward_steps(run, dw, w, xn, B, T, doc_start, carry, v);
-  linear(run, v.normed, dw.bf16(w.o_proj), dims.N, dims.HK, dims.d, y, GemmOutType::F32);
+  kda_gpu::ForwardViewsT<A> v;
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    // Kept for the backward: every intermediate in its own buffer (as the backward recomputes
+    // them).
+    kda_gpu::ScratchPlan kept_plan;
+    kept_plan.base = static_cast<char*>(kept);
+    v = kept ? kda_gpu::keep_carve(kept_plan, c, dims, shape)
+             : forward_carve<A>(plan, dims, shape, carry != nullptr && carry->continues);
+  } else {
+    v = forward_carve<A>(plan, dims, shape, /*with_room=*/false);
+  }
+  kda_gpu::forward_steps<A>(run, dw, w, xn, B, T, doc_start, carry, v);
+  linear(run, v.normed, dw.operand<A>(w.o_proj), dims.N, dims.HK, dims.d, y, GemmOutType::F32);
 }
+
+template void kda_layer_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const KdaWeights&,
+                                              const uint16_t*, float*, int64_t, int64_t,
+                                              const int32_t*, const KdaCarry*, void*);
+template void kda_layer_forward_gpu<float>(GpuRun&, const DeviceWeights&, const KdaWeights&,
+                                           const float*, float*, int64_t, int64_t, const int32_t*,
+                                           const KdaCarry*, void*);
 
 }  // namespace dm::cuda

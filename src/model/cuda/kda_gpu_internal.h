@@ -43,27 +43,30 @@ struct ScratchPlan {
   }
 };
 
-// Where the forward steps leave their results (bf16 unless noted). The inference forward lets
-// buffers whose lives do not overlap share memory (q_raw = k_raw = v_raw = gate_raw = out_gate,
-// gate_low = out_gate_low, normed = o); the backward gives each its own.
-struct ForwardViews {
-  uint16_t *q_raw, *k_raw, *v_raw;  // [N, H·K] W_{q,k,v} x before the short conv
-  uint16_t *q, *k, *v;              // [N, H·K] SiLU(conv(·)): operator inputs
-  uint16_t* gate_low;               // [N, K]   f_a x
-  uint16_t* gate_raw;               // [N, H·K] f_b f_a x, before the gate nonlinearity
-  uint16_t* g;                      // [N, H·K] log decay
-  float* beta_logits;               // [N, H]   b_proj x (fp32)
-  uint16_t* beta;                   // [N, H]   σ(logits)
-  uint16_t* o;                      // [N, H·K] operator output
-  uint16_t* out_gate_low;           // [N, K]   g_a x (low-rank output gate only)
-  uint16_t* out_gate;               // [N, H·K] output gate before the sigmoid
-  uint16_t* normed;                 // [N, H·K] RMSNorm(o_h)·o_norm ⊙ σ(out_gate): o_proj's input
-  void* operator_workspace;         // ≥ kda_chunk_forward_workspace_bytes
+// Where the forward steps leave their results, in the activation type A (bf16 bit patterns, or
+// fp32 in the fp32 GPU mode) unless noted. The inference forward lets buffers whose lives do not
+// overlap share memory (q_raw = k_raw = v_raw = gate_raw = out_gate, gate_low = out_gate_low,
+// normed = o); the backward (bf16 only) gives each its own.
+template <typename A>
+struct ForwardViewsT {
+  A *q_raw, *k_raw, *v_raw;  // [N, H·K] W_{q,k,v} x before the short conv
+  A *q, *k, *v;              // [N, H·K] SiLU(conv(·)): operator inputs
+  A* gate_low;               // [N, K]   f_a x
+  A* gate_raw;               // [N, H·K] f_b f_a x, before the gate nonlinearity
+  A* g;                      // [N, H·K] log decay
+  float* beta_logits;        // [N, H]   b_proj x (fp32)
+  A* beta;                   // [N, H]   σ(logits)
+  A* o;                      // [N, H·K] operator output
+  A* out_gate_low;           // [N, K]   g_a x (low-rank output gate only)
+  A* out_gate;               // [N, H·K] output gate before the sigmoid
+  A* normed;                 // [N, H·K] RMSNorm(o_h)·o_norm ⊙ σ(out_gate): o_proj's input
+  void* operator_workspace;  // ≥ kda_chunk_forward_workspace_bytes
   // Rows of room before q_raw, k_raw, v_raw and before q, k, v (the same count for both): a
   // continuing carry (KdaCarry::continues) puts the conv tail there, and the conv's output for
   // those rows, discarded, lands in front of q, k, v. Needs ≥ Kc − 1; 0 where not carved.
   int64_t context_rows = 0;
 };
+using ForwardViews = ForwardViewsT<uint16_t>;
 
 // The forward's views with every intermediate in its own buffer and an operator workspace big
 // enough for the operator's backward too: what the backward recomputes into, or what training
@@ -72,9 +75,11 @@ ForwardViews keep_carve(ScratchPlan& plan, const ModelConfig& c, const Dims& dim
                         const KdaShape& shape);
 
 // Every step of the layer forward before o_proj, in the order of model/kda.cpp, into `v`
-// (carry: the decode carry of kda_layer_forward_gpu, nullable). N = B·T > 0.
-void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const uint16_t* xn,
+// (carry: the decode carry of kda_layer_forward_gpu, nullable; bf16 only). N = B·T > 0.
+// A = uint16_t (bf16) or float (the fp32 mode).
+template <typename A>
+void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
                    int64_t B, int64_t T, const int32_t* doc_start, const KdaCarry* carry,
-                   const ForwardViews& v);
+                   const ForwardViewsT<A>& v);
 
 }  // namespace dm::cuda::kda_gpu

@@ -11,6 +11,10 @@
 // *_bytes functions say how much scratch one call needs, so the model sizes run.scratch once.
 // Precision: bf16 GEMM operands and activations between ops, fp32 accumulation, fp32 KDA state,
 // softmax statistics and router scores; fp32 element-wise math.
+// The fp32 GPU mode (DeviceWeights with WeightPrecision::F32; inference only): the forwards
+// taking `const float* xn` run the same op sequence with every activation and GEMM operand in
+// fp32 (fp32 twins of the same kernels, cuBLAS fp32 GEMMs without TF32), so they match the CPU
+// float engine to ~1e-6. Their *_bytes take the precision. No decode carry, nothing kept.
 // Nothing here synchronises the stream unless its comment says so.
 #pragma once
 #include <cstddef>
@@ -37,21 +41,26 @@ struct KdaCarry {
 // kept (training without the mixer recompute; nullable): kda_layer_kept_gpu_bytes of device
 // memory, 256-byte aligned, where the forward leaves every intermediate for
 // kda_layer_backward_gpu with the same `kept`, which then skips its recompute.
-size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
+// A (xn's type): uint16_t (bf16) or float (the fp32 mode).
+size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
+                                   WeightPrecision precision = WeightPrecision::Bf16);
 size_t kda_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
-void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w,
-                           const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start = nullptr, const KdaCarry* carry = nullptr,
-                           void* kept = nullptr);
+template <typename A>
+void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr,
+                           const KdaCarry* carry = nullptr, void* kept = nullptr);
 
-size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
-void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
-                           const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start = nullptr);
+size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
+                                   WeightPrecision precision = WeightPrecision::Bf16);
+template <typename A>
+void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const A* xn,
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr);
 
-size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N);
-void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w,
-                           const uint16_t* xn, float* y, int64_t N);
+size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N,
+                                   WeightPrecision precision = WeightPrecision::Bf16);
+template <typename A>
+void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
+                           float* y, int64_t N);
 
 // Routing of one MoE forward, for QB and balance metrics (device pointers into run.scratch that
 // stay valid until the caller's enclosing scope ends; nullptr = not wanted).
@@ -98,12 +107,19 @@ struct MoeKept {
 size_t moe_layer_kept_gpu_bytes(const ModelConfig& c, int64_t N);
 
 // Scratch for either path.
-size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N);
+size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N,
+                                   WeightPrecision precision = WeightPrecision::Bf16);
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N,
                            MoeRoutingDevice* routing = nullptr,
                            MoeExpertsPath path = MoeExpertsPath::Grouped,
                            MoeKept* kept = nullptr);
+// The fp32 mode: router, latent projections, experts (ops/cuda/moe.h fp32 experts, one cuBLAS
+// fp32 GEMM per expert: synchronises the stream once for the plan) and shared experts in fp32.
+// routing as above (idx, scores, cutoff wanted or nullptr).
+void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
+                           const float* xn, float* y, int64_t N,
+                           MoeRoutingDevice* routing = nullptr);
 
 // ---- Backward (training) ----------------------------------------------------------------------
 // Each sub-layer backward RECOMPUTES its forward internals from xn (the model keeps only each

@@ -66,45 +66,49 @@ MlaDims::MlaDims(const ModelConfig& c, int64_t B_, int64_t T_)
       rope(c.mla.qk_rope_dim), dq(nope + rope), dv(c.mla.v_head_dim), kvl(c.mla.kv_lora_rank),
       ql(c.mla.q_lora_rank), rope_on(rope_active(c.mla)), gate(c.mla.output_gate) {}
 
-std::vector<size_t> MlaDims::forward_views() const {
+std::vector<size_t> MlaDims::forward_views(size_t act_bytes) const {
+  const size_t e = act_bytes;
   std::vector<size_t> v;
   if (ql > 0) {
-    v.push_back(size_t(N * ql) * sizeof(float));     // q_a (fp32, before its norm)
-    v.push_back(size_t(N * ql) * sizeof(uint16_t));  // RMSNorm(q_a)
+    v.push_back(size_t(N * ql) * sizeof(float));  // q_a (fp32, before its norm)
+    v.push_back(size_t(N * ql) * e);              // RMSNorm(q_a)
   }
-  v.push_back(size_t(N * H * dq) * sizeof(uint16_t));           // q
-  v.push_back(size_t(N * (kvl + rope)) * sizeof(float));        // kv_a = [c_raw ; kr]
-  v.push_back(size_t(N * kvl) * sizeof(uint16_t));              // c
-  v.push_back(size_t(N * H * (nope + dv)) * sizeof(uint16_t));  // kv = [k_nope | v] per head
+  v.push_back(size_t(N * H * dq) * e);                    // q
+  v.push_back(size_t(N * (kvl + rope)) * sizeof(float));  // kv_a = [c_raw ; kr]
+  v.push_back(size_t(N * kvl) * e);                       // c
+  v.push_back(size_t(N * H * (nope + dv)) * e);           // kv = [k_nope | v] per head
   if (rope_on) {
     v.push_back(size_t(T * (rope / 2)) * sizeof(float));  // cos
     v.push_back(size_t(T * (rope / 2)) * sizeof(float));  // sin
   }
-  v.push_back(size_t(N * H * dq) * sizeof(uint16_t));  // k
-  v.push_back(size_t(N * H * dv) * sizeof(uint16_t));  // v
-  v.push_back(size_t(N * H * dv) * sizeof(uint16_t));  // attention output o
-  if (gate) v.push_back(size_t(N * H * dv) * sizeof(uint16_t));  // W_gate x
+  v.push_back(size_t(N * H * dq) * e);            // k
+  v.push_back(size_t(N * H * dv) * e);            // v
+  v.push_back(size_t(N * H * dv) * e);            // attention output o
+  if (gate) v.push_back(size_t(N * H * dv) * e);  // W_gate x
   return v;
 }
 
 // Same order as MlaDims::forward_views (the byte count walks that list).
-MlaForwardViews MlaForwardViews::carve(DeviceArena& a, const MlaDims& s) {
+template <typename A>
+MlaForwardViewsT<A> MlaForwardViewsT<A>::carve(DeviceArena& a, const MlaDims& s) {
   const int64_t N = s.N, H = s.H;
-  MlaForwardViews v;
+  MlaForwardViewsT<A> v;
   v.q_a = s.ql > 0 ? a.alloc<float>(size_t(N * s.ql)) : nullptr;
-  v.q_a_normed = s.ql > 0 ? a.alloc<uint16_t>(size_t(N * s.ql)) : nullptr;
-  v.q = a.alloc<uint16_t>(size_t(N * H * s.dq));
+  v.q_a_normed = s.ql > 0 ? a.alloc<A>(size_t(N * s.ql)) : nullptr;
+  v.q = a.alloc<A>(size_t(N * H * s.dq));
   v.kv_a = a.alloc<float>(size_t(N * (s.kvl + s.rope)));
-  v.c = a.alloc<uint16_t>(size_t(N * s.kvl));
-  v.kv = a.alloc<uint16_t>(size_t(N * H * (s.nope + s.dv)));
+  v.c = a.alloc<A>(size_t(N * s.kvl));
+  v.kv = a.alloc<A>(size_t(N * H * (s.nope + s.dv)));
   v.rope_cos = s.rope_on ? a.alloc<float>(size_t(s.T * (s.rope / 2))) : nullptr;
   v.rope_sin = s.rope_on ? a.alloc<float>(size_t(s.T * (s.rope / 2))) : nullptr;
-  v.k = a.alloc<uint16_t>(size_t(N * H * s.dq));
-  v.v = a.alloc<uint16_t>(size_t(N * H * s.dv));
-  v.o = a.alloc<uint16_t>(size_t(N * H * s.dv));
-  v.gate = s.gate ? a.alloc<uint16_t>(size_t(N * H * s.dv)) : nullptr;
+  v.k = a.alloc<A>(size_t(N * H * s.dq));
+  v.v = a.alloc<A>(size_t(N * H * s.dv));
+  v.o = a.alloc<A>(size_t(N * H * s.dv));
+  v.gate = s.gate ? a.alloc<A>(size_t(N * H * s.dv)) : nullptr;
   return v;
 }
+template struct MlaForwardViewsT<uint16_t>;
+template struct MlaForwardViewsT<float>;
 
 void check_dims(const MlaDims& s, const char* who) {
   DM_CHECK(s.B >= 0 && s.T >= 0, who, ": bad shape B=", s.B, " T=", s.T);
@@ -123,9 +127,11 @@ void check_dims(const MlaDims& s, const char* who) {
 // The CPU float engine uses the scale rounded to float (mla_softmax_scale_for<float>).
 double mla_gpu_softmax_scale(const ModelConfig& c) { return double(mla_softmax_scale(c.mla)); }
 
+template <typename A>
 void mla_forward_core(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const MlaDims& s,
-                      const MlaForwardViews& a, const uint16_t* xn, const int32_t* doc_start,
+                      const MlaForwardViewsT<A>& a, const A* xn, const int32_t* doc_start,
                       float* lse) {
+  constexpr GemmOutType kOut = activation_out<A>();
   const MlaConfig& m = dw.config().mla;
   CUstream_st* stream = run.stream;
   const int64_t N = s.N, d = s.d, H = s.H, dq = s.dq, dv = s.dv, kvl = s.kvl, ql = s.ql;
@@ -134,17 +140,17 @@ void mla_forward_core(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
 
   // q = W_qb · RMSNorm(W_qa x)  or  W_q x                                  [N, H·dq]
   if (ql > 0) {
-    linear(run, xn, dw.bf16(w.q_a), N, d, ql, a.q_a, GemmOutType::F32);
+    linear(run, xn, dw.operand<A>(w.q_a), N, d, ql, a.q_a, GemmOutType::F32);
     mla_rmsnorm_rows(a.q_a, ql, dw.f32(w.q_a_norm), a.q_a_normed, N, ql, eps, stream);
-    linear(run, a.q_a_normed, dw.bf16(w.q_b), N, ql, H * dq, a.q, GemmOutType::Bf16);
+    linear(run, a.q_a_normed, dw.operand<A>(w.q_b), N, ql, H * dq, a.q, kOut);
   } else {
-    linear(run, xn, dw.bf16(w.q_proj), N, d, H * dq, a.q, GemmOutType::Bf16);
+    linear(run, xn, dw.operand<A>(w.q_proj), N, d, H * dq, a.q, kOut);
   }
   // [c ; kr] = W_kva x (fp32);  c = RMSNorm(c) read in place with leading dim kvl + rope;
   // [k_nope | v]_h = W_kvb c
-  linear(run, xn, dw.bf16(w.kv_a), N, d, kvl + rope, a.kv_a, GemmOutType::F32);
+  linear(run, xn, dw.operand<A>(w.kv_a), N, d, kvl + rope, a.kv_a, GemmOutType::F32);
   mla_rmsnorm_rows(a.kv_a, kvl + rope, dw.f32(w.kv_a_norm), a.c, N, kvl, eps, stream);
-  linear(run, a.c, dw.bf16(w.kv_b), N, kvl, H * (nope + dv), a.kv, GemmOutType::Bf16);
+  linear(run, a.c, dw.operand<A>(w.kv_b), N, kvl, H * (nope + dv), a.kv, kOut);
 
   // RoPE on q's rotary slice in place; kr is rotated while it is copied into every head's key.
   if (s.rope_on) {
@@ -156,28 +162,43 @@ void mla_forward_core(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
 
   cuda::attention_causal_forward(a.q, a.k, a.v, a.o, lse, AttnShape{s.B, s.T, H, dq, dv},
                                  mla_gpu_softmax_scale(dw.config()), doc_start, stream);
-  if (s.gate) linear(run, xn, dw.bf16(w.gate), N, d, H * dv, a.gate, GemmOutType::Bf16);
+  if (s.gate) linear(run, xn, dw.operand<A>(w.gate), N, d, H * dv, a.gate, kOut);
 }
+
+template void mla_forward_core<uint16_t>(GpuRun&, const DeviceWeights&, const MlaWeights&,
+                                         const MlaDims&, const MlaForwardViews&, const uint16_t*,
+                                         const int32_t*, float*);
+template void mla_forward_core<float>(GpuRun&, const DeviceWeights&, const MlaWeights&,
+                                      const MlaDims&, const MlaForwardViewsT<float>&, const float*,
+                                      const int32_t*, float*);
 
 }  // namespace mla_detail
 
-size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
-  return mla_detail::arena_bytes(mla_detail::MlaDims(c, B, T).forward_views());
+size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
+                                   WeightPrecision precision) {
+  const size_t act_bytes = precision == WeightPrecision::F32 ? sizeof(float) : sizeof(uint16_t);
+  return mla_detail::arena_bytes(mla_detail::MlaDims(c, B, T).forward_views(act_bytes));
 }
 
-void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
-                           const uint16_t* xn, float* y, int64_t B, int64_t T,
-                           const int32_t* doc_start) {
+template <typename A>
+void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const A* xn,
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start) {
   using namespace mla_detail;
   const MlaDims s(dw.config(), B, T);
   check_dims(s, "mla_layer_forward_gpu");
   if (s.N == 0) return;
   DeviceArenaScope scope(run.scratch);
-  const MlaForwardViews a = MlaForwardViews::carve(run.scratch, s);
-  mla_forward_core(run, dw, w, s, a, xn, doc_start, /*lse=*/nullptr);
+  const MlaForwardViewsT<A> a = MlaForwardViewsT<A>::carve(run.scratch, s);
+  mla_forward_core<A>(run, dw, w, s, a, xn, doc_start, /*lse=*/nullptr);
   // Inference gates o in place (nothing needs the ungated output afterwards).
   if (s.gate) mla_gate_multiply(a.o, a.gate, s.N * s.H * s.dv, run.stream);
-  linear(run, a.o, dw.bf16(w.o_proj), s.N, s.H * s.dv, s.d, y, GemmOutType::F32);
+  linear(run, a.o, dw.operand<A>(w.o_proj), s.N, s.H * s.dv, s.d, y, GemmOutType::F32);
 }
+
+template void mla_layer_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const MlaWeights&,
+                                              const uint16_t*, float*, int64_t, int64_t,
+                                              const int32_t*);
+template void mla_layer_forward_gpu<float>(GpuRun&, const DeviceWeights&, const MlaWeights&,
+                                           const float*, float*, int64_t, int64_t, const int32_t*);
 
 }  // namespace dm::cuda

@@ -28,36 +28,41 @@ struct MlaDims {
   int64_t B, N, T, d, H, nope, rope, dq, dv, kvl, ql;
   bool rope_on, gate;
   MlaDims(const ModelConfig& c, int64_t B, int64_t T);
-  // Bytes of the forward's scratch views, in carve order (MlaForwardViews::carve).
-  std::vector<size_t> forward_views() const;
+  // Bytes of the forward's scratch views, in carve order (MlaForwardViewsT::carve), for
+  // activations of act_bytes each (2: bf16; 4: the fp32 mode).
+  std::vector<size_t> forward_views(size_t act_bytes = 2) const;
 };
 
 // Throws when the GPU kernels cannot take the config (`who` names the caller).
 void check_dims(const MlaDims& s, const char* who);
 
-// The forward's activations (scratch views; nullptr where the config has no such tensor).
-struct MlaForwardViews {
-  float* q_a = nullptr;           // [N, ql] fp32, W_qa x before its norm
-  uint16_t* q_a_normed = nullptr; // [N, ql] bf16, RMSNorm(q_a)
-  uint16_t* q = nullptr;          // [N, H, dq] bf16, rotated when RoPE is on
-  float* kv_a = nullptr;          // [N, kvl + rope] fp32, [c_raw ; kr] (kr NOT rotated here)
-  uint16_t* c = nullptr;          // [N, kvl] bf16, RMSNorm(c_raw)
-  uint16_t* kv = nullptr;         // [N, H, nope + dv] bf16, W_kvb c
-  float* rope_cos = nullptr;      // [T, rope/2] (RoPE on only)
+// The forward's activations (scratch views; nullptr where the config has no such tensor), of
+// the activation type A (bf16 bit patterns, or float in the fp32 mode) unless noted.
+template <typename A>
+struct MlaForwardViewsT {
+  float* q_a = nullptr;       // [N, ql] fp32, W_qa x before its norm
+  A* q_a_normed = nullptr;    // [N, ql] RMSNorm(q_a)
+  A* q = nullptr;             // [N, H, dq] rotated when RoPE is on
+  float* kv_a = nullptr;      // [N, kvl + rope] fp32, [c_raw ; kr] (kr NOT rotated here)
+  A* c = nullptr;             // [N, kvl] RMSNorm(c_raw)
+  A* kv = nullptr;            // [N, H, nope + dv] W_kvb c
+  float* rope_cos = nullptr;  // [T, rope/2] (RoPE on only)
   float* rope_sin = nullptr;
-  uint16_t* k = nullptr;          // [N, H, dq] bf16, [k_nope | R·kr]
-  uint16_t* v = nullptr;          // [N, H, dv] bf16
-  uint16_t* o = nullptr;          // [N, H, dv] bf16, attention output (ungated)
-  uint16_t* gate = nullptr;       // [N, H·dv] bf16, W_gate x before the sigmoid (gate on only)
+  A* k = nullptr;     // [N, H, dq] [k_nope | R·kr]
+  A* v = nullptr;     // [N, H, dv]
+  A* o = nullptr;     // [N, H, dv] attention output (ungated)
+  A* gate = nullptr;  // [N, H·dv] W_gate x before the sigmoid (gate on only)
 
-  static MlaForwardViews carve(DeviceArena& a, const MlaDims& s);
+  static MlaForwardViewsT carve(DeviceArena& a, const MlaDims& s);
 };
+using MlaForwardViews = MlaForwardViewsT<uint16_t>;
 
 // Everything of the forward up to (not including) the output gate multiply and W_o: q, the
 // latent path, RoPE, k/v, the attention output o (and lse [B, H, T] fp32 when non-null) and
-// the gate pre-activation W_gate x. Stream-ordered on run.stream.
+// the gate pre-activation W_gate x. Stream-ordered on run.stream. A = uint16_t or float.
+template <typename A>
 void mla_forward_core(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const MlaDims& s,
-                      const MlaForwardViews& a, const uint16_t* xn, const int32_t* doc_start,
+                      const MlaForwardViewsT<A>& a, const A* xn, const int32_t* doc_start,
                       float* lse);
 
 // The softmax scale both directions use (the CPU float engine's value, rounded to float).

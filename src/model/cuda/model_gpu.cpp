@@ -15,29 +15,32 @@ size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Activation arena: tokens, doc_start, p, x, out [N,d] fp32, xn [N,d] bf16, blocks [nb,N,d] fp32,
 // logits [N,V] fp32.
-size_t activation_arena_bytes(const ModelConfig& c, int64_t N) {
+// xn: [N,d] bf16, or fp32 in the fp32 mode.
+size_t activation_arena_bytes(const ModelConfig& c, int64_t N, WeightPrecision precision) {
   const int64_t d = c.hidden;
   const int nb = std::max(1, residual_num_blocks(c));
+  const size_t xn_elem = precision == WeightPrecision::F32 ? 4 : 2;
   return round_up(size_t(N) * 8) + round_up(size_t(N) * 4) + 3 * round_up(size_t(N * d) * 4) +
-         round_up(size_t(N * d) * 2) + round_up(size_t(N * d * nb) * 4) +
+         round_up(size_t(N * d) * xn_elem) + round_up(size_t(N * d * nb) * 4) +
          round_up(size_t(N) * size_t(c.vocab_size) * 4) + 4096;
 }
 
-size_t scratch_arena_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+size_t scratch_arena_bytes(const ModelConfig& c, int64_t B, int64_t T, WeightPrecision p) {
   const int64_t N = B * T;
   size_t bytes = 0;
   for (int i = 0; i < c.num_layers; ++i) {
-    bytes = std::max(bytes, c.mixers[i] == MixerKind::KDA ? kda_layer_forward_gpu_bytes(c, B, T)
-                                                           : mla_layer_forward_gpu_bytes(c, B, T));
-    bytes = std::max(bytes, c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, N)
-                                                       : dense_ffn_forward_gpu_bytes(c, N));
+    bytes =
+        std::max(bytes, c.mixers[i] == MixerKind::KDA ? kda_layer_forward_gpu_bytes(c, B, T, p)
+                                                      : mla_layer_forward_gpu_bytes(c, B, T, p));
+    bytes = std::max(bytes, c.ffns[i] == FfnKind::MoE ? moe_layer_forward_gpu_bytes(c, N, p)
+                                                      : dense_ffn_forward_gpu_bytes(c, N, p));
   }
   return bytes + (size_t(1) << 20);
 }
 
 }  // namespace
 
-GpuModel::GpuModel(const ModelWeights& host) : dw_(host) {}
+GpuModel::GpuModel(const ModelWeights& host, WeightPrecision precision) : dw_(host, precision) {}
 GpuModel::~GpuModel() = default;
 
 size_t GpuModel::activation_bytes() const {
@@ -51,14 +54,31 @@ void GpuModel::ensure_capacity(int64_t B, int64_t T) {
   const ModelConfig& c = config();
   run_.reset();
   act_.reset();
-  act_ = std::make_unique<DeviceArena>(activation_arena_bytes(c, B * T));
-  run_ = std::make_unique<GpuRun>(scratch_arena_bytes(c, B, T));
+  act_ = std::make_unique<DeviceArena>(activation_arena_bytes(c, B * T, dw_.precision()));
+  run_ = std::make_unique<GpuRun>(scratch_arena_bytes(c, B, T, dw_.precision()));
   capacity_B_ = B;
   capacity_T_ = T;
 }
 
 void GpuModel::forward(const int64_t* tokens, int64_t B, int64_t T, float* logits,
                        const int32_t* doc_start, std::vector<GpuForwardRouting>* routing) {
+  if (dw_.precision() == WeightPrecision::F32)
+    forward_impl<float>(tokens, B, T, logits, doc_start, routing, false);
+  else
+    forward_impl<uint16_t>(tokens, B, T, logits, doc_start, routing, false);
+}
+
+void GpuModel::forward_last(const int64_t* tokens, int64_t T, float* logits) {
+  if (dw_.precision() == WeightPrecision::F32)
+    forward_impl<float>(tokens, 1, T, logits, nullptr, nullptr, true);
+  else
+    forward_impl<uint16_t>(tokens, 1, T, logits, nullptr, nullptr, true);
+}
+
+template <typename A>
+void GpuModel::forward_impl(const int64_t* tokens, int64_t B, int64_t T, float* logits,
+                            const int32_t* doc_start, std::vector<GpuForwardRouting>* routing,
+                            bool last_only) {
   const ModelConfig& c = config();
   const ModelWeights& W = dw_.host();
   DM_CHECK(B > 0 && T > 0, "forward (cuda): empty batch");
@@ -83,19 +103,19 @@ void GpuModel::forward(const int64_t* tokens, int64_t B, int64_t T, float* logit
   float* p = act.alloc<float>(size_t(N * d));
   float* x = act.alloc<float>(size_t(N * d));
   float* out = act.alloc<float>(size_t(N * d));
-  uint16_t* xn = act.alloc<uint16_t>(size_t(N * d));
+  A* xn = act.alloc<A>(size_t(N * d));
   float* blocks = act.alloc<float>(size_t(N * d * std::max(1, residual_num_blocks(c))));
   float* logits_dev = act.alloc<float>(size_t(N * V));
 
-  embedding_gather(dw_.bf16(W.embed), tokens_dev, N, d, p, run.stream);
+  embedding_gather(dw_.operand<A>(W.embed), tokens_dev, N, d, p, run.stream);
   if (routing) routing->clear();
-  auto mixer = [&](int i, const uint16_t* in, float* o) {
+  auto mixer = [&](int i, const A* in, float* o) {
     if (c.mixers[i] == MixerKind::KDA)
       kda_layer_forward_gpu(run, dw_, W.layers[i].kda, in, o, B, T, doc_dev);
     else
       mla_layer_forward_gpu(run, dw_, W.layers[i].mla, in, o, B, T, doc_dev);
   };
-  auto ffn = [&](int i, const uint16_t* in, float* o) {
+  auto ffn = [&](int i, const A* in, float* o) {
     if (c.ffns[i] != FfnKind::MoE) {
       dense_ffn_forward_gpu(run, dw_, W.layers[i].dense, in, o, N);
       return;
@@ -113,12 +133,14 @@ void GpuModel::forward(const int64_t* tokens, int64_t B, int64_t T, float* logit
       routing->push_back(std::move(g));
     }
   };
-  const GpuResidualOps ops{&dw_, run.stream};
-  const uint16_t* final_hidden = residual_stack_forward<float>(
+  const GpuResidualOpsT<A> ops{&dw_, run.stream};
+  const A* final_hidden = residual_stack_forward<float>(
       c, W, N, p, x, xn, out, blocks, mixer, ffn, [](const char*, int, const float*) {}, ops);
-  linear(run, final_hidden, dw_.bf16(W.lm_head), N, d, V, logits_dev, GemmOutType::F32);
+  const int64_t rows = last_only ? 1 : N;
+  linear(run, final_hidden + (N - rows) * d, dw_.operand<A>(W.lm_head), rows, d, V, logits_dev,
+         GemmOutType::F32);
   synchronize();
-  copy_to_host(logits, logits_dev, size_t(N * V) * sizeof(float));
+  copy_to_host(logits, logits_dev, size_t(rows * V) * sizeof(float));
 }
 
 }  // namespace dm::cuda

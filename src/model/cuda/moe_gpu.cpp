@@ -95,9 +95,11 @@ size_t moe_layer_kept_gpu_bytes(const ModelConfig& c, int64_t N) {
   return b + 256;
 }
 
-size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N) {
+size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N, WeightPrecision precision) {
   const MoeShape s = moe_shape(c);
   // +256: the caller's arena mark may sit mid-way through a 256-byte block.
+  if (precision == WeightPrecision::F32)
+    return routing_bytes(s, N) + moe_gpu::forward_f32_bytes(s, N) + 256;
   return routing_bytes(s, N) + scope_base_bytes(s, N) + scope_peak_bytes(s, N) + 256;
 }
 

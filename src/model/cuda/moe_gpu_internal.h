@@ -33,4 +33,7 @@ inline ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeight
   return ew;
 }
 
+// Scratch of the fp32 mode's layer forward (moe_gpu_f32.cpp), without the routing outputs.
+size_t forward_f32_bytes(const MoeShape& s, int64_t N);
+
 }  // namespace dm::cuda::moe_gpu
