@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "cuda_test_util.h"
 #include "infer/generate.h"
 #include "io/config.h"
@@ -181,6 +183,28 @@ TEST_P(CudaFp32Goldens, LogitsAndGreedyReproduce) {
                                         want.as<int64_t>() + (b + 1) * O);
     EXPECT_EQ(got, expected) << GetParam() << " greedy row " << b;
   }
+
+  // The CLI's fp32 mode is this path: `forward` writes the same logits, `generate` the same
+  // continuation of the first greedy prompt.
+  const std::string out = test::temp_dir("fp32_forward") + "/logits.safetensors";
+  const test::CliResult f = test::run_cli("forward --model " + dir + " --input " + dir +
+                                          "/golden.safetensors --output " + out +
+                                          " --device cuda --precision fp32");
+  ASSERT_EQ(f.exit_code, 0) << f.output;
+  const std::vector<float> cli_logits =
+      test::to_f32(SafetensorsReader::open(out).get("logits"));
+  ASSERT_EQ(cli_logits.size(), gpu.size());
+  EXPECT_LE(test::rel_rms(cli_logits.data(), gpu.data(), gpu.size()), 1e-6);
+  std::string csv;
+  for (int64_t i = 0; i < P; ++i) csv += (i ? "," : "") + std::to_string(prompt.as<int64_t>()[i]);
+  const test::CliResult r = test::run_cli(
+      "generate --model " + dir + " --prompt-ids " + csv + " --max-new-tokens " +
+      std::to_string(O - P) + " --temperature 0 --json --device cuda --precision fp32");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind("{\"output_ids\"")));
+  const std::vector<int64_t> cli_ids = j["output_ids"].get<std::vector<int64_t>>();
+  EXPECT_EQ(cli_ids, std::vector<int64_t>(want.as<int64_t>() + P, want.as<int64_t>() + O))
+      << r.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(All, CudaFp32Goldens,
