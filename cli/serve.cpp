@@ -42,8 +42,10 @@ dm::cli::Registrar reg("serve", "Serve a model over an OpenAI-compatible HTTP AP
       ->default_val(256)->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   app->add_option("--device", so.device,
                   "cpu, or cuda: decode on one GPU (bf16 compute, chunked prefill, batched decode "
-                  "steps; no prefix cache yet, so its budget is ignored)")
-      ->default_val("cpu")->check(CLI::IsMember({"cpu", "cuda"}));
+                  "steps; its prefix cache keeps KDA checkpoints on the host and latent rows on "
+                  "the GPU, on a 512-token grid)")
+      ->default_val("cpu")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_option("--max-body-bytes", so.max_body_bytes, "Largest request body (413 above)")
       ->default_val(size_t(4) << 20);
   app->add_option("--timeout-s", so.timeout_s, "Per-request timeout, queueing included (0 = none)")
@@ -51,13 +53,14 @@ dm::cli::Registrar reg("serve", "Serve a model over an OpenAI-compatible HTTP AP
   app->add_option("--grace-s", grace_s, "On SIGINT/SIGTERM, let running requests finish this long")
       ->default_val(10)->check(CLI::Range(0.0, 1e6));
   app->callback([] {
-    so.prefix_cache_bytes = so.device == "cuda" ? 0 : size_t(prefix_cache_mib) << 20;
+    so.prefix_cache_bytes = size_t(prefix_cache_mib) << 20;
 #if DELTAMOE_HAVE_HTTPLIB
     namespace fs = std::filesystem;
     auto model = dm::Model::load(model_dir);
     const std::string tp = tokenizer_path.empty() ? model_dir + "/tokenizer.json" : tokenizer_path;
     std::unique_ptr<dm::Tokenizer> tok;
-    if (fs::exists(tp)) tok = std::make_unique<dm::Tokenizer>(dm::Tokenizer::load(tp));
+    if (fs::exists(tp))
+      tok = std::make_unique<dm::Tokenizer>(dm::Tokenizer::load(tp));
     else
       std::fprintf(stderr, "deltamoe serve: no tokenizer at %s: only /v1/completions with token-id "
                            "prompts will work\n", tp.c_str());

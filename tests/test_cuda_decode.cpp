@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "cuda_decode_test_util.h"
 #include "cuda_golden_util.h"
 #include "cuda_mla_test_util.h"
 #include "cuda_test_util.h"
@@ -38,6 +39,11 @@
 #include "test_util.h"
 
 using namespace dm;
+using test::argmax;
+using test::bf16_model;
+using test::cpu_logits;
+using test::random_tokens;
+using test::RowStats;
 
 namespace {
 
@@ -57,44 +63,6 @@ struct DecodeMode {
 };
 const DecodeMode kDecodeModes[] = {{"graphs+gathered", decode_options(true, DecodeMoe::Auto)},
                                    {"direct+grouped", decode_options(false, DecodeMoe::Grouped)}};
-
-std::unique_ptr<Model> bf16_model(const ModelConfig& c, uint64_t seed) {
-  auto W = weights_allocate<float>(c);
-  weights_init(*W, seed);
-  test::round_weights_to_bf16(*W);
-  return std::make_unique<Model>(std::move(W));
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> ids(static_cast<size_t>(n));
-  for (auto& t : ids) t = int32_t(rng() % uint64_t(V));
-  return ids;
-}
-
-// CPU full forward of one sequence: logits [T, V].
-std::vector<float> cpu_logits(Model& m, const std::vector<int32_t>& seq) {
-  const std::vector<int64_t> ids(seq.begin(), seq.end());
-  std::vector<float> logits(seq.size() * size_t(m.config().vocab_size));
-  m.forward(ids.data(), 1, int64_t(seq.size()), logits.data());
-  return logits;
-}
-
-int64_t argmax(const float* x, int64_t V) { return std::max_element(x, x + V) - x; }
-
-// Per-row comparison statistics of GPU rows against CPU rows.
-struct RowStats {
-  double worst = 0, sum = 0;
-  int64_t rows = 0, agree = 0;
-  void add(const float* gpu, const float* cpu, int64_t V) {
-    const double e = test::rel_rms(gpu, cpu, size_t(V));
-    worst = std::max(worst, std::isfinite(e) ? e : 1e30);
-    sum += e;
-    ++rows;
-    agree += argmax(gpu, V) == argmax(cpu, V);
-  }
-  double agreement() const { return rows ? double(agree) / double(rows) : 0.0; }
-};
 
 void check_lockstep(const ModelConfig& c, const char* config_name,
                     const cuda::GpuDecodeOptions& options, const char* mode_name) {

@@ -54,10 +54,8 @@ std::unique_ptr<DecodeBackend> make_decode_backend(const std::string& device, co
     return std::make_unique<CpuDecodeBackend>(model.config(), slots, max_length,
                                               prefix_cache_bytes);
   DM_CHECK(device == "cuda", "unknown device '", device, "' (cpu or cuda)");
-  DM_CHECK(prefix_cache_bytes == 0,
-           "--device cuda has no prefix cache yet: set its budget to 0 (--prefix-cache-mib 0)");
 #if DELTAMOE_HAVE_CUDA
-  return make_cuda_decode_backend(model, slots, max_length);
+  return make_cuda_decode_backend(model, slots, max_length, prefix_cache_bytes);
 #else
   throw Error("--device cuda: this build has no CUDA backend (configure with -DDELTAMOE_CUDA=ON)");
 #endif

@@ -28,14 +28,15 @@ class DecodeBackend {
 };
 
 // device "cpu": DecodeState with prefix_cache_bytes of prefix cache (0 = off). device "cuda":
-// GpuDecoder over a bf16 upload of model's weights (which must outlive it); no prefix cache, so
-// prefix_cache_bytes must be 0. Throws dm::Error for an unknown device, a build without the CUDA
-// backend or a machine without a GPU.
+// GpuDecoder over a bf16 upload of model's weights (which must outlive it), with a GPU prefix
+// cache of prefix_cache_bytes (infer/cuda/prefix_cache_gpu.h; 0 = off). Throws dm::Error for an
+// unknown device, a build without the CUDA backend or a machine without a GPU.
 std::unique_ptr<DecodeBackend> make_decode_backend(const std::string& device, const Model& model,
                                                    int64_t slots, int64_t max_length,
                                                    size_t prefix_cache_bytes);
 // The GPU backend (CUDA builds only).
 std::unique_ptr<DecodeBackend> make_cuda_decode_backend(const Model& model, int64_t slots,
-                                                        int64_t max_length);
+                                                        int64_t max_length,
+                                                        size_t prefix_cache_bytes = 0);
 
 }  // namespace dm

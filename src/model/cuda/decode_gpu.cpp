@@ -427,7 +427,7 @@ void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
 }
 
 void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
-                         bool token_by_token) {
+                         bool token_by_token, const KdaCheckpointTargets* checkpoints) {
   DM_CHECK(n > 0 && n <= max_length_, "GpuDecoder::prefill: prompt of ", n,
            " tokens does not fit the decoder (max length ", max_length_, ")");
   release(slot);
@@ -435,8 +435,10 @@ void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* las
   for (int64_t t = 0; t < n; ++t)
     DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::prefill: token id ", ids[t],
              " at position ", t, " outside the vocabulary [0, ", V, ")");
-  if (!token_by_token && n > 1) {
-    forward_rows(slot, ids, n, 0, last_logits);
+  DM_CHECK(!(token_by_token && checkpoints && checkpoints->count > 0),
+           "GpuDecoder::prefill: checkpoints need the chunked pass");
+  if (!token_by_token && (n > 1 || (checkpoints && checkpoints->count > 0))) {
+    forward_rows(slot, ids, n, 0, last_logits, checkpoints);
     return;
   }
   for (int64_t t = 0; t < n; ++t) {
@@ -487,11 +489,12 @@ void GpuDecoder::reserve_prefill(int64_t n) {
   prefill_capacity_ = n;
 }
 
-void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits) {
+void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
+                        const KdaCheckpointTargets* checkpoints) {
   DM_CHECK(slot >= 0 && slot < S_, "GpuDecoder::extend: slot ", slot, " outside [0, ", S_, ")");
   const int64_t L = host_lengths_[size_t(slot)];
   if (L == 0) {
-    prefill(slot, ids, n, last_logits);
+    prefill(slot, ids, n, last_logits, false, checkpoints);
     return;
   }
   DM_CHECK(n > 0 && L + n <= max_length_, "GpuDecoder::extend: ", n, " more tokens after ", L,
@@ -500,11 +503,11 @@ void GpuDecoder::extend(int64_t slot, const int32_t* ids, int64_t n, float* last
   for (int64_t t = 0; t < n; ++t)
     DM_CHECK(ids[t] >= 0 && ids[t] < V, "GpuDecoder::extend: token id ", ids[t], " at position ",
              L + t, " outside the vocabulary [0, ", V, ")");
-  forward_rows(slot, ids, n, L, last_logits);
+  forward_rows(slot, ids, n, L, last_logits, checkpoints);
 }
 
 void GpuDecoder::forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64_t start,
-                              float* last_logits) {
+                              float* last_logits, const KdaCheckpointTargets* checkpoints) {
   const ModelConfig& c = config();
   const ModelWeights& W = dw_->host();
   const int64_t d = c.hidden, V = c.vocab_size, P = pages_per_slot_;
@@ -556,6 +559,12 @@ void GpuDecoder::forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64
   embedding_gather(dw_->bf16(W.embed), ids_dev, n, d, p, stream);
   const int64_t HK = int64_t(c.kda.num_heads) * c.kda.head_dim;
   const int64_t tail = std::max(c.kda.conv_kernel - 1, 0) * HK;
+  // Checkpoints relative to this pass; the per-layer destination lists are filled per layer.
+  const int cp_count = checkpoints ? checkpoints->count : 0;
+  std::vector<int64_t> cp_tokens(static_cast<size_t>(cp_count));
+  std::vector<float*> cp_state(static_cast<size_t>(cp_count));
+  std::vector<uint16_t*> cp_tails(static_cast<size_t>(3 * cp_count));
+  for (int j = 0; j < cp_count; ++j) cp_tokens[size_t(j)] = checkpoints->tokens[j] - start;
   auto mixer = [&](int i, const uint16_t* in, float* o) {
     const size_t l = size_t(i);
     if (c.mixers[i] == MixerKind::KDA) {
@@ -565,6 +574,14 @@ void GpuDecoder::forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64
       carry.tail[1] = kda_tail_k_[l] + slot * tail;
       carry.tail[2] = kda_tail_v_[l] + slot * tail;
       carry.continues = start > 0;
+      for (int j = 0; j < cp_count; ++j) {
+        cp_state[size_t(j)] = checkpoints->state(j, i);
+        for (int b = 0; b < 3; ++b) cp_tails[size_t(3 * j + b)] = checkpoints->tail(j, i, b);
+      }
+      carry.checkpoint_count = cp_count;
+      carry.checkpoint_tokens = cp_tokens.data();
+      carry.checkpoint_state = cp_state.data();
+      carry.checkpoint_tails = cp_tails.data();
       kda_layer_forward_gpu(run, *dw_, W.layers[l].kda, in, o, 1, n, nullptr, &carry);
       return;
     }

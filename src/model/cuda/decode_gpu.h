@@ -34,6 +34,7 @@
 // returns with the decoder's work finished, so the two streams never overlap.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,18 @@ struct GpuDecodeOptions {
 // pure host arithmetic over the options, k and the expert shapes.
 MoeExpertsPath decode_moe_path(GpuDecodeOptions::Moe mode, int64_t n, int k,
                                const ExpertWeightsBf16& ew);
+
+// Where a prefill or extend leaves KDA checkpoints (the prefix cache, infer/cuda/
+// decode_backend_gpu.cpp): after tokens[i] tokens of the slot's sequence (absolute positions,
+// strictly increasing, each a multiple of 64 after the pass's start and at most its end), model
+// layer `layer`'s state goes to state(i, layer) [H, K, K] fp32 and its conv tail of branch b
+// (q, k, v) to tail(i, layer, b) [Kc−1, H·K] bf16, host or device memory.
+struct KdaCheckpointTargets {
+  int count = 0;
+  const int64_t* tokens = nullptr;  // [count]
+  std::function<float*(int, int)> state;
+  std::function<uint16_t*(int, int, int)> tail;
+};
 
 class GpuDecoder {
  public:
@@ -107,8 +120,9 @@ class GpuDecoder {
   // latent row into the slot's pages); writes the last position's logits [V] (host).
   // token_by_token: feed the prompt one decode step at a time instead (the reference the chunked
   // pass is tested against).
+  // checkpoints (chunked pass only): KdaCheckpointTargets.
   void prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
-               bool token_by_token = false);
+               bool token_by_token = false, const KdaCheckpointTargets* checkpoints = nullptr);
 
   // Appends the ids [n] to slot `slot`'s sequence at positions length(slot) … + n − 1 in one
   // chunked pass (a prompt fed in pieces, or the rest of a prompt after a restored prefix):
@@ -117,8 +131,21 @@ class GpuDecoder {
   // Writes the last position's logits [V] (host) when last_logits is given. On an empty slot this
   // is prefill(). Each row's attention reads the whole cached context (the paged decode kernel):
   // meant for pieces of up to a few thousand rows, not for a long prompt in one call.
-  // Written 2026-11-30 without a GPU to run it on (CudaDecode.ExtendMatchesOnePrefill).
-  void extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits);
+  void extend(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
+              const KdaCheckpointTargets* checkpoints = nullptr);
+
+  // ---- The prefix cache's copies (synchronous; decode_gpu_prefix.cpp) ----
+  // Latent rows [begin, begin + count) of the slot's sequence, every MLA layer: to or from
+  // rows [mla_layers(), count, latent_width()] bf16 of device memory.
+  int mla_layers() const;
+  int64_t latent_width() const;  // kv_lora + rope
+  void read_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* dst) const;
+  void write_latents(int64_t slot, int64_t begin, int64_t count, const uint16_t* src);
+  // Makes slot `slot` hold a sequence of `length` tokens whose latent rows write_latents put in
+  // place: every KDA layer's state from state(layer) [H, K, K] fp32 and its conv tails from
+  // tail(layer, b) [Kc−1, H·K] bf16 (host memory), then the length. extend() continues it.
+  void restore(int64_t slot, int64_t length, const std::function<const float*(int)>& state,
+               const std::function<const uint16_t*(int, int)>& tail);
 
   // BENCHMARK ONLY (bench/bench_cuda_decode.cpp): makes slot `slot` look as if `length` tokens
   // had been decoded, without running the model — prefilling 1M tokens would take minutes.
@@ -146,7 +173,8 @@ class GpuDecoder {
   // The chunked pass of prefill (start = 0: MLA through the prefill attention, then its latent
   // rows) and extend (start = the slot's length: KDA continues its carry, MLA through mla_step),
   // ids [n] at positions start … start + n − 1.
-  void forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64_t start, float* last_logits);
+  void forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64_t start, float* last_logits,
+                    const KdaCheckpointTargets* checkpoints);
   void kda_step(int layer, const uint16_t* xn, float* y, const Rows& rows);
   // The MLA sub-layer of n rows at their own positions: writes their latent rows into the pages,
   // then attends through the pages (paged absorbed kernel) — a decode step's rows, or the new

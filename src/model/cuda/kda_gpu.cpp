@@ -31,6 +31,29 @@ void check(const ModelConfig& c, int64_t B, int64_t T, const char* what) {
            kKdaCudaMaxHeadDim, " (the chunked CUDA operator's limit)");
 }
 
+namespace {
+
+// A checkpoint's conv tail after p tokens of a fresh pass: raw rows [p − ctx, p) of `raw`
+// [T, HK] → dst [ctx, HK] (host or device). p ≥ 64 > ctx (Kc ≤ 8), so no row precedes position 0.
+void copy_checkpoint_tail(const uint16_t* raw, int64_t p, int64_t ctx, int64_t HK, uint16_t* dst,
+                          CUstream_st* stream) {
+  copy_async(dst, raw + (p - ctx) * HK, size_t(ctx * HK) * sizeof(uint16_t), stream);
+}
+
+// Checkpoint positions: strictly increasing chunk multiples inside the call (KdaCarry).
+void check_checkpoints(const KdaCarry& carry, int64_t T) {
+  int64_t last = 0;
+  for (int c = 0; c < carry.checkpoint_count; ++c) {
+    const int64_t p = carry.checkpoint_tokens[c];
+    DM_CHECK(p > last && p <= T && p % kKdaCudaChunk == 0, "kda_layer_forward_gpu: checkpoint ", c,
+             " after ", p, " tokens is not a multiple of ", kKdaCudaChunk, " in (", last, ", ", T,
+             "]");
+    last = p;
+  }
+}
+
+}  // namespace
+
 template <typename A>
 void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
                    int64_t B, int64_t T, const int32_t* doc_start, const KdaCarry* carry,
@@ -38,6 +61,7 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
   constexpr bool kBf16 = std::is_same_v<A, uint16_t>;
   constexpr GemmOutType kOut = activation_out<A>();
   DM_CHECK(kBf16 || carry == nullptr, "kda_layer_forward_gpu: the fp32 mode keeps no decode carry");
+  if (carry) check_checkpoints(*carry, T);
   const ModelConfig& c = dw.config();
   const Dims dims = dims_of(c, B, T);
   const int64_t N = dims.N, d = dims.d, H = dims.H, K = dims.K, HK = dims.HK;
@@ -69,7 +93,11 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
         copy_device_to_device(joined, carry->tail[i], size_t(ctx) * row_bytes);
         kda_short_conv_silu_forward(joined, dw.f32(br.conv), br.out - ctx * HK, 1, T + ctx, HK,
                                     dims.Kc, nullptr, stream);
-        // The new tail: the last ctx rows of [tail ; raw] (some of the old tail when T < ctx).
+        // A checkpoint's tail after p tokens: rows [p, p + ctx) of [tail ; raw]. The new tail:
+        // the last ctx rows (some of the old tail when T < ctx).
+        for (int c = 0; c < carry->checkpoint_count; ++c)
+          copy_async(carry->checkpoint_tails[3 * c + i], joined + carry->checkpoint_tokens[c] * HK,
+                     size_t(ctx) * row_bytes, stream);
         copy_device_to_device(carry->tail[i], joined + T * HK, size_t(ctx) * row_bytes);
         continue;
       }
@@ -78,6 +106,9 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
                                 stream);
     if constexpr (kBf16) {
       if (carry && ctx > 0) {  // conv tail: the last Kc−1 raw rows (zeros before position 0)
+        for (int c = 0; c < carry->checkpoint_count; ++c)
+          copy_checkpoint_tail(br.raw, carry->checkpoint_tokens[c], ctx, HK,
+                               carry->checkpoint_tails[3 * c + i], stream);
         const int64_t kept = std::min<int64_t>(ctx, T);
         if (kept < ctx) fill_zero(carry->tail[i], size_t(ctx - kept) * row_bytes);
         copy_device_to_device(carry->tail[i] + (ctx - kept) * HK, br.raw + (T - kept) * HK,
@@ -102,6 +133,15 @@ void forward_steps(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, co
                     /*s0=*/carry && carry->continues ? carry->state : nullptr, v.o,
                     /*sT=*/carry ? carry->state : nullptr, shape, scale, v.operator_workspace,
                     doc_start, stream);
+  // Checkpoint states: a chunk start from the operator's workspace, or the final state.
+  for (int c = 0; carry && c < carry->checkpoint_count; ++c) {
+    const int64_t p = carry->checkpoint_tokens[c];
+    if (p == T)
+      copy_async(carry->checkpoint_state[c], carry->state, size_t(HK * K) * sizeof(float), stream);
+    else
+      kda_chunk_forward_state_at(v.operator_workspace, shape, 0, p / kKdaCudaChunk,
+                                 carry->checkpoint_state[c], stream);
+  }
 
   // Output gate (full-rank or low-rank), then per-head RMSNorm ⊙ sigmoid(gate) (rows = N·H
   // heads of K; normed may be o itself).

@@ -33,10 +33,19 @@ namespace dm::cuda {
 // prompt prefilled in pieces, or after a cached prefix): the state is the operator's initial
 // state and the tails the short convs' left context; both are then overwritten with the carry
 // after this call's tokens. false: the tokens start at position 0 (the buffers are only written).
+// Checkpoints (the prefix cache, B = 1 only): after checkpoint_tokens[i] tokens of THIS call
+// (strictly increasing multiples of kKdaCudaChunk = 64 in [64, T]), the state goes to
+// checkpoint_state[i] [H, K, K] fp32 and the conv tails (as `tail` would hold them there) to
+// checkpoint_tails[3·i + {0,1,2}] [Kc−1, H·K] bf16 — host or device memory (copies with
+// cudaMemcpyDefault on the run's stream; pageable host memory makes them synchronous).
 struct KdaCarry {
   float* state = nullptr;  // [H, K, K] fp32
   uint16_t* tail[3] = {};  // q, k, v: [Kc−1, H·K] bf16
   bool continues = false;
+  int checkpoint_count = 0;
+  const int64_t* checkpoint_tokens = nullptr;   // [count]
+  float* const* checkpoint_state = nullptr;     // [count]
+  uint16_t* const* checkpoint_tails = nullptr;  // [3·count]
 };
 // kept (training without the mixer recompute; nullable): kda_layer_kept_gpu_bytes of device
 // memory, 256-byte aligned, where the forward leaves every intermediate for

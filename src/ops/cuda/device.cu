@@ -45,6 +45,9 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 void copy_device_to_device(void* dst, const void* src, size_t bytes) {
   DM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
 }
+void copy_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
+  DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
+}
 void fill_zero(void* dst, size_t bytes) { DM_CUDA_CHECK(cudaMemset(dst, 0, bytes)); }
 void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream) {
   DM_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));

@@ -32,6 +32,9 @@ void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream);
 void copy_device_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
 void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
 void copy_to_host_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
+// Either direction (host or device pointers, the driver tells them apart); with pageable host
+// memory the call returns once the copy is done, like cudaMemcpyAsync itself.
+void copy_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
 void stream_synchronize(CUstream_st* stream);
 
 // bf16 <-> fp32 on the host (round to nearest even), for uploading weights and checking results.

@@ -58,6 +58,12 @@ void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t*
 // holds the chunk-start states and the intra-chunk quantities (kda_chunk_backward reads none of
 // them: it recomputes what it needs).
 size_t kda_chunk_forward_workspace_bytes(const KdaShape& s);
+// The state at the start of chunk `chunk` (after chunk·kKdaCudaChunk tokens; chunk <
+// ceil(T / 64)) of batch row b, as the last kda_chunk_forward on `workspace` for shape s left
+// it: dst [H, K, V] fp32, host or device memory (the prefix cache checkpoints a prefill inside
+// its one chunked pass with this). Stream-ordered after that forward.
+void kda_chunk_forward_state_at(const void* workspace, const KdaShape& s, int64_t b, int64_t chunk,
+                                float* dst, KdaStream stream = nullptr);
 void kda_chunk_forward(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, const float* s0, float* o, float* sT,
                        const KdaShape& s, float scale, void* workspace,

@@ -346,6 +346,35 @@ size_t kda_chunk_forward_workspace_bytes(const KdaShape& s) {
   return kda_detail::kda_forward_workspace_carve(d, nullptr, nullptr);
 }
 
+void kda_chunk_forward_state_at(const void* workspace, const KdaShape& s, int64_t b, int64_t chunk,
+                                float* dst, KdaStream stream) {
+  const kda_detail::KdaDims d =
+      kda_detail::kda_make_dims(s, 1.0f, "cuda kda_chunk_forward_state_at");
+  DM_CHECK(b >= 0 && b < d.B && chunk >= 0 && chunk < d.num_chunks,
+           "cuda kda_chunk_forward_state_at: (b ", b, ", chunk ", chunk, ") outside (", d.B, ", ",
+           d.num_chunks, ")");
+  DM_CHECK(workspace && dst, "cuda kda_chunk_forward_state_at: null argument");
+  kda_detail::KdaForwardWorkspace ws;
+  kda_detail::kda_forward_workspace_carve(d, const_cast<void*>(workspace), &ws);
+  // states[(ch·KP + row)·VP + e], ch = (b·H + h)·num_chunks + chunk: per head a [K, V] block of
+  // rows VP apart; the heads' blocks are num_chunks·KP·VP apart. Unpadded (the usual head dims):
+  // one 2-D copy of H contiguous blocks; padded: one per head.
+  const float* first = ws.states + ((b * d.H * d.num_chunks + chunk) * d.KP) * d.VP;
+  if (d.KP == d.K && d.VP == d.V) {
+    DM_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(d.K) * d.V * sizeof(float), first,
+                                    size_t(d.num_chunks) * d.KP * d.VP * sizeof(float),
+                                    size_t(d.K) * d.V * sizeof(float), size_t(d.H),
+                                    cudaMemcpyDefault, stream));
+    return;
+  }
+  for (int64_t h = 0; h < d.H; ++h) {
+    const float* src = ws.states + (((b * d.H + h) * d.num_chunks + chunk) * d.KP) * d.VP;
+    DM_CUDA_CHECK(cudaMemcpy2DAsync(dst + h * d.K * d.V, size_t(d.V) * sizeof(float), src,
+                                    size_t(d.VP) * sizeof(float), size_t(d.V) * sizeof(float),
+                                    size_t(d.K), cudaMemcpyDefault, stream));
+  }
+}
+
 void kda_chunk_forward(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, const float* s0, float* o, float* sT,
                        const KdaShape& s, float scale, void* workspace,
