@@ -80,6 +80,11 @@ class PrefixCache {
   size_t bytes_used() const { return size_t(live_) * entry_bytes_; }
   size_t budget_bytes() const { return budget_; }
 
+  // The entries' KDA checkpoints: one block [capacity, KDA floats per entry] of host memory
+  // (the GPU cache pins it so its copies run at DMA speed, infer/cuda/prefix_cache_gpu.h).
+  float* kda_storage() const { return kda_; }
+  size_t kda_storage_bytes() const { return size_t(capacity_ * kda_floats_) * sizeof(float); }
+
   struct Stats {
     int64_t lookups = 0, hits = 0, hit_tokens = 0, inserted = 0, evicted = 0;
   };

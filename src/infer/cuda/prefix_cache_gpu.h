@@ -13,7 +13,8 @@
 // is prefilled from scratch (its checkpoints are still taken).
 //
 // Memory: the budget is split by the index into entries of (KDA checkpoint + G token ids + one
-// page): the KDA part on the host, the page in one device allocation made up front.
+// page): the KDA part on the host, page-locked so the checkpoint copies run at DMA speed and
+// overlap the pass, the page in one device allocation made up front.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -25,6 +26,7 @@
 #include "infer/prefix_cache.h"
 #include "model/cuda/decode_gpu.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/graph.h"
 
 namespace dm::cuda {
 
@@ -57,7 +59,10 @@ class GpuPrefixCache {
   std::unique_ptr<PrefixCache> index_;
   std::unique_ptr<DeviceArena> store_;
   uint16_t* pages_ = nullptr;      // [pool pages, page_elems] bf16 (device)
-  std::vector<uint16_t> staging_;  // host bf16 conv tails of one pass's checkpoints / a restore
+  // Page-locked host bf16 conv tails of one pass's checkpoints / of a restore (grown on demand).
+  uint16_t* staging(size_t elements);
+  std::unique_ptr<PinnedBuffer> staging_;
+  bool pinned_ = false;  // the index's KDA storage is page-locked (host_register)
 };
 
 }  // namespace dm::cuda

@@ -48,6 +48,13 @@ void copy_device_to_device(void* dst, const void* src, size_t bytes) {
 void copy_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
   DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
 }
+bool host_register(void* p, size_t bytes) {
+  if (p == nullptr || bytes == 0) return false;
+  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+  cudaGetLastError();  // clear the error: the memory simply stays pageable
+  return false;
+}
+void host_unregister(void* p) { cudaHostUnregister(p); }
 void fill_zero(void* dst, size_t bytes) { DM_CUDA_CHECK(cudaMemset(dst, 0, bytes)); }
 void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream) {
   DM_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));

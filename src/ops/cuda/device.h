@@ -36,6 +36,11 @@ void copy_to_host_async(void* dst, const void* src, size_t bytes, CUstream_st* s
 // memory the call returns once the copy is done, like cudaMemcpyAsync itself.
 void copy_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
 void stream_synchronize(CUstream_st* stream);
+// Page-locks existing host memory for the device's copies (cudaHostRegister); false when the
+// driver refuses (e.g. the locked-memory limit): the memory then stays pageable and copies still
+// work, only slower. host_unregister undoes a successful host_register.
+bool host_register(void* p, size_t bytes);
+void host_unregister(void* p);
 
 // bf16 <-> fp32 on the host (round to nearest even), for uploading weights and checking results.
 uint16_t float_to_bf16(float x);
