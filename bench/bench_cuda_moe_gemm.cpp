@@ -239,18 +239,7 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    if (!dm::cuda::device_available()) {
-      std::printf("no GPU: %s\n", dm::cuda::device_description().c_str());
-      return 0;
-    }
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return dm::bench::run_on_gpu(argc, argv, run); }
 #else
 int main() {
   std::printf("built without the CUDA backend\n");

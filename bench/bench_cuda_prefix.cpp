@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cuda_bench_util.h"
 #include "infer/cuda/prefix_cache_gpu.h"
 #include "io/config.h"
 #include "model/cuda/decode_gpu.h"
@@ -30,7 +31,7 @@ namespace cu = dm::cuda;
 namespace {
 
 template <typename F>
-double median_ms(int reps, F&& f) {
+double median_wall_ms(int reps, F&& f) {
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -83,12 +84,12 @@ int run(int argc, char** argv) {
   for (int64_t r = 0; r <= reps; ++r) prompts.push_back(random_ids(prompt_len));
 
   dec.prefill(0, prompts[0].data(), prompt_len, logits.data());  // warm-up
-  const double cold = median_ms(int(reps), [&](int r) {
+  const double cold = median_wall_ms(int(reps), [&](int r) {
     dec.prefill(0, prompts[size_t(r) + 1].data(), prompt_len, logits.data());
   });
   cu::GpuPrefixCache cache(dec, size_t(budget_mib) << 20);
   cache.prefill(dec, 0, prompts[0].data(), prompt_len, logits.data());  // warm-up
-  const double cold_cached = median_ms(int(reps), [&](int r) {
+  const double cold_cached = median_wall_ms(int(reps), [&](int r) {
     cache.prefill(dec, 0, prompts[size_t(r) + 1].data(), prompt_len, logits.data());
   });
   // Hits: the last cold prompt's first `shared` tokens, then fresh ones.
@@ -101,7 +102,7 @@ int run(int argc, char** argv) {
     hits.push_back(p);
   }
   int64_t restored = cache.prefill(dec, 1, hits[0].data(), prompt_len, logits.data());
-  const double hit = median_ms(int(reps), [&](int r) {
+  const double hit = median_wall_ms(int(reps), [&](int r) {
     restored = cache.prefill(dec, 1, hits[size_t(r) + 1].data(), prompt_len, logits.data());
   });
   std::printf(
@@ -121,18 +122,7 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    if (!cu::device_available()) {
-      std::printf("no GPU: %s\n", cu::device_description().c_str());
-      return 0;
-    }
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return dm::bench::run_on_gpu(argc, argv, run); }
 #else
 #include <cstdio>
 int main() {

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <functional>
 #include <random>
 #include <vector>
@@ -55,6 +57,21 @@ inline void fill_random_bf16(uint16_t* device, size_t n, uint32_t seed, float st
   cuda::copy_to_device(device, host.data(), block * 2);
   for (size_t done = block; done < n; done += block)
     cuda::copy_device_to_device(device + done, device, std::min(block, n - done) * 2);
+}
+
+// A benchmark's main: run(argc, argv) on a machine with a GPU; without one, say so and succeed
+// (CI builds and runs nothing on the GPU); an error is printed and exits 1.
+inline int run_on_gpu(int argc, char** argv, int (*run)(int, char**)) {
+  try {
+    if (!cuda::device_available()) {
+      std::printf("no GPU: %s\n", cuda::device_description().c_str());
+      return 0;
+    }
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
 }
 
 }  // namespace dm::bench

@@ -278,12 +278,7 @@ void decode_prefill_with_prefix_cache(Model& model, DecodeState& st, int64_t seq
   PrefixCache& cache = *st.prefix_cache;
   const PrefixCache::Match hit = cache.match(ids, n);
   // The match is the parent of this prompt's new entries: keep it while we work.
-  struct Lock {
-    PrefixCache& cache;
-    int32_t entry;
-    ~Lock() { cache.unlock(entry); }
-  } lock{cache, hit.entry};
-  cache.lock(hit.entry);
+  const PrefixCache::LockGuard lock(cache, hit.entry);
 
   int32_t* table = st.page_table + seq * st.pages_per_slot;
   if (hit.tokens > 0) {

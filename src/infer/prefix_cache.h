@@ -55,6 +55,20 @@ class PrefixCache {
   // computes the rest of the prompt, whose checkpoints become the match's children.
   void lock(int32_t entry);
   void unlock(int32_t entry);
+  // lock(entry) for the guard's lifetime (entry −1: nothing).
+  class LockGuard {
+   public:
+    LockGuard(PrefixCache& cache, int32_t entry) : cache_(cache), entry_(entry) {
+      cache_.lock(entry_);
+    }
+    ~LockGuard() { cache_.unlock(entry_); }
+    LockGuard(const LockGuard&) = delete;
+    LockGuard& operator=(const LockGuard&) = delete;
+
+   private:
+    PrefixCache& cache_;
+    int32_t entry_;
+  };
 
   // Reserves up to `count` entries for new checkpoints (evicting unlocked LRU leaves when the
   // budget is full) and writes their ids to entries_out; returns how many it got. Their KDA

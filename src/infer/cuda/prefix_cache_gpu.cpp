@@ -57,12 +57,7 @@ int64_t GpuPrefixCache::prefill(GpuDecoder& decoder, int64_t slot, const int32_t
   // the whole prompt is computed; the match still parents the new checkpoints).
   const int64_t restored = n - hit.tokens <= kMaxExtendTokens ? hit.tokens : 0;
   // The match is the parent of this prompt's new entries: keep it while we work.
-  struct Lock {
-    PrefixCache& cache;
-    int32_t entry;
-    ~Lock() { cache.unlock(entry); }
-  } lock{cache, hit.entry};
-  cache.lock(hit.entry);
+  const PrefixCache::LockGuard lock(cache, hit.entry);
 
   decoder.release(slot);
   const int L = c.num_layers;

@@ -139,7 +139,7 @@ class GpuDecoder {
   // rows [mla_layers(), count, latent_width()] bf16 of device memory.
   int mla_layers() const;
   int64_t latent_width() const;  // kv_lora + rope
-  void read_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* dst) const;
+  void read_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* dst);
   void write_latents(int64_t slot, int64_t begin, int64_t count, const uint16_t* src);
   // Makes slot `slot` hold a sequence of `length` tokens whose latent rows write_latents put in
   // place: every KDA layer's state from state(layer) [H, K, K] fp32 and its conv tails from
@@ -184,6 +184,8 @@ class GpuDecoder {
   size_t mla_step_bytes(int64_t n) const;
   // Grows the chunked forward's run and stream buffers to n rows (prefill, extend).
   void reserve_prefill(int64_t n);
+  // read_latents (into_slot = false: slot rows → buffer) and write_latents (buffer → slot rows).
+  void copy_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* buffer, bool into_slot);
 
   GpuDecodeOptions options_;
   // Declared before everything that queues work on it, so it is destroyed last.

@@ -33,28 +33,32 @@ void check_rows(int64_t slot, int64_t S, int64_t begin, int64_t count, int64_t m
 
 }  // namespace
 
-void GpuDecoder::read_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* dst) const {
-  check_rows(slot, S_, begin, count, max_length_, "GpuDecoder::read_latents");
+void GpuDecoder::copy_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* buffer,
+                              bool into_slot) {
+  check_rows(slot, S_, begin, count, max_length_,
+             into_slot ? "GpuDecoder::write_latents" : "GpuDecoder::read_latents");
   const ModelConfig& c = config();
   const int64_t Wd = latent_width(), first = (slot * pages_per_slot_ * kPageTokens + begin) * Wd;
+  const size_t bytes = size_t(count * Wd) * sizeof(uint16_t);
   int j = 0;
   for (int i = 0; i < c.num_layers; ++i) {
     if (c.mixers[i] != MixerKind::MLA) continue;
-    copy_device_to_device(dst + j++ * count * Wd, mla_pages_[size_t(i)] + first,
-                          size_t(count * Wd) * sizeof(uint16_t));
+    uint16_t* rows = mla_pages_[size_t(i)] + first;
+    uint16_t* other = buffer + j++ * count * Wd;
+    if (into_slot)
+      copy_device_to_device(rows, other, bytes);
+    else
+      copy_device_to_device(other, rows, bytes);
   }
 }
 
+void GpuDecoder::read_latents(int64_t slot, int64_t begin, int64_t count, uint16_t* dst) {
+  copy_latents(slot, begin, count, dst, /*into_slot=*/false);
+}
+
 void GpuDecoder::write_latents(int64_t slot, int64_t begin, int64_t count, const uint16_t* src) {
-  check_rows(slot, S_, begin, count, max_length_, "GpuDecoder::write_latents");
-  const ModelConfig& c = config();
-  const int64_t Wd = latent_width(), first = (slot * pages_per_slot_ * kPageTokens + begin) * Wd;
-  int j = 0;
-  for (int i = 0; i < c.num_layers; ++i) {
-    if (c.mixers[i] != MixerKind::MLA) continue;
-    copy_device_to_device(mla_pages_[size_t(i)] + first, src + j++ * count * Wd,
-                          size_t(count * Wd) * sizeof(uint16_t));
-  }
+  // The buffer is only read on this path.
+  copy_latents(slot, begin, count, const_cast<uint16_t*>(src), /*into_slot=*/true);
 }
 
 void GpuDecoder::restore(int64_t slot, int64_t length,

@@ -131,9 +131,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   // Routing outputs the caller keeps: carved below the scope so they survive the call.
   MoeRoutingDevice r;
   if (routing) {
-    r.scores = arena.alloc<float>(size_t(std::max<int64_t>(N * E, 1)));
-    r.cutoff = arena.alloc<float>(size_t(std::max<int64_t>(N, 1)));
-    r.idx = arena.alloc<int32_t>(size_t(std::max<int64_t>(N * k, 1)));
+    r = moe_gpu::carve_routing(arena, N, E, k);
     *routing = r;
   }
   if (N == 0) return;

@@ -23,30 +23,13 @@
 
 namespace dm::cuda {
 namespace moe_gpu {
-namespace {
-
-ExpertWeightsF32 expert_weights_f32(const DeviceWeights* dw, const MoeWeights* w,
-                                    const MoeShape& s) {
-  ExpertWeightsF32 ew;
-  if (dw && w) {
-    ew.gate = dw->f32(w->expert_gate);
-    ew.up = dw->f32(w->expert_up);
-    ew.down = dw->f32(w->expert_down);
-  }
-  ew.E = s.E;
-  ew.Din = s.latent;
-  ew.F = s.F;
-  return ew;
-}
-
-}  // namespace
 
 size_t forward_f32_bytes(const MoeShape& s, int64_t N) {
   size_t b = n_bytes(N * s.E, 4) + n_bytes(N * s.k, 4) +  // logits, weight
              aligned(moe_dispatch_plan_bytes(N, int(s.k), int(s.E)));
   if (s.has_latent) b += 2 * n_bytes(N * s.latent, 4);  // z, u
   const size_t experts = aligned(
-      moe_experts_forward_workspace_bytes(N, int(s.k), expert_weights_f32(nullptr, nullptr, s)));
+      moe_experts_forward_workspace_bytes(N, int(s.k), expert_weights<float>(nullptr, nullptr, s)));
   const size_t shared = s.has_shared ? 2 * n_bytes(N * s.shared_F, 4) : 0;
   return b + std::max(experts, shared);
 }
@@ -73,9 +56,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   // Routing outputs the caller keeps: carved below the scope so they survive the call.
   MoeRoutingDevice r;
   if (routing) {
-    r.scores = arena.alloc<float>(size_t(std::max<int64_t>(N * E, 1)));
-    r.cutoff = arena.alloc<float>(size_t(std::max<int64_t>(N, 1)));
-    r.idx = arena.alloc<int32_t>(size_t(std::max<int64_t>(N * k, 1)));
+    r = moe_gpu::carve_routing(arena, N, E, k);
     *routing = r;
   }
   if (N == 0) return;
@@ -103,7 +84,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   }
   {
     DeviceArenaScope experts_scope(arena);
-    const ExpertWeightsF32 ew = moe_gpu::expert_weights_f32(&dw, &w, s);
+    const ExpertWeightsF32 ew = moe_gpu::expert_weights<float>(&dw, &w, s);
     void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
     moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, workspace, stream);
   }

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "model/cuda/gpu_run.h"
+#include "model/cuda/layers.h"
 #include "model/moe.h"
 #include "ops/cuda/moe.h"
 
@@ -17,20 +19,36 @@ inline size_t n_bytes(int64_t n, size_t elem) {
   return aligned(size_t(std::max<int64_t>(n, 1)) * elem);
 }
 
-// Device bf16 views of the layer's experts (dw, w nullable: shapes only, for byte counts).
-// Host layout (model/weights.cpp): gate, up [E, F, ℓ]; down [E, ℓ, F] = what ops/cuda/moe.h expects.
-inline ExpertWeightsBf16 expert_weights(const DeviceWeights* dw, const MoeWeights* w,
-                                        const MoeShape& s) {
-  ExpertWeightsBf16 ew;
+// Device views of the layer's experts for activations of type A (uint16_t: the bf16 mirror,
+// ExpertWeightsBf16; float: the fp32 mode's, ExpertWeightsF32); dw, w nullable: shapes only, for
+// byte counts. Host layout (model/weights.cpp): gate, up [E, F, ℓ]; down [E, ℓ, F] = what
+// ops/cuda/moe.h expects.
+template <typename A>
+using ExpertWeightsOf =
+    std::conditional_t<std::is_same_v<A, float>, ExpertWeightsF32, ExpertWeightsBf16>;
+template <typename A = uint16_t>
+ExpertWeightsOf<A> expert_weights(const DeviceWeights* dw, const MoeWeights* w, const MoeShape& s) {
+  ExpertWeightsOf<A> ew;
   if (dw && w) {
-    ew.gate = dw->bf16(w->expert_gate);
-    ew.up = dw->bf16(w->expert_up);
-    ew.down = dw->bf16(w->expert_down);
+    ew.gate = dw->operand<A>(w->expert_gate);
+    ew.up = dw->operand<A>(w->expert_up);
+    ew.down = dw->operand<A>(w->expert_down);
   }
   ew.E = s.E;
   ew.Din = s.latent;
   ew.F = s.F;
   return ew;
+}
+
+// The routing outputs a caller asked for (MoeRoutingDevice), carved from `arena` below the
+// layer's scope so they outlive the call: scores [N, E], cutoff [N], idx [N, k] (≥ 1 element
+// each, so N = 0 still gets valid pointers).
+inline MoeRoutingDevice carve_routing(DeviceArena& arena, int64_t N, int64_t E, int64_t k) {
+  MoeRoutingDevice r;
+  r.scores = arena.alloc<float>(size_t(std::max<int64_t>(N * E, 1)));
+  r.cutoff = arena.alloc<float>(size_t(std::max<int64_t>(N, 1)));
+  r.idx = arena.alloc<int32_t>(size_t(std::max<int64_t>(N * k, 1)));
+  return r;
 }
 
 // Scratch of the fp32 mode's layer forward (moe_gpu_f32.cpp), without the routing outputs.

@@ -1,7 +1,7 @@
 // Mixture-of-experts kernels (SPEC §1.5, §1.6): sigmoid router with expert groups and QB cutoffs,
 // QB histogram statistics, token dispatch (stable counting sort by expert), row gather/scatter
 // and the grouped expert GEMMs through cublasGemmGroupedBatchedEx. The checked entry points are
-// in moe.cpp (moe_f32.cu for the fp32 row moves); this file only launches.
+// in moe.cpp (the fp32 row moves too); this file only launches.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -48,7 +48,7 @@ void launch_permute_rows(const uint16_t* x, const int32_t* token, int64_t rows, 
 void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, const float* w,
                            int64_t N, int k, int64_t D, void* y, bool y_f32,
                            CUstream_st* stream);
-// fp32 twins (the fp32 GPU mode; entry points in moe_f32.cu): any D ≥ 1, 16-byte accesses when
+// fp32 twins (the fp32 GPU mode; entry points in moe.cpp): any D ≥ 1, 16-byte accesses when
 // D % 4 == 0 and the row arrays are 16-byte aligned, scalar ones otherwise (the same sums).
 void launch_permute_rows(const float* x, const int32_t* token, int64_t rows, int64_t D,
                          float* sorted, CUstream_st* stream);
