@@ -29,17 +29,22 @@ int grid_blocks(int64_t n) {
   return int(std::max<int64_t>(1, std::min<int64_t>(wanted, 65536)));
 }
 
-// f, g [N, H·K] (Act storage); A_log [H]; dt_bias [H·K].
+// f, g [N, H·K] (Act storage); A_log [H]; dt_bias [H·K]. A thread owns channel c (consecutive
+// threads, consecutive channels: coalesced) and rows blockIdx.y, + gridDim.y, …: its head's
+// e^{A_log} and its dt_bias are formed once, and no element index is divided. (One thread per
+// element, with i % HK, c / K and the exp per element, took 46 µs per call at N = 4096,
+// H·K = 2048 on an H200; this layout 23.6 µs. ncu, cold caches, 2026-11-30.)
 template <typename Act>
 __global__ void kda_gate_kernel(const Act* f, const float* __restrict__ A_log,
-                                const float* __restrict__ dt_bias, Act* g, int64_t HK, int64_t K,
-                                bool safe_gate, float lower_bound, int64_t total) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % HK;
-    const float a = expf(A_log[c / K]);
-    const float z = load_as_float(f, i) + dt_bias[c];
-    store_from_float(g, i, kda_gate_value(a, z, safe_gate, lower_bound));
+                                const float* __restrict__ dt_bias, Act* g, int64_t N, int64_t HK,
+                                int64_t K, bool safe_gate, float lower_bound) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= HK) return;
+  const float a = expf(A_log[c / K]);
+  const float bias = dt_bias[c];
+  for (int64_t n = blockIdx.y; n < N; n += gridDim.y) {
+    const int64_t i = n * HK + c;
+    store_from_float(g, i, kda_gate_value(a, load_as_float(f, i) + bias, safe_gate, lower_bound));
   }
 }
 
@@ -83,10 +88,15 @@ void gate_forward_launch(const Act* f, const float* A_log, const float* dt_bias,
                          KdaLayerStream stream) {
   DM_CHECK(N >= 0 && H > 0 && K > 0, "cuda kda_gate_forward: bad shape N=", N, " H=", H,
            " K=", K);
-  const int64_t total = N * H * K;
-  if (total == 0) return;
-  kda_gate_kernel<Act><<<grid_blocks(total), kThreads, 0, stream>>>(f, A_log, dt_bias, g, H * K, K,
-                                                                    safe_gate, lower_bound, total);
+  const int64_t HK = H * K;
+  if (N == 0) return;
+  // Channel blocks × row groups: ~4096 blocks in all (a few rows per thread at training sizes).
+  const int64_t channel_blocks = (HK + kThreads - 1) / kThreads;
+  const int64_t row_groups =
+      std::clamp<int64_t>(4096 / channel_blocks, 1, std::min<int64_t>(N, 65535));
+  kda_gate_kernel<Act>
+      <<<dim3(unsigned(channel_blocks), unsigned(row_groups)), kThreads, 0, stream>>>(
+          f, A_log, dt_bias, g, N, HK, K, safe_gate, lower_bound);
   check_last_error("cuda kda_gate_forward");
 }
 
