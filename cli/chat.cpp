@@ -22,7 +22,7 @@ namespace {
 
 dm::cli::Registrar reg("chat", "Chat with a model in the terminal (stdin / stdout)", [](CLI::App* app) {
   static std::string model_dir, tokenizer_path, system_prompt, device = "cpu";
-  static int64_t max_new = 512;
+  static int64_t max_new = 512, prefix_cache_mib = 256;
   static dm::SamplingParams sp;
   sp.temperature = 0.7f;
   app->add_option("--model", model_dir, "Model directory")->required();
@@ -37,10 +37,15 @@ dm::cli::Registrar reg("chat", "Chat with a model in the terminal (stdin / stdou
   app->add_option("--seed", sp.seed, "Sampling seed");
   app->add_option("--device", device, "cpu (fp32) or cuda (bf16 compute on the GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_option("--prefix-cache-mib", prefix_cache_mib,
+                  "With --device cuda: prefix cache budget in MiB, so each turn prefills only the "
+                  "part of the conversation it has not seen (0 = off)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   app->callback([] {
     dm::cli::DeviceGenerator::require(device);
     auto model = dm::Model::load(model_dir);
-    dm::cli::DeviceGenerator generator(*model, device);
+    dm::cli::DeviceGenerator generator(*model, device, /*fp32=*/false,
+                                       size_t(prefix_cache_mib) << 20);
     const std::string tp = tokenizer_path.empty() ? model_dir + "/tokenizer.json" : tokenizer_path;
     DM_CHECK(std::filesystem::exists(tp), tp, ": chat needs a tokenizer (use --tokenizer)");
     const dm::Tokenizer tok = dm::Tokenizer::load(tp);

@@ -11,6 +11,7 @@
 #include "infer/generate.h"
 #include "model/model.h"
 #if DELTAMOE_HAVE_CUDA
+#include "infer/cuda/generation_session_gpu.h"
 #include "model/cuda/generate_gpu.h"
 #include "ops/cuda/device.h"
 #endif
@@ -31,20 +32,30 @@ class DeviceGenerator {
 
   // cuda: uploads the weights once (bf16 compute, fp32 logits, host sampling); fp32 = true: the
   // fp32 GPU mode (fp32 weights and compute, no decode cache: generate_gpu_fp32). The CPU
-  // engine is fp32 whatever `fp32` says.
-  DeviceGenerator(Model& model, const std::string& device, bool fp32 = false) : model_(model) {
+  // engine is fp32 whatever `fp32` says. prefix_cache_bytes > 0 (bf16 cuda; chat): calls share
+  // one decoder and a GPU prefix cache, so a prompt that repeats an earlier one's start (the
+  // conversation so far) prefills only the rest.
+  DeviceGenerator(Model& model, const std::string& device, bool fp32 = false,
+                  size_t prefix_cache_bytes = 0)
+      : model_(model) {
     require(device);
 #if DELTAMOE_HAVE_CUDA
-    if (device == "cuda" && fp32)
+    if (device == "cuda" && fp32) {
       gpu_fp32_ = std::make_unique<cuda::GpuModel>(model.weights(), cuda::WeightPrecision::F32);
-    else if (device == "cuda")
+    } else if (device == "cuda") {
       dw_ = std::make_unique<cuda::DeviceWeights>(model.weights());
+      if (prefix_cache_bytes > 0)
+        session_ = std::make_unique<cuda::GpuGenerationSession>(*dw_, prefix_cache_bytes);
+    }
+#else
+    (void)fp32, (void)prefix_cache_bytes;
 #endif
   }
 
   std::vector<int32_t> generate(const std::vector<int32_t>& prompt, const GenerateOptions& go,
                                 const std::function<void(int32_t)>& on_token) {
 #if DELTAMOE_HAVE_CUDA
+    if (session_) return session_->generate(prompt, go, on_token);
     if (dw_) return cuda::generate_gpu(*dw_, prompt, go, on_token);
     if (gpu_fp32_) return cuda::generate_gpu_fp32(*gpu_fp32_, prompt, go, on_token);
 #endif
@@ -56,6 +67,7 @@ class DeviceGenerator {
 #if DELTAMOE_HAVE_CUDA
   std::unique_ptr<cuda::DeviceWeights> dw_;
   std::unique_ptr<cuda::GpuModel> gpu_fp32_;
+  std::unique_ptr<cuda::GpuGenerationSession> session_;  // after dw_: destroyed first
 #endif
 };
 

@@ -2,7 +2,8 @@
 // shares a cached grid prefix restores it (KDA checkpoint + latent rows) and extends only the
 // rest, and its last logits and the decode steps after it match a from-scratch prefill of the
 // same prompt; which prefix is found (longest grid prefix shorter than the prompt), eviction
-// under a small budget, and the decode backend the server uses. Skips without a GPU.
+// under a small budget, the decode backend the server uses and the chat session. Skips without a
+// GPU.
 #include <gtest/gtest.h>
 
 #if DELTAMOE_HAVE_CUDA
@@ -10,10 +11,12 @@
 #include <vector>
 
 #include "cuda_decode_test_util.h"
+#include "infer/cuda/generation_session_gpu.h"
 #include "infer/cuda/prefix_cache_gpu.h"
 #include "infer/decode_backend.h"
 #include "io/config.h"
 #include "model/cuda/decode_gpu.h"
+#include "model/cuda/generate_gpu.h"
 
 using namespace dm;
 using test::RowStats;
@@ -135,6 +138,40 @@ TEST(CudaPrefixCache, DecodeBackendReportsCachedTokens) {
   backend->prefill_slot(*model, 1, b, row.data());
   EXPECT_EQ(backend->cached_tokens(1), 1024);
   EXPECT_TRUE(test::all_finite(row));
+}
+
+// `chat --device cuda`: turn 2's prompt is turn 1's prompt, its reply and a new message; the
+// session restores turn 1's 512-token grid prefix and generates what a cold generate_gpu does.
+TEST(CudaPrefixCache, GenerationSessionReusesTheConversation) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = test_config();
+  auto model = test::bf16_model(c, 10);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size;
+  cuda::GpuGenerationSession session(dw, size_t(32) << 20);
+  GenerateOptions go;
+  go.max_new_tokens = 12;
+  go.sampling.temperature = 0;
+  const std::vector<int32_t> turn1 = test::random_tokens(600, V, 11);
+  const std::vector<int32_t> reply1 = session.generate(turn1, go);
+  EXPECT_EQ(session.last_cached_tokens(), 0);
+  EXPECT_EQ(reply1, cuda::generate_gpu(dw, turn1, go));
+  std::vector<int32_t> turn2 = turn1;
+  turn2.insert(turn2.end(), reply1.begin(), reply1.end());
+  const std::vector<int32_t> message = test::random_tokens(40, V, 12);
+  turn2.insert(turn2.end(), message.begin(), message.end());
+  const std::vector<int32_t> reply2 = session.generate(turn2, go);
+  EXPECT_EQ(session.last_cached_tokens(), kGrid);
+  const std::vector<int32_t> cold = cuda::generate_gpu(dw, turn2, go);
+  ASSERT_EQ(reply2.size(), cold.size());
+  int64_t same = 0;
+  for (size_t i = 0; i < cold.size(); ++i) same += reply2[i] == cold[i];
+  std::printf(
+      "[          ] chat session, turn 2: %lld of %zu prompt tokens restored, %lld / %zu "
+      "reply tokens equal to a cold generation\n",
+      (long long)session.last_cached_tokens(), turn2.size(), (long long)same, cold.size());
+  EXPECT_EQ(reply2[0], cold[0]);
+  EXPECT_GE(double(same), 0.9 * double(cold.size()));
 }
 
 #else
