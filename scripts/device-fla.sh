@@ -8,8 +8,10 @@
 # (.triton-cache.tgz in the checkout) and returns the grown set ($OUT/triton-cache.tgz: carry it
 # as .triton-cache.tgz next time). Once every kernel is tuned, the peer prints its table.
 #
-#   scripts/device-fla.sh [SECONDS] [SHAPES]      default 500 s, 1x8192x16x128
-#   device tool: carry [".whl", ".triton-cache.tgz"] (the fla-core wheel from `pip download`)
+#   scripts/device-fla.sh [SECONDS] [SHAPES] [PREBUILT]    default 500 s, 1x8192x16x128
+#   device tool: carry [".whl", ".triton-cache.tgz"] (the fla-core wheel from `pip download`),
+#   plus the archive of scripts/device-prebuild.sh when PREBUILT names it: then our
+#   bench_cuda_kda runs first on the same shapes, so the two tables come from the same call.
 #
 # Prints how many kernels have tuning results before and after. Only the autotuning results are
 # returned when the whole cache (compiled kernels included) passes the 16 MiB a returned file may
@@ -18,6 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-500}
 shapes=${2:-1x8192x16x128}
+prebuilt=${3:-}
 out=${OUT:-out/device-fla}
 mkdir -p "$out"
 cache=/tmp/device-fla-triton
@@ -28,6 +31,10 @@ echo "kernels with tuning results at the start: $(tuned)"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -n "$prebuilt" ]; then
+  mkdir -p /tmp/device-fla-bin && tar -xJf "$prebuilt" -C /tmp/device-fla-bin bench_cuda_kda &&
+    /tmp/device-fla-bin/bench_cuda_kda --shapes "$shapes" --bf16-only 2>&1 | tee "$out/bench_cuda_kda.log"
 fi
 TRITON_CACHE_DIR=$cache TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1 timeout "$seconds" \
   python3 bench/peers/kda_peers.py --impl fla --shapes "$shapes" 2>&1 | tee "$out/kda_peers_fla.log"
