@@ -5,6 +5,7 @@
 // allocated but address space for the weights layout.
 #include "model/plan.h"
 
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -14,6 +15,8 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "infer/decode.h"
+#include "infer/prefix_cache.h"
 #include "io/config.h"
 #include "model/params.h"
 #include "model/weights.h"
@@ -119,11 +122,33 @@ void run_plan(const PlanOptions& o) {
   if (act_recompute > 0)
     js["training"]["activation_bytes"] = {{"recompute_on", act_recompute},
                                           {"recompute_off", act_kept}};
+  // Prefix cache entries: one per cached grid point of a prompt (infer/prefix_cache.h). CPU:
+  // a 64-token grid whose pages are the decode state's fp32 latent pages; GPU: a 512-token grid,
+  // bf16 latent rows on the device and the KDA checkpoint in host memory.
+  nlohmann::ordered_json prefix;
+  const double latent_bf16 = dm::latent_bytes_per_token(cfg);
+  const struct {
+    const char* device;
+    int64_t grid;
+    double page_bytes;
+  } caches[] = {{"cpu", 64, double(dm::DecodeState::page_bytes(cfg, 64))},
+                {"cuda", dm::kGpuPrefixGridTokens, double(dm::kGpuPrefixGridTokens) * latent_bf16}};
+  for (const auto& pc_dev : caches) {
+    const double entry = double(
+        dm::PrefixCache::entry_bytes_for(cfg, pc_dev.grid, size_t(pc_dev.page_bytes), pc_dev.grid));
+    prefix[pc_dev.device] = {
+        {"grid_tokens", pc_dev.grid},
+        {"entry_bytes", entry},
+        {"kda_checkpoint_bytes", double(dm::PrefixCache::kda_checkpoint_bytes(cfg))},
+        {"latent_bytes", pc_dev.page_bytes},
+        {"tokens_per_256_mib", double(pc_dev.grid) * std::floor(double(256ull << 20) / entry)}};
+  }
   js["serving"] = {{"context", o.context},
                    {"weights_bytes", weights},
                    {"cache_bytes_per_sequence", per_sequence},
                    {"max_batch", max_batch},
-                   {"decode", decode}};
+                   {"decode", decode},
+                   {"prefix_cache", prefix}};
   js["device"] = {{"memory_gib", o.memory_gib},
                   {"bandwidth_tbs", o.bandwidth_tbs},
                   {"peak_tflops", o.peak_tflops}};
@@ -167,6 +192,15 @@ void run_plan(const PlanOptions& o) {
         weights / memory);
   else
     std::printf("  largest batch in memory: %lld\n", (long long)max_batch);
+  for (const char* device : {"cpu", "cuda"}) {
+    const auto& p = prefix[device];
+    std::printf(
+        "  prefix cache (%s): %.1f MB per cached %lld-token prefix point (KDA checkpoint %.1f MB, "
+        "latent rows %.1f MB); 256 MiB holds %.0f tokens of prefixes\n",
+        device, p["entry_bytes"].get<double>() / 1e6, (long long)p["grid_tokens"].get<int64_t>(),
+        p["kda_checkpoint_bytes"].get<double>() / 1e6, p["latent_bytes"].get<double>() / 1e6,
+        p["tokens_per_256_mib"].get<double>());
+  }
   std::printf("  decode step at the HBM floor (bytes it must move / bandwidth):\n");
   std::printf("  %6s %10s %14s %10s %12s\n", "batch", "GB/step", "experts/layer", "floor ms",
               "tokens/s");

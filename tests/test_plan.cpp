@@ -9,6 +9,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "infer/decode.h"
+#include "infer/page_pool.h"
+#include "infer/prefix_cache.h"
 #include "io/config.h"
 #include "model/params.h"
 #include "model/plan.h"
@@ -117,6 +120,20 @@ TEST(PlanCli, JsonAndTable) {
   EXPECT_NEAR(b1["floor_ms"].get<double>(), b1["bytes_per_step"].get<double>() / 4.8e12 * 1e3,
               1e-9);
   EXPECT_GT(j["serving"]["max_batch"].get<int64_t>(), 64);  // 98 GB of weights, ~0.1 GB a slot
+  // Prefix cache entries: what the caches themselves divide their budgets by.
+  LatentPagePool pool;
+  const size_t gpu_page = size_t(kGpuPrefixGridTokens) * size_t(latent_bytes_per_token(c));
+  const PrefixCache gpu_index(c, pool, kGpuPrefixGridTokens, gpu_page, 1, kGpuPrefixGridTokens);
+  const PrefixCache cpu_index(c, pool, 64, DecodeState::page_bytes(c, 64), 1, 64);
+  const auto& pc = j["serving"]["prefix_cache"];
+  EXPECT_EQ(pc["cuda"]["grid_tokens"].get<int64_t>(), kGpuPrefixGridTokens);
+  EXPECT_EQ(pc["cuda"]["entry_bytes"].get<double>(), double(gpu_index.entry_bytes()));
+  EXPECT_EQ(pc["cpu"]["entry_bytes"].get<double>(), double(cpu_index.entry_bytes()));
+  // Kimi-Linear-48B: 20 KDA layers of 32 heads × 128² fp32 states dominate (~42 MB).
+  EXPECT_NEAR(pc["cuda"]["kda_checkpoint_bytes"].get<double>(),
+              20.0 * (32 * 128 * 128 + 3 * 3 * 32 * 128) * 4, 1.0);
+  EXPECT_EQ(pc["cuda"]["tokens_per_256_mib"].get<double>(),
+            512.0 * std::floor(double(256 << 20) / double(gpu_index.entry_bytes())));
   const auto table = test::run_cli("plan --config " + config_path("gpu_1b"));
   EXPECT_EQ(table.exit_code, 0) << table.output;
   EXPECT_NE(table.output.find("the state fits the device's memory"), std::string::npos)

@@ -34,8 +34,7 @@ PrefixCache::PrefixCache(const ModelConfig& cfg, LatentPagePool& pool, int64_t p
   int64_t kda_layers = 0;
   for (int i = 0; i < cfg.num_layers; ++i) kda_layers += cfg.mixers[i] == MixerKind::KDA;
   kda_floats_ = kda_layers * (state_floats_ + 3 * tail_floats_);
-  entry_bytes_ = size_t(kda_floats_) * sizeof(float) + size_t(grid_) * sizeof(int32_t) +
-                 size_t(pages_per_entry_) * (page_bytes + sizeof(int32_t)) + sizeof(Entry);
+  entry_bytes_ = entry_bytes_for(cfg, page_tokens, page_bytes, grid_tokens);
   capacity_ = std::min<int64_t>(int64_t(budget_ / entry_bytes_), int64_t(1) << 24);
 
   SizeCounter counter;
@@ -62,6 +61,22 @@ PrefixCache::PrefixCache(const ModelConfig& cfg, LatentPagePool& pool, int64_t p
     free_[e] = int32_t(capacity_ - 1 - e);
   }
   free_count_ = capacity_;
+}
+
+size_t PrefixCache::kda_checkpoint_bytes(const ModelConfig& cfg) {
+  const int64_t HK = int64_t(cfg.kda.num_heads) * cfg.kda.head_dim;
+  const int64_t state = HK * cfg.kda.head_dim,
+                tail = std::max<int64_t>(cfg.kda.conv_kernel - 1, 0) * HK;
+  int64_t kda_layers = 0;
+  for (int i = 0; i < cfg.num_layers; ++i) kda_layers += cfg.mixers[i] == MixerKind::KDA;
+  return size_t(kda_layers * (state + 3 * tail)) * sizeof(float);
+}
+
+size_t PrefixCache::entry_bytes_for(const ModelConfig& cfg, int64_t page_tokens, size_t page_bytes,
+                                    int64_t grid_tokens) {
+  const int64_t pages = page_tokens > 0 ? grid_tokens / page_tokens : 0;
+  return kda_checkpoint_bytes(cfg) + size_t(grid_tokens) * sizeof(int32_t) +
+         size_t(pages) * (page_bytes + sizeof(int32_t)) + sizeof(Entry);
 }
 
 PrefixCache::~PrefixCache() { clear(); }

@@ -32,6 +32,13 @@ class PrefixCache {
   // page_bytes: bytes of one latent page over all MLA layers (DecodeState::page_bytes).
   PrefixCache(const ModelConfig& cfg, LatentPagePool& pool, int64_t page_tokens,
               size_t page_bytes, size_t budget_bytes, int64_t grid_tokens);
+  // What one entry costs (entry_bytes() of such a cache, the unit the budget is divided into):
+  // the KDA checkpoint (kda_checkpoint_bytes), the segment's token ids and page references, its
+  // pages, and the bookkeeping. `deltamoe plan` prints it for the CPU and GPU caches.
+  static size_t entry_bytes_for(const ModelConfig& cfg, int64_t page_tokens, size_t page_bytes,
+                                int64_t grid_tokens);
+  // fp32 state and conv tails of every KDA layer: [H, K, V] + 3·[Kc−1, H·K] floats each.
+  static size_t kda_checkpoint_bytes(const ModelConfig& cfg);
   ~PrefixCache();  // drops every page reference it holds
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
@@ -137,6 +144,10 @@ class PrefixCache {
   Stats stats_;
   Arena arena_;
 };
+
+// The GPU prefix cache's grid (infer/cuda/prefix_cache_gpu.h): checkpoints are the chunked
+// operator's chunk-start states, and fewer, larger entries keep the copies per prompt few.
+inline constexpr int64_t kGpuPrefixGridTokens = 512;
 
 // FNV-1a over token ids, continued from `h` (start: kPrefixCacheHashSeed).
 constexpr uint64_t kPrefixCacheHashSeed = 1469598103934665603ull;

@@ -32,7 +32,7 @@ namespace dm::cuda {
 
 class GpuPrefixCache {
  public:
-  static constexpr int64_t kDefaultGridTokens = 512;
+  static constexpr int64_t kDefaultGridTokens = kGpuPrefixGridTokens;
   static constexpr int64_t kMaxExtendTokens = 4096;
 
   // grid_tokens: a positive multiple of 64 (the KDA operator's chunk).
