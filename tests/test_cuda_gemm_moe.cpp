@@ -1,5 +1,6 @@
 // GPU dense GEMM (ops/cuda/gemm.h) and MoE ops (ops/cuda/moe.h) against the CPU: cuBLASLt GEMM
-// vs core/gemm.h on the same bf16 values (odd sizes, every transpose, bf16/fp32 out, beta);
+// vs core/gemm.h on the same bf16 values (odd sizes, every transpose, bf16/fp32 out, beta), and
+// with tuning (timed algorithm choice) vs without;
 // router indices identical to moe_route (ties aside) with weights/cutoffs within fp32 tolerance;
 // dispatch plan identical to moe_plan_build and a permute/unpermute round trip; grouped experts
 // (cuBLAS grouped and per-expert loop) vs moe_experts_reference; QB histogram counts identical to
@@ -258,6 +259,96 @@ TEST(CudaGemm, CachesAlgorithmsAndHandlesEmptyK) {
   EXPECT_THROW(context.gemm_bf16(false, false, 4, 8, 4, 1.0f, A_dev, 4, B_dev, 8, 0.0f, C_dev,
                                  cuda::GemmOutType::F32, 7),
                Error);  // ldc < N
+}
+
+// Tuning (GemmContext::set_tuning) against the heuristic's choice, and both against the CPU: the
+// same products (bf16 rounding aside), one new cache entry per new key, none on a repeated call.
+// The beta = 1 cases start from the same C and must come out as C + product: the timing runs the
+// product up to 1 + 8·4 times into C, so a C not restored would hold a multiple of it. C is padded
+// (ldc = N + 3) so the restore must respect the pitch; the batched case interleaves heads in C.
+TEST(CudaGemm, TunedMatchesHeuristic) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  cuda::GemmContext plain, tuned;
+  plain.set_tuning(false);  // whatever DM_GEMM_TUNE says
+  tuned.set_tuning(true);
+  EXPECT_FALSE(plain.tuning());
+  EXPECT_TRUE(tuned.tuning());
+  struct Case {
+    bool ta, tb;
+    int64_t M, N, K;
+    float beta;
+    cuda::GemmOutType out;
+    bool f32;  // gemm_f32 (fp32 operands) rather than gemm_bf16
+  };
+  uint32_t seed = 500;
+  int keys = 0;
+  for (Case c : {Case{false, false, 256, 512, 384, 0.0f, cuda::GemmOutType::Bf16, false},
+                 Case{false, true, 300, 1000, 64, 0.0f, cuda::GemmOutType::Bf16, false},
+                 Case{true, false, 200, 384, 256, 1.0f, cuda::GemmOutType::F32, false},
+                 Case{false, true, 130, 257, 96, 1.0f, cuda::GemmOutType::F32, true}}) {
+    const bool out_f32 = c.out == cuda::GemmOutType::F32;
+    SCOPED_TRACE(str_cat("M=", c.M, " N=", c.N, " K=", c.K, " ta=", c.ta, " tb=", c.tb,
+                         " beta=", c.beta, " f32 out=", out_f32, " gemm_f32=", c.f32));
+    const int64_t lda = c.ta ? c.M : c.K, ldb = c.tb ? c.K : c.N, ldc = c.N + 3;
+    const Bf16Host A = random_bf16(size_t((c.ta ? c.K : c.M) * lda), seed++);
+    const Bf16Host B = random_bf16(size_t((c.tb ? c.N : c.K) * ldb), seed++);
+    const Bf16Host C0 = random_bf16(size_t(c.M * ldc), seed++);
+    cuda::DeviceArena arena(size_t(32) << 20);
+    // C after one call on `context`, from C0.
+    auto product = [&](cuda::GemmContext& context) {
+      void* C_dev = out_f32 ? static_cast<void*>(upload(arena, C0.values))
+                            : static_cast<void*>(upload(arena, C0.bits));
+      if (c.f32)
+        context.gemm_f32(c.ta, c.tb, c.M, c.N, c.K, 1.25f, upload(arena, A.values), lda,
+                         upload(arena, B.values), ldb, c.beta, static_cast<float*>(C_dev), ldc);
+      else
+        context.gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, 1.25f, upload(arena, A.bits), lda,
+                          upload(arena, B.bits), ldb, c.beta, C_dev, c.out, ldc);
+      cuda::synchronize();
+      return out_f32 ? download(static_cast<float*>(C_dev), C0.values.size())
+                     : test::mla::bf16_bits_to_floats(
+                           download(static_cast<uint16_t*>(C_dev), C0.values.size()));
+    };
+    std::vector<float> ref = C0.values;
+    gemm(c.ta, c.tb, c.M, c.N, c.K, 1.25f, A.values.data(), lda, B.values.data(), ldb, c.beta,
+         ref.data(), ldc);
+    const double tolerance = out_f32 ? 1e-5 : 1e-2;
+    const std::vector<float> heuristic = product(plain);
+    const std::vector<float> timed = product(tuned);
+    EXPECT_EQ(tuned.cached_algorithms(), ++keys);
+    const std::vector<float> again = product(tuned);  // cached: no timing
+    EXPECT_EQ(tuned.cached_algorithms(), keys);
+    ASSERT_TRUE(test::mla::all_finite(timed));
+    EXPECT_LE(test::rel_rms(timed.data(), heuristic.data(), ref.size()), tolerance);
+    EXPECT_LE(test::rel_rms(timed.data(), ref.data(), ref.size()), tolerance);
+    EXPECT_LE(test::rel_rms(again.data(), ref.data(), ref.size()), tolerance);
+  }
+
+  // Strided batched, beta = 1, fp32 out: heads h = 0..H-1 interleaved in A and C (ld = H·width,
+  // stride = width), stacked in B; the restore covers the span of all heads.
+  const int64_t H = 6, M = 40, N = 64, K = 48, lda = H * K, ldc = H * N;
+  const Bf16Host A = random_bf16(size_t(M * lda), seed++);
+  const Bf16Host B = random_bf16(size_t(H * K * N), seed++);
+  const Bf16Host C0 = random_bf16(size_t(M * ldc), seed++);
+  cuda::DeviceArena arena(size_t(8) << 20);
+  auto batched = [&](cuda::GemmContext& context) {
+    float* C_dev = upload(arena, C0.values);
+    context.gemm_bf16_strided_batched(false, false, M, N, K, 1.0f, upload(arena, A.bits), lda, K,
+                                      upload(arena, B.bits), N, K * N, 1.0f, C_dev,
+                                      cuda::GemmOutType::F32, ldc, N, H);
+    cuda::synchronize();
+    return download(C_dev, C0.values.size());
+  };
+  std::vector<float> ref = C0.values;
+  for (int64_t h = 0; h < H; ++h)
+    gemm(false, false, M, N, K, 1.0f, A.values.data() + h * K, lda, B.values.data() + h * K * N, N,
+         1.0f, ref.data() + h * N, ldc);
+  const std::vector<float> heuristic = batched(plain);
+  const std::vector<float> timed = batched(tuned);
+  EXPECT_EQ(tuned.cached_algorithms(), ++keys);
+  ASSERT_TRUE(test::mla::all_finite(timed));
+  EXPECT_LE(test::rel_rms(timed.data(), heuristic.data(), ref.size()), 1e-5);
+  EXPECT_LE(test::rel_rms(timed.data(), ref.data(), ref.size()), 1e-5);
 }
 
 // ---- router ------------------------------------------------------------------------------------

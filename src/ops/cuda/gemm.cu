@@ -2,19 +2,28 @@
 // bf16/fp32 output (gemm_bf16*), and all-fp32 products with full-precision multiplies (gemm_f32,
 // the fp32 GPU mode). Both go through one cuBLASLt call and one algorithm cache.
 //
+// Tuning (GemmContext::set_tuning, DM_GEMM_TUNE=1): on a cache miss outside graph capture, the
+// heuristic's first kTuneCandidates algorithms run on the call's own operands (one warm-up, the
+// median of kTuneTimedRuns, CUDA events on the call's stream) and the fastest is cached. A beta ≠ 0
+// product accumulates into C, so C is saved to the context's tuning scratch before and restored
+// after; then the chosen algorithm runs once for the real result. DM_GEMM_TUNE_LOG=1 prints one
+// line per tuned key to stderr.
+//
 // Row-major → column-major mapping: a row-major [r, c] matrix with leading dimension ld is the
 // column-major [c, r] matrix with the same ld, so C = op(A)·op(B) (row-major) is computed as the
 // column-major product Cᵀ = op(B)ᵀ·op(A)ᵀ: cuBLAS's "A" is our B, its "B" is our A, m = N, n = M.
-#include "ops/cuda/gemm.h"
-
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv.h"
 
 namespace dm::cuda {
@@ -30,6 +39,8 @@ namespace {
 
 constexpr int kAlgoCacheCapacity = 256;
 constexpr size_t kHostScratchBytes = size_t(1) << 20;
+constexpr int kTuneCandidates = 8;  // heuristic results timed per key
+constexpr int kTuneTimedRuns = 3;   // after one warm-up; the median counts
 
 // Largest power of two (≤ 256) dividing the address: the alignment cuBLASLt may assume.
 uint32_t pointer_alignment(const void* p) {
@@ -106,14 +117,146 @@ constexpr int kAlgoKeyLength = 18;
 
 size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
 
-// Runs p through cuBLASLt with the algorithm cached for its key (heuristic query on a miss).
+// What a tuning GemmContext lends lt_matmul_cached (null when tuning is off): the log switch
+// and its device scratch for C, grown here (free + malloc) when a larger C is tuned. Tuning runs
+// only on a key's first call, so the scratch never changes in steady state.
+struct LtTuner {
+  bool log;
+  void*& scratch;
+  size_t& scratch_bytes;
+};
+
+// Whether work queued on `stream` would be recorded into a CUDA graph rather than run: timing
+// cannot happen then. The legacy stream answers with an error while another stream captures in
+// global mode; that counts as capturing (and the error is not left for the next check).
+bool stream_capturing(CUstream_st* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The 1 + kTuneTimedRuns events of one candidate's timing, destroyed on every exit.
+struct TuneEvents {
+  cudaEvent_t at[kTuneTimedRuns + 1] = {};
+  TuneEvents() {
+    for (cudaEvent_t& e : at) DM_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  ~TuneEvents() {
+    for (cudaEvent_t e : at)
+      if (e) cudaEventDestroy(e);
+  }
+  TuneEvents(const TuneEvents&) = delete;
+  TuneEvents& operator=(const TuneEvents&) = delete;
+};
+
+// Bytes of C that copy_tuned_c moves: M·N elements for one product; for a batch the span from
+// the lowest element any batch writes to the highest.
+size_t scratch_bytes_for_c(const LtProduct& p) {
+  const size_t elem = element_bytes(p.c_type);
+  if (p.batch == 1) return size_t(p.M) * size_t(p.N) * elem;
+  return (size_t(std::abs((p.batch - 1) * p.stride_c)) + size_t((p.M - 1) * p.ldc + p.N)) * elem;
+}
+
+// Saves (save = true) or restores the part of p's C that its products write, through `scratch`.
+// One product: the M×N block (pitch ldc) as a packed M×N copy. Batched: the contiguous span from
+// the lowest to the highest element any batch writes (elements in between that no batch writes
+// get their own values back).
+void copy_tuned_c(const LtProduct& p, void* scratch, bool save, CUstream_st* stream) {
+  const size_t elem = element_bytes(p.c_type);
+  if (p.batch == 1) {
+    const size_t width = size_t(p.N) * elem, pitch = size_t(p.ldc) * elem;
+    if (save)
+      DM_CUDA_CHECK(cudaMemcpy2DAsync(scratch, width, p.C, pitch, width, size_t(p.M),
+                                      cudaMemcpyDeviceToDevice, stream));
+    else
+      DM_CUDA_CHECK(cudaMemcpy2DAsync(p.C, pitch, scratch, width, width, size_t(p.M),
+                                      cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  const int64_t last_batch = (p.batch - 1) * p.stride_c;
+  char* lo = static_cast<char*>(p.C) + std::min<int64_t>(0, last_batch) * int64_t(elem);
+  DM_CUDA_CHECK(cudaMemcpyAsync(save ? scratch : lo, save ? lo : scratch, scratch_bytes_for_c(p),
+                                cudaMemcpyDeviceToDevice, stream));
+}
+
+// Runs each candidate whose state is CUBLAS_STATUS_SUCCESS (run(&algo) → cuBLAS status) on p's
+// operands: one warm-up, then kTuneTimedRuns timed on `stream`; a candidate that cuBLASLt
+// rejects is skipped. Returns the fastest by median (candidates[0], the heuristic's choice, when
+// none ran). C is saved first and restored last when beta ≠ 0; waits for the stream.
+template <typename Run>
+cublasLtMatmulAlgo_t fastest_algorithm(const LtProduct& p,
+                                       const cublasLtMatmulHeuristicResult_t* candidates, int count,
+                                       const Run& run, LtTuner& tuner, CUstream_st* stream) {
+  TuneEvents events;
+  const bool keep_c = p.beta != 0.0f;
+  if (keep_c) {
+    const size_t bytes = scratch_bytes_for_c(p);
+    if (bytes > tuner.scratch_bytes) {
+      // cudaFree waits for the device, so no earlier restore still reads the old scratch.
+      if (tuner.scratch) DM_CUDA_CHECK(cudaFree(tuner.scratch));
+      tuner.scratch = nullptr;
+      tuner.scratch_bytes = 0;
+      DM_CUDA_CHECK(cudaMalloc(&tuner.scratch, bytes));
+      tuner.scratch_bytes = bytes;
+    }
+    copy_tuned_c(p, tuner.scratch, /*save=*/true, stream);
+  }
+  int best = -1;
+  float best_ms = NAN, heuristic_ms = NAN;  // NaN in the log: the candidate did not run
+  for (int i = 0; i < count; ++i) {
+    if (candidates[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    if (run(&candidates[i].algo) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+    bool ok = true;
+    DM_CUDA_CHECK(cudaEventRecord(events.at[0], stream));
+    for (int r = 0; r < kTuneTimedRuns; ++r) {
+      ok = ok && run(&candidates[i].algo) == CUBLAS_STATUS_SUCCESS;
+      DM_CUDA_CHECK(cudaEventRecord(events.at[r + 1], stream));
+    }
+    DM_CUDA_CHECK(cudaEventSynchronize(events.at[kTuneTimedRuns]));
+    if (!ok) continue;
+    float ms[kTuneTimedRuns];
+    for (int r = 0; r < kTuneTimedRuns; ++r)
+      DM_CUDA_CHECK(cudaEventElapsedTime(&ms[r], events.at[r], events.at[r + 1]));
+    std::sort(ms, ms + kTuneTimedRuns);
+    const float median = ms[kTuneTimedRuns / 2];
+    if (i == 0) heuristic_ms = median;
+    if (best < 0 || median < best_ms) {
+      best = i;
+      best_ms = median;
+    }
+  }
+  if (keep_c) {
+    copy_tuned_c(p, tuner.scratch, /*save=*/false, stream);
+    // The scratch is free again only once the restore has run (the next tuned key may be on
+    // another stream).
+    DM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  if (tuner.log) {
+    const double flops = 2.0 * double(p.M) * double(p.N) * double(p.K) * double(p.batch);
+    std::fprintf(stderr,
+                 "gemm tune: ta=%d tb=%d M=%lld N=%lld K=%lld batch=%lld ab=%s c=%s beta!=0=%d "
+                 "candidates=%d heuristic=%.1fus best=%.1fus pick=%d %.1f TFLOP/s\n",
+                 int(p.trans_a), int(p.trans_b), (long long)p.M, (long long)p.N, (long long)p.K,
+                 (long long)p.batch, p.ab_type == CUDA_R_32F ? "f32" : "bf16",
+                 p.c_type == CUDA_R_32F ? "f32" : "bf16", int(keep_c), count,
+                 1e3 * double(heuristic_ms), 1e3 * double(best_ms), best,
+                 best < 0 ? 0.0 : flops / (1e-3 * double(best_ms)) * 1e-12);
+  }
+  return candidates[best < 0 ? 0 : best].algo;
+}
+
+// Runs p through cuBLASLt with the algorithm cached for its key (on a miss: the heuristic's
+// choice, or with a tuner and outside graph capture the fastest of its candidates).
 // CacheEntry is GemmContext::AlgoCacheEntry {key, algo} (private to the class, so deduced here
 // rather than named); cache holds kAlgoCacheCapacity entries, cache_used / cache_next are the
 // context's fill count and round-robin cursor.
 template <typename CacheEntry>
 void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
                       size_t workspace_bytes, CacheEntry* cache, int& cache_used, int& cache_next,
-                      CUstream_st* stream) {
+                      LtTuner* tuner, CUstream_st* stream) {
   // Column-major problem: m' = N, n' = M, A' = B (op = tb), B' = A (op = ta).
   const cublasOperation_t op_a = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -189,7 +332,8 @@ void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
       algo = &cache[i].algo;
       break;
     }
-  auto heuristic = [&](cublasLtMatmulAlgo_t* out) {
+  // Up to `requested` algorithms, best first by the heuristic; returns how many (≥ 1).
+  auto heuristic = [&](cublasLtMatmulHeuristicResult_t* results, int requested) {
     cublasLtMatmulPreferenceOpaque_t preference;
     DM_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&preference));
     const uint64_t max_workspace = workspace_bytes;
@@ -204,13 +348,13 @@ void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
         &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
     DM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         &preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-    cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
     DM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, &op_desc, &a_layout, &b_layout, &c_layout,
-                                                   &c_layout, &preference, 1, &result, &returned));
+                                                   &c_layout, &preference, requested, results,
+                                                   &returned));
     DM_CHECK(returned > 0, p.who, ": cuBLASLt found no algorithm for M=", p.M, " N=", p.N,
              " K=", p.K, " lda=", p.lda, " ldb=", p.ldb, " ldc=", p.ldc);
-    *out = result.algo;
+    return returned;
   };
   auto run = [&](const cublasLtMatmulAlgo_t* a) {
     return cublasLtMatmul(lt, &op_desc, &p.alpha, p.B, &a_layout, p.A, &b_layout, &p.beta, p.C,
@@ -218,18 +362,23 @@ void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
                           workspace_bytes, stream);
   };
   if (!algo) {
+    cublasLtMatmulHeuristicResult_t candidates[kTuneCandidates] = {};
+    const bool tune = tuner && !stream_capturing(stream);
+    const int count = heuristic(candidates, tune ? kTuneCandidates : 1);
+    const cublasLtMatmulAlgo_t chosen =
+        tune ? fastest_algorithm(p, candidates, count, run, *tuner, stream) : candidates[0].algo;
     // Fixed-capacity cache, round-robin replacement once full.
     const int slot = cache_used < kAlgoCacheCapacity ? cache_used++ : cache_next++;
     if (cache_next >= kAlgoCacheCapacity) cache_next = 0;
     std::memcpy(cache[slot].key, key, sizeof(key));
-    heuristic(&cache[slot].algo);
+    cache[slot].algo = chosen;
     DM_CUBLAS_CHECK(run(&cache[slot].algo));
     return;
   }
   if (run(algo) == CUBLAS_STATUS_SUCCESS) return;
-  cublasLtMatmulAlgo_t exact;  // the bucket's algorithm does not apply to this shape
-  heuristic(&exact);
-  DM_CUBLAS_CHECK(run(&exact));
+  cublasLtMatmulHeuristicResult_t exact{};  // the bucket's algorithm does not apply to this shape
+  heuristic(&exact, 1);
+  DM_CUBLAS_CHECK(run(&exact.algo));
 }
 
 }  // namespace
@@ -240,6 +389,12 @@ struct GemmContext::AlgoCacheEntry {
 };
 
 GemmContext::GemmContext(size_t workspace_bytes) {
+  const auto env_on = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  };
+  tuning_ = env_on("DM_GEMM_TUNE");
+  tuning_log_ = env_on("DM_GEMM_TUNE_LOG");
   workspace_bytes = (workspace_bytes + 511) & ~size_t(511);
   cublasLtHandle_t lt = nullptr;
   DM_CUBLAS_CHECK(cublasLtCreate(&lt));
@@ -261,6 +416,7 @@ GemmContext::~GemmContext() {
   if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(lt_));
   if (cublas_) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
   if (workspace_) cudaFree(workspace_);
+  if (tune_scratch_) cudaFree(tune_scratch_);
   delete[] cache_;
   std::free(host_scratch_);
 }
@@ -309,8 +465,9 @@ void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t 
                     A,           lda,      stride_a,    B,
                     ldb,         stride_b, C,           ldc,
                     stride_c,    batch,    CUDA_R_16BF, out_f32 ? CUDA_R_32F : CUDA_R_16BF};
+  LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
-                   cache_used_, cache_next_, stream);
+                   cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);
 }
 
 void GemmContext::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -325,8 +482,9 @@ void GemmContext::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int
   // No GEMV shortcut: gemv.h reads bf16 weights only; cuBLASLt takes every fp32 shape.
   const LtProduct p{"gemm_f32", trans_a, trans_b, M, N, K,   alpha, beta, A,          lda,
                     0,          B,       ldb,     0, C, ldc, 0,     1,    CUDA_R_32F, CUDA_R_32F};
+  LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
-                   cache_used_, cache_next_, stream);
+                   cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);
 }
 
 }  // namespace dm::cuda

@@ -9,9 +9,13 @@
 //
 // One GemmContext per device stream owner: it creates the cuBLASLt handle, the cuBLAS handle (for
 // the grouped expert GEMMs in moe.cu) and one workspace allocation once; calls never allocate
-// device memory. Matmul descriptors live on the stack (cublasLt*Init), and the algorithm chosen
-// by the heuristic is cached per (shape, leading dims, alignment, C type, beta≠0), so a steady
-// state call is one cublasLtMatmul.
+// device memory (tuning aside, below). Matmul descriptors live on the stack (cublasLt*Init), and
+// the algorithm chosen by the heuristic is cached per (shape, leading dims, alignment, C type,
+// beta≠0), so a steady state call is one cublasLtMatmul.
+//
+// Tuning (opt-in: set_tuning(true) or DM_GEMM_TUNE=1): a cache miss outside graph capture times
+// the heuristic's top 8 algorithms on the call's operands and caches the fastest, keeping C
+// (beta ≠ 0) in a scratch allocated on such first calls only. DM_GEMM_TUNE_LOG=1 logs each key.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -63,6 +67,10 @@ class GemmContext {
   // Number of cached algorithms (tests: steady state must not grow it).
   int cached_algorithms() const { return cache_used_; }
 
+  // Timed algorithm choice on cache misses (see above); affects only keys not yet cached.
+  void set_tuning(bool on) { tuning_ = on; }
+  bool tuning() const { return tuning_; }
+
  private:
   struct AlgoCacheEntry;
   void* lt_ = nullptr;      // cublasLtHandle_t
@@ -73,6 +81,10 @@ class GemmContext {
   int cache_used_ = 0, cache_next_ = 0;
   void* host_scratch_ = nullptr;
   size_t host_scratch_bytes_ = 0;
+  bool tuning_ = false, tuning_log_ = false;
+  // Device copy of C while a beta ≠ 0 product is tuned; grown on first calls per key only.
+  void* tune_scratch_ = nullptr;
+  size_t tune_scratch_bytes_ = 0;
 };
 
 }  // namespace dm::cuda

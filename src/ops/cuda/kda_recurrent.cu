@@ -2,13 +2,16 @@
 // step of many sequences at once.
 //
 // Columns of the state are independent given k, q, g, β (S[:, e] only mixes rows), so a block
-// owns a [K, 32] column tile of one head's state in shared memory and walks the tokens; thread
-// (tx, ty) updates column tx on rows ty, ty + 8, …. Per token the block reads q, k, g (K values
-// each), v (32), β once and the tile stays on chip: a decode step reads and writes each state
+// owns a [K, 32] column tile of one head's state and walks the tokens; thread (tx, ty) holds
+// column tx on rows ty, ty + 8, … in registers (R = ⌈K/8⌉ rounded up to a power of two, a
+// template parameter, so the loads of the whole tile are in flight at once). Per token the block
+// reads q, k, g (K values each), v (32), β once: a decode step reads and writes each state
 // element once (8 bytes), which is the floor for this operator (memory-bound, ≈ 4 FLOP/element).
 // The decode step (decode_ops.h decode_kda_recurrent_step) runs the same kernel with a per-row
 // state index, so rows of any set of slots share one launch, and applies the decay gate and β's
 // sigmoid itself.
+#include <type_traits>
+
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/decode_ops.h"
@@ -24,6 +27,7 @@ constexpr int kRecurrentTile = 32;                         // state columns per 
 constexpr int kRecurrentRowLanes = 8;                      // row lanes (blockDim.y)
 constexpr int kRecurrentThreads = kRecurrentTile * kRecurrentRowLanes;
 constexpr float kRecurrentL2NormEps = 1e-6f;
+static_assert(kKdaCudaRecurrentMaxK <= 32 * kRecurrentRowLanes, "the widest launch holds 32 rows");
 
 struct KdaRecurrentDims {
   int64_t B, T, H;
@@ -32,19 +36,18 @@ struct KdaRecurrentDims {
 };
 
 // gates.f != nullptr (the decode step): g and β come raw through `gates` (decode_ops.h) and g,
-// beta are not read.
-template <typename Storage>
+// beta are not read. R: state rows per thread (K ≤ 8·R).
+template <typename Storage, int R>
 __global__ void __launch_bounds__(kRecurrentThreads)
     kda_recurrent_kernel(const Storage* q, const Storage* k, const Storage* v, const Storage* g,
                          const Storage* beta, const float* s0, Storage* o, float* sT,
                          const int32_t* doc_start, const int32_t* state_index, KdaRecurrentDims d,
                          const KdaStepGates gates) {
   extern __shared__ float shared[];
-  float* state = shared;                               // [K, 32]
-  float* key_hat = state + d.K * kRecurrentTile;       // [K]
-  float* query_hat = key_hat + d.K;                    // [K]
-  float* decay = query_hat + d.K;                      // [K]
-  float* partial = decay + d.K;                        // [8, 32]
+  float* key_hat = shared;           // [K]
+  float* query_hat = key_hat + d.K;  // [K]
+  float* decay = query_hat + d.K;    // [K]
+  float* partial = decay + d.K;      // [8, 32]
   __shared__ float reduce_scratch[2][kRecurrentThreads / 32];
 
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kRecurrentTile + tx;
@@ -53,15 +56,21 @@ __global__ void __launch_bounds__(kRecurrentThreads)
   const int64_t state_bh = state_index != nullptr ? int64_t(state_index[b]) * d.H + h : bh;
   const int e = blockIdx.x * kRecurrentTile + tx;
   const bool column_real = e < d.V;
+  // Row of register j: ty + 8j (rows ≥ K hold zeros and are never stored).
+  auto row_of = [&](int j) { return ty + kRecurrentRowLanes * j; };
 
-  for (int row = ty; row < d.K; row += kRecurrentRowLanes)
-    state[row * kRecurrentTile + tx] =
-        (s0 != nullptr && column_real) ? s0[(state_bh * d.K + row) * d.V + e] : 0.0f;
+  float state[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+    state[j] = (s0 != nullptr && column_real && row_of(j) < d.K)
+                   ? s0[(state_bh * d.K + row_of(j)) * d.V + e]
+                   : 0.0f;
 
   for (int64_t t = 0; t < d.T; ++t) {
     const int64_t row = (b * d.T + t) * d.H + h;
     if (doc_start != nullptr && t > 0 && doc_start[b * d.T + t] == t)
-      for (int r = ty; r < d.K; r += kRecurrentRowLanes) state[r * kRecurrentTile + tx] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < R; ++j) state[j] = 0.0f;
 
     // q̂·scale, k̂, e^g into shared memory (norms by a block reduction).
     float sum_q = 0.0f, sum_k = 0.0f;
@@ -102,10 +111,11 @@ __global__ void __launch_bounds__(kRecurrentThreads)
 
     // Pass 1: S ← Diag(e^g)·S and the prediction Sᵀk̂ (column tx, rows of this lane).
     float prediction = 0.0f;
-    for (int r = ty; r < d.K; r += kRecurrentRowLanes) {
-      const float decayed = state[r * kRecurrentTile + tx] * decay[r];
-      state[r * kRecurrentTile + tx] = decayed;
-      prediction += decayed * key_hat[r] * key_factor;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (row_of(j) >= d.K) continue;
+      state[j] *= decay[row_of(j)];
+      prediction += state[j] * key_hat[row_of(j)] * key_factor;
     }
     partial[ty * kRecurrentTile + tx] = prediction;
     __syncthreads();
@@ -116,10 +126,11 @@ __global__ void __launch_bounds__(kRecurrentThreads)
 
     // Pass 2: S ← S + k̂·δᵀ and o = Sᵀ(q̂·scale) with the updated S.
     float out = 0.0f;
-    for (int r = ty; r < d.K; r += kRecurrentRowLanes) {
-      const float updated = state[r * kRecurrentTile + tx] + key_hat[r] * key_factor * delta;
-      state[r * kRecurrentTile + tx] = updated;
-      out += updated * query_hat[r] * query_factor;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (row_of(j) >= d.K) continue;
+      state[j] += key_hat[row_of(j)] * key_factor * delta;
+      out += state[j] * query_hat[row_of(j)] * query_factor;
     }
     partial[ty * kRecurrentTile + tx] = out;
     __syncthreads();
@@ -132,8 +143,9 @@ __global__ void __launch_bounds__(kRecurrentThreads)
   }
 
   if (sT != nullptr && column_real)
-    for (int row = ty; row < d.K; row += kRecurrentRowLanes)
-      sT[(state_bh * d.K + row) * d.V + e] = state[row * kRecurrentTile + tx];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      if (row_of(j) < d.K) sT[(state_bh * d.K + row_of(j)) * d.V + e] = state[j];
 }
 
 template <typename Storage>
@@ -152,17 +164,27 @@ void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, 
   if (s.B * s.H == 0) return;
   const KdaRecurrentDims d{s.B, s.T, s.H, int(s.K), int(s.V), scale};
   const size_t shared_bytes =
-      size_t(s.K * kRecurrentTile + 3 * s.K + kRecurrentRowLanes * kRecurrentTile) * sizeof(float);
-  // Only above the default 48 KB (K ≤ 256 keeps the tile at ≤ 36 KB), so a launch inside CUDA
-  // graph capture is a plain kernel node.
-  if (shared_bytes > size_t(48) << 10)
-    DM_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrent_kernel<Storage>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(shared_bytes)));
+      size_t(3 * s.K + kRecurrentRowLanes * kRecurrentTile) * sizeof(float);  // ≤ 4 KB
   const dim3 grid(unsigned(ceil_div(s.V, kRecurrentTile)), unsigned(s.B * s.H));
-  kda_recurrent_kernel<Storage>
-      <<<grid, dim3(kRecurrentTile, kRecurrentRowLanes), shared_bytes, stream>>>(
-          q, k, v, g, beta, s0, o, sT, doc_start, state_index, d, gates);
+  const dim3 block(kRecurrentTile, kRecurrentRowLanes);
+  // Registers of state per thread: the smallest power of two covering K / 8.
+  const auto launch = [&](auto rows) {
+    kda_recurrent_kernel<Storage, decltype(rows)::value><<<grid, block, shared_bytes, stream>>>(
+        q, k, v, g, beta, s0, o, sT, doc_start, state_index, d, gates);
+  };
+  const int64_t rows = ceil_div(s.K, kRecurrentRowLanes);
+  if (rows <= 1)
+    launch(std::integral_constant<int, 1>{});
+  else if (rows <= 2)
+    launch(std::integral_constant<int, 2>{});
+  else if (rows <= 4)
+    launch(std::integral_constant<int, 4>{});
+  else if (rows <= 8)
+    launch(std::integral_constant<int, 8>{});
+  else if (rows <= 16)
+    launch(std::integral_constant<int, 16>{});
+  else
+    launch(std::integral_constant<int, 32>{});  // K ≤ kKdaCudaRecurrentMaxK = 256
   check_last_error("cuda kda_recurrent_forward");
 }
 
