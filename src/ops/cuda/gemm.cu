@@ -12,6 +12,8 @@
 // Row-major → column-major mapping: a row-major [r, c] matrix with leading dimension ld is the
 // column-major [c, r] matrix with the same ld, so C = op(A)·op(B) (row-major) is computed as the
 // column-major product Cᵀ = op(B)ᵀ·op(A)ᵀ: cuBLAS's "A" is our B, its "B" is our A, m = N, n = M.
+#include "ops/cuda/gemm.h"
+
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -23,7 +25,6 @@
 
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
-#include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv.h"
 
 namespace dm::cuda {
