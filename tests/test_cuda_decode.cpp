@@ -513,7 +513,7 @@ TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
     ASSERT_TRUE(mla::all_finite(gathered));
     EXPECT_EQ(std::memcmp(first.data(), gathered.data(), gathered.size() * sizeof(float)), 0)
         << "not deterministic";
-    // Up to 32 pairs each warp plans for itself; the plan kernel must give the same bits.
+    // Up to 32 pairs the pair kernels run; the planned path must give the same bits.
     cuda::moe_decode_force_plan_kernel(true);
     cuda::moe_decode_experts_forward(x_dev, idx_dev, w_dev, N, k, ew, params, y_gathered, out,
                                      gathered_ws);
@@ -521,7 +521,7 @@ TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
     cuda::moe_decode_force_plan_kernel(false);
     const std::vector<float> planned = download_y(y_gathered);
     EXPECT_EQ(std::memcmp(planned.data(), gathered.data(), gathered.size() * sizeof(float)), 0)
-        << "the warp plan and the plan kernel differ";
+        << "the pair kernels and the planned path differ";
     const double vs_grouped = test::rel_rms(gathered.data(), grouped.data(), gathered.size());
     const double vs_cpu = test::rel_rms(gathered.data(), y_cpu.data(), gathered.size());
     const double grouped_vs_cpu = test::rel_rms(grouped.data(), y_cpu.data(), grouped.size());

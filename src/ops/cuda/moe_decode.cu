@@ -1,7 +1,8 @@
 // Routed experts of a few tokens without a host synchronisation (layout and cost in
-// moe_decode.h): plan → gate/up + GLU → down → combine, all four grids sized by (N, k, E). Up
-// to 32 (token, expert) pairs the plan kernel is skipped: each warp of the expert kernels finds
-// its block's expert and rows from idx with warp votes (warp_plan).
+// moe_decode.h). Up to 32 (token, expert) pairs: two launches, a block per (f-tile, pair) for
+// gate/up + GLU and a block per 4 output channels whose warps take the pairs and whose sums go
+// straight into y (the combine). Beyond that: plan → gate/up + GLU → down → combine, the expert
+// kernels reading each hit expert's weights once for all its tokens. Both give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -36,13 +37,9 @@ struct Plan {
   int32_t* row_begin;      // [A + 1]  their ranges in `rows`
   int32_t* rows;           // [N·k]    pair ids t·k + slot grouped by expert, token order inside
   int32_t* pair_rank;      // [N·k]    a pair's position among its expert's rows (scratch)
-  // N·k ≤ 32 (batch ≤ 4 at k = 8): no plan kernel; each warp of the expert kernels derives its
-  // block's expert and rows from idx itself (warp_plan), the same ones the plan kernel gives.
-  const int32_t* idx;  // [N·k]
-  int pairs, E;
-  bool in_warps;
 };
-constexpr int kWarpPlanMaxPairs = 32;
+// Up to this many (token, expert) pairs (batch ≤ 4 at k = 8) the pair kernels run instead.
+constexpr int kPairPathMaxPairs = 32;
 struct Workspace {
   Plan plan;
   uint16_t* h;  // [N·k, F] bf16, row = pair id
@@ -233,49 +230,38 @@ __device__ __forceinline__ float glu_value(float gate, float up, const GluKernel
                 : gate * sig * up;
 }
 
-// The plan kernel's answer for hit expert a when every pair fits a warp (plan.in_warps): lane p
-// holds pair p's expert; a lane is its expert's first pair when no lower lane has the same one;
-// the a-th smallest such expert, its pairs (a lane mask, ascending = token order) go to the
-// warp's row list `rows`. Every lane of the warp must call it. False: no expert a.
-__device__ __forceinline__ bool warp_plan(const Plan& plan, int a, int& expert, int& count,
-                                          int32_t* rows) {
-  const int lane = threadIdx.x & 31;
-  int e = lane < plan.pairs ? plan.idx[lane] : -1;
-  const bool valid = e >= 0 && e < plan.E;
-  if (!valid) e = -1 - lane;  // distinct from every expert and every other invalid lane
-  const unsigned same = __match_any_sync(0xffffffffu, e);
-  const bool first = valid && __ffs(same) - 1 == lane;
-  int smaller = 0;  // distinct hit experts below e
-  for (int q = 0; q < 32; ++q) {
-    const int other = __shfl_sync(0xffffffffu, e, q);
-    const bool other_first = __shfl_sync(0xffffffffu, first, q);
-    smaller += other_first && other < e;
-  }
-  const unsigned owner = __ballot_sync(0xffffffffu, first && smaller == a);
-  if (owner == 0u) return false;
-  const int at = __ffs(owner) - 1;
-  expert = __shfl_sync(0xffffffffu, e, at);
-  const unsigned members = __shfl_sync(0xffffffffu, same, at);
-  count = __popc(members);
-  if (members >> lane & 1u) rows[__popc(members & ((1u << lane) - 1u))] = lane;
-  __syncwarp();
-  return true;
-}
-
-// Hit expert a = blockIdx.y: its id and its rows rows[0..count); false when the block has no
-// expert. `warp_rows` [kWarpPlanMaxPairs] is the calling warp's own list (plan.in_warps).
-__device__ __forceinline__ bool block_expert(const Plan& plan, int32_t* warp_rows, int& expert,
-                                             const int32_t*& rows, int& count) {
+// Hit expert a = blockIdx.y of the plan: its id and its rows rows[0..count); false when the
+// block has no expert.
+__device__ __forceinline__ bool block_expert(const Plan& plan, int& expert, const int32_t*& rows,
+                                             int& count) {
   const int a = blockIdx.y;
-  if (plan.in_warps) {
-    rows = warp_rows;
-    return warp_plan(plan, a, expert, count, warp_rows);
-  }
   if (a >= *plan.active_count) return false;
   expert = plan.active_expert[a];
   rows = plan.rows + plan.row_begin[a];
   count = plan.row_begin[a + 1] - plan.row_begin[a];
   return true;
+}
+
+// A warp's weight rows: gate rows f0, f0 + 1 then up rows f0, f0 + 1 of `expert` (rows past F
+// clamped to the last valid one, nf ≥ 1), each Din long.
+__device__ __forceinline__ void gate_up_rows(const uint16_t* gate_w, const uint16_t* up_w,
+                                             int expert, int64_t f0, int nf, int64_t F, int64_t Din,
+                                             const uint4* (&w)[kWeightRows]) {
+#pragma unroll
+  for (int r = 0; r < kGateUpRowsPerWarp; ++r) {
+    const int64_t row = (int64_t(expert) * F + f0 + min(r, nf - 1)) * Din;  // clamped tail row
+    w[r] = reinterpret_cast<const uint4*>(gate_w + row);
+    w[kGateUpRowsPerWarp + r] = reinterpret_cast<const uint4*>(up_w + row);
+  }
+}
+
+// A warp's down rows: channels c0 … c0 + 3 of `expert` (clamped past Din, nc ≥ 1), each F long.
+__device__ __forceinline__ void down_rows(const uint16_t* down_w, int expert, int64_t c0, int nc,
+                                          int64_t Din, int64_t F, const uint4* (&w)[kWeightRows]) {
+#pragma unroll
+  for (int i = 0; i < kDownRowsPerWarp; ++i)
+    w[i] =
+        reinterpret_cast<const uint4*>(down_w + (int64_t(expert) * Din + c0 + min(i, nc - 1)) * F);
 }
 
 // One pass of up to MT tokens (rows[0..count)) against a warp's gate rows f0, f0+1 (w[0], w[1])
@@ -307,21 +293,15 @@ __global__ void __launch_bounds__(kThreads)
     moe_decode_gate_up_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ gate_w,
                               const uint16_t* __restrict__ up_w, int64_t Din, int64_t F, int k,
                               Plan plan, GluKernelParams act, uint16_t* __restrict__ h) {
-  __shared__ int32_t warp_rows[kWarps][kWarpPlanMaxPairs];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
   if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
   int expert, count;
   const int32_t* rows;
-  if (!block_expert(plan, warp_rows[warp], expert, rows, count)) return;
+  if (!block_expert(plan, expert, rows, count)) return;
   const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
   const uint4* w[kWeightRows];
-#pragma unroll
-  for (int r = 0; r < kGateUpRowsPerWarp; ++r) {
-    const int64_t row = (int64_t(expert) * F + f0 + min(r, nf - 1)) * Din;  // clamped tail row
-    w[r] = reinterpret_cast<const uint4*>(gate_w + row);
-    w[kGateUpRowsPerWarp + r] = reinterpret_cast<const uint4*>(up_w + row);
-  }
+  gate_up_rows(gate_w, up_w, expert, f0, nf, F, Din, w);
   for (int r = 0; r < count;) {
     if (count - r == 1) {
       gate_up_pass<1>(w, x, Din, k, rows + r, 1, f0, nf, F, act, h, lane);
@@ -358,19 +338,15 @@ __device__ __forceinline__ void down_pass(const uint4* const (&w)[kWeightRows],
 __global__ void __launch_bounds__(kThreads)
     moe_decode_down_kernel(const uint16_t* __restrict__ h, const uint16_t* __restrict__ down_w,
                            int64_t Din, int64_t F, Plan plan, float* __restrict__ o) {
-  __shared__ int32_t warp_rows[kWarps][kWarpPlanMaxPairs];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kDownRowsPerWarp;
   if (c0 >= Din) return;  // warp-uniform; the kernel has no block barrier
   int expert, count;
   const int32_t* rows;
-  if (!block_expert(plan, warp_rows[warp], expert, rows, count)) return;
+  if (!block_expert(plan, expert, rows, count)) return;
   const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
   const uint4* w[kWeightRows];
-#pragma unroll
-  for (int i = 0; i < kDownRowsPerWarp; ++i)
-    w[i] = reinterpret_cast<const uint4*>(down_w +
-                                          (int64_t(expert) * Din + c0 + min(i, nc - 1)) * F);
+  down_rows(down_w, expert, c0, nc, Din, F, w);
   for (int r = 0; r < count;) {
     if (count - r == 1) {
       down_pass<1>(w, h, F, Din, rows + r, 1, c0, nc, o, lane);
@@ -379,6 +355,74 @@ __global__ void __launch_bounds__(kThreads)
       down_pass<kTokenPass>(w, h, F, Din, rows + r, min(count - r, kTokenPass), c0, nc, o, lane);
       r += kTokenPass;
     }
+  }
+}
+
+// ---- pair path (N·k ≤ kPairPathMaxPairs) ---------------------------------------------------
+
+// Gate/up: grid (ceil(F / 16), N·k), kThreads: block (bx, p) applies expert idx[p]'s gate and up
+// rows f0 = (bx·8 + w)·2 … +1 (warp w) to token p / k, h[p, f] exactly as gate_up_pass<1> of the
+// planned kernel computes it. A pair with an expert outside [0, E) is skipped (never combined).
+__global__ void __launch_bounds__(kThreads)
+    moe_decode_gate_up_pairs_kernel(const uint16_t* __restrict__ x,
+                                    const uint16_t* __restrict__ gate_w,
+                                    const uint16_t* __restrict__ up_w, int64_t Din, int64_t F,
+                                    int k, const int32_t* __restrict__ idx, int E,
+                                    GluKernelParams act, uint16_t* __restrict__ h) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
+  if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
+  const int32_t pair = int32_t(blockIdx.y);
+  const int expert = idx[pair];
+  if (expert < 0 || expert >= E) return;
+  const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
+  const uint4* w[kWeightRows];
+  gate_up_rows(gate_w, up_w, expert, f0, nf, F, Din, w);
+  gate_up_pass<1>(w, x, Din, k, &pair, 1, f0, nf, F, act, h, lane);
+}
+
+// Down + combine: grid ceil(Din / 4), kThreads: block b owns channels c0 = 4b … c0 + 3. Warp w
+// takes pairs w, w + 8, …: dots[p][i] = W_down,idx[p][c0 + i, :]·h[p, :] (warp_rows_dot, as
+// down_pass<1>); then y[t, c0 + i] = Σ_slot w[t, slot]·dots[t·k + slot][i] in slot order, the
+// combine kernel's sum: the same bits as the planned path, with one launch and no o buffer.
+template <bool kF32Out>
+__global__ void __launch_bounds__(kThreads)
+    moe_decode_down_combine_pairs_kernel(const uint16_t* __restrict__ h,
+                                         const uint16_t* __restrict__ down_w, int64_t Din,
+                                         int64_t F, const int32_t* __restrict__ idx,
+                                         const float* __restrict__ weight, int N, int k, int E,
+                                         void* __restrict__ y) {
+  __shared__ float dots[kPairPathMaxPairs][kDownRowsPerWarp];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t c0 = int64_t(blockIdx.x) * kDownRowsPerWarp;
+  const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
+  for (int p = warp; p < N * k; p += kWarps) {
+    const int expert = idx[p];
+    if (expert < 0 || expert >= E) continue;
+    const uint4* w[kWeightRows];
+    down_rows(down_w, expert, c0, nc, Din, F, w);
+    const uint4* const hr[1] = {reinterpret_cast<const uint4*>(h + int64_t(p) * F)};
+    float acc[kWeightRows][1];
+    warp_rows_dot<1>(w, hr, int(F / 8), lane, acc);
+#pragma unroll
+    for (int i = 0; i < kDownRowsPerWarp; ++i)
+      if (lane == i) dots[p][i] = acc[i][0];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < N * nc; i += kThreads) {
+    const int t = i / nc, c = i % nc;
+    float sum = 0.0f;
+    for (int s = 0; s < k; ++s) {
+      const int pair = t * k + s;
+      const int e = idx[pair];
+      if (e < 0 || e >= E) continue;
+      sum += weight[pair] * dots[pair][c];
+    }
+    const int64_t at = int64_t(t) * Din + c0 + c;
+    if constexpr (kF32Out)
+      static_cast<float*>(y)[at] = sum;
+    else
+      static_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(sum);
   }
 }
 
@@ -466,15 +510,24 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
   const Workspace ws = carve_workspace(workspace, N, k, ew, &bytes);
   const int64_t A = max_active_experts(N, k, ew.E);
   const int E = int(ew.E);
-  Plan plan = ws.plan;
-  plan.idx = idx;
-  plan.pairs = int(N * k);
-  plan.E = E;
-  plan.in_warps = N * k <= kWarpPlanMaxPairs && !force_plan_kernel();
-  if (!plan.in_warps) {
-    moe_decode_plan_kernel<<<1, kPlanThreads, 0, stream>>>(idx, int(N), k, E, plan);
-    check_last_error("moe_decode_plan_kernel");
+  if (N * k <= kPairPathMaxPairs && !force_plan_kernel()) {
+    const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)), unsigned(N * k));
+    moe_decode_gate_up_pairs_kernel<<<gate_up_grid, kThreads, 0, stream>>>(
+        x, ew.gate, ew.up, ew.Din, ew.F, k, idx, E, act, ws.h);
+    check_last_error("moe_decode_gate_up_pairs_kernel");
+    const unsigned down_blocks = unsigned(ceil_div(ew.Din, kDownRowsPerWarp));
+    if (y_type == GemmOutType::F32)
+      moe_decode_down_combine_pairs_kernel<true><<<down_blocks, kThreads, 0, stream>>>(
+          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, y);
+    else
+      moe_decode_down_combine_pairs_kernel<false><<<down_blocks, kThreads, 0, stream>>>(
+          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, y);
+    check_last_error("moe_decode_down_combine_pairs_kernel");
+    return;
   }
+  const Plan plan = ws.plan;
+  moe_decode_plan_kernel<<<1, kPlanThreads, 0, stream>>>(idx, int(N), k, E, plan);
+  check_last_error("moe_decode_plan_kernel");
   const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)), unsigned(A));
   moe_decode_gate_up_kernel<<<gate_up_grid, kThreads, 0, stream>>>(x, ew.gate, ew.up, ew.Din, ew.F,
                                                                    k, plan, act, ws.h);

@@ -1,12 +1,18 @@
 // Routed experts for a few tokens without a host synchronisation (the decode step's MoE,
 // model/cuda/decode_gpu.h): the twin of moe.h moe_experts_forward
-//     y[t] = Σ_slot w[t, slot] · E_{idx[t, slot]}(x[t]),   E_j(x) = W_down,j · act(W_gate,j x, W_up,j x)
+//     y[t] = Σ_slot w[t, slot] · E_{idx[t, slot]}(x[t]),   E_j(x) = W_down,j · act(W_gate,j x,
+//     W_up,j x)
 // that reads the routing (idx, w) from DEVICE memory and launches a grid whose shape depends on
 // (N, k, E) only, so the whole call can be captured in a CUDA graph and replayed. The grouped
 // path (moe.h) instead copies per-expert row counts to the host to size its GEMMs.
 // Plain C++17 header (no CUDA includes); kernels in moe_decode.cu.
 //
-// Four launches, each reading what the previous one wrote:
+// Up to 32 (token, expert) pairs (batch ≤ 4 at k = 8), two launches with no plan:
+//   gate/up   grid (F / 16, N·k): block (f-tile, pair) streams rows f..f+15 of the pair's
+//             expert's W_gate and W_up: h[pair, f] = act(g, u) in fp32, stored bf16 [N·k, F]
+//   down      grid (Din / 4): block (channels c..c+3), its warps over the pairs, the dots in
+//             shared memory, then y[t, c..c+3] = Σ_slot w[t, slot]·dot[t·k + slot] in slot order
+// Beyond that, four launches, each reading what the previous one wrote:
 //   plan      one block: rows of each expert in (token, slot) order, the list of experts the
 //             batch hits (ascending), their row ranges; a device count of them
 //   gate/up   grid (F / 16, min(E, N·k)): block (f-tile, a) streams rows f..f+15 of W_gate and
@@ -16,7 +22,8 @@
 //   down      grid (Din / 32, min(E, N·k)): o[pair, c] = W_down,e[c, :]·h[pair, :], fp32
 //             [N·k, Din]
 //   combine   y[t, :] = Σ_slot w[t, slot]·o[t·k + slot, :] in slot order (deterministic)
-// Blocks past the device count of hit experts exit at once. A warp owns whole weight rows and
+// Blocks past the device count of hit experts exit at once. Both paths compute every dot and
+// sum in the same order, so they give the same bits. A warp owns whole weight rows and
 // streams them with 16-byte loads (lane i takes 16-byte chunks i, i + 32, …, four chunks in flight
 // per row), dot products in fp32, one warp reduction per (row, token).
 //
@@ -62,8 +69,8 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
                                 void* y, GemmOutType y_type, void* workspace,
                                 CUstream_st* stream = nullptr);
 
-// Tests: run the plan kernel even where every (token, expert) pair fits a warp, whose own plan
-// must give the same bits. Process-wide; off by default.
+// Tests: take the planned path even up to 32 pairs, where the pair kernels run by default (the
+// two must give the same bits). Process-wide; off by default.
 void moe_decode_force_plan_kernel(bool on);
 
 }  // namespace dm::cuda
