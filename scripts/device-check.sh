@@ -28,8 +28,9 @@
 #
 # Triton's compiled kernels and autotuning results (TRITON_CACHE_AUTOTUNING=1) are kept across
 # calls: the run leaves triton-cache.tgz beside its logs, and a .triton-cache.tgz in the checkout
-# (the previous call's archive, carried) is unpacked before the peers run, which then skip the
-# autotuning (its step is budgeted at 90 s instead of 400). Past 16 MiB (the most one returned
+# (the previous call's archive, carried), else bench/peers/fla-autotune-h200.tgz (fla-core
+# 0.6.0's autotuning results for the three KDA shapes on an H200, committed), is unpacked before
+# the peers run, which then skip the autotuning (its step is budgeted at 90 s instead of 400). Past 16 MiB (the most one returned
 # file may be) the archive holds only the autotuning results, so the chosen kernels compile again.
 #
 # Under the device tool ($OUT set; at most 8 files come back) the logs are written to
@@ -42,7 +43,9 @@ mkdir -p "$LOG"
 export TRITON_CACHE_DIR=/tmp/device-check-triton TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 TRITON_WARM=0
-if [ -f .triton-cache.tgz ] && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"; then TRITON_WARM=1; fi
+TRITON_SEED=.triton-cache.tgz  # the previous call's archive, else the committed autotuning set
+[ -f "$TRITON_SEED" ] || TRITON_SEED=bench/peers/fla-autotune-h200.tgz
+if [ -f "$TRITON_SEED" ] && tar -xzf "$TRITON_SEED" -C "$TRITON_CACHE_DIR"; then TRITON_WARM=1; fi
 # On exit (also after a failed build): the Triton archive, and under the device tool the files
 # that come back.
 ship_logs() {
