@@ -17,6 +17,9 @@
 // two blocks per SM.
 #include <cooperative_groups.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda_backward_detail.cuh"
@@ -27,17 +30,22 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kSplitTiles = 4;  // 8-column mma tiles per warp: (KH/2)/8 ≤ 4 for KP ≤ 128
+// Warps per 16-row sub-block (column groups): each warp holds a 16-row × (KH/groups) tile of
+// dq̂, dk̂ in registers. Four groups (512 threads, 2 tiles of 8 columns per warp) when KH % 32 ==
+// 0, else two (256 threads, up to 4 tiles): twice the warps per SM to hide the phases' memory
+// and barrier latency at the same two blocks per SM (registers: 64 per thread instead of 128).
+constexpr int kMaxColGroups = 4;
 
 struct KeyLayout {
   int ldr;  // raw q, k rows (bf16): KH + 8
   int ldg;  // Γ rows and the [C, KH] fp32 buffers (dΓ, E, dq, dk): KH + 4
   int ldo;  // dO rows (bf16): VP + 8
-  int query_raw, key_raw, gamma, d_query_key, d_lower, d_out, slabs, scan, vectors, total;
+  int query_raw, key_raw, gamma, d_query_key, d_lower, d_out, slabs, vectors, total;
 };
-// β, 1/‖q‖, 1/‖k‖, seg, diag(dP), row dots (q, k) by warp column half [2, C] each, the block's
-// row dots (q, k) [C] each, their cluster totals [C] each; e^γ ⊙ rowsum(S ⊙ dS') [KH].
-constexpr int kKeyVectorFloats = 15 * kChunk + kKdaCudaMaxHeadDim / 2;
+// β, 1/‖q‖, 1/‖k‖, seg, diag(dP), row dots (q, k) by warp column group [kMaxColGroups, C] each,
+// the block's row dots (q, k) [C] each, their cluster totals [C] each; e^γ ⊙ rowsum(S ⊙ dS')
+// [KH].
+constexpr int kKeyVectorFloats = (9 + 2 * kMaxColGroups) * kChunk + kKdaCudaMaxHeadDim / 2;
 
 // Phase clock (bench_cuda_kda --phases), as in the value kernel (block: middle chunk, first
 // batch-head, K half 0). Stamps inside the key-side and pairwise phases time warp 0.
@@ -73,20 +81,21 @@ __host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
   at += round16(most(kChunk * l.ldo * 2, channel_matrix));  // dO, then dΓ
   l.slabs = at;
   at += round16(most(2 * KH * kSlabLd * 4, channel_matrix));  // then E
-  l.scan = at;  // [2, kThreads] fp32: the dg scans' run totals
-  at += 2 * kThreads * 4;
   l.vectors = at;
   at += kKeyVectorFloats * 4;
   l.total = at;
   return l;
 }
 
-__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
+template <int kColGroups>
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     kda_chunk_grad_key_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* g_in,
                               const uint16_t* beta_in, const uint16_t* d_o,
                               const int32_t* doc_start, float* dq, float* dk, float* dg,
                               float* dbeta, KdaDims d, KdaForwardWorkspace ws,
                               const float* d_states, KdaSplitWorkspace split) {
+  constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
+  constexpr int kTiles = 8 / kColGroups;  // 8-column mma tiles per warp: KH/groups/8 for KH ≤ 64
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const KeyLayout l = key_layout(d);
   const int ldr = l.ldr, ldg = l.ldg, ldo = l.ldo;
@@ -97,16 +106,18 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   float* d_lkk = reinterpret_cast<float*>(shared_bytes + l.d_lower);              // [C, kLdPair] dL
   uint16_t* d_out_s = reinterpret_cast<uint16_t*>(shared_bytes + l.d_out);  // [C, ldo] dO bits
   float* slabs = reinterpret_cast<float*>(shared_bytes + l.slabs);
-  float* scan = reinterpret_cast<float*>(shared_bytes + l.scan);
+  // [2, kBlockThreads] fp32: the dg scans' run totals, in the raw q rows once those are dead
+  // (64·(KH+8)·2 bytes ≥ 2·4·kBlockThreads: KH ≥ 16 with two groups, ≥ 32 with four).
+  float* scan = reinterpret_cast<float*>(query_raw);
   float* vec = reinterpret_cast<float*>(shared_bytes + l.vectors);
   float* beta_s = vec;                                  // [C]
   float* query_inv = beta_s + kChunk;                   // [C]
   float* key_inv = query_inv + kChunk;                  // [C]
   int* seg = reinterpret_cast<int*>(key_inv + kChunk);  // [C]
   float* diag_pqk = key_inv + 2 * kChunk;               // [C] diagonal of dP
-  float* dots_query = diag_pqk + kChunk;                // [2, C] q·dq̂ by warp column half
-  float* dots_key = dots_query + 2 * kChunk;            // [2, C] k·dk̂
-  float* block_dot_query = dots_key + 2 * kChunk;       // [C] over this block's channels
+  float* dots_query = diag_pqk + kChunk;                // [groups, C] q·dq̂ by column group
+  float* dots_key = dots_query + kMaxColGroups * kChunk;       // [groups, C] k·dk̂
+  float* block_dot_query = dots_key + kMaxColGroups * kChunk;  // [C] over the block's channels
   float* block_dot_key = block_dot_query + kChunk;      // [C]
   float* dot_query = block_dot_key + kChunk;            // [C] over all K (both blocks)
   float* dot_key = dot_query + kChunk;                  // [C]
@@ -165,7 +176,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   if (rows_by_8) {
     using attention_detail::cp_async_16;
     const int per_row = KP / 8;
-    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * per_row; idx += kBlockThreads) {
       const int i = idx / per_row, col = idx % per_row * 8;
       const bool valid = i < c_len && col < d.K;  // K % 8 == 0: all 8 columns inside K or none
       const int64_t at = valid ? token_row(i) * d.K + col : 0;
@@ -173,33 +184,33 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       cp_async_16(key_full + i * ldf + col, k + at, valid);
     }
     const int per_row_half = KH / 8;
-    for (int idx = tid; idx < kChunk * per_row_half; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * per_row_half; idx += kBlockThreads) {
       const int i = idx / per_row_half, col = idx % per_row_half * 8;
       const bool valid = i < c_len && c0 + col < d.K;
       cp_async_16(gate_bits + i * ldr + col, g_in + (valid ? token_row(i) * d.K + c0 + col : 0),
                   valid);
     }
     const int per_row_v = VP / 8;
-    for (int idx = tid; idx < kChunk * per_row_v; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * per_row_v; idx += kBlockThreads) {
       const int i = idx / per_row_v, e = idx % per_row_v * 8;
       const bool valid = i < c_len && e < d.V;
       cp_async_16(d_out_s + i * ldo + e, d_o + (valid ? token_row(i) * d.V + e : 0), valid);
     }
     attention_detail::cp_async_commit();
   } else {
-    for (int idx = tid; idx < kChunk * KP; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * KP; idx += kBlockThreads) {
       const int i = idx / KP, col = idx % KP;
       const bool valid = i < c_len && col < d.K;
       const int64_t at = valid ? token_row(i) * d.K + col : 0;
       query_full[i * ldf + col] = valid ? q[at] : uint16_t(0);
       key_full[i * ldf + col] = valid ? k[at] : uint16_t(0);
     }
-    for (int idx = tid; idx < kChunk * KH; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * KH; idx += kBlockThreads) {
       const int i = idx / KH, col = idx % KH;
       const bool valid = i < c_len && c0 + col < d.K;
       gate_bits[i * ldr + col] = valid ? g_in[token_row(i) * d.K + c0 + col] : uint16_t(0);
     }
-    for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * VP; idx += kBlockThreads) {
       const int i = idx / VP, e = idx % VP;
       d_out_s[i * ldo + e] = (i < c_len && e < d.V) ? d_o[token_row(i) * d.V + e] : uint16_t(0);
     }
@@ -213,7 +224,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   }
   // dγ = e^γ ⊙ rowsum(S ⊙ dS') for the block's channels (warp per state row, 16-byte loads).
 #pragma unroll 4
-  for (int col = warp; col < KH; col += kWarps) {
+  for (int col = warp; col < KH; col += kBlockWarps) {
     const float* s_row = state + int64_t(c0 + col) * VP;
     const float* ds_row = d_state + int64_t(c0 + col) * VP;
     float dot = 0.0f;
@@ -231,15 +242,16 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
 
   // Inverse L2 norms from the whole rows (warp per row); the block's channels of q and k copied
   // to their own rows; Γ = cumsum g down the block's columns.
-  kda_inverse_norms_and_cumsum(query_full, key_full, ldf, nullptr, 0, d, query_inv, key_inv);
-  for (int idx = tid; idx < kChunk * (KH / 8); idx += kThreads) {
+  kda_inverse_norms_and_cumsum<kBlockThreads>(query_full, key_full, ldf, nullptr, 0, d, query_inv,
+                                              key_inv);
+  for (int idx = tid; idx < kChunk * (KH / 8); idx += kBlockThreads) {
     const int i = idx / (KH / 8), col = idx % (KH / 8) * 8;
     *reinterpret_cast<uint4*>(query_raw + i * ldr + col) =
         *reinterpret_cast<const uint4*>(query_full + i * ldf + c0 + col);
     *reinterpret_cast<uint4*>(key_raw + i * ldr + col) =
         *reinterpret_cast<const uint4*>(key_full + i * ldf + c0 + col);
   }
-  for (int col = tid; col < KH; col += kThreads) {
+  for (int col = tid; col < KH; col += kBlockThreads) {
     float running = 0.0f;
     for (int i = 0; i < kChunk; ++i) {
       running += bf16_bits_to_float(gate_bits[i * ldr + col]);
@@ -253,7 +265,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   {
     const float* query_key_parts = split.d_query_key + 2 * ch * kChunk * kChunk;
     const float* mix_parts = split.d_mix + 2 * ch * kChunk * kChunk;
-    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kBlockThreads) {
       const int i = idx / (kChunk / 4), j0 = idx % (kChunk / 4) * 4;
       const float4 p0 = *reinterpret_cast<const float4*>(query_key_parts + i * kChunk + j0);
       const float4 p1 =
@@ -282,23 +294,23 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   // (d_gamma, in dO's slot: dO's one reader is dQd, whose product ends with a barrier), each
   // element owned by the lane that holds it in the fragment layout; in registers too, at the
   // 128-register bound, it spilled in the pairwise loops.
-  const int row_block = warp >> 1, r0 = 16 * row_block;
-  const int tiles_k = KH / 16, col0_k = c0 + (warp & 1) * tiles_k * 8;
-  float acc_q[kSplitTiles][4], acc_k[kSplitTiles][4];
+  const int row_block = warp / kColGroups, group = warp % kColGroups, r0 = 16 * row_block;
+  const int tiles_k = KH / (8 * kColGroups), col0_k = c0 + group * tiles_k * 8;
+  float acc_q[kTiles][4], acc_k[kTiles][4];
   float* d_gamma = reinterpret_cast<float*>(d_out_s);  // [C, ldg] dΓ from the end of stage 2
   zero_tiles(acc_q);
   zero_tiles(acc_k);
   float* key_end_terms = slabs;  // E [C, ldg], once the last product has freed the slabs
   {
-    float acc[kSplitTiles][4];
+    float acc[kTiles][4];
     // dQd = dO·Sᵀ (bf16: dO exact).
     zero_tiles(acc);
-    key_side_product<MmaPrecision::Bf16>(
+    key_side_product<MmaPrecision::Bf16, kTiles, kBlockThreads>(
         acc, tiles_k, col0_k, c0, KH, VP, state, slabs, [&](int r, int e) {
           const uint32_t bits = *reinterpret_cast<const uint32_t*>(d_out_s + (r0 + r) * ldo + e);
           return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
         });
-    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = acc[j][e4] * decay_from_start;
       acc_q[j][e4] += value;
@@ -307,10 +319,10 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     stamp(3);
     // dKd = −dX·Sᵀ (tf32).
     zero_tiles(acc);
-    key_side_product<MmaPrecision::Tf32>(
+    key_side_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
         acc, tiles_k, col0_k, c0, KH, VP, state, slabs,
         [&](int r, int e) { return load_pair(d_x + (r0 + r) * VP + e); });
-    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
       const float value = -acc[j][e4] * decay_from_start;
       acc_k[j][e4] += value;
@@ -320,10 +332,10 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
     // dKe = V'·dS'ᵀ (tf32): dk̂ += dKe ⊙ e^{γ−Γ} (last segment), and E = that ⊙ k̂ for dg's
     // exclusive forward prefix (stage 4 of the fused kernel explains why not total − suffix).
     zero_tiles(acc);
-    key_side_product<MmaPrecision::Tf32>(
+    key_side_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
         acc, tiles_k, col0_k, c0, KH, VP, d_state, slabs,
         [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
-    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
           seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
       const float value = acc[j][e4] * decay_to_end;
@@ -338,11 +350,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   //   columns G_l = k̂_l e^{Γ_l − Γ_a}, G^q_l = q̂_l e^{Γ_l − Γ_a}, a = first token of l's sub-block.
   {
     // Diagonal of dP: dq̂_i += dP_ii k̂_i, dk̂_i += dP_ii q̂_i (its dΓ terms cancel).
-    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       acc_q[j][e4] += diag_pqk[i] * key_hat(i, c);
       acc_k[j][e4] += diag_pqk[i] * query_hat(i, c);
     });
-    float acc[kSplitTiles][4];
+    float acc[kTiles][4];
     for (int t = 0; t < row_block; ++t) {
       const int j0 = kSubBlock * t, after = kSubBlock * (t + 1);
       auto f_key = [&](int j, int nn) {
@@ -353,7 +365,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       warp_mma<MmaPrecision::Tf32>(
           acc, tiles_k, j0, j0 + kSubBlock,
           [&](int r, int j) { return d_lkk[(r0 + r) * kLdPair + j]; }, f_key);
-      for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float row_lower = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_k[j][e4] += row_lower;
         d_gamma[i * ldg + c - c0] += key_hat(i, c) * row_lower;
@@ -362,7 +374,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       warp_mma<MmaPrecision::Tf32>(
           acc, tiles_k, j0, j0 + kSubBlock,
           [&](int r, int j) { return d_pqk[(r0 + r) * kLdPair + j]; }, f_key);
-      for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float row_query_key = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_q[j][e4] += row_query_key;
         d_gamma[i * ldg + c - c0] += query_hat(i, c) * row_query_key;
@@ -385,7 +397,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
             const int c = col0_k + nn;
             return query_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(start, c));
           });
-      for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+      for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float cols = acc[j][e4] * __expf(gamma_at(start, c) - gamma_at(i, c));
         acc_k[j][e4] += cols;
         d_gamma[i * ldg + c - c0] -= key_hat(i, c) * cols;
@@ -409,17 +421,23 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   // channels, then over both blocks of the cluster.
   {
     float row_q[2] = {0.0f, 0.0f}, row_k[2] = {0.0f, 0.0f};
-    for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+    for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       row_q[e4 >> 1] += bf16_bits_to_float(query_raw[i * ldr + c - c0]) * acc_q[j][e4];
       row_k[e4 >> 1] += bf16_bits_to_float(key_raw[i * ldr + c - c0]) * acc_k[j][e4];
     });
-    store_row_dots(row_q, r0, dots_query + (warp & 1) * kChunk);
-    store_row_dots(row_k, r0, dots_key + (warp & 1) * kChunk);
+    store_row_dots(row_q, r0, dots_query + group * kChunk);
+    store_row_dots(row_k, r0, dots_key + group * kChunk);
   }
   __syncthreads();
   if (tid < kChunk) {
-    block_dot_query[tid] = dots_query[tid] + dots_query[kChunk + tid];
-    block_dot_key[tid] = dots_key[tid] + dots_key[kChunk + tid];
+    float sum_query = dots_query[tid], sum_key = dots_key[tid];
+#pragma unroll
+    for (int p = 1; p < kColGroups; ++p) {
+      sum_query += dots_query[p * kChunk + tid];
+      sum_key += dots_key[p * kChunk + tid];
+    }
+    block_dot_query[tid] = sum_query;
+    block_dot_key[tid] = sum_key;
   }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // both blocks' row dots are written
@@ -438,7 +456,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
   // (dead since the pairwise phase), so one coalesced pass adds dg, dq, dk at the end.
   float* d_query_s = d_pqk;  // [C, ldg]
   float* d_key_s = d_lkk;    // [C, ldg]
-  for_each_element<kSplitTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
+  for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
     const float q_inv = query_inv[i], k_inv = key_inv[i];
     const float q_raw = bf16_bits_to_float(query_raw[i * ldr + c - c0]);
     const float k_raw = bf16_bits_to_float(key_raw[i * ldr + c - c0]);
@@ -449,16 +467,18 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
 
   // dg = the exclusive forward prefix of E (zero outside the last segment) + the reverse cumsum
   // of dΓ restarting at document starts, seeded (last segment) with dγ. Segmented scans with
-  // kThreads/KH threads per column, each over a run of `rows` rows: local scans in place, each
+  // kBlockThreads/KH threads per column, each over a run of `rows` rows: local scans in place, each
   // run's totals through shared memory, then the carries. Reverse: the running sum at a run's
   // first row t is its local sum plus, when no document starts between t and the next run's
   // first row u (seg[t] == seg[u]), the running sum at u; row C is virtual, with running sum dγ
   // and the last row's segment.
+  __syncthreads();  // the raw q rows (read just above) become the scans' totals
   {
-    const int parts = kThreads / KH, rows = kChunk / parts;  // KH ∈ {16, 32, 64}
+    const int parts = kBlockThreads / KH, rows = kChunk / parts;  // KH ∈ {16, 32, 64}
     const int col = tid % KH, part = tid / KH, i0 = part * rows;
     float* e_totals = scan;               // [parts, KH] Σ E over each run
-    float* gamma_tops = scan + kThreads;  // [parts, KH] local reverse sums at each run's first row
+    float* gamma_tops =
+        scan + kBlockThreads;  // [parts, KH] local reverse sums at each run's first row
     float prefix = 0.0f, running = 0.0f;
     for (int i = i0; i < i0 + rows; ++i) {
       const float e = key_end_terms[i * ldg + col];
@@ -505,7 +525,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
                        15) == 0) {
     const int per_row = width / 4;
 #pragma unroll 4
-    for (int idx = tid; idx < c_len * per_row; idx += kThreads) {
+    for (int idx = tid; idx < c_len * per_row; idx += kBlockThreads) {
       const int i = idx / per_row, col = idx % per_row * 4;
       const int64_t at = token_row(i) * d.K + c0 + col;
       add4(dg + at, d_gamma + i * ldg + col);
@@ -513,7 +533,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
       add4(dk + at, d_key_s + i * ldg + col);
     }
   } else {
-    for (int idx = tid; idx < c_len * width; idx += kThreads) {
+    for (int idx = tid; idx < c_len * width; idx += kBlockThreads) {
       const int i = idx / width, col = idx % width;
       const int64_t at = token_row(i) * d.K + c0 + col;
       dg[at] += d_gamma[i * ldg + col];
@@ -528,6 +548,13 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kThreads, 2)
 
 size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d) { return size_t(key_layout(d).total); }
 
+int kda_stage4_column_groups(int half_width) {
+  static const bool force_two = [] {
+    const char* v = std::getenv("DM_KDA_STAGE4_GROUPS");
+    return v != nullptr && std::strcmp(v, "2") == 0;
+  }();
+  return half_width % 32 == 0 && !force_two ? 4 : 2;
+}
 void kda_key_phase_clock(bool enable) { phase_clock_enable(g_key_clock_on, enable); }
 int kda_key_phase_cycles(long long* cycles, const char** names, int max_phases) {
   return phase_clock_read(g_key_clock, kKeyPhaseNames, cycles, names, max_phases);
@@ -541,11 +568,17 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
   const int shared = key_layout(d).total;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_grad_key_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-  kda_chunk_grad_key_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), 2), kThreads,
-                              size_t(shared), stream>>>(q, k, g, beta, d_o, doc_start, dq, dk, dg,
-                                                        dbeta, d, ws, d_states, split);
+  const dim3 grid(unsigned(d.num_chunks), unsigned(d.B * d.H), 2);
+  auto launch = [&](auto kernel, int threads) {
+    DM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    kernel<<<grid, threads, size_t(shared), stream>>>(q, k, g, beta, d_o, doc_start, dq, dk, dg,
+                                                      dbeta, d, ws, d_states, split);
+  };
+  if (kda_stage4_column_groups(d.KP / 2) == 4)
+    launch(kda_chunk_grad_key_kernel<4>, 4 * 32 * kNumSubBlocks);
+  else
+    launch(kda_chunk_grad_key_kernel<2>, 2 * 32 * kNumSubBlocks);
   check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
 }
 

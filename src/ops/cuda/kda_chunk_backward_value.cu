@@ -24,7 +24,10 @@
 namespace dm::cuda::kda_detail {
 namespace {
 
-constexpr int kSplitTiles = 4;  // 8-column mma tiles per warp: (VH/2)/8 ≤ 4 for VP ≤ 128
+// Warps per 16-row sub-block (column groups), as in the key kernel: four (512 threads) when
+// VH % 32 == 0, else two (256 threads). A warp holds 16 rows × VH/groups columns of the [C, VH]
+// products and 16 rows × 64/groups columns of the [C, C] ones.
+constexpr int kMaxColGroups = 4;
 
 struct ValueLayout {
   int ldk;  // Γ rows (fp32): KP + 4
@@ -33,7 +36,8 @@ struct ValueLayout {
   int gamma, key_raw, lower, inverse, d_value, d_out, vectors, total;
 };
 constexpr int kLdInverse = kSubBlock + 4;  // row stride of the [16, 16] inverse blocks
-constexpr int kValueVectorFloats = 5 * kChunk;  // β, 1/‖k‖, seg, dβ partials of the 2 warp columns
+// β, 1/‖k‖, seg, dβ partials of the column groups [kMaxColGroups, C].
+constexpr int kValueVectorFloats = (3 + kMaxColGroups) * kChunk;
 
 // Phase clock (bench_cuda_kda --phases): SM cycle stamps of thread 0 of one block (the middle
 // chunk of the first batch-head, V half 0) at the phase boundaries, while enabled.
@@ -132,6 +136,7 @@ __device__ __forceinline__ void diagonal_block_inverses(const float* lower, cons
 // dR_s = N_s·rhs_s (3×tf32). A warp owns whole 8-column tiles, so the rhs round trip through
 // shared memory needs only the warp; one block barrier per sub-block. Starts after a barrier
 // that published dV' and N; ends with one.
+template <int kBlockWarps>
 __device__ __forceinline__ void solve_with_inverses(float* d_value, int ld, int width,
                                                     const float* beta_s, const float* lower,
                                                     const float* inverse) {
@@ -139,7 +144,7 @@ __device__ __forceinline__ void solve_with_inverses(float* d_value, int ld, int 
   for (int s = kNumSubBlocks - 1; s >= 0; --s) {
     const int s0 = kSubBlock * s;
     const float* n = inverse + s * kSubBlock * kLdInverse;
-    for (int tile = warp; tile < width / 8; tile += kWarps) {
+    for (int tile = warp; tile < width / 8; tile += kBlockWarps) {
       float* cols = d_value + 8 * tile;
       if (s < kNumSubBlocks - 1) {
         float acc[1][4];
@@ -164,12 +169,15 @@ __device__ __forceinline__ void solve_with_inverses(float* d_value, int ld, int 
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 2)
+template <int kColGroups>
+__global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     kda_chunk_grad_value_kernel(const uint16_t* k, const uint16_t* v, const uint16_t* g_in,
                                 const uint16_t* beta_in, const uint16_t* d_o,
                                 const int32_t* doc_start, float* dv, KdaDims d,
                                 KdaForwardWorkspace ws, const float* d_states,
                                 KdaSplitWorkspace split) {
+  constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
+  constexpr int kTiles = 8 / kColGroups;  // 8-column tiles per warp: VH/groups/8, 64/groups/8
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const ValueLayout l = value_layout(d);
   const int ldk = l.ldk, ldr = l.ldr, ldh = l.ldh;
@@ -182,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* beta_s = reinterpret_cast<float*>(shared_bytes + l.vectors);         // [C]
   float* key_inv = beta_s + kChunk;                                           // [C]
   int* seg = reinterpret_cast<int*>(key_inv + kChunk);                        // [C]
-  float* beta_dots = key_inv + 2 * kChunk;  // [2, C] dβ partials by warp column half
+  float* beta_dots = key_inv + 2 * kChunk;  // [groups, C] dβ partials by column group
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int KP = d.KP, VP = d.VP, VH = VP / 2;
@@ -210,35 +218,36 @@ __global__ void __launch_bounds__(kThreads, 2)
   // bits), g, β, segments, the block's half of dO (fp32, zero past the chunk end and V).
   {
     const float* lower_key_key = ws.lower_key_key + ch * kChunk * kChunk;
-    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kBlockThreads) {
       const int i = idx / (kChunk / 4), j = idx % (kChunk / 4) * 4;
       attention_detail::cp_async_16(lower + i * kLdPair + j, lower_key_key + i * kChunk + j, true);
     }
     attention_detail::cp_async_commit();
   }
   const bool rows_by_8 = kda_rows_by_8(d, k, k, g_in, d_o);
-  kda_stage_rows_bf16(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr, key_raw, ldr, gam,
-                      ldk);
+  kda_stage_rows_bf16<kBlockThreads>(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr,
+                                     key_raw, ldr, gam, ldk);
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
   kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
-  kda_stage_d_out_f32(d_o, d, b, h, t0, c_len, rows_by_8, e0, VH, d_out_s, ldh);
+  kda_stage_d_out_f32<kBlockThreads>(d_o, d, b, h, t0, c_len, rows_by_8, e0, VH, d_out_s, ldh);
   attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
-  kda_inverse_norms_and_cumsum(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
+  kda_inverse_norms_and_cumsum<kBlockThreads>(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
   __syncthreads();
   stamp(2);
   diagonal_block_inverses(lower, beta_s, inverse);  // threads 0–63; phase 1's barrier publishes N
 
-  // Warp tiles: rows 16·(warp/2); [C, VH] outputs take the warp's half of the VH columns, [C, C]
-  // outputs its half of the 64 columns.
-  const int r0 = 16 * (warp >> 1);
-  const int tiles_v = VH / 16, col0_v = (warp & 1) * tiles_v * 8;
-  const int col0_c = (warp & 1) * 32;
+  // Warp tiles: rows 16·(warp/groups); [C, VH] outputs take the warp's group of the VH columns,
+  // [C, C] outputs its group of the 64 columns.
+  const int group = warp % kColGroups, r0 = 16 * (warp / kColGroups);
+  const int tiles_v = VH / (8 * kColGroups), col0_v = group * tiles_v * 8;
+  constexpr int tiles_c = kChunk / (8 * kColGroups);
+  const int col0_c = group * tiles_c * 8;
 
   // ---- 1. dV' = Ke·dS' + Pᵀ·dO (tf32; Pᵀ is upper triangular: k from r0). dP_h = dO·V'ᵀ (bf16).
   {
-    float acc[kSplitTiles][4];
+    float acc[kTiles][4];
     zero_tiles(acc);
     const float* d_state_cols = d_state + e0 + col0_v;
     warp_mma_pairs<MmaPrecision::Tf32>(
@@ -250,40 +259,40 @@ __global__ void __launch_bounds__(kThreads, 2)
     warp_mma<MmaPrecision::Tf32>(
         acc, tiles_v, r0, kChunk, [&](int r, int j) { return lower_qk[j * kChunk + r0 + r]; },
         [&](int j, int nn) { return d_out_s[j * ldh + col0_v + nn]; });
-    for_each_element<kSplitTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
+    for_each_element<kTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
       d_value[i * ldh + e] = acc[j][e4];
     });
   }
   {
-    float acc[4][4];
+    float acc[tiles_c][4];
     zero_tiles(acc);
     warp_mma_pairs<MmaPrecision::Bf16>(
-        acc, 4, 0, VH, [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldh + e); },
+        acc, tiles_c, 0, VH, [&](int r, int e) { return load_pair(d_out_s + (r0 + r) * ldh + e); },
         [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e0 + e); });
-    store_tiles(acc, 4, r0, col0_c, d_query_key_part, kChunk, 1.0f);
+    store_tiles(acc, tiles_c, r0, col0_c, d_query_key_part, kChunk, 1.0f);
   }
   __syncthreads();
   stamp(3);
 
   // ---- 2. dR = M⁻ᵀ·dV' over the block's columns (solve_with_inverses).
-  solve_with_inverses(d_value, ldh, VH, beta_s, lower, inverse);
+  solve_with_inverses<kBlockWarps>(d_value, ldh, VH, beta_s, lower, inverse);
   stamp(4);
 
   // ---- 3. dM_h = −dR·V'ᵀ (tf32) and its Σ_j L_ij·dM_ij; rowdot(dR, X) with X = V − Kd·S.
   float beta_dot[2] = {0.0f, 0.0f};  // this lane's rows r0 + g, r0 + g + 8
   {
-    float acc[4][4];
+    float acc[tiles_c][4];
     zero_tiles(acc);
     warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, 4, 0, VH, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldh + e); },
+        acc, tiles_c, 0, VH, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldh + e); },
         [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e0 + e); });
-    store_tiles(acc, 4, r0, col0_c, d_mix_part, kChunk, -1.0f);
-    for_each_element<4>(4, r0, col0_c, [&](int j, int e4, int i, int jj) {
+    store_tiles(acc, tiles_c, r0, col0_c, d_mix_part, kChunk, -1.0f);
+    for_each_element<tiles_c>(tiles_c, r0, col0_c, [&](int j, int e4, int i, int jj) {
       if (jj < i && seg[i] == seg[jj]) beta_dot[e4 >> 1] -= lower[i * kLdPair + jj] * acc[j][e4];
     });
   }
   {
-    float acc[kSplitTiles][4];
+    float acc[kTiles][4];
     zero_tiles(acc);
     const float* state_cols = state + e0 + col0_v;
     warp_mma_pairs<MmaPrecision::Tf32>(
@@ -300,21 +309,25 @@ __global__ void __launch_bounds__(kThreads, 2)
         [&](int c, int nn) {
           return make_float2(state_cols[c * VP + nn], state_cols[(c + 1) * VP + nn]);
         });
-    for_each_element<kSplitTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
+    for_each_element<kTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
       const int column = e0 + e;
       const float value =
           (i < c_len && column < d.V) ? load_as_float(v, token_row(i) * d.V + column) : 0.0f;
       beta_dot[e4 >> 1] += (value - acc[j][e4]) * d_value[i * ldh + e];
     });
   }
-  store_row_dots(beta_dot, r0, beta_dots + (warp & 1) * kChunk);
+  store_row_dots(beta_dot, r0, beta_dots + group * kChunk);
   __syncthreads();
   stamp(5);
 
   // ---- 4. dβ partial; dX = β·dR to the workspace (the key kernel's dKd) and into dv.
-  if (tid < kChunk)
-    split.d_beta[(2 * ch + half) * kChunk + tid] = beta_dots[tid] + beta_dots[kChunk + tid];
-  for (int idx = tid; idx < kChunk * VH; idx += kThreads) {
+  if (tid < kChunk) {
+    float sum = beta_dots[tid];
+#pragma unroll
+    for (int p = 1; p < kColGroups; ++p) sum += beta_dots[p * kChunk + tid];
+    split.d_beta[(2 * ch + half) * kChunk + tid] = sum;
+  }
+  for (int idx = tid; idx < kChunk * VH; idx += kBlockThreads) {
     const int i = idx / VH, e = idx % VH;
     const float d_x_value = beta_s[i] * d_value[i * ldh + e];
     d_x[i * VP + e0 + e] = d_x_value;
@@ -340,11 +353,17 @@ void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uin
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
   const int shared = value_layout(d).total;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_grad_value_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-  kda_chunk_grad_value_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), 2), kThreads,
-                                size_t(shared), stream>>>(k, v, g, beta, d_o, doc_start, dv, d, ws,
-                                                          d_states, split);
+  const dim3 grid(unsigned(d.num_chunks), unsigned(d.B * d.H), 2);
+  auto launch = [&](auto kernel, int threads) {
+    DM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    kernel<<<grid, threads, size_t(shared), stream>>>(k, v, g, beta, d_o, doc_start, dv, d, ws,
+                                                      d_states, split);
+  };
+  if (kda_stage4_column_groups(d.VP / 2) == 4)
+    launch(kda_chunk_grad_value_kernel<4>, 4 * 32 * kNumSubBlocks);
+  else
+    launch(kda_chunk_grad_value_kernel<2>, 2 * 32 * kNumSubBlocks);
   check_last_error("cuda kda_chunk_backward (stage 4, value kernel)");
 }
 

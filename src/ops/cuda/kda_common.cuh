@@ -131,8 +131,10 @@ __device__ __forceinline__ bool kda_rows_by_8(const KdaDims& d, const void* a, c
 
 // The chunk's raw q, k rows as bf16 bits [C, ldr] and g as fp32 [C, ldg] in shared memory, by
 // the whole block (one round trip for the chunk; no barrier inside); zero past the chunk end
-// (c_len tokens) and K up to KP. by_8 (kda_rows_by_8): 16-byte loads; ldr, ldg keep 16-byte
-// aligned rows (KP + 8 and KP + 4 with KP a multiple of 16). query_raw == nullptr: k and g only.
+// (c_len tokens) and K up to KP, by the kBlockThreads threads of the block. by_8 (kda_rows_by_8):
+// 16-byte loads; ldr, ldg keep 16-byte aligned rows (KP + 8 and KP + 4 with KP a multiple of 16).
+// query_raw == nullptr: k and g only.
+template <int kBlockThreads = kThreads>
 __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* g,
                                            const KdaDims& d, int64_t b, int64_t h, int64_t t0,
                                            int c_len, bool by_8, uint16_t* query_raw,
@@ -140,7 +142,7 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
   const int tid = threadIdx.x;
   if (by_8) {
     const int per_row = d.KP / 8;
-    for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+    for (int idx = tid; idx < kChunk * per_row; idx += kBlockThreads) {
       const int i = idx / per_row, col = idx % per_row * 8;
       uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
       if (i < c_len && col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
@@ -155,7 +157,7 @@ __device__ inline void kda_stage_rows_bf16(const uint16_t* q, const uint16_t* k,
     }
     return;
   }
-  for (int idx = tid; idx < kChunk * d.KP; idx += kThreads) {
+  for (int idx = tid; idx < kChunk * d.KP; idx += kBlockThreads) {
     const int i = idx / d.KP, col = idx % d.KP;
     const bool valid = i < c_len && col < d.K;
     const int64_t at = valid ? ((b * d.T + t0 + i) * d.H + h) * d.K + col : 0;
@@ -179,14 +181,16 @@ __device__ inline void kda_chunk_segments(const int32_t* doc_start, const KdaDim
 }
 
 // After kda_stage_rows_bf16 and a barrier: the rows' inverse L2 norms (warp per row, from the
-// bf16 bits) and Γ = cumsum g down each column in place (thread per column), by the whole block;
-// no barrier inside. query_raw == nullptr: k's norms only; gamma == nullptr: the norms only.
+// bf16 bits) and Γ = cumsum g down each column in place (thread per column), by the whole block
+// of kBlockThreads threads; no barrier inside. query_raw == nullptr: k's norms only; gamma ==
+// nullptr: the norms only.
+template <int kBlockThreads = kThreads>
 __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
                                                     const uint16_t* key_raw, int ldr, float* gamma,
                                                     int ldg, const KdaDims& d, float* query_inv,
                                                     float* key_inv) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int i = warp; i < kChunk; i += kThreads / 32) {
+  for (int i = warp; i < kChunk; i += kBlockThreads / 32) {
     float sum_q = 0.0f, sum_k = 0.0f;
     for (int col = lane; col < d.K; col += 32) {
       const float qv = query_raw ? __uint_as_float(uint32_t(query_raw[i * ldr + col]) << 16) : 0.0f;
@@ -201,7 +205,7 @@ __device__ inline void kda_inverse_norms_and_cumsum(const uint16_t* query_raw,
       key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
     }
   }
-  for (int col = tid; gamma != nullptr && col < d.KP; col += kThreads) {
+  for (int col = tid; gamma != nullptr && col < d.KP; col += kBlockThreads) {
     float running = 0.0f;
     for (int i = 0; i < kChunk; ++i) {
       running += gamma[i * ldg + col];

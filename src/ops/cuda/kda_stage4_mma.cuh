@@ -23,11 +23,12 @@ constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared mat
 constexpr int kSlab = 32, kSlabLd = kSlab + 8;
 
 // Copies rows [row0, row0 + rows) and columns [s·kSlab, (s+1)·kSlab) of the [·, VP] matrix B
-// into dst [rows, kSlabLd].
+// into dst [rows, kSlabLd], by the kBlockThreads threads of the block.
+template <int kBlockThreads = kThreads>
 __device__ __forceinline__ void stage_slab(float* dst, const float* B, int row0, int rows, int VP,
                                            int s) {
   constexpr int kPerRow = kSlab / 4;
-  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += kBlockThreads) {
     const int r = idx / kPerRow, c4 = idx % kPerRow;
     attention_detail::cp_async_16(dst + r * kSlabLd + 4 * c4,
                                   B + int64_t(row0 + r) * VP + s * kSlab + 4 * c4, true);
@@ -39,8 +40,8 @@ __device__ __forceinline__ void stage_slab(float* dst, const float* B, int row0,
 // fragments come from global memory directly; otherwise rows [row0, row0 + rows) of B (which
 // must hold the warp's channels) are staged slab by slab in `slabs` (two buffers of
 // [rows, kSlabLd] fp32; VP % kSlab == 0), and the call ends with a barrier. With slabs every
-// thread of the block must call it.
-template <MmaPrecision kPrecision, int kTiles, typename LoadA2>
+// thread of the block (kBlockThreads) must call it.
+template <MmaPrecision kPrecision, int kTiles, int kBlockThreads = kThreads, typename LoadA2>
 __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_tiles, int col0,
                                                  int row0, int rows, int VP, const float* B,
                                                  float* slabs, LoadA2&& load_a2) {
@@ -51,12 +52,12 @@ __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_
     return;
   }
   const int count = VP / kSlab, buffer = rows * kSlabLd;
-  stage_slab(slabs, B, row0, rows, VP, 0);
+  stage_slab<kBlockThreads>(slabs, B, row0, rows, VP, 0);
   attention_detail::cp_async_commit();
   for (int s = 0; s < count; ++s) {
     if (s + 1 < count) {
       // Buffer (s+1)&1 was last read by slab s−1, before the barrier that ended its step.
-      stage_slab(slabs + ((s + 1) & 1) * buffer, B, row0, rows, VP, s + 1);
+      stage_slab<kBlockThreads>(slabs + ((s + 1) & 1) * buffer, B, row0, rows, VP, s + 1);
       attention_detail::cp_async_commit();
       attention_detail::cp_async_wait<1>();
     } else {
@@ -72,14 +73,16 @@ __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_
 }
 
 // Columns [e0, e0 + width) of the chunk's dO rows as fp32 in dst [C, ld] (zero past the chunk end
-// and V), 8 bf16 per 16-byte load when by_8 (kda_rows_by_8; e0 a multiple of 8). No barrier.
+// and V), 8 bf16 per 16-byte load when by_8 (kda_rows_by_8; e0 a multiple of 8), by the
+// kBlockThreads threads of the block. No barrier.
+template <int kBlockThreads = kThreads>
 __device__ inline void kda_stage_d_out_f32(const uint16_t* d_o, const KdaDims& d, int64_t b,
                                            int64_t h, int64_t t0, int c_len, bool by_8, int e0,
                                            int width, float* dst, int ld) {
   auto row = [&](int i) { return kda_token_row(d, b, h, t0 + i) * d.V + e0; };
   if (by_8) {
     const int per_row = width / 8;
-    for (int idx = threadIdx.x; idx < kChunk * per_row; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < kChunk * per_row; idx += kBlockThreads) {
       const int i = idx / per_row, e = idx % per_row * 8;
       uint4 bits = make_uint4(0, 0, 0, 0);
       if (i < c_len && e0 + e < d.V) bits = *reinterpret_cast<const uint4*>(d_o + row(i) + e);
@@ -87,7 +90,7 @@ __device__ inline void kda_stage_d_out_f32(const uint16_t* d_o, const KdaDims& d
     }
     return;
   }
-  for (int idx = threadIdx.x; idx < kChunk * width; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < kChunk * width; idx += kBlockThreads) {
     const int i = idx / width, e = idx % width;
     dst[i * ld + e] = (i < c_len && e0 + e < d.V) ? load_as_float(d_o, row(i) + e) : 0.0f;
   }
