@@ -215,7 +215,7 @@ __device__ __forceinline__ void pairwise_inside_sub_block(
       gamma_row[hh] = gamma2(rows[hh], c);
       row_lower[hh] = row_query_key[hh] = cols[hh] = make_float2(0.0f, 0.0f);
     }
-#pragma unroll 4
+#pragma unroll(kTiles > 2 ? 4 : 2)
     for (int p = 0; p < kSubBlock; ++p) {
       const int position = r0 + p;
       const float2 key = key_hat2(position, c), query = query_hat2(position, c);
