@@ -13,8 +13,8 @@
 //     the two halves run as a cluster of two blocks and read each other's partial row dots
 //     from shared memory (DSMEM), summing them in rank order, so both halves use the same bits.
 // Shared memory at K = V = 128: raw q, k [C, KH+8] bf16, Γ [C, KH+4], dP and dL [C, C+4], dO
-// [C, VP+8] bf16 (then dΓ), two slab buffers [KH, 40] (then E), the scans' run totals: ~112 KB,
-// two blocks per SM.
+// [C, VP+8] bf16 (then dΓ), two slab buffers [KH, 40] (then E); the scans' run totals reuse
+// the raw q rows: ~110 KB, two blocks per SM of 512 threads (kMaxColGroups below).
 #include <cooperative_groups.h>
 
 #include <cstdlib>

@@ -14,8 +14,8 @@
 // block per SM, and waits on L2 in its product phases with nothing to switch to. Here the
 // shared memory is Γ [C, KP+4] fp32, raw k [C, KP+8] bf16, L [C, C+4], the inverted diagonal
 // blocks [4][16, 20], dV'→dR [C, VH+8] and dO [C, VH+8] fp32: ~109 KB at K = V = 128, two
-// blocks per SM (launch bounds cap the registers at 128). Both halves stage k and Γ (for X's
-// Kd) and load L.
+// blocks per SM (512 threads at 64 registers, or 256 at 128: kMaxColGroups below). Both halves
+// stage k and Γ (for X's Kd) and load L.
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda_backward_detail.cuh"
