@@ -56,12 +56,12 @@ const char* const kKeyPhaseNames[kKeyStamps] = {
     "start",         "row loads, dgamma", "norms, Gamma, dP, dL", "dQd",  "dKd",   "dKe, E",
     "pairwise rows/cols", "pairwise inside", "dGamma, dots, cluster", "dg scans", "dg, dq, dk writes"};
 
-__host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
-  const int KH = d.KP / 2;
+__host__ __device__ inline KeyLayout key_layout(int KP, int VP) {
+  const int KH = KP / 2;
   KeyLayout l;
   l.ldr = KH + 8;
   l.ldg = KH + 4;
-  l.ldo = d.VP + 8;
+  l.ldo = VP + 8;
   auto round16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
   auto most = [](int a, int b) { return a > b ? a : b; };
   const int channel_matrix = kChunk * l.ldg * 4;  // [C, ldg] fp32
@@ -87,7 +87,7 @@ __host__ __device__ inline KeyLayout key_layout(const KdaDims& d) {
   return l;
 }
 
-template <int kColGroups>
+template <int kColGroups, int kStaticDims>
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     kda_chunk_grad_key_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* g_in,
                               const uint16_t* beta_in, const uint16_t* d_o,
@@ -97,7 +97,10 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
   constexpr int kTiles = 8 / kColGroups;  // 8-column mma tiles per warp: KH/groups/8 for KH ≤ 64
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  const KeyLayout l = key_layout(d);
+  // K = V = kStaticDims when > 0 (the common 128): the layout and every stride fold to
+  // constants, which frees the registers that would hold them.
+  const int KP = kStaticDims > 0 ? kStaticDims : d.KP, VP = kStaticDims > 0 ? kStaticDims : d.VP;
+  const KeyLayout l = key_layout(KP, VP);
   const int ldr = l.ldr, ldg = l.ldg, ldo = l.ldo;
   uint16_t* query_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.query_raw);  // [C, ldr]
   uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);      // [C, ldr]
@@ -124,7 +127,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   float* d_gamma_last = dot_key + kChunk;               // [KH] e^γ ⊙ rowsum(S ⊙ dS')
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int KP = d.KP, VP = d.VP, KH = KP / 2;
+  const int KH = KP / 2;
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
   const int64_t ch = bh * d.num_chunks + n;
   const int half = blockIdx.z, c0 = half * KH;
@@ -546,7 +549,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
 
 }  // namespace
 
-size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d) { return size_t(key_layout(d).total); }
+size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d) {
+  return size_t(key_layout(d.KP, d.VP).total);
+}
 
 int kda_stage4_column_groups(int half_width) {
   static const bool force_two = [] {
@@ -567,7 +572,7 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
                                const KdaSplitWorkspace& split, cudaStream_t stream) {
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
-  const int shared = key_layout(d).total;
+  const int shared = key_layout(d.KP, d.VP).total;
   const dim3 grid(unsigned(d.num_chunks), unsigned(d.B * d.H), 2);
   auto launch = [&](auto kernel, int threads) {
     DM_CUDA_CHECK(
@@ -575,10 +580,12 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
     kernel<<<grid, threads, size_t(shared), stream>>>(q, k, g, beta, d_o, doc_start, dq, dk, dg,
                                                       dbeta, d, ws, d_states, split);
   };
-  if (kda_stage4_column_groups(d.KP / 2) == 4)
-    launch(kda_chunk_grad_key_kernel<4>, 4 * 32 * kNumSubBlocks);
+  if (kda_stage4_column_groups(d.KP / 2) == 2)
+    launch(kda_chunk_grad_key_kernel<2, 0>, 2 * 32 * kNumSubBlocks);
+  else if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_grad_key_kernel<4, kKdaStaticDims>, 4 * 32 * kNumSubBlocks);
   else
-    launch(kda_chunk_grad_key_kernel<2>, 2 * 32 * kNumSubBlocks);
+    launch(kda_chunk_grad_key_kernel<4, 0>, 4 * 32 * kNumSubBlocks);
   check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
 }
 

@@ -47,11 +47,11 @@ __device__ long long g_value_clock[kValueStamps];
 const char* const kValuePhaseNames[kValueStamps] = {
     "start", "rows, dO, L", "norms, Gamma", "dV', dP", "dR solve", "dM, X, dbeta", "dX, dv"};
 
-__host__ __device__ inline ValueLayout value_layout(const KdaDims& d) {
+__host__ __device__ inline ValueLayout value_layout(int KP, int VP) {
   ValueLayout l;
-  l.ldk = d.KP + 4;
-  l.ldr = d.KP + 8;
-  l.ldh = d.VP / 2 + 8;
+  l.ldk = KP + 4;
+  l.ldr = KP + 8;
+  l.ldh = VP / 2 + 8;
   auto round16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
   int at = 0;
   l.gamma = at;
@@ -169,7 +169,7 @@ __device__ __forceinline__ void solve_with_inverses(float* d_value, int ld, int 
   }
 }
 
-template <int kColGroups>
+template <int kColGroups, int kStaticDims>
 __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     kda_chunk_grad_value_kernel(const uint16_t* k, const uint16_t* v, const uint16_t* g_in,
                                 const uint16_t* beta_in, const uint16_t* d_o,
@@ -179,7 +179,10 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
   constexpr int kTiles = 8 / kColGroups;  // 8-column tiles per warp: VH/groups/8, 64/groups/8
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  const ValueLayout l = value_layout(d);
+  // K = V = kStaticDims when > 0 (the common 128): the layout and every stride fold to
+  // constants, which frees the registers that would hold them.
+  const int KP = kStaticDims > 0 ? kStaticDims : d.KP, VP = kStaticDims > 0 ? kStaticDims : d.VP;
+  const ValueLayout l = value_layout(KP, VP);
   const int ldk = l.ldk, ldr = l.ldr, ldh = l.ldh;
   float* gam = reinterpret_cast<float*>(shared_bytes + l.gamma);              // [C, ldk] Γ
   uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);  // [C, ldr]
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   float* beta_dots = key_inv + 2 * kChunk;  // [groups, C] dβ partials by column group
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int KP = d.KP, VP = d.VP, VH = VP / 2;
+  const int VH = VP / 2;
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
   const int64_t ch = bh * d.num_chunks + n;
   const int half = blockIdx.z, e0 = half * VH;
@@ -338,7 +341,9 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
 
 }  // namespace
 
-size_t kda_chunk_grad_value_shared_bytes(const KdaDims& d) { return size_t(value_layout(d).total); }
+size_t kda_chunk_grad_value_shared_bytes(const KdaDims& d) {
+  return size_t(value_layout(d.KP, d.VP).total);
+}
 
 void kda_value_phase_clock(bool enable) { phase_clock_enable(g_value_clock_on, enable); }
 int kda_value_phase_cycles(long long* cycles, const char** names, int max_phases) {
@@ -352,7 +357,7 @@ void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uin
                                  const KdaSplitWorkspace& split, cudaStream_t stream) {
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
-  const int shared = value_layout(d).total;
+  const int shared = value_layout(d.KP, d.VP).total;
   const dim3 grid(unsigned(d.num_chunks), unsigned(d.B * d.H), 2);
   auto launch = [&](auto kernel, int threads) {
     DM_CUDA_CHECK(
@@ -360,10 +365,12 @@ void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uin
     kernel<<<grid, threads, size_t(shared), stream>>>(k, v, g, beta, d_o, doc_start, dv, d, ws,
                                                       d_states, split);
   };
-  if (kda_stage4_column_groups(d.VP / 2) == 4)
-    launch(kda_chunk_grad_value_kernel<4>, 4 * 32 * kNumSubBlocks);
+  if (kda_stage4_column_groups(d.VP / 2) == 2)
+    launch(kda_chunk_grad_value_kernel<2, 0>, 2 * 32 * kNumSubBlocks);
+  else if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_grad_value_kernel<4, kKdaStaticDims>, 4 * 32 * kNumSubBlocks);
   else
-    launch(kda_chunk_grad_value_kernel<2>, 2 * 32 * kNumSubBlocks);
+    launch(kda_chunk_grad_value_kernel<4, 0>, 4 * 32 * kNumSubBlocks);
   check_last_error("cuda kda_chunk_backward (stage 4, value kernel)");
 }
 

@@ -15,6 +15,8 @@
 // tf32 for L and P matches the backward's stage 4 (kda_chunk_backward_tc.cu), which forms the
 // same L the same way.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/error.h"
 #include "ops/cuda/device.h"
@@ -44,10 +46,10 @@ struct TcPrepareLayout {
   int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, total;
 };
 
-__host__ __device__ inline TcPrepareLayout tc_prepare_layout(const KdaDims& d) {
+__host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   TcPrepareLayout l;
-  l.ldk = d.KP + 4;
-  l.ldr = d.KP + 8;
+  l.ldk = KP + 4;
+  l.ldr = KP + 8;
   auto round16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
   int at = 0;
   l.gamma = at;           at += round16(kChunk * l.ldk * 4);
@@ -60,12 +62,16 @@ __host__ __device__ inline TcPrepareLayout tc_prepare_layout(const KdaDims& d) {
   return l;
 }
 
+template <int kStaticDims>
 __global__ void __launch_bounds__(kThreads, 2)
     kda_chunk_prepare_tc_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                 const uint16_t* g_in, const uint16_t* beta_in,
                                 const int32_t* doc_start, KdaDims d, KdaForwardWorkspace ws) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  const TcPrepareLayout l = tc_prepare_layout(d);
+  // K = V = kStaticDims when > 0 (the common 128): the layout and every stride fold to
+  // constants, which frees the registers that would hold them.
+  const int KP = kStaticDims > 0 ? kStaticDims : d.KP, VP = kStaticDims > 0 ? kStaticDims : d.VP;
+  const TcPrepareLayout l = tc_prepare_layout(KP);
   const int ldk = l.ldk, ldr = l.ldr;
   float* gam = reinterpret_cast<float*>(shared_bytes + l.gamma);                  // [C, ldk] Γ
   uint16_t* query_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.query_raw);  // [C, ldr]
@@ -78,7 +84,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   int* seg = reinterpret_cast<int*>(key_inv + kChunk);                            // [C]
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int KP = d.KP;
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / d.H, h = bh % d.H, t0 = n * kChunk;
   const int64_t ch = bh * d.num_chunks + n;
   const int c_len = kda_chunk_length(d, n);
@@ -171,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V], forward substitution with
   // a thread per column held in registers (the loops over the C = 64 rows are unrolled).
-  for (int col = tid; col < KP + d.VP; col += kThreads) {
+  for (int col = tid; col < KP + VP; col += kThreads) {
     const bool key_column = col < KP;
     const int e = col - KP;  // value column when !key_column
     // The right-hand side first, then the substitution in place: only x[64] stays live (forming
@@ -205,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int i = 0; i < kChunk; ++i) ws.w[(ch * kChunk + i) * KP + col] = x[i];
     } else {
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) ws.u[(ch * kChunk + i) * d.VP + e] = x[i];
+      for (int i = 0; i < kChunk; ++i) ws.u[(ch * kChunk + i) * VP + e] = x[i];
     }
   }
 
@@ -238,16 +243,30 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
+int kda_static_dims(const KdaDims& d) {
+  static const bool off = [] {
+    const char* v = std::getenv("DM_KDA_STATIC_DIMS");
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  }();
+  return !off && d.KP == kKdaStaticDims && d.VP == kKdaStaticDims ? kKdaStaticDims : 0;
+}
+
 void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     const uint16_t* g, const uint16_t* beta,
                                     const int32_t* doc_start, const KdaDims& d,
                                     const KdaForwardWorkspace& ws, cudaStream_t stream) {
   if (d.num_chunks == 0 || d.B * d.H == 0) return;
-  const int shared = tc_prepare_layout(d).total;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_prepare_tc_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-  kda_chunk_prepare_tc_kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads,
-                                size_t(shared), stream>>>(q, k, v, g, beta, doc_start, d, ws);
+  const int shared = tc_prepare_layout(d.KP).total;
+  auto launch = [&](auto kernel) {
+    DM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
+        q, k, v, g, beta, doc_start, d, ws);
+  };
+  if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_prepare_tc_kernel<kKdaStaticDims>);
+  else
+    launch(kda_chunk_prepare_tc_kernel<0>);
   check_last_error("cuda kda_chunk_forward (prepare, tensor cores)");
 }
 

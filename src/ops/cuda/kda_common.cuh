@@ -39,6 +39,13 @@ struct KdaDims {
   float scale;
 };
 
+// The head dims the chunked kernels also compile for as constants (KP = VP = 128, the models'
+// head size): kda_static_dims(d) returns 128 for those dims, else 0 (runtime dims). Constant
+// dims fold the shared layouts and strides, which frees registers (the split key kernel's
+// spills 428 -> 56 bytes) and instructions. DM_KDA_STATIC_DIMS=0 (read once) turns it off.
+constexpr int kKdaStaticDims = 128;
+int kda_static_dims(const KdaDims& d);
+
 // Per chunk-head (index ch = bh·num_chunks + n) forward quantities, all fp32, padded dims.
 struct KdaForwardWorkspace {
   float* w;                // [·, C, KP]  A·Diag(β)·(K⊙e^Γ), masked to segment 0
