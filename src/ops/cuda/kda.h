@@ -89,7 +89,7 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // two kernels that fit two blocks per SM each (kda_chunk_backward_value.cu over halves of V,
 // kda_chunk_backward_key.cu over halves of K as a cluster of two), which hand dP, dM, dβ
 // partials and dX over through the workspace. H200, (1,8192,16,128) fwd+bwd reusing the forward:
-// 6.13 ms fused, 4.23–4.29 ms split (2026-11-30, 512-thread blocks). Shapes the split does not take
+// 6.13 ms fused, 3.72 ms split (2026-11-30: 512-thread blocks, K = V = 128 constant). Shapes the split does not take
 // (kda_backward_split_supported: KP % 32 or VP % 32 ≠ 0) run the fused kernel. Env
 // DM_KDA_BACKWARD=ref|tc|tc-split (read once) overrides the default. fp32 inputs always take the
 // reference path. The workspace size depends on the path (the split adds (4C + VP)·C floats per
