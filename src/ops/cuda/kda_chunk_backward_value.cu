@@ -358,19 +358,13 @@ void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uin
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
   const int shared = value_layout(d.KP, d.VP).total;
-  const dim3 grid(unsigned(d.num_chunks), unsigned(d.B * d.H), 2);
-  auto launch = [&](auto kernel, int threads) {
-    DM_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-    kernel<<<grid, threads, size_t(shared), stream>>>(k, v, g, beta, d_o, doc_start, dv, d, ws,
-                                                      d_states, split);
-  };
-  if (kda_stage4_column_groups(d.VP / 2) == 2)
-    launch(kda_chunk_grad_value_kernel<2, 0>, 2 * 32 * kNumSubBlocks);
-  else if (kda_static_dims(d) == kKdaStaticDims)
-    launch(kda_chunk_grad_value_kernel<4, kKdaStaticDims>, 4 * 32 * kNumSubBlocks);
-  else
-    launch(kda_chunk_grad_value_kernel<4, 0>, 4 * 32 * kNumSubBlocks);
+  const int groups = kda_stage4_column_groups(d.VP / 2);
+  const auto kernel = groups == 2 ? kda_chunk_grad_value_kernel<2, 0>
+                      : kda_static_dims(d) == kKdaStaticDims
+                          ? kda_chunk_grad_value_kernel<4, kKdaStaticDims>
+                          : kda_chunk_grad_value_kernel<4, 0>;
+  launch_stage4_split_kernel(kernel, groups, d, shared, stream, k, v, g, beta, d_o, doc_start, dv,
+                             d, ws, d_states, split);
   check_last_error("cuda kda_chunk_backward (stage 4, value kernel)");
 }
 

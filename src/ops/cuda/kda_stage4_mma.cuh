@@ -22,6 +22,17 @@ constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared mat
 // (rows g, columns 2tq) hit 32 distinct banks.
 constexpr int kSlab = 32, kSlabLd = kSlab + 8;
 
+// Launches one of the split stage-4 kernels (kda_chunk_backward_value.cu, _key.cu) over its
+// (chunk, batch-head, half) grid with `groups` column groups (kda_stage4_column_groups: 32 ·
+// kNumSubBlocks · groups threads), after raising its dynamic shared memory limit to `shared`.
+template <typename Kernel, typename... Args>
+void launch_stage4_split_kernel(Kernel kernel, int groups, const KdaDims& d, int shared,
+                                cudaStream_t stream, Args... args) {
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), 2), 32 * kNumSubBlocks * groups,
+           size_t(shared), stream>>>(args...);
+}
+
 // Copies rows [row0, row0 + rows) and columns [s·kSlab, (s+1)·kSlab) of the [·, VP] matrix B
 // into dst [rows, kSlabLd], by the kBlockThreads threads of the block.
 template <int kBlockThreads = kThreads>
