@@ -7,12 +7,14 @@
 #
 #   scripts/device-check.sh [--no-bench] [--no-peers] [--ncu] [--budget SECONDS] [--prebuilt DIR]
 #                           [--ab-decode VAR=VALUE]... [--ab-train VAR=VALUE]...
+#                           [--ab-kda VAR=VALUE]...
 #
 # --prebuilt DIR|ARCHIVE.tar.xz: take the binaries from DIR, or unpack them from the archive
 # (built here by scripts/device-prebuild.sh and carried), instead of building; steps whose
 # binary is missing there are skipped.
-# --ab-decode / --ab-train VAR=VALUE: time the batch-64 decode step / the training step with that
-# environment against the default, two rounds each, at the end.
+# --ab-decode / --ab-train / --ab-kda VAR=VALUE: time the batch-64 decode step / the training step
+# / the chunked KDA operator (bf16, the gpu_1b and 96-head shapes) with that environment against
+# the default, two rounds each, at the end (e.g. --ab-kda DM_KDA_STATIC_DIMS=0).
 # --ncu: after the benchmarks, one batch-1 decode step of the 48B shape under Nsight Compute,
 # split per kernel by scripts/ncu-kernels.py (ncu.md; ~40 s).
 #
@@ -64,7 +66,7 @@ ship_logs() {
 }
 trap ship_logs EXIT
 BENCH=1 PEERS=1 NCU=0 BUDGET=560 PREBUILT=
-AB_DECODE=() AB_TRAIN=()
+AB_DECODE=() AB_TRAIN=() AB_KDA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0; shift ;;
@@ -74,6 +76,7 @@ while [ $# -gt 0 ]; do
     --prebuilt) PREBUILT=$2; shift 2 ;;
     --ab-decode) AB_DECODE+=("$2"); shift 2 ;;
     --ab-train) AB_TRAIN+=("$2"); shift 2 ;;
+    --ab-kda) AB_KDA+=("$2"); shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -190,7 +193,7 @@ fi
 # Kernel variants (--ab-decode / --ab-train VAR=VALUE, e.g. DM_MLA_DECODE_SPLITS=fixed or
 # DM_MOE_WGMMA=0: docs/gpu.md) against the default in the same run, twice each (the batch-64
 # decode step varies by ~±4% between runs), after everything the targets need.
-if [ "$BENCH" = 1 ] && [ $((${#AB_DECODE[@]} + ${#AB_TRAIN[@]})) -gt 0 ]; then
+if [ "$BENCH" = 1 ] && [ $((${#AB_DECODE[@]} + ${#AB_TRAIN[@]} + ${#AB_KDA[@]})) -gt 0 ]; then
   for round in 1 2; do
     if [ ${#AB_DECODE[@]} -gt 0 ]; then
       for variant in default "${AB_DECODE[@]}"; do
@@ -204,6 +207,13 @@ if [ "$BENCH" = 1 ] && [ $((${#AB_DECODE[@]} + ${#AB_TRAIN[@]})) -gt 0 ]; then
         env_args=(); [ "$variant" = default ] || env_args=("$variant")
         bench "train_ab_${variant}_$round" 25 env "${env_args[@]}" $B/bench_cuda_train \
           --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3 --recompute off
+      done
+    fi
+    if [ ${#AB_KDA[@]} -gt 0 ]; then
+      for variant in default "${AB_KDA[@]}"; do
+        env_args=(); [ "$variant" = default ] || env_args=("$variant")
+        bench "kda_ab_${variant}_$round" 15 env "${env_args[@]}" $B/bench_cuda_kda --bf16-only \
+          --shapes 1x4096x16x128,1x8192x96x128
       done
     fi
   done
