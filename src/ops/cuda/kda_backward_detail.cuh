@@ -60,6 +60,10 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
 // (KP/2 for the key kernel, VP/2 for the value kernel): 4 (512 threads) when it is a multiple of
 // 32, else 2 (256 threads). DM_KDA_STAGE4_GROUPS=2 (read once) keeps 2 everywhere, to compare.
 int kda_stage4_column_groups(int half_width);
+// The most column groups a split kernel runs with: each warp holds 16 rows × (half width /
+// groups) columns of its products, and each block's shared memory keeps [groups, C] partial row
+// sums per group (sized for this many).
+constexpr int kKdaStage4MaxColGroups = 4;
 // Their dynamic shared memory (bytes) for these dims.
 size_t kda_chunk_grad_value_shared_bytes(const KdaDims& d);
 size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d);

@@ -30,11 +30,12 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-// Warps per 16-row sub-block (column groups): each warp holds a 16-row × (KH/groups) tile of
-// dq̂, dk̂ in registers. Four groups (512 threads, 2 tiles of 8 columns per warp) when KH % 32 ==
-// 0, else two (256 threads, up to 4 tiles): twice the warps per SM to hide the phases' memory
-// and barrier latency at the same two blocks per SM (registers: 64 per thread instead of 128).
-constexpr int kMaxColGroups = 4;
+// Warps per 16-row sub-block (column groups, kda_stage4_column_groups): each warp holds a 16-row
+// × (KH/groups) tile of dq̂, dk̂ in registers. Four groups (512 threads, 2 tiles of 8 columns per
+// warp) when KH % 32 == 0, else two (256 threads, up to 4 tiles): twice the warps per SM to hide
+// the phases' memory and barrier latency at the same two blocks per SM (registers: 64 per thread
+// instead of 128).
+constexpr int kMaxColGroups = kKdaStage4MaxColGroups;
 
 struct KeyLayout {
   int ldr;  // raw q, k rows (bf16): KH + 8
@@ -573,13 +574,10 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
   const int shared = key_layout(d.KP, d.VP).total;
-  const int groups = kda_stage4_column_groups(d.KP / 2);
-  const auto kernel = groups == 2 ? kda_chunk_grad_key_kernel<2, 0>
-                      : kda_static_dims(d) == kKdaStaticDims
-                          ? kda_chunk_grad_key_kernel<4, kKdaStaticDims>
-                          : kda_chunk_grad_key_kernel<4, 0>;
-  launch_stage4_split_kernel(kernel, groups, d, shared, stream, q, k, g, beta, d_o, doc_start, dq,
-                             dk, dg, dbeta, d, ws, d_states, split);
+  launch_stage4_split_kernel(kda_chunk_grad_key_kernel<2, 0>,
+                             kda_chunk_grad_key_kernel<4, kKdaStaticDims>,
+                             kda_chunk_grad_key_kernel<4, 0>, d.KP / 2, d, shared, stream, q, k, g,
+                             beta, d_o, doc_start, dq, dk, dg, dbeta, d, ws, d_states, split);
   check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
 }
 

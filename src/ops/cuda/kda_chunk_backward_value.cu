@@ -27,7 +27,7 @@ namespace {
 // Warps per 16-row sub-block (column groups), as in the key kernel: four (512 threads) when
 // VH % 32 == 0, else two (256 threads). A warp holds 16 rows × VH/groups columns of the [C, VH]
 // products and 16 rows × 64/groups columns of the [C, C] ones.
-constexpr int kMaxColGroups = 4;
+constexpr int kMaxColGroups = kKdaStage4MaxColGroups;
 
 struct ValueLayout {
   int ldk;  // Γ rows (fp32): KP + 4
@@ -358,13 +358,10 @@ void kda_chunk_grad_value_launch(const uint16_t* k, const uint16_t* v, const uin
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
   const int shared = value_layout(d.KP, d.VP).total;
-  const int groups = kda_stage4_column_groups(d.VP / 2);
-  const auto kernel = groups == 2 ? kda_chunk_grad_value_kernel<2, 0>
-                      : kda_static_dims(d) == kKdaStaticDims
-                          ? kda_chunk_grad_value_kernel<4, kKdaStaticDims>
-                          : kda_chunk_grad_value_kernel<4, 0>;
-  launch_stage4_split_kernel(kernel, groups, d, shared, stream, k, v, g, beta, d_o, doc_start, dv,
-                             d, ws, d_states, split);
+  launch_stage4_split_kernel(kda_chunk_grad_value_kernel<2, 0>,
+                             kda_chunk_grad_value_kernel<4, kKdaStaticDims>,
+                             kda_chunk_grad_value_kernel<4, 0>, d.VP / 2, d, shared, stream, k, v,
+                             g, beta, d_o, doc_start, dv, d, ws, d_states, split);
   check_last_error("cuda kda_chunk_backward (stage 4, value kernel)");
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
+#include "ops/cuda/kda_backward_detail.cuh"  // kda_stage4_column_groups
 #include "ops/cuda/kda_common.cuh"
 #include "ops/cuda/kda_mma.cuh"
 
@@ -22,12 +23,19 @@ constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared mat
 // (rows g, columns 2tq) hit 32 distinct banks.
 constexpr int kSlab = 32, kSlabLd = kSlab + 8;
 
-// Launches one of the split stage-4 kernels (kda_chunk_backward_value.cu, _key.cu) over its
-// (chunk, batch-head, half) grid with `groups` column groups (kda_stage4_column_groups: 32 ·
-// kNumSubBlocks · groups threads), after raising its dynamic shared memory limit to `shared`.
+// Launches the instance of a split stage-4 kernel (kda_chunk_backward_value.cu, _key.cu) that
+// these dims take, over its (chunk, batch-head, half) grid: Kernel<2, 0> (256 threads) when
+// kda_stage4_column_groups(half_width) is 2, else Kernel<4, kKdaStaticDims> (512 threads) when
+// kda_static_dims(d) picks the compile-time head dims, else Kernel<4, 0>; after raising its
+// dynamic shared memory limit to `shared`.
 template <typename Kernel, typename... Args>
-void launch_stage4_split_kernel(Kernel kernel, int groups, const KdaDims& d, int shared,
-                                cudaStream_t stream, Args... args) {
+void launch_stage4_split_kernel(Kernel two_groups, Kernel four_groups_static, Kernel four_groups,
+                                int half_width, const KdaDims& d, int shared, cudaStream_t stream,
+                                Args... args) {
+  const int groups = kda_stage4_column_groups(half_width);
+  const Kernel kernel = groups == 2                            ? two_groups
+                        : kda_static_dims(d) == kKdaStaticDims ? four_groups_static
+                                                               : four_groups;
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
   kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H), 2), 32 * kNumSubBlocks * groups,
            size_t(shared), stream>>>(args...);
