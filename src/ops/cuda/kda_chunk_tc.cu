@@ -7,6 +7,9 @@
 // fragment pointer stays 32-byte aligned (rows and columns start at multiples of 16).
 #include <mma.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
@@ -116,12 +119,165 @@ __global__ void __launch_bounds__(kThreads)
       store_from_float(o, kda_token_row(d, b, h, n * kChunk + i) * d.V + e, out[i * kTileLdF32 + tx]);
 }
 
+// ---- One block per chunk-head over all VP columns (the default; DM_KDA_OUTPUT=tiles selects the
+// tiled kernel above). The tiled kernel
+// runs VP/32 blocks per chunk-head, each converting the whole Qd [C, KP] and P [C, C] again
+// (4× the reads of those two at V = 128) for one 16×16 fragment per warp. Here Qd, P, S and V'
+// are read once (16-byte loads, all of a thread's loads in flight before any conversion), and
+// each warp computes a 16-row block × half the fragments of the VP columns. The fp32 output
+// tile reuses the operands' shared memory once the products are done. ~77 KB at K = V = 128.
+struct WholeOutputLayout {
+  int ld_key, ld_value;  // bf16 row strides: KP + 8, VP + 8
+  int query_decay, state, lower_query_key, value_new, out, total;
+};
+__host__ __device__ inline WholeOutputLayout whole_output_layout(int KP, int VP) {
+  WholeOutputLayout l;
+  l.ld_key = KP + kPadBf16;
+  l.ld_value = VP + kPadBf16;
+  int at = 0;
+  l.query_decay = at;
+  at += tc_round(kChunk * l.ld_key * 2);
+  l.state = at;
+  at += tc_round(KP * l.ld_value * 2);
+  l.lower_query_key = at;
+  at += tc_round(kChunk * (kChunk + kPadBf16) * 2);
+  l.value_new = at;
+  at += tc_round(kChunk * l.ld_value * 2);
+  l.out = 0;  // [C, VP + 4] fp32 over the operands, once the products are done
+  const int out_bytes = tc_round(kChunk * (VP + kPadF32) * 4);
+  l.total = at > out_bytes ? at : out_bytes;
+  return l;
+}
+constexpr int kWholeMaxFragments = kKdaCudaMaxHeadDim / 16 / 2;  // per warp: half of VP/16
+
+// rows × cols fp32 (cols % 4 == 0, 16-byte aligned rows of stride src_ld) into a bf16 tile of
+// row stride dst_ld, by the whole block: every 16-byte load of the thread issued first.
+template <int kMaxPerThread>
+__device__ __forceinline__ void load_rows_as_bf16(__nv_bfloat16* dst, int dst_ld, const float* src,
+                                                  int64_t src_ld, int rows, int cols) {
+  const int per_row = cols / 4, count = rows * per_row;
+  float4 v[kMaxPerThread];
+#pragma unroll
+  for (int u = 0; u < kMaxPerThread; ++u) {
+    const int idx = threadIdx.x + u * kThreads;
+    if (idx < count)
+      v[u] = *reinterpret_cast<const float4*>(src + (idx / per_row) * src_ld + idx % per_row * 4);
+  }
+#pragma unroll
+  for (int u = 0; u < kMaxPerThread; ++u) {
+    const int idx = threadIdx.x + u * kThreads;
+    if (idx < count) {
+      __nv_bfloat162* out =
+          reinterpret_cast<__nv_bfloat162*>(dst + (idx / per_row) * dst_ld + idx % per_row * 4);
+      out[0] = __floats2bfloat162_rn(v[u].x, v[u].y);
+      out[1] = __floats2bfloat162_rn(v[u].z, v[u].w);
+    }
+  }
+}
+
+template <typename Storage>
+__global__ void __launch_bounds__(kThreads)
+    kda_chunk_output_whole_kernel(Storage* o, KdaDims d, KdaForwardWorkspace ws) {
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  const int KP = d.KP, VP = d.VP;
+  const WholeOutputLayout l = whole_output_layout(KP, VP);
+  __nv_bfloat16* query_decay = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.query_decay);
+  __nv_bfloat16* state = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.state);
+  __nv_bfloat16* lower_query_key =
+      reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.lower_query_key);
+  __nv_bfloat16* value_new = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.value_new);
+  float* out = reinterpret_cast<float*>(shared_bytes + l.out);
+  constexpr int kLdLower = kChunk + kPadBf16;
+  const int ld_key = l.ld_key, ld_value = l.ld_value, ld_out = VP + kPadF32;
+  const int tid = threadIdx.x, warp = tid / 32;
+  const int64_t n = blockIdx.x, bh = blockIdx.y, ch = bh * d.num_chunks + n;
+
+  // Per thread at KP = VP = 128: Qd 8, S 16, V' 8, P 4 float4 loads.
+  constexpr int kMaxHead = kKdaCudaMaxHeadDim;
+  load_rows_as_bf16<kChunk * kMaxHead / 4 / kThreads>(
+      query_decay, ld_key, ws.query_decay + ch * kChunk * KP, KP, kChunk, KP);
+  load_rows_as_bf16<kMaxHead * kMaxHead / 4 / kThreads>(state, ld_value, ws.states + ch * KP * VP,
+                                                        VP, KP, VP);
+  load_rows_as_bf16<kChunk * kMaxHead / 4 / kThreads>(
+      value_new, ld_value, ws.value_new + ch * kChunk * VP, VP, kChunk, VP);
+  load_rows_as_bf16<kChunk * kChunk / 4 / kThreads>(
+      lower_query_key, kLdLower, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk, kChunk);
+  __syncthreads();
+
+  // Warp: row block mi = warp / 2, fragments f = ni, ni + 2, … of the VP / 16 columns.
+  const int mi = warp / 2, ni = warp % 2, fragments = VP / 16;
+  FragmentAccumulator acc[kWholeMaxFragments];
+#pragma unroll
+  for (int u = 0; u < kWholeMaxFragments; ++u) wmma::fill_fragment(acc[u], 0.0f);
+  for (int kk = 0; kk < KP / 16; ++kk) {
+    FragmentA a;
+    wmma::load_matrix_sync(a, query_decay + mi * 16 * ld_key + kk * 16, ld_key);
+#pragma unroll
+    for (int u = 0; u < kWholeMaxFragments; ++u) {
+      const int f = ni + 2 * u;
+      if (f < fragments) {
+        FragmentB b;
+        wmma::load_matrix_sync(b, state + kk * 16 * ld_value + f * 16, ld_value);
+        wmma::mma_sync(acc[u], a, b, acc[u]);
+      }
+    }
+  }
+  // P is lower triangular: row block mi needs column blocks 0..mi only.
+  for (int kk = 0; kk <= mi; ++kk) {
+    FragmentA a;
+    wmma::load_matrix_sync(a, lower_query_key + mi * 16 * kLdLower + kk * 16, kLdLower);
+#pragma unroll
+    for (int u = 0; u < kWholeMaxFragments; ++u) {
+      const int f = ni + 2 * u;
+      if (f < fragments) {
+        FragmentB b;
+        wmma::load_matrix_sync(b, value_new + kk * 16 * ld_value + f * 16, ld_value);
+        wmma::mma_sync(acc[u], a, b, acc[u]);
+      }
+    }
+  }
+  __syncthreads();  // Qd and S are dead: the fp32 tile goes over them
+#pragma unroll
+  for (int u = 0; u < kWholeMaxFragments; ++u) {
+    const int f = ni + 2 * u;
+    if (f < fragments)
+      wmma::store_matrix_sync(out + mi * 16 * ld_out + f * 16, acc[u], ld_out, wmma::mem_row_major);
+  }
+  __syncthreads();
+
+  const int64_t b = bh / d.H, h = bh % d.H;
+  const int c = kda_chunk_length(d, n);
+  for (int idx = tid; idx < c * d.V; idx += kThreads) {
+    const int i = idx / d.V, e = idx % d.V;
+    store_from_float(o, kda_token_row(d, b, h, n * kChunk + i) * d.V + e, out[i * ld_out + e]);
+  }
+}
+
+// The whole-chunk-head kernel unless DM_KDA_OUTPUT=tiles (read once).
+bool output_whole_selected() {
+  static const bool tiles = [] {
+    const char* v = std::getenv("DM_KDA_OUTPUT");
+    return v != nullptr && std::strcmp(v, "tiles") == 0;
+  }();
+  return !tiles;
+}
+
 }  // namespace
 
 template <typename Storage>
 void kda_chunk_output_tensor_cores(Storage* o, const KdaDims& d, const KdaForwardWorkspace& ws,
                                    cudaStream_t stream) {
   if (d.num_chunks == 0) return;
+  if (output_whole_selected()) {
+    const int shared = whole_output_layout(d.KP, d.VP).total;
+    DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_output_whole_kernel<Storage>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    kda_chunk_output_whole_kernel<Storage>
+        <<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
+            o, d, ws);
+    check_last_error("cuda kda_chunk_forward (output, tensor cores, whole chunk-head)");
+    return;
+  }
   const int shared = tc_output_layout(d).total;
   DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_output_tc_kernel<Storage>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
