@@ -120,12 +120,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- One block per chunk-head over all VP columns (the default; DM_KDA_OUTPUT=tiles selects the
-// tiled kernel above). The tiled kernel
-// runs VP/32 blocks per chunk-head, each converting the whole Qd [C, KP] and P [C, C] again
-// (4× the reads of those two at V = 128) for one 16×16 fragment per warp. Here Qd, P, S and V'
-// are read once (16-byte loads, all of a thread's loads in flight before any conversion), and
-// each warp computes a 16-row block × half the fragments of the VP columns. The fp32 output
-// tile reuses the operands' shared memory once the products are done. ~77 KB at K = V = 128.
+// tiled kernel above, which runs VP/32 blocks per chunk-head, each converting the whole Qd
+// [C, KP] and P [C, C] again: 4× the reads of those two at V = 128, for one 16×16 fragment per
+// warp). Here Qd, P, S and V' are read once (16-byte loads, all of a thread's loads in flight
+// before any conversion), and each warp computes a 16-row block × half the fragments of the VP
+// columns. The fp32 output tile reuses the operands' shared memory once the products are done.
+// ~77 KB at K = V = 128.
 struct WholeOutputLayout {
   int ld_key, ld_value;  // bf16 row strides: KP + 8, VP + 8
   int query_decay, state, lower_query_key, value_new, out, total;
