@@ -77,6 +77,13 @@ __device__ __forceinline__ void copy_tile_f4(float* global, int64_t global_ld, f
   }
 }
 
+// dims with KP = VP = kStaticDims when that is > 0 (kda_static_dims): every layout offset and
+// stride below then folds to a constant.
+__device__ __forceinline__ KdaDims static_dims(KdaDims dims, int static_head_dims) {
+  if (static_head_dims > 0) dims.KP = dims.VP = static_head_dims;
+  return dims;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward state.
 struct ForwardStateLayout {
@@ -96,9 +103,10 @@ __host__ __device__ inline ForwardStateLayout forward_state_layout(const KdaDims
   return l;
 }
 
-template <int kCols>
+template <int kCols, int kStaticDims>
 __global__ void __launch_bounds__(kThreads)
-    kda_chunk_state_tf32_kernel(const float* s0, float* sT, KdaDims d, KdaForwardWorkspace ws) {
+    kda_chunk_state_tf32_kernel(const float* s0, float* sT, KdaDims dims, KdaForwardWorkspace ws) {
+  const KdaDims d = static_dims(dims, kStaticDims);
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   const ForwardStateLayout l = forward_state_layout<kCols>(d);
   float* w_s = reinterpret_cast<float*>(shared_bytes + l.w);               // [C, KP+4]   W
@@ -215,10 +223,11 @@ __host__ __device__ inline BackwardStateLayout backward_state_layout(const KdaDi
   return l;
 }
 
-template <int kCols>
+template <int kCols, int kStaticDims>
 __global__ void __launch_bounds__(kThreads)
     kda_chunk_state_backward_tf32_kernel(const uint16_t* d_o, const float* dsT, float* ds0,
-                                         KdaDims d, KdaForwardWorkspace ws, float* d_states) {
+                                         KdaDims dims, KdaForwardWorkspace ws, float* d_states) {
+  const KdaDims d = static_dims(dims, kStaticDims);
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   const BackwardStateLayout l = backward_state_layout<kCols>(d);
   float* key_to_end_s = reinterpret_cast<float*>(shared_bytes + l.key_to_end);  // [C, KP+4] Ke
@@ -350,10 +359,16 @@ template <int kCols>
 void launch_forward_state(const float* s0, float* sT, const KdaDims& d,
                           const KdaForwardWorkspace& ws, cudaStream_t stream) {
   const int shared = forward_state_layout<kCols>(d).total;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_tf32_kernel<kCols>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-  kda_chunk_state_tf32_kernel<kCols><<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)),
-                                       kThreads, size_t(shared), stream>>>(s0, sT, d, ws);
+  auto launch = [&](auto kernel) {
+    DM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
+        s0, sT, d, ws);
+  };
+  if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims>);
+  else
+    launch(kda_chunk_state_tf32_kernel<kCols, 0>);
   check_last_error("cuda kda_chunk_forward (state, tf32 tensor cores)");
 }
 
@@ -361,11 +376,16 @@ template <int kCols>
 void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, const KdaDims& d,
                            const KdaForwardWorkspace& ws, float* d_states, cudaStream_t stream) {
   const int shared = backward_state_layout<kCols>(d).total;
-  DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_state_backward_tf32_kernel<kCols>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-  kda_chunk_state_backward_tf32_kernel<kCols>
-      <<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
-          d_o, dsT, ds0, d, ws, d_states);
+  auto launch = [&](auto kernel) {
+    DM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
+        d_o, dsT, ds0, d, ws, d_states);
+  };
+  if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims>);
+  else
+    launch(kda_chunk_state_backward_tf32_kernel<kCols, 0>);
   check_last_error("cuda kda_chunk_backward (state gradient, tf32 tensor cores)");
 }
 
