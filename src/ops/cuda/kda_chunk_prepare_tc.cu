@@ -46,6 +46,11 @@ struct TcPrepareLayout {
   int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, scratch, total;
 };
 constexpr int kLdBlock = kSubBlock + 4;  // row stride of the [16, 16] scratch blocks
+// Inside a 16-token sub-block, L and P factor through its middle token m when every factor
+// e^{±(Γ_i − Γ_m)} stays far inside fp32 (and tf32) range: |Γ_i − Γ_m| < 60 over the sub-block
+// and the channels. A decay gate bounded below by −5 per token (the safe gate) keeps it under
+// 40; stronger decays take the exact pair-by-pair loop for that sub-block.
+constexpr float kInsideExponentLimit = 60.0f;
 
 __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   TcPrepareLayout l;
@@ -168,19 +173,50 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j >= i) lower[i * kLdPair + j] = 0.0f;
     if (j > i) lower_qk[i * kLdPair + j] = 0.0f;
   }
+  // max |Γ_i − Γ_m| per sub-block as float bits (non-negative: ordered as unsigned), in the
+  // inverse's scratch (free until phase 4).
+  unsigned* inside_exponent = reinterpret_cast<unsigned*>(shared_bytes + l.scratch);
+  if (tid < kNumSubBlocks) inside_exponent[tid] = 0u;
   __syncthreads();
   stamp(1);
 
   // ---- 2. Inverse L2 norms (warp per row) and Γ = cumsum g (thread per column).
   kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, gam, ldk, d, query_inv, key_inv);
   __syncthreads();
+  for (int sb = 0; sb < kNumSubBlocks; ++sb) {  // block-uniform loop: whole warps reduce
+    const int s0 = kSubBlock * sb, m = s0 + kSubBlock / 2;
+    unsigned most = 0u;
+    for (int c = tid; c < KP; c += kThreads) {
+      const float gamma_m = gam[m * ldk + c];
+      for (int i = s0; i < s0 + kSubBlock; ++i)
+        most = max(most, __float_as_uint(fabsf(gam[i * ldk + c] - gamma_m)));  // NaN: largest
+    }
+    most = __reduce_max_sync(0xffffffffu, most);
+    if ((tid & 31) == 0 && most != 0u) atomicMax(&inside_exponent[sb], most);
+  }
+  __syncthreads();
   stamp(2);
+  auto inside_by_products = [&](int sb) {
+    return __uint_as_float(inside_exponent[sb]) < kInsideExponentLimit;
+  };
 
-  // ---- 3. L and P across sub-blocks: task = (s, t) block × {L, P}; warp w takes tasks w, w + 8.
-  for (int task = warp; task < 12; task += kWarps) {
-    const int pair = task % 6, query_side = task / 6;
-    const int s = pair < 1 ? 1 : (pair < 3 ? 2 : 3), t = pair - (s - 1) * s / 2;  // (1,0) … (3,2)
-    const int r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
+  // ---- 3. L and P as tf32 products of 16-row blocks, the decays factored through a reference
+  // token b formed in the loaders: e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j}. Tasks 0–11: block (s, t)
+  // across sub-blocks (t < s) × {L, P}, b = 16(t+1), both exponents ≤ 0. Tasks 12–19: the
+  // diagonal block of sub-block s × {L, P}, b its middle token, when inside_by_products(s).
+  for (int task = warp; task < 20; task += kWarps) {
+    int r0, j0, ref, query_side;
+    if (task < 12) {
+      const int pair = task % 6, s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);  // (1,0) … (3,2)
+      const int t = pair - (s - 1) * s / 2;
+      query_side = task / 6;
+      r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
+    } else {
+      const int s = (task - 12) % kNumSubBlocks;
+      if (!inside_by_products(s)) continue;  // warp-uniform
+      query_side = (task - 12) / kNumSubBlocks;
+      r0 = j0 = kSubBlock * s, ref = r0 + kSubBlock / 2;
+    }
     float acc[2][4];
     zero_tiles(acc);
     warp_mma_pairs<MmaPrecision::Tf32>(
@@ -196,13 +232,15 @@ __global__ void __launch_bounds__(kThreads, 2)
         });
     float* out = query_side ? lower_qk : lower;
     for_each_element<2>(2, r0, j0, [&](int j, int e4, int i, int jj) {
-      out[i * kLdPair + jj] = seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
+      const bool causal = query_side ? jj <= i : jj < i;  // always true across sub-blocks
+      out[i * kLdPair + jj] = causal && seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
     });
   }
   stamp(3);
-  // Inside a sub-block (j ≤ i): one exp per pair and channel, shared by L and P.
+  // Inside the other sub-blocks (j ≤ i): one exp per pair and channel, shared by L and P.
   for (int p = tid; p < kNumSubBlocks * kPairsPerSubBlock; p += kThreads) {
     const int block = p / kPairsPerSubBlock, r = p % kPairsPerSubBlock;
+    if (inside_by_products(block)) continue;
     int ii = 0;
     while ((ii + 1) * (ii + 2) / 2 <= r) ++ii;  // r = ii(ii+1)/2 + jj, jj ≤ ii
     const int jj = r - ii * (ii + 1) / 2;
