@@ -120,7 +120,8 @@ template <int kStaticDims, bool kInverseSolve>
 __global__ void __launch_bounds__(kThreads, 2)
     kda_chunk_prepare_tc_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                 const uint16_t* g_in, const uint16_t* beta_in,
-                                const int32_t* doc_start, KdaDims d, KdaForwardWorkspace ws) {
+                                const int32_t* doc_start, KdaDims d, KdaForwardWorkspace ws,
+                                float inside_limit) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   // K = V = kStaticDims when > 0 (the common 128): the layout and every stride fold to
   // constants, which frees the registers that would hold them.
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   stamp(2);
   auto inside_by_products = [&](int sb) {
-    return __uint_as_float(inside_exponent[sb]) < kInsideExponentLimit;
+    return __uint_as_float(inside_exponent[sb]) < inside_limit;
   };
 
   // ---- 3. L and P as tf32 products of 16-row blocks, the decays factored through a reference
@@ -407,11 +408,16 @@ void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const 
                                     const KdaForwardWorkspace& ws, cudaStream_t stream) {
   if (d.num_chunks == 0 || d.B * d.H == 0) return;
   const int shared = tc_prepare_layout(d.KP).total;
+  // DM_KDA_PREPARE_INSIDE=pairs (read once): every sub-block's inside pairs one by one.
+  static const float inside_limit = [] {
+    const char* v = std::getenv("DM_KDA_PREPARE_INSIDE");
+    return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kInsideExponentLimit;
+  }();
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
     kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
-        q, k, v, g, beta, doc_start, d, ws);
+        q, k, v, g, beta, doc_start, d, ws, inside_limit);
   };
   // The inverse-based solve unless DM_KDA_PREPARE_SOLVE=subst (read once): the thread-per-column
   // forward substitution.
