@@ -45,8 +45,9 @@ struct KeyLayout {
 };
 // β, 1/‖q‖, 1/‖k‖, seg, diag(dP), row dots (q, k) by warp column group [kMaxColGroups, C] each,
 // the block's row dots (q, k) [C] each, their cluster totals [C] each; e^γ ⊙ rowsum(S ⊙ dS')
-// [KH].
-constexpr int kKeyVectorFloats = (9 + 2 * kMaxColGroups) * kChunk + kKdaCudaMaxHeadDim / 2;
+// [KH]; max |Γ_i − Γ_m| per sub-block (float bits) [4].
+constexpr int kKeyVectorFloats =
+    (9 + 2 * kMaxColGroups) * kChunk + kKdaCudaMaxHeadDim / 2 + kNumSubBlocks;
 
 // Phase clock (bench_cuda_kda --phases), as in the value kernel (block: middle chunk, first
 // batch-head, K half 0). Stamps inside the key-side and pairwise phases time warp 0.
@@ -94,7 +95,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
                               const uint16_t* beta_in, const uint16_t* d_o,
                               const int32_t* doc_start, float* dq, float* dk, float* dg,
                               float* dbeta, KdaDims d, KdaForwardWorkspace ws,
-                              const float* d_states, KdaSplitWorkspace split) {
+                              const float* d_states, KdaSplitWorkspace split, float inside_limit) {
   constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
   constexpr int kTiles = 8 / kColGroups;  // 8-column mma tiles per warp: KH/groups/8 for KH ≤ 64
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -126,6 +127,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   float* dot_query = block_dot_key + kChunk;            // [C] over all K (both blocks)
   float* dot_key = dot_query + kChunk;                  // [C]
   float* d_gamma_last = dot_key + kChunk;               // [KH] e^γ ⊙ rowsum(S ⊙ dS')
+  unsigned* inside_exponent =  // [4] max |Γ_i − Γ_m| per sub-block, float bits
+      reinterpret_cast<unsigned*>(d_gamma_last + kKdaCudaMaxHeadDim / 2);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int KH = KP / 2;
@@ -220,6 +223,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     }
   }
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+  if (tid < kNumSubBlocks) inside_exponent[tid] = 0u;
   kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
   // dβ: the value kernel's two partials, once per chunk-head (rank 0), in a fixed order.
   if (half == 0 && tid < c_len) {
@@ -263,6 +267,17 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     }
   }
   __syncthreads();  // the whole rows are dead: dP and dL take their place
+  for (int sb = 0; sb < kNumSubBlocks; ++sb) {  // block-uniform: whole warps reduce
+    const int s0 = kSubBlock * sb, m = s0 + kSubBlock / 2;
+    unsigned most = 0u;
+    for (int col = tid; col < KH; col += kBlockThreads) {
+      const float gamma_m = gam[m * ldg + col];
+      for (int i = s0; i < s0 + kSubBlock; ++i)
+        most = max(most, __float_as_uint(fabsf(gam[i * ldg + col] - gamma_m)));  // NaN: largest
+    }
+    most = __reduce_max_sync(0xffffffffu, most);
+    if (lane == 0 && most != 0u) atomicMax(&inside_exponent[sb], most);
+  }
 
   // dP and dL = β·dM from the two value halves' partials (summed in a fixed order), strictly
   // lower and same segment; dP's diagonal apart.
@@ -352,15 +367,19 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   // ---- 3. Pairwise sums of dL and dP, the per-token factors formed in the B loaders:
   //   rows    F_j = k̂_j e^{Γ_b − Γ_j}, b = 16(t+1) (first token after j's sub-block t < s),
   //   columns G_l = k̂_l e^{Γ_l − Γ_a}, G^q_l = q̂_l e^{Γ_l − Γ_a}, a = first token of l's sub-block.
+  // Inside the warp's own sub-block the same products through its middle token m (b = a = m)
+  // when its exponents allow (kKdaInsideExponentLimit), else pairwise_inside_sub_block.
   {
+    const bool inside_by_products = __uint_as_float(inside_exponent[row_block]) < inside_limit;
     // Diagonal of dP: dq̂_i += dP_ii k̂_i, dk̂_i += dP_ii q̂_i (its dΓ terms cancel).
     for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       acc_q[j][e4] += diag_pqk[i] * key_hat(i, c);
       acc_k[j][e4] += diag_pqk[i] * query_hat(i, c);
     });
     float acc[kTiles][4];
-    for (int t = 0; t < row_block; ++t) {
-      const int j0 = kSubBlock * t, after = kSubBlock * (t + 1);
+    for (int t = 0; t < row_block + int(inside_by_products); ++t) {
+      const int j0 = kSubBlock * t,
+                after = t < row_block ? kSubBlock * (t + 1) : r0 + kSubBlock / 2;
       auto f_key = [&](int j, int nn) {
         const int c = col0_k + nn;
         return key_hat(j, c) * __expf(gamma_at(after, c) - gamma_at(j, c));
@@ -384,39 +403,41 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
         d_gamma[i * ldg + c - c0] += query_hat(i, c) * row_query_key;
       });
     }
-    for (int u = row_block + 1; u < kNumSubBlocks; ++u) {
-      const int start = kSubBlock * u;
+    for (int u = row_block + int(!inside_by_products); u < kNumSubBlocks; ++u) {
+      const int start = kSubBlock * u, ref = u > row_block ? start : r0 + kSubBlock / 2;
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
           acc, tiles_k, start, start + kSubBlock,
           [&](int r, int l) { return d_lkk[l * kLdPair + r0 + r]; },
           [&](int l, int nn) {
             const int c = col0_k + nn;
-            return key_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(start, c));
+            return key_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(ref, c));
           });
       warp_mma<MmaPrecision::Tf32>(
           acc, tiles_k, start, start + kSubBlock,
           [&](int r, int l) { return d_pqk[l * kLdPair + r0 + r]; },
           [&](int l, int nn) {
             const int c = col0_k + nn;
-            return query_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(start, c));
+            return query_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(ref, c));
           });
       for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-        const float cols = acc[j][e4] * __expf(gamma_at(start, c) - gamma_at(i, c));
+        const float cols = acc[j][e4] * __expf(gamma_at(ref, c) - gamma_at(i, c));
         acc_k[j][e4] += cols;
         d_gamma[i * ldg + c - c0] -= key_hat(i, c) * cols;
       });
     }
     stamp(6);
-    // Inside the sub-block (kda_stage4_mma.cuh).
-    pairwise_inside_sub_block(acc_q, acc_k, tiles_k, r0, col0_k, d_lkk, d_pqk, key_hat2, query_hat2,
-                              gamma2, [&](int, int, int i, int c, float2 value) {
-                                float2* pair = reinterpret_cast<float2*>(d_gamma + i * ldg + c - c0);
-                                float2 sum = *pair;
-                                sum.x += value.x;
-                                sum.y += value.y;
-                                *pair = sum;
-                              });
+    // Inside the sub-block, pair by pair (kda_stage4_mma.cuh).
+    if (!inside_by_products)
+      pairwise_inside_sub_block(acc_q, acc_k, tiles_k, r0, col0_k, d_lkk, d_pqk, key_hat2,
+                                query_hat2, gamma2, [&](int, int, int i, int c, float2 value) {
+                                  float2* pair =
+                                      reinterpret_cast<float2*>(d_gamma + i * ldg + c - c0);
+                                  float2 sum = *pair;
+                                  sum.x += value.x;
+                                  sum.y += value.y;
+                                  *pair = sum;
+                                });
   }
 
   stamp(7);
@@ -574,10 +595,16 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
   DM_CHECK(kda_split_supported(d),
            "kda stage 4 (split): needs KP % 32 == 0, KP <= 128 and VP % 32 == 0");
   const int shared = key_layout(d.KP, d.VP).total;
+  // DM_KDA_KEY_INSIDE=pairs (read once): every sub-block's inside sums pair by pair.
+  static const float inside_limit = [] {
+    const char* v = std::getenv("DM_KDA_KEY_INSIDE");
+    return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kKdaInsideExponentLimit;
+  }();
   launch_stage4_split_kernel(kda_chunk_grad_key_kernel<2, 0>,
                              kda_chunk_grad_key_kernel<4, kKdaStaticDims>,
                              kda_chunk_grad_key_kernel<4, 0>, d.KP / 2, d, shared, stream, q, k, g,
-                             beta, d_o, doc_start, dq, dk, dg, dbeta, d, ws, d_states, split);
+                             beta, d_o, doc_start, dq, dk, dg, dbeta, d, ws, d_states, split,
+                             inside_limit);
   check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
 }
 

@@ -46,11 +46,6 @@ struct TcPrepareLayout {
   int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, scratch, total;
 };
 constexpr int kLdBlock = kSubBlock + 4;  // row stride of the [16, 16] scratch blocks
-// Inside a 16-token sub-block, L and P factor through its middle token m when every factor
-// e^{±(Γ_i − Γ_m)} stays far inside fp32 (and tf32) range: |Γ_i − Γ_m| < 60 over the sub-block
-// and the channels. A decay gate bounded below by −5 per token (the safe gate) keeps it under
-// 40; stronger decays take the exact pair-by-pair loop for that sub-block.
-constexpr float kInsideExponentLimit = 60.0f;
 
 __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   TcPrepareLayout l;
@@ -411,7 +406,7 @@ void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const 
   // DM_KDA_PREPARE_INSIDE=pairs (read once): every sub-block's inside pairs one by one.
   static const float inside_limit = [] {
     const char* v = std::getenv("DM_KDA_PREPARE_INSIDE");
-    return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kInsideExponentLimit;
+    return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kKdaInsideExponentLimit;
   }();
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(

@@ -46,6 +46,13 @@ struct KdaDims {
 constexpr int kKdaStaticDims = 128;
 int kda_static_dims(const KdaDims& d);
 
+// Inside a 16-token sub-block the pairwise decays may factor through its middle token m,
+// e^{Γ_i−Γ_j} = e^{Γ_i−Γ_m}·e^{Γ_m−Γ_j}, as tensor-core products, when every factor stays far
+// inside fp32 (and tf32) range: max |Γ_i − Γ_m| over the sub-block and channels < 60. A decay
+// gate bounded below by −5 per token (the safe gate) keeps it under 40; sub-blocks over the
+// limit (or with NaN) take the exact pair-by-pair loops.
+constexpr float kKdaInsideExponentLimit = 60.0f;
+
 // Per chunk-head (index ch = bh·num_chunks + n) forward quantities, all fp32, padded dims.
 struct KdaForwardWorkspace {
   float* w;                // [·, C, KP]  A·Diag(β)·(K⊙e^Γ), masked to segment 0
