@@ -542,8 +542,10 @@ TEST(CudaKdaBackward, SplitKernelsFitTwoBlocksPerSm) {
 
 // The split stage 4 (value kernel over V halves, key kernel over K halves as a cluster of two)
 // against the fused kernel: the same products with the same precisions, only summed in another
-// order (dP, dM and the row dots in two halves), so within 1e-4 of each other, and both within
-// the bf16 tolerance of the CPU (check_backward). Shapes: the realistic one with documents and a
+// order (dP, dM and the row dots in two halves), so within 1e-4 of each other where the split
+// takes the pair-by-pair inside sums too (strong decay), 2e-3 where it takes them as tf32
+// products (below), and both within the bf16 tolerance of the CPU (check_backward). Shapes: the
+// realistic one with documents and a
 // partial chunk (recomputing and reusing the forward), K = 64 / V = 32 (one mma tile per warp),
 // K = 32 / V = 64 with strong decay and documents, and one the split does not take (KP = 48: the
 // fused kernel runs, so the two agree exactly up to the atomics' order).
@@ -573,7 +575,12 @@ TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
         check_backward(p, true, what + " fused", !strong, cu::KdaBackwardPath::TensorCore, c.reuse);
     const KdaGradientsF split = check_backward(p, true, what + " split", !strong,
                                                cu::KdaBackwardPath::TensorCoreSplit, c.reuse);
-    expect_gradients_close(split, fused, 1e-4, 1e-6, what + " split vs fused");
+    // The split's key kernel forms the sums inside 16-token sub-blocks as tf32 products through
+    // the middle token when the decays allow (kKdaInsideExponentLimit: every case here but the
+    // strong-decay one), where the fused kernel takes one exact exponential per pair: tf32's
+    // rounding of those terms, not only the summation order, separates the two there.
+    const double tolerance = strong ? 1e-4 : 2e-3;
+    expect_gradients_close(split, fused, tolerance, 1e-6, what + " split vs fused");
   }
 }
 
