@@ -545,10 +545,10 @@ TEST(CudaKdaBackward, SplitKernelsFitTwoBlocksPerSm) {
 // order (dP, dM and the row dots in two halves), so within 1e-4 of each other where the split
 // takes the pair-by-pair inside sums too (strong decay), 2e-3 where it takes them as tf32
 // products (below), and both within the bf16 tolerance of the CPU (check_backward). Shapes: the
-// realistic one with documents and a
-// partial chunk (recomputing and reusing the forward), K = 64 / V = 32 (one mma tile per warp),
-// K = 32 / V = 64 with strong decay and documents, and one the split does not take (KP = 48: the
-// fused kernel runs, so the two agree exactly up to the atomics' order).
+// realistic one with documents and a partial chunk (recomputing and reusing the forward), K = 64
+// / V = 32 (one mma tile per warp), K = 32 / V = 64 with strong decay and documents, and one the
+// split does not take (KP = 48: the fused kernel runs, so the two agree exactly up to the
+// atomics' order).
 TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
   DM_SKIP_WITHOUT_GPU();
   struct Case {
