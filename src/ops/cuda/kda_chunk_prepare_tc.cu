@@ -43,9 +43,8 @@ const char* const kPreparePhaseNames[kPreparePhaseStamps] = {
 struct TcPrepareLayout {
   int ldk;  // fp32 Γ rows: KP + 4
   int ldr;  // bf16 raw q, k rows: KP + 8
-  int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, scratch, total;
+  int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, total;
 };
-constexpr int kLdBlock = kSubBlock + 4;  // row stride of the [16, 16] scratch blocks
 
 __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   TcPrepareLayout l;
@@ -58,60 +57,12 @@ __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   l.key_raw = at;         at += round16(kChunk * l.ldr * 2);
   l.lower_key_key = at;   at += round16(kChunk * kLdPair * 4);
   l.lower_query_key = at; at += round16(kChunk * kLdPair * 4);
-  l.vectors = at;         at += 4 * kChunk * 4;  // β, 1/‖q‖, 1/‖k‖, segments
-  l.scratch = at;
-  at += 3 * kSubBlock * kLdBlock * 4;  // the inverse's T blocks
+  l.vectors = at;         at += 4 * kChunk * 4 + 16;  // β, 1/‖q‖, 1/‖k‖, segments; 4 exponents
   l.total = at;
   return l;
 }
 
-// A = (I + Diag(β)L)⁻¹ into a [C, kLdPair] (lower triangle and diagonal; the upper triangle
-// of each diagonal 16×16 block zeroed, the blocks above it never read), by the whole block in
-// fp32: the diagonal blocks' inverses N_s by substitution (a thread per column: ~120 FMAs),
-// then the blocks below by levels d = i − j = 1, 2, 3 (block row i, block column j):
-//   T = Diag(β_i)·Σ_{j≤k<i} L_ik·A_kj,  A_ij = −N_i·T,
-// each a few 16×16×16 products shared over the block's threads, two barriers per level. Starts
-// after the barrier that published L and β; ends with one.
-__device__ __forceinline__ void invert_unit_lower(const float* lower, const float* beta_s, float* a,
-                                                  float* scratch) {
-  const int tid = threadIdx.x;
-  if (tid < kChunk) {  // N_s: thread (s, column c)
-    const int s0 = kSubBlock * (tid / kSubBlock), c = tid % kSubBlock;
-    float* n = a + s0 * kLdPair + s0;
-    for (int i = 0; i < c; ++i) n[i * kLdPair + c] = 0.0f;
-    n[c * kLdPair + c] = 1.0f;
-    for (int i = c + 1; i < kSubBlock; ++i) {
-      float sum = 0.0f;
-      for (int k = c; k < i; ++k) sum += lower[(s0 + i) * kLdPair + s0 + k] * n[k * kLdPair + c];
-      n[i * kLdPair + c] = -beta_s[s0 + i] * sum;
-    }
-  }
-  __syncthreads();
-  for (int level = 1; level < kNumSubBlocks; ++level) {
-    const int blocks = kNumSubBlocks - level, elements = blocks * kSubBlock * kSubBlock;
-    for (int idx = tid; idx < elements; idx += kThreads) {  // T of block (i, j = i − level)
-      const int bi = idx / (kSubBlock * kSubBlock), r = idx / kSubBlock % kSubBlock,
-                c = idx % kSubBlock;
-      const int i0 = kSubBlock * (bi + level), j0 = kSubBlock * bi;
-      float sum = 0.0f;
-      for (int k = j0; k < i0; ++k) sum += lower[(i0 + r) * kLdPair + k] * a[k * kLdPair + j0 + c];
-      scratch[(bi * kSubBlock + r) * kLdBlock + c] = beta_s[i0 + r] * sum;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < elements; idx += kThreads) {  // A_ij = −N_i·T
-      const int bi = idx / (kSubBlock * kSubBlock), r = idx / kSubBlock % kSubBlock,
-                c = idx % kSubBlock;
-      const int i0 = kSubBlock * (bi + level), j0 = kSubBlock * bi;
-      float sum = 0.0f;
-      for (int m = 0; m <= r; ++m)
-        sum += a[(i0 + r) * kLdPair + i0 + m] * scratch[(bi * kSubBlock + m) * kLdBlock + c];
-      a[(i0 + r) * kLdPair + j0 + c] = -sum;
-    }
-    __syncthreads();
-  }
-}
-
-template <int kStaticDims, bool kInverseSolve>
+template <int kStaticDims>
 __global__ void __launch_bounds__(kThreads, 2)
     kda_chunk_prepare_tc_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                 const uint16_t* g_in, const uint16_t* beta_in,
@@ -169,9 +120,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j >= i) lower[i * kLdPair + j] = 0.0f;
     if (j > i) lower_qk[i * kLdPair + j] = 0.0f;
   }
-  // max |Γ_i − Γ_m| per sub-block as float bits (non-negative: ordered as unsigned), in the
-  // inverse's scratch (free until phase 4).
-  unsigned* inside_exponent = reinterpret_cast<unsigned*>(shared_bytes + l.scratch);
+  // max |Γ_i − Γ_m| per sub-block as float bits (non-negative: ordered as unsigned).
+  unsigned* inside_exponent = reinterpret_cast<unsigned*>(seg + kChunk);  // [kNumSubBlocks]
   if (tid < kNumSubBlocks) inside_exponent[tid] = 0u;
   __syncthreads();
   stamp(1);
@@ -257,105 +207,43 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   stamp(4);
 
-  // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V].
-  if constexpr (kInverseSolve) {
-    // P leaves now (its buffer takes A), then A = (I + Diag(β)L)⁻¹ in fp32 and [W | U] =
-    // A·Diag(β)·X as one tf32 tensor-core product (X formed in the B loader): a warp takes
-    // column tiles 2w, 2w + 1 (+16, …) over all four row blocks, k up to the row block's end.
-    for (int idx = tid; idx < kChunk * kChunk; idx += kThreads)
-      ws.lower_query_key[ch * kChunk * kChunk + idx] =
-          lower_qk[idx / kChunk * kLdPair + idx % kChunk];
-    __syncthreads();
-    float* a = lower_qk;
-    invert_unit_lower(lower, beta_s, a, reinterpret_cast<float*>(shared_bytes + l.scratch));
-    const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    const uint16_t* v_rows = v + token_row(0) * d.V;  // token i's row: i·H·V further
-    const int v_stride = int(d.H * d.V);
-    auto rhs = [&](int i, int col) {  // Diag(β)·X
-      if (col < KP)
-        return seg[i] == 0 ? beta_s[i] * bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
+  // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V], forward substitution with
+  // a thread per column held in registers (the loops over the C = 64 rows are unrolled).
+  for (int col = tid; col < KP + VP; col += kThreads) {
+    const bool key_column = col < KP;
+    const int e = col - KP;  // value column when !key_column
+    // The right-hand side first, then the substitution in place: only x[64] stays live (forming
+    // each rhs inside the substitution kept rhs loads and x both live and spilled ~1 KB per
+    // thread to local memory under the 128-register bound).
+    float x[kChunk];
+    if (key_column) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i)
+        x[i] = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
                                  __expf(gam[i * ldk + col])
                            : 0.0f;
-      const int e = col - KP;
-      return (i < c_len && e < d.V) ? beta_s[i] * load_as_float(v_rows, i * v_stride + e) : 0.0f;
-    };
-    const int tiles = (KP + VP) / 8;  // even: KP, VP are multiples of 16
-    for (int t0 = 2 * warp; t0 < tiles; t0 += 2 * kWarps) {
-      const int col0 = 8 * t0;
-      float acc[kNumSubBlocks][2][4];
+    } else {
+      // Token i's value row is H·V elements after token i−1's: one pointer and a 32-bit offset
+      // (64 separate 64-bit addresses, hoisted by the unrolled loop, spilled).
+      const uint16_t* v_col = v + token_row(0) * d.V + e;
+      const int v_stride = int(d.H * d.V);
 #pragma unroll
-      for (int rb = 0; rb < kNumSubBlocks; ++rb) zero_tiles(acc[rb]);
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 8; ++ks) {
-        const int k0 = 8 * ks;
-        uint32_t b[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          b[j][0] = to_tf32(rhs(k0 + tq, col0 + 8 * j + g));
-          b[j][1] = to_tf32(rhs(k0 + tq + 4, col0 + 8 * j + g));
-        }
-#pragma unroll
-        for (int rb = ks / 2; rb < kNumSubBlocks; ++rb) {  // row block rb needs k < 16(rb + 1)
-          const float* a_rows = a + (kSubBlock * rb + g) * kLdPair + k0 + tq;
-          const uint32_t frag[4] = {to_tf32(a_rows[0]), to_tf32(a_rows[8 * kLdPair]),
-                                    to_tf32(a_rows[4]), to_tf32(a_rows[8 * kLdPair + 4])};
-#pragma unroll
-          for (int j = 0; j < 2; ++j) mma_tf32_16x8x8(acc[rb][j], frag, b[j][0], b[j][1]);
-        }
-      }
-      const bool key_columns = col0 < KP;
-#pragma unroll
-      for (int rb = 0; rb < kNumSubBlocks; ++rb)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = kSubBlock * rb + g + 8 * half, col = col0 + 8 * j + 2 * tq;
-            float* dst = key_columns ? ws.w + (ch * kChunk + i) * KP + col
-                                     : ws.u + (ch * kChunk + i) * VP + col - KP;
-            *reinterpret_cast<float2*>(dst) =
-                make_float2(acc[rb][j][2 * half], acc[rb][j][2 * half + 1]);
-          }
+      for (int i = 0; i < kChunk; ++i)
+        x[i] = (i < c_len && e < d.V) ? load_as_float(v_col, i * v_stride) : 0.0f;
     }
-  } else {
-    // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V], forward substitution with
-    // a thread per column held in registers (the loops over the C = 64 rows are unrolled).
-    for (int col = tid; col < KP + VP; col += kThreads) {
-      const bool key_column = col < KP;
-      const int e = col - KP;  // value column when !key_column
-      // The right-hand side first, then the substitution in place: only x[64] stays live (forming
-      // each rhs inside the substitution kept rhs loads and x both live and spilled ~1 KB per
-      // thread to local memory under the 128-register bound).
-      float x[kChunk];
-      if (key_column) {
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i)
-          x[i] = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
-                                   __expf(gam[i * ldk + col])
-                             : 0.0f;
-      } else {
-        // Token i's value row is H·V elements after token i−1's: one pointer and a 32-bit offset
-        // (64 separate 64-bit addresses, hoisted by the unrolled loop, spilled).
-        const uint16_t* v_col = v + token_row(0) * d.V + e;
-        const int v_stride = int(d.H * d.V);
+    for (int i = 0; i < kChunk; ++i) {
+      float lower_sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i)
-          x[i] = (i < c_len && e < d.V) ? load_as_float(v_col, i * v_stride) : 0.0f;
-      }
+      for (int j = 0; j < i; ++j) lower_sum += lower[i * kLdPair + j] * x[j];
+      x[i] = beta_s[i] * (x[i] - lower_sum);
+    }
+    if (key_column) {
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        float lower_sum = 0.0f;
+      for (int i = 0; i < kChunk; ++i) ws.w[(ch * kChunk + i) * KP + col] = x[i];
+    } else {
 #pragma unroll
-        for (int j = 0; j < i; ++j) lower_sum += lower[i * kLdPair + j] * x[j];
-        x[i] = beta_s[i] * (x[i] - lower_sum);
-      }
-      if (key_column) {
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) ws.w[(ch * kChunk + i) * KP + col] = x[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) ws.u[(ch * kChunk + i) * VP + e] = x[i];
-      }
+      for (int i = 0; i < kChunk; ++i) ws.u[(ch * kChunk + i) * VP + e] = x[i];
     }
   }
 
@@ -378,8 +266,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
     const int i = idx / kChunk, j = idx % kChunk;
-    if constexpr (!kInverseSolve)  // stored before the solve, whose A took P's buffer
-      ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
+    ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
     ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? lower[i * kLdPair + j] : 0.0f;
   }
   for (int col = tid; col < KP; col += kThreads)
@@ -414,19 +301,10 @@ void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const 
     kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
         q, k, v, g, beta, doc_start, d, ws, inside_limit);
   };
-  // The inverse-based solve unless DM_KDA_PREPARE_SOLVE=subst (read once): the thread-per-column
-  // forward substitution.
-  static const bool substitution = [] {
-    const char* v = std::getenv("DM_KDA_PREPARE_SOLVE");
-    return v != nullptr && std::strcmp(v, "subst") == 0;
-  }();
-  const bool fixed = kda_static_dims(d) == kKdaStaticDims;
-  if (substitution)
-    launch(fixed ? kda_chunk_prepare_tc_kernel<kKdaStaticDims, false>
-                 : kda_chunk_prepare_tc_kernel<0, false>);
+  if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_prepare_tc_kernel<kKdaStaticDims>);
   else
-    launch(fixed ? kda_chunk_prepare_tc_kernel<kKdaStaticDims, true>
-                 : kda_chunk_prepare_tc_kernel<0, true>);
+    launch(kda_chunk_prepare_tc_kernel<0>);
   check_last_error("cuda kda_chunk_forward (prepare, tensor cores)");
 }
 
