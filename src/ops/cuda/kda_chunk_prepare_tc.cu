@@ -1,17 +1,22 @@
 // The prepare stage of the chunked KDA forward for bf16 inputs (kda.h; the fp32 twin is
 // kda_chunk_prepare_kernel in kda_chunk.cu, whose outputs this matches): per chunk of one head,
-// Γ = cumsum g, the masked intra-chunk products L (β-free, j < i) and P (j ≤ i), the forward
-// substitution W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with A = (I + Diag(β)L)⁻¹, and the
-// workspace rows Q⊙e^Γ, K⊙e^{γ−Γ}, P, e^γ. Grid: num_chunks × B·H, 256 threads.
+// Γ = cumsum g, the masked intra-chunk products L (β-free, j < i) and P (j ≤ i), the solve
+// W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with A = (I + Diag(β)L)⁻¹, and the workspace rows
+// Q⊙e^Γ, K⊙e^{γ−Γ}, P, e^γ. Grid: num_chunks × B·H, 256 threads.
 //
 // Why a second kernel: the fp32 one keeps q̂, k̂, Γ and two reference buffers in fp32 shared
 // memory (≈ 174 KB at K = 128: one block per SM) and forms every product on CUDA cores. Here
 //   - q, k stay as their raw bf16 bits with fp32 inverse norms beside them (exact: they are the
-//     inputs), Γ fp32: ≈ 105 KB at K = 128, two blocks per SM;
+//     inputs), Γ fp32: ≈ 111 KB at K = 128, two blocks per SM;
 //   - L and P across sub-blocks (t < s) are tf32 mma.sync products through the first token
 //     b = 16(t+1) after sub-block t, e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j} (i ≥ b > j: both
 //     exponents ≤ 0), formed in the fragment loaders (no reference buffers);
-//   - inside a sub-block one exponent per pair and channel, Γ_i − Γ_j ≤ 0 (j ≤ i), as before.
+//   - inside a sub-block the same products through its middle token when every factor stays
+//     in range, else one exponent per pair and channel, Γ_i − Γ_j ≤ 0 (j ≤ i);
+//   - the solve by 16-token sub-blocks on tensor cores (phase 5): the diagonal blocks'
+//     inverses (16×16, CUDA cores), then a warp per 16 feature columns of [W | U] carries them
+//     in registers through the four sub-blocks. It replaced a thread-per-column substitution
+//     over all 64 rows, 40% of the kernel's cycles.
 // tf32 for L and P matches the backward's stage 4 (kda_chunk_backward_tc.cu), which forms the
 // same L the same way.
 #include <algorithm>
@@ -28,6 +33,9 @@ namespace {
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
+// Row stride of the four [16, 16] blocks Bt_s of the solve (phase 5): ≡ 24 (mod 32) floats, so
+// the 8-byte fragment reads of a half warp (rows g < 4, columns 2tq) hit distinct banks.
+constexpr int kLdSolve = kSubBlock + 8;
 
 // Phase clock (diagnostics, bench_cuda_kda --phases), as stage 4's: SM cycle stamps at the
 // phase boundaries of one block (the middle chunk of the first batch-head) while enabled. That
@@ -37,13 +45,13 @@ __device__ int g_prepare_clock_on;
 __device__ long long g_prepare_clock[kPreparePhaseStamps];
 const char* const kPreparePhaseNames[kPreparePhaseStamps] = {
     "start", "rows, beta, segments", "norms, Gamma cumsum", "L, P across sub-blocks",
-    "L, P inside sub-blocks", "forward substitution", "workspace rows"};
+    "L, P inside sub-blocks", "N blocks, workspace rows", "W, U solve"};
 
 // Byte offsets of the shared buffers (each a multiple of 16 bytes).
 struct TcPrepareLayout {
   int ldk;  // fp32 Γ rows: KP + 4
   int ldr;  // bf16 raw q, k rows: KP + 8
-  int gamma, query_raw, key_raw, lower_key_key, lower_query_key, vectors, total;
+  int gamma, query_raw, key_raw, lower_key_key, lower_query_key, solve_blocks, vectors, total;
 };
 
 __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
@@ -57,6 +65,7 @@ __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   l.key_raw = at;         at += round16(kChunk * l.ldr * 2);
   l.lower_key_key = at;   at += round16(kChunk * kLdPair * 4);
   l.lower_query_key = at; at += round16(kChunk * kLdPair * 4);
+  l.solve_blocks = at;    at += kChunk * kLdSolve * 4;
   l.vectors = at;         at += 4 * kChunk * 4 + 16;  // β, 1/‖q‖, 1/‖k‖, segments; 4 exponents
   l.total = at;
   return l;
@@ -79,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint16_t* key_raw = reinterpret_cast<uint16_t*>(shared_bytes + l.key_raw);      // [C, ldr]
   float* lower = reinterpret_cast<float*>(shared_bytes + l.lower_key_key);        // [C, 68] L
   float* lower_qk = reinterpret_cast<float*>(shared_bytes + l.lower_query_key);   // [C, 68] P
+  float* solve_blocks = reinterpret_cast<float*>(shared_bytes + l.solve_blocks);  // [C, 24] Bt_s
   float* beta_s = reinterpret_cast<float*>(shared_bytes + l.vectors);             // [C]
   float* query_inv = beta_s + kChunk;                                             // [C]
   float* key_inv = query_inv + kChunk;                                            // [C]
@@ -207,70 +217,124 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   stamp(4);
 
-  // ---- 4. (I + Diag(β)L)·[W | U] = Diag(β)·[K⊙e^Γ (segment 0) | V], forward substitution with
-  // a thread per column held in registers (the loops over the C = 64 rows are unrolled).
-  for (int col = tid; col < KP + VP; col += kThreads) {
-    const bool key_column = col < KP;
-    const int e = col - KP;  // value column when !key_column
-    // The right-hand side first, then the substitution in place: only x[64] stays live (forming
-    // each rhs inside the substitution kept rhs loads and x both live and spilled ~1 KB per
-    // thread to local memory under the 128-register bound).
-    float x[kChunk];
-    if (key_column) {
+  // ---- 4. N_s = (I + Diag(β_s)L_ss)⁻¹ of each sub-block s (warps 0–1: a thread per column,
+  // held in registers), stored for phase 5 as Bt_s[i][i'] = β_i'·N_s[i][i'] (zero for i' > i);
+  // meanwhile the other warps write the workspace rows the state and output stages (and the
+  // backward) read.
+  if (tid < kChunk) {
+    const int s0 = kSubBlock * (tid / kSubBlock), c = tid % kSubBlock;
+    float n_col[kSubBlock];
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i)
-        x[i] = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
-                                 __expf(gam[i * ldk + col])
-                           : 0.0f;
-    } else {
-      // Token i's value row is H·V elements after token i−1's: one pointer and a 32-bit offset
-      // (64 separate 64-bit addresses, hoisted by the unrolled loop, spilled).
-      const uint16_t* v_col = v + token_row(0) * d.V + e;
-      const int v_stride = int(d.H * d.V);
+    for (int i = 0; i < kSubBlock; ++i) {
+      float sum = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i)
-        x[i] = (i < c_len && e < d.V) ? load_as_float(v_col, i * v_stride) : 0.0f;
+      for (int m = 0; m < i; ++m) sum += lower[(s0 + i) * kLdPair + s0 + m] * n_col[m];
+      n_col[i] = i < c ? 0.0f : (i == c ? 1.0f : -beta_s[s0 + i] * sum);
     }
+    const float beta_c = beta_s[s0 + c];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float lower_sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) lower_sum += lower[i * kLdPair + j] * x[j];
-      x[i] = beta_s[i] * (x[i] - lower_sum);
+    for (int i = 0; i < kSubBlock; ++i) solve_blocks[(s0 + i) * kLdSolve + c] = beta_c * n_col[i];
+  } else {
+    const int last_segment = seg[kChunk - 1];
+    for (int idx = tid - kChunk; idx < kChunk * KP / 2; idx += kThreads - kChunk) {
+      const int i = idx / (KP / 2), c = idx % (KP / 2) * 2;
+      const float2 gamma = gamma2(i, c), gamma_last = gamma2(kChunk - 1, c);
+      const float2 query = query_hat2(i, c), key = key_hat2(i, c);
+      const float2 query_decay = seg[i] == 0 ? make_float2(query.x * __expf(gamma.x), query.y * __expf(gamma.y))
+                                             : make_float2(0.0f, 0.0f);
+      const float2 key_to_end =
+          seg[i] == last_segment
+              ? make_float2(key.x * __expf(gamma_last.x - gamma.x), key.y * __expf(gamma_last.y - gamma.y))
+              : make_float2(0.0f, 0.0f);
+      *reinterpret_cast<float2*>(ws.query_decay + (ch * kChunk + i) * KP + c) = query_decay;
+      *reinterpret_cast<float2*>(ws.key_to_end + (ch * kChunk + i) * KP + c) = key_to_end;
     }
-    if (key_column) {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) ws.w[(ch * kChunk + i) * KP + col] = x[i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) ws.u[(ch * kChunk + i) * VP + e] = x[i];
+    for (int idx = tid - kChunk; idx < kChunk * kChunk; idx += kThreads - kChunk) {
+      const int i = idx / kChunk, j = idx % kChunk;
+      ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
+      ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? lower[i * kLdPair + j] : 0.0f;
     }
+    for (int col = tid - kChunk; col < KP; col += kThreads - kChunk)
+      ws.decay_whole[ch * KP + col] =
+          last_segment == 0 ? __expf(gam[(kChunk - 1) * ldk + col]) : 0.0f;
   }
-
+  __syncthreads();
   stamp(5);
 
-  // ---- 5. The workspace rows the state and output stages (and the backward) read.
-  const int last_segment = seg[kChunk - 1];
-  for (int idx = tid; idx < kChunk * KP / 2; idx += kThreads) {
-    const int i = idx / (KP / 2), c = idx % (KP / 2) * 2;
-    const float2 gamma = gamma2(i, c), gamma_last = gamma2(kChunk - 1, c);
-    const float2 query = query_hat2(i, c), key = key_hat2(i, c);
-    const float2 query_decay = seg[i] == 0 ? make_float2(query.x * __expf(gamma.x), query.y * __expf(gamma.y))
-                                           : make_float2(0.0f, 0.0f);
-    const float2 key_to_end =
-        seg[i] == last_segment
-            ? make_float2(key.x * __expf(gamma_last.x - gamma.x), key.y * __expf(gamma_last.y - gamma.y))
-            : make_float2(0.0f, 0.0f);
-    *reinterpret_cast<float2*>(ws.query_decay + (ch * kChunk + i) * KP + c) = query_decay;
-    *reinterpret_cast<float2*>(ws.key_to_end + (ch * kChunk + i) * KP + c) = key_to_end;
+  // ---- 5. [W | U] = (I + Diag(β)L)⁻¹·Diag(β)·X, X = [K⊙e^Γ (segment 0) | V], by sub-blocks on
+  // tensor cores. Transposed, so that a warp's 16 feature columns of Y = [W | U] stay in its
+  // registers from one sub-block to the next:
+  //   Yᵀ_s = (Xᵀ_s − Σ_{t<s} Yᵀ_t·Lᵀ_st)·Btᵀ_s
+  // Yᵀ_t's accumulator is the A operand of the later products as it stands, with the k slots
+  // permuted as in warp_mma_pairs (slot tq ↔ token 2tq, slot tq + 4 ↔ token 2tq + 1); the B
+  // operands (L_st, Bt_s) are pairs of adjacent floats in shared memory.
+  const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const uint16_t* v_rows = v + token_row(0) * d.V;  // token i's row: i·H·V further
+  const int v_stride = int(d.H * d.V);
+  for (int tile = warp; tile < (KP + VP) / 16; tile += kWarps) {
+    const int f0 = 16 * tile;  // feature columns f0 + g, f0 + g + 8 of [K | V]
+    const bool key_tile = f0 < KP;
+    // y[s][nt][e4]: feature f0 + g + 8·(e4/2), token 16s + 8nt + 2tq + e4%2.
+    float y[kNumSubBlocks][2][4];
+#pragma unroll
+    for (int s = 0; s < kNumSubBlocks; ++s)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int i = 16 * s + 8 * nt + 2 * tq + (e4 & 1), f = f0 + g + 8 * (e4 >> 1);
+          if (key_tile) {
+            y[s][nt][e4] = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + f]) * key_inv[i] *
+                                             __expf(gam[i * ldk + f])
+                                       : 0.0f;
+          } else {
+            const int e = f - KP;
+            y[s][nt][e4] = (i < c_len && e < d.V) ? load_as_float(v_rows, i * v_stride + e) : 0.0f;
+          }
+        }
+#pragma unroll
+    for (int s = 0; s < kNumSubBlocks; ++s) {
+#pragma unroll
+      for (int t = 0; t < s; ++t)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint32_t a[4] = {to_tf32(-y[t][kk][0]), to_tf32(-y[t][kk][2]),
+                                 to_tf32(-y[t][kk][1]), to_tf32(-y[t][kk][3])};
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const float2 b =
+                load_pair(lower + (16 * s + 8 * nt + g) * kLdPair + 16 * t + 8 * kk + 2 * tq);
+            mma_tf32_16x8x8(y[s][nt], a, to_tf32(b.x), to_tf32(b.y));
+          }
+        }
+      uint32_t a[2][4];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        a[kk][0] = to_tf32(y[s][kk][0]), a[kk][1] = to_tf32(y[s][kk][2]);
+        a[kk][2] = to_tf32(y[s][kk][1]), a[kk][3] = to_tf32(y[s][kk][3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) y[s][nt][e4] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const float2 b = load_pair(solve_blocks + (16 * s + 8 * nt + g) * kLdSolve + 8 * kk + 2 * tq);
+          mma_tf32_16x8x8(y[s][nt], a[kk], to_tf32(b.x), to_tf32(b.y));
+        }
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kNumSubBlocks; ++s)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int i = 16 * s + 8 * nt + 2 * tq + (e4 & 1), f = f0 + g + 8 * (e4 >> 1);
+          if (key_tile) ws.w[(ch * kChunk + i) * KP + f] = y[s][nt][e4];
+          else ws.u[(ch * kChunk + i) * VP + f - KP] = y[s][nt][e4];
+        }
   }
-  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
-    const int i = idx / kChunk, j = idx % kChunk;
-    ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
-    ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? lower[i * kLdPair + j] : 0.0f;
-  }
-  for (int col = tid; col < KP; col += kThreads)
-    ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gam[(kChunk - 1) * ldk + col]) : 0.0f;
   stamp(6);
 }
 
