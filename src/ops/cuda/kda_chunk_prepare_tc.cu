@@ -24,18 +24,26 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
 #include "ops/cuda/device.h"
+#include "ops/cuda/kda.h"
 #include "ops/cuda/kda_common.cuh"
 #include "ops/cuda/kda_mma.cuh"
 
 namespace dm::cuda::kda_detail {
 namespace {
 
+using attention_detail::cp_async_16;
+using attention_detail::cp_async_commit;
+using attention_detail::cp_async_wait;
+
 constexpr int kWarps = kThreads / 32;
 constexpr int kLdPair = kChunk + 4;  // row stride of the [C, C] fp32 shared matrices
 // Row stride of the four [16, 16] blocks Bt_s of the solve (phase 5): ≡ 24 (mod 32) floats, so
 // the 8-byte fragment reads of a half warp (rows g < 4, columns 2tq) hit distinct banks.
 constexpr int kLdSolve = kSubBlock + 8;
+// V's bf16 rows [C, VP + 8] take P's fp32 buffer [C, kLdPair] in the solve.
+static_assert(kChunk * (kKdaCudaMaxHeadDim + 8) * 2 <= kChunk * kLdPair * 4);
 
 // Phase clock (diagnostics, bench_cuda_kda --phases), as stage 4's: SM cycle stamps at the
 // phase boundaries of one block (the middle chunk of the first batch-head) while enabled. That
@@ -157,40 +165,65 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
 
   // ---- 3. L and P as tf32 products of 16-row blocks, the decays factored through a reference
-  // token b formed in the loaders: e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j}. Tasks 0–11: block (s, t)
-  // across sub-blocks (t < s) × {L, P}, b = 16(t+1), both exponents ≤ 0. Tasks 12–19: the
-  // diagonal block of sub-block s × {L, P}, b its middle token, when inside_by_products(s).
-  for (int task = warp; task < 20; task += kWarps) {
-    int r0, j0, ref, query_side;
-    if (task < 12) {
-      const int pair = task % 6, s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);  // (1,0) … (3,2)
-      const int t = pair - (s - 1) * s / 2;
-      query_side = task / 6;
-      r0 = 16 * s, j0 = 16 * t, ref = 16 * (t + 1);
+  // token b formed in the loaders: e^{Γ_i−Γ_j} = e^{Γ_i−Γ_b}·e^{Γ_b−Γ_j}. A warp takes one row
+  // block s and one reference for every tile it computes, so one A factor e^{Γ_i−Γ_b} serves
+  // its k̂ and q̂ rows (L and P) and every column tile, and one B factor k̂_j·e^{Γ_b−Γ_j} serves
+  // L and P:
+  //   across sub-blocks (t < s): b = 16s, the row block's first token (i ≥ b > j: both
+  //     exponents ≤ 0); warps 0–1 row block 3 (three 8-column tiles each), warp 2 row block 2
+  //     (four), warp 3 row block 1 (two);
+  //   inside sub-block s (warp 4 + s): b its middle token, when inside_by_products(s).
+  // (One task per block pair and matrix, as before, cost the busiest warp 2× the instructions.)
+  {
+    constexpr int kMaxTiles = 4;
+    int s, ref, j0, tiles;
+    const bool inside = warp >= 4;
+    if (!inside) {
+      s = warp < 2 ? 3 : (warp == 2 ? 2 : 1);
+      ref = 16 * s, j0 = warp == 1 ? 24 : 0, tiles = warp < 2 ? 3 : 2 * s;
     } else {
-      const int s = (task - 12) % kNumSubBlocks;
-      if (!inside_by_products(s)) continue;  // warp-uniform
-      query_side = (task - 12) / kNumSubBlocks;
-      r0 = j0 = kSubBlock * s, ref = r0 + kSubBlock / 2;
+      s = warp - 4;
+      ref = kSubBlock * s + kSubBlock / 2, j0 = kSubBlock * s, tiles = 2;
     }
-    float acc[2][4];
-    zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, 2, 0, KP,
-        [&](int r, int c) {
-          const float2 x = query_side ? query_hat2(r0 + r, c) : key_hat2(r0 + r, c);
-          const float2 gamma_i = gamma2(r0 + r, c), gamma_b = gamma2(ref, c);
-          return make_float2(x.x * __expf(gamma_i.x - gamma_b.x), x.y * __expf(gamma_i.y - gamma_b.y));
-        },
-        [&](int c, int nn) {
-          const float2 key = key_hat2(j0 + nn, c), gamma_j = gamma2(j0 + nn, c), gamma_b = gamma2(ref, c);
-          return make_float2(key.x * __expf(gamma_b.x - gamma_j.x), key.y * __expf(gamma_b.y - gamma_j.y));
-        });
-    float* out = query_side ? lower_qk : lower;
-    for_each_element<2>(2, r0, j0, [&](int j, int e4, int i, int jj) {
-      const bool causal = query_side ? jj <= i : jj < i;  // always true across sub-blocks
-      out[i * kLdPair + jj] = causal && seg[i] == seg[jj] ? acc[j][e4] : 0.0f;
-    });
+    if (!inside || inside_by_products(s)) {  // warp-uniform
+      const int lane = tid & 31, g = lane >> 2, tq = lane & 3, r0 = 16 * s;
+      float acc_key[kMaxTiles][4], acc_query[kMaxTiles][4];
+      zero_tiles(acc_key);
+      zero_tiles(acc_query);
+      for (int k0 = 0; k0 < KP; k0 += 8) {
+        const int c = k0 + 2 * tq;  // k slots tq, tq + 4 ↔ channels c, c + 1 (warp_mma_pairs)
+        const float2 gamma_b = gamma2(ref, c);
+        float2 key_rows[2], query_rows[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + g + 8 * half;
+          const float2 gamma_i = gamma2(i, c);
+          const float2 decay = make_float2(__expf(gamma_i.x - gamma_b.x), __expf(gamma_i.y - gamma_b.y));
+          const float2 key = key_hat2(i, c), query = query_hat2(i, c);
+          key_rows[half] = make_float2(key.x * decay.x, key.y * decay.y);
+          query_rows[half] = make_float2(query.x * decay.x, query.y * decay.y);
+        }
+        const uint32_t a_key[4] = {to_tf32(key_rows[0].x), to_tf32(key_rows[1].x),
+                                   to_tf32(key_rows[0].y), to_tf32(key_rows[1].y)};
+        const uint32_t a_query[4] = {to_tf32(query_rows[0].x), to_tf32(query_rows[1].x),
+                                     to_tf32(query_rows[0].y), to_tf32(query_rows[1].y)};
+#pragma unroll
+        for (int j = 0; j < kMaxTiles; ++j)
+          if (j < tiles) {
+            const int col = j0 + 8 * j + g;
+            const float2 key = key_hat2(col, c), gamma_j = gamma2(col, c);
+            const uint32_t b0 = to_tf32(key.x * __expf(gamma_b.x - gamma_j.x));
+            const uint32_t b1 = to_tf32(key.y * __expf(gamma_b.y - gamma_j.y));
+            mma_tf32_16x8x8(acc_key[j], a_key, b0, b1);
+            mma_tf32_16x8x8(acc_query[j], a_query, b0, b1);
+          }
+      }
+      for_each_element<kMaxTiles>(tiles, r0, j0, [&](int j, int e4, int i, int jj) {
+        const bool same_segment = seg[i] == seg[jj];  // across sub-blocks jj < i always
+        lower[i * kLdPair + jj] = jj < i && same_segment ? acc_key[j][e4] : 0.0f;
+        lower_qk[i * kLdPair + jj] = jj <= i && same_segment ? acc_query[j][e4] : 0.0f;
+      });
+    }
   }
   stamp(3);
   // Inside the other sub-blocks (j ≤ i): one exp per pair and channel, shared by L and P.
@@ -268,11 +301,32 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Yᵀ_t's accumulator is the A operand of the later products as it stands, with the k slots
   // permuted as in warp_mma_pairs (slot tq ↔ token 2tq, slot tq + 4 ↔ token 2tq + 1); the B
   // operands (L_st, Bt_s) are pairs of adjacent floats in shared memory.
+  //
+  // V's rows of the chunk go into P's buffer (P left in phase 4), 16 bytes per cp.async, while
+  // the key tiles compute: loaded element by element in fragment order inside the value tiles
+  // they took ~19K cycles per block, more than the whole rest of the solve.
   const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const uint16_t* v_rows = v + token_row(0) * d.V;  // token i's row: i·H·V further
-  const int v_stride = int(d.H * d.V);
-  for (int tile = warp; tile < (KP + VP) / 16; tile += kWarps) {
-    const int f0 = 16 * tile;  // feature columns f0 + g, f0 + g + 8 of [K | V]
+  uint16_t* value_rows = reinterpret_cast<uint16_t*>(lower_qk);  // [C, VP + 8] bf16
+  const int ldv = VP + 8;
+  {
+    const uint16_t* v_rows = v + token_row(0) * d.V;  // token i's row: i·H·V further
+    const int v_stride = int(d.H * d.V);
+    if (d.V % 8 == 0) {
+      const int per_row = VP / 8;
+      for (int idx = tid; idx < kChunk * per_row; idx += kThreads) {
+        const int i = idx / per_row, e = idx % per_row * 8;
+        const bool valid = i < c_len && e < d.V;  // else zero-filled
+        cp_async_16(value_rows + i * ldv + e, valid ? v_rows + i * v_stride + e : v, valid);
+      }
+    } else {
+      for (int idx = tid; idx < kChunk * VP; idx += kThreads) {
+        const int i = idx / VP, e = idx % VP;
+        value_rows[i * ldv + e] = i < c_len && e < d.V ? v_rows[i * v_stride + e] : uint16_t(0);
+      }
+    }
+    cp_async_commit();
+  }
+  auto solve_tile = [&](int f0) {  // feature columns f0 + g, f0 + g + 8 of [K | V]
     const bool key_tile = f0 < KP;
     // y[s][nt][e4]: feature f0 + g + 8·(e4/2), token 16s + 8nt + 2tq + e4%2.
     float y[kNumSubBlocks][2][4];
@@ -288,8 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                                              __expf(gam[i * ldk + f])
                                        : 0.0f;
           } else {
-            const int e = f - KP;
-            y[s][nt][e4] = (i < c_len && e < d.V) ? load_as_float(v_rows, i * v_stride + e) : 0.0f;
+            y[s][nt][e4] = bf16_bits_to_float(value_rows[i * ldv + f - KP]);
           }
         }
 #pragma unroll
@@ -334,7 +387,11 @@ __global__ void __launch_bounds__(kThreads, 2)
           if (key_tile) ws.w[(ch * kChunk + i) * KP + f] = y[s][nt][e4];
           else ws.u[(ch * kChunk + i) * VP + f - KP] = y[s][nt][e4];
         }
-  }
+  };
+  for (int tile = warp; tile < KP / 16; tile += kWarps) solve_tile(16 * tile);
+  cp_async_wait<0>();
+  __syncthreads();  // V's rows landed
+  for (int tile = warp; tile < VP / 16; tile += kWarps) solve_tile(KP + 16 * tile);
   stamp(6);
 }
 
