@@ -74,7 +74,8 @@ __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   l.lower_key_key = at;   at += round16(kChunk * kLdPair * 4);
   l.lower_query_key = at; at += round16(kChunk * kLdPair * 4);
   l.solve_blocks = at;    at += kChunk * kLdSolve * 4;
-  l.vectors = at;         at += 4 * kChunk * 4 + 16;  // β, 1/‖q‖, 1/‖k‖, segments; 4 exponents
+  l.vectors = at;  // β, 1/‖q‖, 1/‖k‖, segments [C]; 4 exponents; Γ of the last row [KP]
+  at += 4 * kChunk * 4 + kNumSubBlocks * 4 + KP * 4;
   l.total = at;
   return l;
 }
@@ -140,23 +141,50 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   // max |Γ_i − Γ_m| per sub-block as float bits (non-negative: ordered as unsigned).
   unsigned* inside_exponent = reinterpret_cast<unsigned*>(seg + kChunk);  // [kNumSubBlocks]
+  float* gamma_last = reinterpret_cast<float*>(inside_exponent + kNumSubBlocks);  // [KP]
   if (tid < kNumSubBlocks) inside_exponent[tid] = 0u;
   __syncthreads();
   stamp(1);
 
-  // ---- 2. Inverse L2 norms (warp per row) and Γ = cumsum g (thread per column).
-  kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, gam, ldk, d, query_inv, key_inv);
-  __syncthreads();
-  for (int sb = 0; sb < kNumSubBlocks; ++sb) {  // block-uniform loop: whole warps reduce
-    const int s0 = kSubBlock * sb, m = s0 + kSubBlock / 2;
-    unsigned most = 0u;
-    for (int c = tid; c < KP; c += kThreads) {
-      const float gamma_m = gam[m * ldk + c];
-      for (int i = s0; i < s0 + kSubBlock; ++i)
-        most = max(most, __float_as_uint(fabsf(gam[i * ldk + c] - gamma_m)));  // NaN: largest
+  // ---- 2. Inverse L2 norms (warp per row), then Γ = cumsum g by two threads per column (rows
+  // 0–31 and 32–63, each half in registers: a thread per column over all 64 rows was a chain of
+  // 64 dependent shared-memory round trips), and max |Γ_i − Γ_m| per sub-block from the same
+  // registers. The first half's totals pass through the solve's (still free) buffer.
+  kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, nullptr, ldk, d, query_inv, key_inv);
+  {
+    constexpr int kHalf = kChunk / 2;
+    const int col = tid % KP, half = tid / KP;  // KP ≤ 128: 2·KP ≤ kThreads
+    const bool scans = tid < 2 * KP;
+    float run[kHalf];
+    if (scans) {
+      float* column = gam + (half * kHalf) * ldk + col;
+#pragma unroll
+      for (int r = 0; r < kHalf; ++r) run[r] = column[r * ldk];
+#pragma unroll
+      for (int r = 1; r < kHalf; ++r) run[r] += run[r - 1];
+      if (half == 0) solve_blocks[col] = run[kHalf - 1];
     }
-    most = __reduce_max_sync(0xffffffffu, most);
-    if ((tid & 31) == 0 && most != 0u) atomicMax(&inside_exponent[sb], most);
+    __syncthreads();
+    if (scans) {
+      const float offset = half == 1 ? solve_blocks[col] : 0.0f;
+      float* column = gam + (half * kHalf) * ldk + col;
+#pragma unroll
+      for (int r = 0; r < kHalf; ++r) column[r * ldk] = run[r] += offset;
+      if (half == 1) gamma_last[col] = run[kHalf - 1];  // phase 4 overwrites Γ in place
+    }
+    // Sub-blocks 2·half and 2·half + 1 are this thread's; a warp may hold both halves (KP < 128).
+#pragma unroll
+    for (int sb = 0; sb < kNumSubBlocks; ++sb) {
+      unsigned most = 0u;
+      if (scans && sb / 2 == half) {
+        const int r0 = (sb % 2) * kSubBlock, m = r0 + kSubBlock / 2;
+#pragma unroll
+        for (int r = 0; r < kSubBlock; ++r)  // NaN: the largest as unsigned
+          most = max(most, __float_as_uint(fabsf(run[r0 + r] - run[m])));
+      }
+      most = __reduce_max_sync(0xffffffffu, most);
+      if ((tid & 31) == 0 && most != 0u) atomicMax(&inside_exponent[sb], most);
+    }
   }
   __syncthreads();
   stamp(2);
@@ -253,7 +281,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // ---- 4. N_s = (I + Diag(β_s)L_ss)⁻¹ of each sub-block s (warps 0–1: a thread per column,
   // held in registers), stored for phase 5 as Bt_s[i][i'] = β_i'·N_s[i][i'] (zero for i' > i);
   // meanwhile the other warps write the workspace rows the state and output stages (and the
-  // backward) read.
+  // backward) read, and replace Γ in place by the solve's key operand K⊙e^Γ (segment 0), from
+  // the exponent Q⊙e^Γ takes anyway (formed in the solve, it was ~6K cycles of its key tiles).
   if (tid < kChunk) {
     const int s0 = kSubBlock * (tid / kSubBlock), c = tid % kSubBlock;
     float n_col[kSubBlock];
@@ -271,14 +300,19 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int last_segment = seg[kChunk - 1];
     for (int idx = tid - kChunk; idx < kChunk * KP / 2; idx += kThreads - kChunk) {
       const int i = idx / (KP / 2), c = idx % (KP / 2) * 2;
-      const float2 gamma = gamma2(i, c), gamma_last = gamma2(kChunk - 1, c);
+      const float2 gamma = gamma2(i, c), gamma_end = load_pair(gamma_last + c);
       const float2 query = query_hat2(i, c), key = key_hat2(i, c);
-      const float2 query_decay = seg[i] == 0 ? make_float2(query.x * __expf(gamma.x), query.y * __expf(gamma.y))
+      const bool first_segment = seg[i] == 0;
+      const float2 decay = make_float2(__expf(gamma.x), __expf(gamma.y));
+      const float2 query_decay = first_segment ? make_float2(query.x * decay.x, query.y * decay.y)
+                                               : make_float2(0.0f, 0.0f);
+      const float2 key_decay = first_segment ? make_float2(key.x * decay.x, key.y * decay.y)
                                              : make_float2(0.0f, 0.0f);
       const float2 key_to_end =
           seg[i] == last_segment
-              ? make_float2(key.x * __expf(gamma_last.x - gamma.x), key.y * __expf(gamma_last.y - gamma.y))
+              ? make_float2(key.x * __expf(gamma_end.x - gamma.x), key.y * __expf(gamma_end.y - gamma.y))
               : make_float2(0.0f, 0.0f);
+      *reinterpret_cast<float2*>(gam + i * ldk + c) = key_decay;  // its own element only
       *reinterpret_cast<float2*>(ws.query_decay + (ch * kChunk + i) * KP + c) = query_decay;
       *reinterpret_cast<float2*>(ws.key_to_end + (ch * kChunk + i) * KP + c) = key_to_end;
     }
@@ -288,8 +322,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? lower[i * kLdPair + j] : 0.0f;
     }
     for (int col = tid - kChunk; col < KP; col += kThreads - kChunk)
-      ws.decay_whole[ch * KP + col] =
-          last_segment == 0 ? __expf(gam[(kChunk - 1) * ldk + col]) : 0.0f;
+      ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gamma_last[col]) : 0.0f;
   }
   __syncthreads();
   stamp(5);
@@ -304,7 +337,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   //
   // V's rows of the chunk go into P's buffer (P left in phase 4), 16 bytes per cp.async, while
   // the key tiles compute: loaded element by element in fragment order inside the value tiles
-  // they took ~19K cycles per block, more than the whole rest of the solve.
+  // they took ~19K cycles per block (first wave), more than the rest of the solve. (Issued
+  // before phase 4 instead, with P stored first, it was no faster.)
   const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
   uint16_t* value_rows = reinterpret_cast<uint16_t*>(lower_qk);  // [C, VP + 8] bf16
   const int ldv = VP + 8;
@@ -338,9 +372,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int e4 = 0; e4 < 4; ++e4) {
           const int i = 16 * s + 8 * nt + 2 * tq + (e4 & 1), f = f0 + g + 8 * (e4 >> 1);
           if (key_tile) {
-            y[s][nt][e4] = seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + f]) * key_inv[i] *
-                                             __expf(gam[i * ldk + f])
-                                       : 0.0f;
+            y[s][nt][e4] = gam[i * ldk + f];  // K⊙e^Γ since phase 4
           } else {
             y[s][nt][e4] = bf16_bits_to_float(value_rows[i * ldv + f - KP]);
           }
