@@ -129,9 +129,50 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
   auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldk + c); };
 
-  // ---- 1. Rows (one round trip), β, segments; the parts of L, P that stay zero.
-  kda_stage_rows_bf16(q, k, g_in, d, b, h, t0, c_len, kda_rows_by_8(d, q, k, g_in, v), query_raw,
-                      key_raw, ldr, gam, ldk);
+  // ---- 1. Rows (one round trip), β, segments; the parts of L, P that stay zero. At K = 128
+  // with 16-byte rows, the 16 lanes that load a row also reduce its squares for the inverse
+  // norms (a separate warp-per-row pass cost ~3K cycles).
+  const bool rows_by_8 = kda_rows_by_8(d, q, k, g_in, v);
+  const bool norms_in_rows = kStaticDims == 128 && rows_by_8;
+  if (norms_in_rows) {
+    constexpr int kPerRow = kStaticDims / 8;  // 16 lanes, half a warp per row
+    for (int idx = tid; idx < kChunk * kPerRow; idx += kThreads) {
+      const int i = idx / kPerRow, col = idx % kPerRow * 8;
+      uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
+      if (i < c_len && col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
+        const int64_t at = token_row(i) * d.K + col;
+        query_bits = *reinterpret_cast<const uint4*>(q + at);
+        key_bits = *reinterpret_cast<const uint4*>(k + at);
+        gate_bits = *reinterpret_cast<const uint4*>(g_in + at);
+      }
+      *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
+      *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits;
+      kda_store_8_bf16_as_float(gam + i * ldk + col, gate_bits);
+      auto squares = [](uint4 bits) {
+        const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float lo = __uint_as_float(w[u] << 16), hi = __uint_as_float(w[u] & 0xffff0000u);
+          sum += lo * lo + hi * hi;
+        }
+        return sum;
+      };
+      float sum_q = squares(query_bits), sum_k = squares(key_bits);
+#pragma unroll
+      for (int offset = kPerRow / 2; offset > 0; offset /= 2) {
+        sum_q += __shfl_xor_sync(0xffffffffu, sum_q, offset);
+        sum_k += __shfl_xor_sync(0xffffffffu, sum_k, offset);
+      }
+      if (col == 0) {
+        query_inv[i] = 1.0f / sqrtf(sum_q + kL2NormEps);
+        key_inv[i] = 1.0f / sqrtf(sum_k + kL2NormEps);
+      }
+    }
+  } else {
+    kda_stage_rows_bf16(q, k, g_in, d, b, h, t0, c_len, rows_by_8, query_raw, key_raw, ldr, gam,
+                        ldk);
+  }
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
   kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
   for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
@@ -150,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // 0–31 and 32–63, each half in registers: a thread per column over all 64 rows was a chain of
   // 64 dependent shared-memory round trips), and max |Γ_i − Γ_m| per sub-block from the same
   // registers. The first half's totals pass through the solve's (still free) buffer.
-  kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, nullptr, ldk, d, query_inv, key_inv);
+  if (!norms_in_rows)
+    kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, nullptr, ldk, d, query_inv, key_inv);
   {
     constexpr int kHalf = kChunk / 2;
     const int col = tid % KP, half = tid / KP;  // KP ≤ 128: 2·KP ≤ kThreads

@@ -187,11 +187,14 @@ __device__ __forceinline__ void store8_from_float(float* dst, const float* src) 
   reinterpret_cast<float4*>(dst)[1] = reinterpret_cast<const float4*>(src)[1];
 }
 
-template <typename Storage>
+// K = V = kStaticDims when > 0 (kda_static_dims): the row loaders' divisions by the row width
+// and every stride fold to constants (the runtime divisions were a large part of the
+// instructions).
+template <typename Storage, int kStaticDims>
 __global__ void __launch_bounds__(kThreads)
     kda_chunk_output_whole_kernel(Storage* o, KdaDims d, KdaForwardWorkspace ws) {
   extern __shared__ __align__(128) unsigned char shared_bytes[];
-  const int KP = d.KP, VP = d.VP;
+  const int KP = kStaticDims > 0 ? kStaticDims : d.KP, VP = kStaticDims > 0 ? kStaticDims : d.VP;
   const WholeOutputLayout l = whole_output_layout(KP, VP);
   __nv_bfloat16* query_decay = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.query_decay);
   __nv_bfloat16* state = reinterpret_cast<__nv_bfloat16*>(shared_bytes + l.state);
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
   Storage* o_rows = o + kda_token_row(d, b, h, n * kChunk) * d.V;
   const int64_t o_stride = d.H * d.V;
   if (d.V % 8 == 0) {
-    const int per_row = d.V / 8;
+    const int per_row = (kStaticDims > 0 ? kStaticDims : d.V) / 8;  // V = VP when static
     for (int idx = tid; idx < c * per_row; idx += kThreads) {
       const int i = idx / per_row, e = idx % per_row * 8;
       store8_from_float(o_rows + i * o_stride + e, out + i * ld_out + e);
@@ -295,11 +298,17 @@ void kda_chunk_output_tensor_cores(Storage* o, const KdaDims& d, const KdaForwar
   if (d.num_chunks == 0) return;
   if (output_whole_selected()) {
     const int shared = whole_output_layout(d.KP, d.VP).total;
-    DM_CUDA_CHECK(cudaFuncSetAttribute(kda_chunk_output_whole_kernel<Storage>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-    kda_chunk_output_whole_kernel<Storage>
-        <<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
-            o, d, ws);
+    auto launch = [&](auto kernel) {
+      DM_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+      kernel<<<dim3(unsigned(d.num_chunks), unsigned(d.B * d.H)), kThreads, size_t(shared),
+               stream>>>(o, d, ws);
+    };
+    // K = V = 128 exactly (V = VP is what the static store loop assumes).
+    if (kda_static_dims(d) == kKdaStaticDims && d.K == kKdaStaticDims && d.V == kKdaStaticDims)
+      launch(kda_chunk_output_whole_kernel<Storage, kKdaStaticDims>);
+    else
+      launch(kda_chunk_output_whole_kernel<Storage, 0>);
     check_last_error("cuda kda_chunk_forward (output, tensor cores, whole chunk-head)");
     return;
   }
