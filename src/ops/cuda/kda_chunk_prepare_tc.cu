@@ -135,16 +135,26 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool rows_by_8 = kda_rows_by_8(d, q, k, g_in, v);
   const bool norms_in_rows = kStaticDims == 128 && rows_by_8;
   if (norms_in_rows) {
-    constexpr int kPerRow = kStaticDims / 8;  // 16 lanes, half a warp per row
-    for (int idx = tid; idx < kChunk * kPerRow; idx += kThreads) {
-      const int i = idx / kPerRow, col = idx % kPerRow * 8;
-      uint4 query_bits = make_uint4(0, 0, 0, 0), key_bits = query_bits, gate_bits = query_bits;
+    constexpr int kPerRow = (kStaticDims > 0 ? kStaticDims : 128) / 8;  // 16 lanes: half a warp
+    constexpr int kSteps = kChunk * kPerRow / kThreads;
+    static_assert(kChunk * kPerRow % kThreads == 0);
+    // Every load of the thread issued before any store: one round trip.
+    uint4 query_all[kSteps], key_all[kSteps], gate_all[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int idx = tid + u * kThreads, i = idx / kPerRow, col = idx % kPerRow * 8;
+      query_all[u] = key_all[u] = gate_all[u] = make_uint4(0, 0, 0, 0);
       if (i < c_len && col < d.K) {  // K % 8 == 0: the 8 columns are all inside K
         const int64_t at = token_row(i) * d.K + col;
-        query_bits = *reinterpret_cast<const uint4*>(q + at);
-        key_bits = *reinterpret_cast<const uint4*>(k + at);
-        gate_bits = *reinterpret_cast<const uint4*>(g_in + at);
+        query_all[u] = *reinterpret_cast<const uint4*>(q + at);
+        key_all[u] = *reinterpret_cast<const uint4*>(k + at);
+        gate_all[u] = *reinterpret_cast<const uint4*>(g_in + at);
       }
+    }
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int idx = tid + u * kThreads, i = idx / kPerRow, col = idx % kPerRow * 8;
+      const uint4 query_bits = query_all[u], key_bits = key_all[u], gate_bits = gate_all[u];
       *reinterpret_cast<uint4*>(query_raw + i * ldr + col) = query_bits;
       *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits;
       kda_store_8_bf16_as_float(gam + i * ldk + col, gate_bits);
@@ -339,29 +349,42 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int i = 0; i < kSubBlock; ++i) solve_blocks[(s0 + i) * kLdSolve + c] = beta_c * n_col[i];
   } else {
+    // Four channels per thread (KP % 16 == 0): 16-byte shared reads and global stores.
     const int last_segment = seg[kChunk - 1];
-    for (int idx = tid - kChunk; idx < kChunk * KP / 2; idx += kThreads - kChunk) {
-      const int i = idx / (KP / 2), c = idx % (KP / 2) * 2;
-      const float2 gamma = gamma2(i, c), gamma_end = load_pair(gamma_last + c);
-      const float2 query = query_hat2(i, c), key = key_hat2(i, c);
+    auto exp4 = [](float4 x) { return make_float4(__expf(x.x), __expf(x.y), __expf(x.z), __expf(x.w)); };
+    auto mul4 = [](float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); };
+    auto raw4 = [](const uint16_t* p, float scale) {  // 4 bf16 (8-byte aligned) × scale
+      const uint2 bits = *reinterpret_cast<const uint2*>(p);
+      return make_float4(__uint_as_float(bits.x << 16) * scale, __uint_as_float(bits.x & 0xffff0000u) * scale,
+                         __uint_as_float(bits.y << 16) * scale, __uint_as_float(bits.y & 0xffff0000u) * scale);
+    };
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int idx = tid - kChunk; idx < kChunk * KP / 4; idx += kThreads - kChunk) {
+      const int i = idx / (KP / 4), c = idx % (KP / 4) * 4;
+      const float4 gamma = *reinterpret_cast<const float4*>(gam + i * ldk + c);
+      const float4 gamma_end = *reinterpret_cast<const float4*>(gamma_last + c);
+      const float4 query = raw4(query_raw + i * ldr + c, query_inv[i] * d.scale);
+      const float4 key = raw4(key_raw + i * ldr + c, key_inv[i]);
       const bool first_segment = seg[i] == 0;
-      const float2 decay = make_float2(__expf(gamma.x), __expf(gamma.y));
-      const float2 query_decay = first_segment ? make_float2(query.x * decay.x, query.y * decay.y)
-                                               : make_float2(0.0f, 0.0f);
-      const float2 key_decay = first_segment ? make_float2(key.x * decay.x, key.y * decay.y)
-                                             : make_float2(0.0f, 0.0f);
-      const float2 key_to_end =
-          seg[i] == last_segment
-              ? make_float2(key.x * __expf(gamma_end.x - gamma.x), key.y * __expf(gamma_end.y - gamma.y))
-              : make_float2(0.0f, 0.0f);
-      *reinterpret_cast<float2*>(gam + i * ldk + c) = key_decay;  // its own element only
-      *reinterpret_cast<float2*>(ws.query_decay + (ch * kChunk + i) * KP + c) = query_decay;
-      *reinterpret_cast<float2*>(ws.key_to_end + (ch * kChunk + i) * KP + c) = key_to_end;
+      const float4 decay = exp4(gamma);
+      const float4 to_end = exp4(make_float4(gamma_end.x - gamma.x, gamma_end.y - gamma.y,
+                                             gamma_end.z - gamma.z, gamma_end.w - gamma.w));
+      // K⊙e^Γ over Γ: this thread's own four elements only.
+      *reinterpret_cast<float4*>(gam + i * ldk + c) = first_segment ? mul4(key, decay) : zero4;
+      *reinterpret_cast<float4*>(ws.query_decay + (ch * kChunk + i) * KP + c) =
+          first_segment ? mul4(query, decay) : zero4;
+      *reinterpret_cast<float4*>(ws.key_to_end + (ch * kChunk + i) * KP + c) =
+          seg[i] == last_segment ? mul4(key, to_end) : zero4;
     }
-    for (int idx = tid - kChunk; idx < kChunk * kChunk; idx += kThreads - kChunk) {
-      const int i = idx / kChunk, j = idx % kChunk;
-      ws.lower_query_key[ch * kChunk * kChunk + idx] = lower_qk[i * kLdPair + j];
-      ws.lower_key_key[ch * kChunk * kChunk + idx] = j < i ? lower[i * kLdPair + j] : 0.0f;
+    for (int idx = tid - kChunk; idx < kChunk * kChunk / 4; idx += kThreads - kChunk) {
+      const int i = idx / (kChunk / 4), j = idx % (kChunk / 4) * 4;
+      const float4 p = *reinterpret_cast<const float4*>(lower_qk + i * kLdPair + j);
+      const float4 l = *reinterpret_cast<const float4*>(lower + i * kLdPair + j);
+      float* dst_p = ws.lower_query_key + (ch * kChunk + i) * kChunk + j;
+      float* dst_l = ws.lower_key_key + (ch * kChunk + i) * kChunk + j;
+      *reinterpret_cast<float4*>(dst_p) = p;
+      *reinterpret_cast<float4*>(dst_l) = make_float4(j < i ? l.x : 0.0f, j + 1 < i ? l.y : 0.0f,
+                                                      j + 2 < i ? l.z : 0.0f, j + 3 < i ? l.w : 0.0f);
     }
     for (int col = tid - kChunk; col < KP; col += kThreads - kChunk)
       ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gamma_last[col]) : 0.0f;
