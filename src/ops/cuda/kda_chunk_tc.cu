@@ -151,29 +151,35 @@ __host__ __device__ inline WholeOutputLayout whole_output_layout(int KP, int VP)
 constexpr int kWholeMaxFragments = kKdaCudaMaxHeadDim / 16 / 2;  // per warp: half of VP/16
 
 // rows × cols fp32 (cols % 4 == 0, 16-byte aligned rows of stride src_ld) into a bf16 tile of
-// row stride dst_ld, by the whole block: every 16-byte load of the thread issued first.
+// row stride dst_ld, by the whole block, in two steps so that loads of several tiles can be in
+// flight together: issue() puts every 16-byte load of the thread in flight, store() converts
+// and writes them.
 template <int kMaxPerThread>
-__device__ __forceinline__ void load_rows_as_bf16(__nv_bfloat16* dst, int dst_ld, const float* src,
-                                                  int64_t src_ld, int rows, int cols) {
-  const int per_row = cols / 4, count = rows * per_row;
+struct RowsAsBf16 {
   float4 v[kMaxPerThread];
+  int per_row, count;
+  __device__ __forceinline__ void issue(const float* src, int64_t src_ld, int rows, int cols) {
+    per_row = cols / 4, count = rows * per_row;
 #pragma unroll
-  for (int u = 0; u < kMaxPerThread; ++u) {
-    const int idx = threadIdx.x + u * kThreads;
-    if (idx < count)
-      v[u] = *reinterpret_cast<const float4*>(src + (idx / per_row) * src_ld + idx % per_row * 4);
-  }
-#pragma unroll
-  for (int u = 0; u < kMaxPerThread; ++u) {
-    const int idx = threadIdx.x + u * kThreads;
-    if (idx < count) {
-      __nv_bfloat162* out =
-          reinterpret_cast<__nv_bfloat162*>(dst + (idx / per_row) * dst_ld + idx % per_row * 4);
-      out[0] = __floats2bfloat162_rn(v[u].x, v[u].y);
-      out[1] = __floats2bfloat162_rn(v[u].z, v[u].w);
+    for (int u = 0; u < kMaxPerThread; ++u) {
+      const int idx = threadIdx.x + u * kThreads;
+      if (idx < count)
+        v[u] = *reinterpret_cast<const float4*>(src + (idx / per_row) * src_ld + idx % per_row * 4);
     }
   }
-}
+  __device__ __forceinline__ void store(__nv_bfloat16* dst, int dst_ld) const {
+#pragma unroll
+    for (int u = 0; u < kMaxPerThread; ++u) {
+      const int idx = threadIdx.x + u * kThreads;
+      if (idx < count) {
+        __nv_bfloat162* out =
+            reinterpret_cast<__nv_bfloat162*>(dst + (idx / per_row) * dst_ld + idx % per_row * 4);
+        out[0] = __floats2bfloat162_rn(v[u].x, v[u].y);
+        out[1] = __floats2bfloat162_rn(v[u].z, v[u].w);
+      }
+    }
+  }
+};
 
 // 8 fp32 values (16-byte aligned) to 8 adjacent outputs (16-byte aligned for bf16, 32 for fp32).
 __device__ __forceinline__ void store8_from_float(uint16_t* dst, const float* src) {
@@ -207,16 +213,28 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, warp = tid / 32;
   const int64_t n = blockIdx.x, bh = blockIdx.y, ch = bh * d.num_chunks + n;
 
-  // Per thread at KP = VP = 128: Qd 8, S 16, V' 8, P 4 float4 loads.
+  // Per thread at KP = VP = 128: Qd 8, S 16, V' 8, P 4 float4 loads, in three overlapping
+  // batches (Qd, P and S's first half; then S's second half; then V'), at most 20 float4 live:
+  // issued one tile at a time the four round trips did not overlap.
   constexpr int kMaxHead = kKdaCudaMaxHeadDim;
-  load_rows_as_bf16<kChunk * kMaxHead / 4 / kThreads>(
-      query_decay, ld_key, ws.query_decay + ch * kChunk * KP, KP, kChunk, KP);
-  load_rows_as_bf16<kMaxHead * kMaxHead / 4 / kThreads>(state, ld_value, ws.states + ch * KP * VP,
-                                                        VP, KP, VP);
-  load_rows_as_bf16<kChunk * kMaxHead / 4 / kThreads>(
-      value_new, ld_value, ws.value_new + ch * kChunk * VP, VP, kChunk, VP);
-  load_rows_as_bf16<kChunk * kChunk / 4 / kThreads>(
-      lower_query_key, kLdLower, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk, kChunk);
+  constexpr int kRowTile = kChunk * kMaxHead / 4 / kThreads;  // [C, 128] or [64, 128]: 8
+  const int state_half = KP / 2;  // KP is a multiple of 16
+  {
+    RowsAsBf16<kRowTile> query_rows, state_top;
+    RowsAsBf16<kChunk * kChunk / 4 / kThreads> lower_rows;
+    query_rows.issue(ws.query_decay + ch * kChunk * KP, KP, kChunk, KP);
+    lower_rows.issue(ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk, kChunk);
+    state_top.issue(ws.states + ch * KP * VP, VP, state_half, VP);
+    query_rows.store(query_decay, ld_key);
+    lower_rows.store(lower_query_key, kLdLower);
+    RowsAsBf16<kRowTile> state_bottom;
+    state_bottom.issue(ws.states + ch * KP * VP + state_half * VP, VP, KP - state_half, VP);
+    state_top.store(state, ld_value);
+    RowsAsBf16<kRowTile> value_rows;
+    value_rows.issue(ws.value_new + ch * kChunk * VP, VP, kChunk, VP);
+    state_bottom.store(state + state_half * ld_value, ld_value);
+    value_rows.store(value_new, ld_value);
+  }
   __syncthreads();
 
   // Warp: row block mi = warp / 2, fragments f = ni, ni + 2, … of the VP / 16 columns.
