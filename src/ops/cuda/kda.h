@@ -45,9 +45,11 @@ void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t*
 
 // ---- Chunked form (C = 64; K, V ≤ 128, any T ≥ 0). Three stages, each a kernel:
 //   prepare (parallel over chunks): Γ = in-chunk cumsum of g, the masked intra-chunk products L,
-//     P with every exponent ≤ 0 (pairwise inside 16-token sub-blocks, factored through the
-//     sub-block's first token across them), W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with
-//     A = (I + Diag(β)L)⁻¹ (forward substitution), Q⊙e^Γ, K⊙e^{γ−Γ}, e^γ;
+//     P with every exponent ≤ 0 (factored through a reference token: the row block's first
+//     token across 16-token sub-blocks, the middle token inside one while its decays stay in
+//     range, else pair by pair), W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with
+//     A = (I + Diag(β)L)⁻¹ (by sub-blocks: the diagonal blocks' inverses, then tf32 products),
+//     Q⊙e^Γ, K⊙e^{γ−Γ}, e^γ;
 //   state (sequential over chunks, parallel over B·H and 32-column tiles of V):
 //     V' = U − W·S, S ← Diag(e^γ)·S + (K⊙e^{γ−Γ})ᵀ·V', storing S at every chunk start;
 //   output (parallel over chunks): O = (Q⊙e^Γ)·S + P·V'.
@@ -89,7 +91,7 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // two kernels that fit two blocks per SM each (kda_chunk_backward_value.cu over halves of V,
 // kda_chunk_backward_key.cu over halves of K as a cluster of two), which hand dP, dM, dβ
 // partials and dX over through the workspace. H200, (1,8192,16,128) fwd+bwd reusing the forward:
-// 6.13 ms fused, 3.72 ms split (2026-11-30: 512-thread blocks, K = V = 128 constant). Shapes the split does not take
+// 5.58 ms fused, 3.03 ms split (2026-11-30, eighteenth session). Shapes the split does not take
 // (kda_backward_split_supported: KP % 32 or VP % 32 ≠ 0) run the fused kernel. Env
 // DM_KDA_BACKWARD=ref|tc|tc-split (read once) overrides the default. fp32 inputs always take the
 // reference path. The workspace size depends on the path (the split adds (4C + VP)·C floats per
