@@ -600,11 +600,10 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
     const char* v = std::getenv("DM_KDA_KEY_INSIDE");
     return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kKdaInsideExponentLimit;
   }();
-  launch_stage4_split_kernel(kda_chunk_grad_key_kernel<2, 0>,
-                             kda_chunk_grad_key_kernel<4, kKdaStaticDims>,
-                             kda_chunk_grad_key_kernel<4, 0>, d.KP / 2, d, shared, stream, q, k, g,
-                             beta, d_o, doc_start, dq, dk, dg, dbeta, d, ws, d_states, split,
-                             inside_limit);
+  launch_stage4_split_kernel(
+      kda_chunk_grad_key_kernel<2, 0>, kda_chunk_grad_key_kernel<4, kKdaStaticDims>,
+      kda_chunk_grad_key_kernel<4, 0>, d.KP / 2, d, shared, stream, q, k, g, beta, d_o, doc_start,
+      dq, dk, dg, dbeta, d, ws, d_states, split, inside_limit);
   check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
 }
 

@@ -51,9 +51,13 @@ static_assert(kChunk * (kKdaCudaMaxHeadDim + 8) * 2 <= kChunk * kLdPair * 4);
 constexpr int kPreparePhaseStamps = 7;
 __device__ int g_prepare_clock_on;
 __device__ long long g_prepare_clock[kPreparePhaseStamps];
-const char* const kPreparePhaseNames[kPreparePhaseStamps] = {
-    "start", "rows, beta, segments", "norms, Gamma cumsum", "L, P across sub-blocks",
-    "L, P inside sub-blocks", "N blocks, workspace rows", "W, U solve"};
+const char* const kPreparePhaseNames[kPreparePhaseStamps] = {"start",
+                                                             "rows, beta, segments",
+                                                             "norms, Gamma cumsum",
+                                                             "L, P across sub-blocks",
+                                                             "L, P inside sub-blocks",
+                                                             "N blocks, workspace rows",
+                                                             "W, U solve"};
 
 // Byte offsets of the shared buffers (each a multiple of 16 bytes).
 struct TcPrepareLayout {
@@ -73,7 +77,8 @@ __host__ __device__ inline TcPrepareLayout tc_prepare_layout(int KP) {
   l.key_raw = at;         at += round16(kChunk * l.ldr * 2);
   l.lower_key_key = at;   at += round16(kChunk * kLdPair * 4);
   l.lower_query_key = at; at += round16(kChunk * kLdPair * 4);
-  l.solve_blocks = at;    at += kChunk * kLdSolve * 4;
+  l.solve_blocks = at;
+  at += kChunk * kLdSolve * 4;
   l.vectors = at;  // β, 1/‖q‖, 1/‖k‖, segments [C]; 4 exponents; Γ of the last row [KP]
   at += 4 * kChunk * 4 + kNumSubBlocks * 4 + KP * 4;
   l.total = at;
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j > i) lower_qk[i * kLdPair + j] = 0.0f;
   }
   // max |Γ_i − Γ_m| per sub-block as float bits (non-negative: ordered as unsigned).
-  unsigned* inside_exponent = reinterpret_cast<unsigned*>(seg + kChunk);  // [kNumSubBlocks]
+  unsigned* inside_exponent = reinterpret_cast<unsigned*>(seg + kChunk);          // [kNumSubBlocks]
   float* gamma_last = reinterpret_cast<float*>(inside_exponent + kNumSubBlocks);  // [KP]
   if (tid < kNumSubBlocks) inside_exponent[tid] = 0u;
   __syncthreads();
@@ -278,7 +283,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int half = 0; half < 2; ++half) {
           const int i = r0 + g + 8 * half;
           const float2 gamma_i = gamma2(i, c);
-          const float2 decay = make_float2(__expf(gamma_i.x - gamma_b.x), __expf(gamma_i.y - gamma_b.y));
+          const float2 decay =
+              make_float2(__expf(gamma_i.x - gamma_b.x), __expf(gamma_i.y - gamma_b.y));
           const float2 key = key_hat2(i, c), query = query_hat2(i, c);
           key_rows[half] = make_float2(key.x * decay.x, key.y * decay.y);
           query_rows[half] = make_float2(query.x * decay.x, query.y * decay.y);
@@ -351,12 +357,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   } else {
     // Four channels per thread (KP % 16 == 0): 16-byte shared reads and global stores.
     const int last_segment = seg[kChunk - 1];
-    auto exp4 = [](float4 x) { return make_float4(__expf(x.x), __expf(x.y), __expf(x.z), __expf(x.w)); };
-    auto mul4 = [](float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); };
+    auto exp4 = [](float4 x) {
+      return make_float4(__expf(x.x), __expf(x.y), __expf(x.z), __expf(x.w));
+    };
+    auto mul4 = [](float4 a, float4 b) {
+      return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+    };
     auto raw4 = [](const uint16_t* p, float scale) {  // 4 bf16 (8-byte aligned) × scale
       const uint2 bits = *reinterpret_cast<const uint2*>(p);
-      return make_float4(__uint_as_float(bits.x << 16) * scale, __uint_as_float(bits.x & 0xffff0000u) * scale,
-                         __uint_as_float(bits.y << 16) * scale, __uint_as_float(bits.y & 0xffff0000u) * scale);
+      return make_float4(
+          __uint_as_float(bits.x << 16) * scale, __uint_as_float(bits.x & 0xffff0000u) * scale,
+          __uint_as_float(bits.y << 16) * scale, __uint_as_float(bits.y & 0xffff0000u) * scale);
     };
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int idx = tid - kChunk; idx < kChunk * KP / 4; idx += kThreads - kChunk) {
@@ -383,8 +394,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       float* dst_p = ws.lower_query_key + (ch * kChunk + i) * kChunk + j;
       float* dst_l = ws.lower_key_key + (ch * kChunk + i) * kChunk + j;
       *reinterpret_cast<float4*>(dst_p) = p;
-      *reinterpret_cast<float4*>(dst_l) = make_float4(j < i ? l.x : 0.0f, j + 1 < i ? l.y : 0.0f,
-                                                      j + 2 < i ? l.z : 0.0f, j + 3 < i ? l.w : 0.0f);
+      *reinterpret_cast<float4*>(dst_l) =
+          make_float4(j < i ? l.x : 0.0f, j + 1 < i ? l.y : 0.0f, j + 2 < i ? l.z : 0.0f,
+                      j + 3 < i ? l.w : 0.0f);
     }
     for (int col = tid - kChunk; col < KP; col += kThreads - kChunk)
       ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gamma_last[col]) : 0.0f;
@@ -469,7 +481,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int e4 = 0; e4 < 4; ++e4) y[s][nt][e4] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          const float2 b = load_pair(solve_blocks + (16 * s + 8 * nt + g) * kLdSolve + 8 * kk + 2 * tq);
+          const float2 b =
+              load_pair(solve_blocks + (16 * s + 8 * nt + g) * kLdSolve + 8 * kk + 2 * tq);
           mma_tf32_16x8x8(y[s][nt], a[kk], to_tf32(b.x), to_tf32(b.y));
         }
       }
@@ -481,8 +494,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int e4 = 0; e4 < 4; ++e4) {
           const int i = 16 * s + 8 * nt + 2 * tq + (e4 & 1), f = f0 + g + 8 * (e4 >> 1);
-          if (key_tile) ws.w[(ch * kChunk + i) * KP + f] = y[s][nt][e4];
-          else ws.u[(ch * kChunk + i) * VP + f - KP] = y[s][nt][e4];
+          if (key_tile)
+            ws.w[(ch * kChunk + i) * KP + f] = y[s][nt][e4];
+          else
+            ws.u[(ch * kChunk + i) * VP + f - KP] = y[s][nt][e4];
         }
   };
   for (int tile = warp; tile < KP / 16; tile += kWarps) solve_tile(16 * tile);

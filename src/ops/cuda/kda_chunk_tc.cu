@@ -183,9 +183,11 @@ struct RowsAsBf16 {
 
 // 8 fp32 values (16-byte aligned) to 8 adjacent outputs (16-byte aligned for bf16, 32 for fp32).
 __device__ __forceinline__ void store8_from_float(uint16_t* dst, const float* src) {
-  const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
-  const __nv_bfloat162 packed[4] = {__floats2bfloat162_rn(lo.x, lo.y), __floats2bfloat162_rn(lo.z, lo.w),
-                                    __floats2bfloat162_rn(hi.x, hi.y), __floats2bfloat162_rn(hi.z, hi.w)};
+  const float4 lo = *reinterpret_cast<const float4*>(src),
+               hi = *reinterpret_cast<const float4*>(src + 4);
+  const __nv_bfloat162 packed[4] = {
+      __floats2bfloat162_rn(lo.x, lo.y), __floats2bfloat162_rn(lo.z, lo.w),
+      __floats2bfloat162_rn(hi.x, hi.y), __floats2bfloat162_rn(hi.z, hi.w)};
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
 }
 __device__ __forceinline__ void store8_from_float(float* dst, const float* src) {
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(kThreads)
   // issued one tile at a time the four round trips did not overlap.
   constexpr int kMaxHead = kKdaCudaMaxHeadDim;
   constexpr int kRowTile = kChunk * kMaxHead / 4 / kThreads;  // [C, 128] or [64, 128]: 8
-  const int state_half = KP / 2;  // KP is a multiple of 16
+  const int state_half = KP / 2;                              // KP is a multiple of 16
   {
     RowsAsBf16<kRowTile> query_rows, state_top;
     RowsAsBf16<kChunk * kChunk / 4 / kThreads> lower_rows;
