@@ -5,7 +5,7 @@
 //   L (β-free, stored by the forward's prepare stage, ws.lower_key_key);
 //   dV' = Ke·dS' + Pᵀ·dO (tf32); dP_h = dO·V'ᵀ (bf16, dO exact); dR = M⁻ᵀ·dV' (M = I + Diag(β)L,
 //   independent per value column); dM_h = −dR·V'ᵀ (tf32); X = V − Kd·S (tf32, Kd = K⊙e^Γ formed
-//   in the operand loader); dX = β·dR; dv += dX.
+//   once per block over Γ); dX = β·dR; dv += dX.
 // dP and dM are sums over V: each half writes its partial [C, C] to the split workspace, with its
 // partial of dβ = rowdot(dR, X) + Σ_j L_ij·dM_ij (linear in dM, so the L term splits too), and its
 // columns of dX. The key kernel sums the two halves in a fixed order (deterministic).
@@ -238,6 +238,24 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   stamp(1);
   kda_inverse_norms_and_cumsum<kBlockThreads>(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
   __syncthreads();
+  // Kd = K⊙e^Γ (segment 0, else 0) over Γ in place, once per block: phase 3's A operand, which
+  // every column-group warp of a row block formed again per element (three shared loads and an
+  // exponent each). Γ has no other reader here. Phase 1's barrier publishes it.
+  for (int idx = tid; idx < kChunk * KP / 4; idx += kBlockThreads) {
+    const int i = idx / (KP / 4), c = idx % (KP / 4) * 4;
+    float4* at = reinterpret_cast<float4*>(gam + i * ldk + c);
+    float4 kd = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (seg[i] == 0) {
+      const uint2 bits = *reinterpret_cast<const uint2*>(key_raw + i * ldr + c);
+      const float inv = key_inv[i];
+      const float4 gamma = *at;
+      kd = make_float4(__uint_as_float(bits.x << 16) * inv * __expf(gamma.x),
+                       __uint_as_float(bits.x & 0xffff0000u) * inv * __expf(gamma.y),
+                       __uint_as_float(bits.y << 16) * inv * __expf(gamma.z),
+                       __uint_as_float(bits.y & 0xffff0000u) * inv * __expf(gamma.w));
+    }
+    *at = kd;
+  }
   stamp(2);
   diagonal_block_inverses(lower, beta_s, inverse);  // threads 0–63; phase 1's barrier publishes N
 
@@ -300,15 +318,7 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     const float* state_cols = state + e0 + col0_v;
     warp_mma_pairs<MmaPrecision::Tf32>(
         acc, tiles_v, 0, KP,
-        [&](int r, int c) {
-          const int i = r0 + r;
-          if (seg[i] != 0) return make_float2(0.0f, 0.0f);
-          const uint32_t bits = *reinterpret_cast<const uint32_t*>(key_raw + i * ldr + c);
-          const float inv = key_inv[i];
-          const float2 gamma = load_pair(gam + i * ldk + c);
-          return make_float2(__uint_as_float(bits << 16) * inv * __expf(gamma.x),
-                             __uint_as_float(bits & 0xffff0000u) * inv * __expf(gamma.y));
-        },
+        [&](int r, int c) { return load_pair(gam + (r0 + r) * ldk + c); },  // Kd
         [&](int c, int nn) {
           return make_float2(state_cols[c * VP + nn], state_cols[(c + 1) * VP + nn]);
         });
