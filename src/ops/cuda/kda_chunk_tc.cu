@@ -244,33 +244,26 @@ __global__ void __launch_bounds__(kThreads)
   FragmentAccumulator acc[kWholeMaxFragments];
 #pragma unroll
   for (int u = 0; u < kWholeMaxFragments; ++u) wmma::fill_fragment(acc[u], 0.0f);
-  for (int kk = 0; kk < KP / 16; ++kk) {
-    FragmentA a;
-    wmma::load_matrix_sync(a, query_decay + mi * 16 * ld_key + kk * 16, ld_key);
+  // acc[u] += A[row block mi, k blocks < k_blocks]·B[those k blocks, fragment f].
+  auto accumulate = [&](const __nv_bfloat16* a_rows, int ld_a, const __nv_bfloat16* b_rows,
+                        int k_blocks) {
+    for (int kk = 0; kk < k_blocks; ++kk) {
+      FragmentA a;
+      wmma::load_matrix_sync(a, a_rows + mi * 16 * ld_a + kk * 16, ld_a);
 #pragma unroll
-    for (int u = 0; u < kWholeMaxFragments; ++u) {
-      const int f = ni + 2 * u;
-      if (f < fragments) {
-        FragmentB b;
-        wmma::load_matrix_sync(b, state + kk * 16 * ld_value + f * 16, ld_value);
-        wmma::mma_sync(acc[u], a, b, acc[u]);
+      for (int u = 0; u < kWholeMaxFragments; ++u) {
+        const int f = ni + 2 * u;
+        if (f < fragments) {
+          FragmentB b;
+          wmma::load_matrix_sync(b, b_rows + kk * 16 * ld_value + f * 16, ld_value);
+          wmma::mma_sync(acc[u], a, b, acc[u]);
+        }
       }
     }
-  }
+  };
+  accumulate(query_decay, ld_key, state, KP / 16);
   // P is lower triangular: row block mi needs column blocks 0..mi only.
-  for (int kk = 0; kk <= mi; ++kk) {
-    FragmentA a;
-    wmma::load_matrix_sync(a, lower_query_key + mi * 16 * kLdLower + kk * 16, kLdLower);
-#pragma unroll
-    for (int u = 0; u < kWholeMaxFragments; ++u) {
-      const int f = ni + 2 * u;
-      if (f < fragments) {
-        FragmentB b;
-        wmma::load_matrix_sync(b, value_new + kk * 16 * ld_value + f * 16, ld_value);
-        wmma::mma_sync(acc[u], a, b, acc[u]);
-      }
-    }
-  }
+  accumulate(lower_query_key, kLdLower, value_new, mi + 1);
   __syncthreads();  // Qd and S are dead: the fp32 tile goes over them
 #pragma unroll
   for (int u = 0; u < kWholeMaxFragments; ++u) {
