@@ -202,10 +202,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   stamp(1);
 
-  // ---- 2. Inverse L2 norms (warp per row), then Γ = cumsum g by two threads per column (rows
-  // 0–31 and 32–63, each half in registers: a thread per column over all 64 rows was a chain of
-  // 64 dependent shared-memory round trips), and max |Γ_i − Γ_m| per sub-block from the same
-  // registers. The first half's totals pass through the solve's (still free) buffer.
+  // ---- 2. Inverse L2 norms (warp per row; phase 1 formed them at K = 128), then Γ = cumsum g
+  // by two threads per column (rows 0–31 and 32–63, each half in registers: a thread per column
+  // over all 64 rows was a chain of 64 dependent shared-memory round trips), and max |Γ_i − Γ_m|
+  // per sub-block from the same registers. The first half's totals pass through the solve's
+  // (still free) buffer.
   if (!norms_in_rows)
     kda_inverse_norms_and_cumsum(query_raw, key_raw, ldr, nullptr, ldk, d, query_inv, key_inv);
   {
