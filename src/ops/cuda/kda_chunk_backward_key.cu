@@ -95,7 +95,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
                               const uint16_t* beta_in, const uint16_t* d_o,
                               const int32_t* doc_start, float* dq, float* dk, float* dg,
                               float* dbeta, KdaDims d, KdaForwardWorkspace ws,
-                              const float* d_states, KdaSplitWorkspace split, float inside_limit) {
+                              const float* d_states, KdaSplitWorkspace split, float inside_limit,
+                              bool per_block_refs) {
   constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
   constexpr int kTiles = 8 / kColGroups;  // 8-column mma tiles per warp: KH/groups/8 for KH ≤ 64
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -365,10 +366,14 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   stamp(5);
 
   // ---- 3. Pairwise sums of dL and dP, the per-token factors formed in the B loaders:
-  //   rows    F_j = k̂_j e^{Γ_b − Γ_j}, b = 16(t+1) (first token after j's sub-block t < s),
-  //   columns G_l = k̂_l e^{Γ_l − Γ_a}, G^q_l = q̂_l e^{Γ_l − Γ_a}, a = first token of l's sub-block.
-  // Inside the warp's own sub-block the same products through its middle token m (b = a = m)
-  // when its exponents allow (kKdaInsideExponentLimit), else pairwise_inside_sub_block.
+  //   rows    F_j = k̂_j e^{Γ_b − Γ_j}, b = r0 (the row block's first token) for every j < r0,
+  //   columns G_l = k̂_l e^{Γ_l − Γ_a}, G^q_l = q̂_l e^{Γ_l − Γ_a}, a = r0 + 16 (the first token
+  //   after the row block) for every l ≥ a:
+  // both exponents ≤ 0 (j < b ≤ i, i < a ≤ l), so each side is one product over all its
+  // sub-blocks with one epilogue (a reference per sub-block, as before, took one product and one
+  // epilogue of exponents per sub-block; DM_KDA_KEY_PAIRWISE=blocks keeps that). Inside the
+  // warp's own sub-block the same products through its middle token m (b = a = m) when its
+  // exponents allow (kKdaInsideExponentLimit), else pairwise_inside_sub_block.
   {
     const bool inside_by_products = __uint_as_float(inside_exponent[row_block]) < inside_limit;
     // Diagonal of dP: dq̂_i += dP_ii k̂_i, dk̂_i += dP_ii q̂_i (its dΓ terms cancel).
@@ -377,17 +382,25 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
       acc_k[j][e4] += diag_pqk[i] * query_hat(i, c);
     });
     float acc[kTiles][4];
-    for (int t = 0; t < row_block + int(inside_by_products); ++t) {
-      const int j0 = kSubBlock * t,
-                after = t < row_block ? kSubBlock * (t + 1) : r0 + kSubBlock / 2;
+    // Row passes: (k range, reference) = ([j0, j1), b). One pass over [0, r0) with b = r0, then
+    // the inside one; or, per_block, one per earlier sub-block with b its next token.
+    const int row_passes = per_block_refs ? row_block : (row_block > 0 ? 1 : 0);
+    for (int pass = 0; pass < row_passes + int(inside_by_products); ++pass) {
+      int j0, j1, after;
+      if (pass == row_passes) {
+        j0 = r0, j1 = r0 + kSubBlock, after = r0 + kSubBlock / 2;
+      } else if (per_block_refs) {
+        j0 = kSubBlock * pass, j1 = j0 + kSubBlock, after = j1;
+      } else {
+        j0 = 0, j1 = r0, after = r0;
+      }
       auto f_key = [&](int j, int nn) {
         const int c = col0_k + nn;
         return key_hat(j, c) * __expf(gamma_at(after, c) - gamma_at(j, c));
       };
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, j0, j0 + kSubBlock,
-          [&](int r, int j) { return d_lkk[(r0 + r) * kLdPair + j]; }, f_key);
+          acc, tiles_k, j0, j1, [&](int r, int j) { return d_lkk[(r0 + r) * kLdPair + j]; }, f_key);
       for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float row_lower = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_k[j][e4] += row_lower;
@@ -395,27 +408,35 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
       });
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, j0, j0 + kSubBlock,
-          [&](int r, int j) { return d_pqk[(r0 + r) * kLdPair + j]; }, f_key);
+          acc, tiles_k, j0, j1, [&](int r, int j) { return d_pqk[(r0 + r) * kLdPair + j]; }, f_key);
       for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float row_query_key = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_q[j][e4] += row_query_key;
         d_gamma[i * ldg + c - c0] += query_hat(i, c) * row_query_key;
       });
     }
-    for (int u = row_block + int(!inside_by_products); u < kNumSubBlocks; ++u) {
-      const int start = kSubBlock * u, ref = u > row_block ? start : r0 + kSubBlock / 2;
+    // Column passes: the inside one (if by products), then one over [r0 + 16, C) with a = r0 + 16;
+    // or, per_block, one per later sub-block with a its first token.
+    const int later = kNumSubBlocks - 1 - row_block;  // sub-blocks after the row block
+    const int column_passes = per_block_refs ? later : (later > 0 ? 1 : 0);
+    for (int pass = int(!inside_by_products); pass <= column_passes; ++pass) {
+      int l0, l1, ref;
+      if (pass == 0) {
+        l0 = r0, l1 = r0 + kSubBlock, ref = r0 + kSubBlock / 2;
+      } else if (per_block_refs) {
+        l0 = r0 + kSubBlock * pass, l1 = l0 + kSubBlock, ref = l0;
+      } else {
+        l0 = r0 + kSubBlock, l1 = kChunk, ref = l0;
+      }
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, start, start + kSubBlock,
-          [&](int r, int l) { return d_lkk[l * kLdPair + r0 + r]; },
+          acc, tiles_k, l0, l1, [&](int r, int l) { return d_lkk[l * kLdPair + r0 + r]; },
           [&](int l, int nn) {
             const int c = col0_k + nn;
             return key_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(ref, c));
           });
       warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, start, start + kSubBlock,
-          [&](int r, int l) { return d_pqk[l * kLdPair + r0 + r]; },
+          acc, tiles_k, l0, l1, [&](int r, int l) { return d_pqk[l * kLdPair + r0 + r]; },
           [&](int l, int nn) {
             const int c = col0_k + nn;
             return query_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(ref, c));
@@ -600,10 +621,16 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
     const char* v = std::getenv("DM_KDA_KEY_INSIDE");
     return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kKdaInsideExponentLimit;
   }();
+  // DM_KDA_KEY_PAIRWISE=blocks (read once): a reference token per sub-block in the pairwise
+  // sums (one product and epilogue each) instead of one per side.
+  static const bool per_block_refs = [] {
+    const char* v = std::getenv("DM_KDA_KEY_PAIRWISE");
+    return v != nullptr && std::strcmp(v, "blocks") == 0;
+  }();
   launch_stage4_split_kernel(
       kda_chunk_grad_key_kernel<2, 0>, kda_chunk_grad_key_kernel<4, kKdaStaticDims>,
       kda_chunk_grad_key_kernel<4, 0>, d.KP / 2, d, shared, stream, q, k, g, beta, d_o, doc_start,
-      dq, dk, dg, dbeta, d, ws, d_states, split, inside_limit);
+      dq, dk, dg, dbeta, d, ws, d_states, split, inside_limit, per_block_refs);
   check_last_error("cuda kda_chunk_backward (stage 4, key kernel)");
 }
 
