@@ -236,25 +236,42 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
-  kda_inverse_norms_and_cumsum<kBlockThreads>(nullptr, key_raw, ldr, gam, ldk, d, nullptr, key_inv);
-  __syncthreads();
-  // Kd = K⊙e^Γ (segment 0, else 0) over Γ in place, once per block: phase 3's A operand, which
-  // every column-group warp of a row block formed again per element (three shared loads and an
-  // exponent each). Γ has no other reader here. Phase 1's barrier publishes it.
-  for (int idx = tid; idx < kChunk * KP / 4; idx += kBlockThreads) {
-    const int i = idx / (KP / 4), c = idx % (KP / 4) * 4;
-    float4* at = reinterpret_cast<float4*>(gam + i * ldk + c);
-    float4 kd = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (seg[i] == 0) {
-      const uint2 bits = *reinterpret_cast<const uint2*>(key_raw + i * ldr + c);
-      const float inv = key_inv[i];
-      const float4 gamma = *at;
-      kd = make_float4(__uint_as_float(bits.x << 16) * inv * __expf(gamma.x),
-                       __uint_as_float(bits.x & 0xffff0000u) * inv * __expf(gamma.y),
-                       __uint_as_float(bits.y << 16) * inv * __expf(gamma.z),
-                       __uint_as_float(bits.y & 0xffff0000u) * inv * __expf(gamma.w));
+  // Inverse norms of k (warp per row), and Γ = cumsum g by kParts threads per column with its
+  // rows in registers (a thread per column was a chain of 64 dependent shared round trips, with
+  // three quarters of the block idle); the parts' totals pass through dV's buffer (free until
+  // phase 1). Then Kd = K⊙e^Γ (segment 0, else 0) from the same registers, over Γ in place:
+  // phase 3's A operand, which every column-group warp of a row block formed again per element.
+  // Γ has no other reader here.
+  kda_inverse_norms_and_cumsum<kBlockThreads>(nullptr, key_raw, ldr, nullptr, ldk, d, nullptr,
+                                              key_inv);
+  {
+    constexpr int kParts = kBlockThreads / kKdaCudaMaxHeadDim, kRows = kChunk / kParts;
+    const int col = tid % KP, part = tid / KP;
+    const bool scans = tid < kParts * KP;
+    float* totals = d_value;  // [kParts, KP]
+    float run[kRows];
+    if (scans) {
+      const float* column = gam + part * kRows * ldk + col;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) run[r] = column[r * ldk];
+#pragma unroll
+      for (int r = 1; r < kRows; ++r) run[r] += run[r - 1];
+      totals[part * KP + col] = run[kRows - 1];
     }
-    *at = kd;
+    __syncthreads();  // totals; key_inv from the norms
+    if (scans) {
+      float offset = 0.0f;
+      for (int p = 0; p < part; ++p) offset += totals[p * KP + col];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = part * kRows + r;
+        gam[i * ldk + col] =
+            seg[i] == 0 ? bf16_bits_to_float(key_raw[i * ldr + col]) * key_inv[i] *
+                              __expf(run[r] + offset)
+                        : 0.0f;
+      }
+    }
+    __syncthreads();  // the totals are read before phase 1 writes dV' over them
   }
   stamp(2);
   diagonal_block_inverses(lower, beta_s, inverse);  // threads 0–63; phase 1's barrier publishes N
