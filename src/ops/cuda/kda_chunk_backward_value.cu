@@ -228,11 +228,65 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     attention_detail::cp_async_commit();
   }
   const bool rows_by_8 = kda_rows_by_8(d, k, k, g_in, d_o);
-  kda_stage_rows_bf16<kBlockThreads>(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr,
-                                     key_raw, ldr, gam, ldk);
-  if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
-  kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
-  kda_stage_d_out_f32<kBlockThreads>(d_o, d, b, h, t0, c_len, rows_by_8, e0, VH, d_out_s, ldh);
+  // At K = V = 128 with 16-byte rows: every k, g and dO load of the thread issued before any
+  // store (one round trip; the shared loaders' loops store after each load), and the half warp
+  // that loads a k row reduces its squares for the inverse norm (no warp-per-row pass).
+  const bool norms_in_rows = kStaticDims == 128 && rows_by_8;
+  if (norms_in_rows) {
+    constexpr int kHead = kStaticDims > 0 ? kStaticDims : 128;
+    constexpr int kPerRow = kHead / 8, kPerRowOut = kHead / 2 / 8;  // 16-byte pieces
+    constexpr int kRowSteps = kChunk * kPerRow / kBlockThreads;
+    constexpr int kOutSteps = kChunk * kPerRowOut / kBlockThreads;
+    static_assert(kChunk * kPerRowOut % kBlockThreads == 0 && kRowSteps >= 1);
+    uint4 key_bits[kRowSteps], gate_bits[kRowSteps], out_bits[kOutSteps];
+#pragma unroll
+    for (int u = 0; u < kRowSteps; ++u) {
+      const int idx = tid + u * kBlockThreads, i = idx / kPerRow, col = idx % kPerRow * 8;
+      key_bits[u] = gate_bits[u] = make_uint4(0, 0, 0, 0);
+      if (i < c_len && col < d.K) {
+        const int64_t at = token_row(i) * d.K + col;
+        key_bits[u] = *reinterpret_cast<const uint4*>(k + at);
+        gate_bits[u] = *reinterpret_cast<const uint4*>(g_in + at);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kOutSteps; ++u) {
+      const int idx = tid + u * kBlockThreads, i = idx / kPerRowOut, e = idx % kPerRowOut * 8;
+      out_bits[u] = make_uint4(0, 0, 0, 0);
+      if (i < c_len && e0 + e < d.V)
+        out_bits[u] = *reinterpret_cast<const uint4*>(d_o + token_row(i) * d.V + e0 + e);
+    }
+    if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+    kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
+#pragma unroll
+    for (int u = 0; u < kRowSteps; ++u) {
+      const int idx = tid + u * kBlockThreads, i = idx / kPerRow, col = idx % kPerRow * 8;
+      *reinterpret_cast<uint4*>(key_raw + i * ldr + col) = key_bits[u];
+      kda_store_8_bf16_as_float(gam + i * ldk + col, gate_bits[u]);
+      const uint32_t w[4] = {key_bits[u].x, key_bits[u].y, key_bits[u].z, key_bits[u].w};
+      float sum = 0.0f;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float lo = __uint_as_float(w[x] << 16), hi = __uint_as_float(w[x] & 0xffff0000u);
+        sum += lo * lo + hi * hi;
+      }
+#pragma unroll
+      for (int offset = kPerRow / 2; offset > 0; offset /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (col == 0) key_inv[i] = 1.0f / sqrtf(sum + kL2NormEps);
+    }
+#pragma unroll
+    for (int u = 0; u < kOutSteps; ++u) {
+      const int idx = tid + u * kBlockThreads, i = idx / kPerRowOut, e = idx % kPerRowOut * 8;
+      kda_store_8_bf16_as_float(d_out_s + i * ldh + e, out_bits[u]);
+    }
+  } else {
+    kda_stage_rows_bf16<kBlockThreads>(nullptr, k, g_in, d, b, h, t0, c_len, rows_by_8, nullptr,
+                                       key_raw, ldr, gam, ldk);
+    if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
+    kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
+    kda_stage_d_out_f32<kBlockThreads>(d_o, d, b, h, t0, c_len, rows_by_8, e0, VH, d_out_s, ldh);
+  }
   attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
@@ -242,8 +296,9 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   // phase 1). Then Kd = K⊙e^Γ (segment 0, else 0) from the same registers, over Γ in place:
   // phase 3's A operand, which every column-group warp of a row block formed again per element.
   // Γ has no other reader here.
-  kda_inverse_norms_and_cumsum<kBlockThreads>(nullptr, key_raw, ldr, nullptr, ldk, d, nullptr,
-                                              key_inv);
+  if (!norms_in_rows)
+    kda_inverse_norms_and_cumsum<kBlockThreads>(nullptr, key_raw, ldr, nullptr, ldk, d, nullptr,
+                                                key_inv);
   {
     constexpr int kParts = kBlockThreads / kKdaCudaMaxHeadDim, kRows = kChunk / kParts;
     const int col = tid % KP, part = tid / KP;
