@@ -341,6 +341,179 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Backward state with phase 2's A operands in registers (the default; DM_KDA_STATE_BACKWARD=
+// staged keeps the kernel above). The staged kernel holds Ke, P, Qd and W in shared memory (163
+// KB at 32 columns, 147 KB at 16): one block per SM, so the 384 (head, column tile) sequences of
+// (1,8192,96,128) run in three rounds of 132, the 256 of (2,16384,16,128) in two. But each warp
+// of phase 2 owns 16 rows of dS, and reads exactly the matching 16 columns of Qd and W (its A
+// operands Qdᵀ, Wᵀ): no other warp needs them. Here each warp loads those fragments straight
+// into registers: Qd's (32 floats and two decays per lane) right after its phase 2, so that they
+// land during the next step's wait and phase 1; W's (32) after phase 1, landing while the Qd
+// product runs (all 64 live through phase 1 spilled at the 128-register bound). Shared memory
+// keeps Ke, P, dO ×2, dS', dV' (91 KB at 32 columns, 77 KB at 16): two blocks per SM.
+struct BackwardStateRegsLayout {
+  int key_to_end, lower_query_key, d_out0, d_out1, d_state, d_value_new, total;  // byte offsets
+};
+template <int kCols>
+__host__ __device__ inline BackwardStateRegsLayout backward_state_regs_layout(const KdaDims& d) {
+  BackwardStateRegsLayout l;
+  int at = 0;
+  l.key_to_end = carve_floats(at, kChunk * (d.KP + kPadRowRead));
+  l.lower_query_key = carve_floats(at, kChunk * (kChunk + kPadColRead));
+  l.d_out0 = carve_floats(at, kChunk * (kCols + kPadColRead) / 2);  // bf16
+  l.d_out1 = carve_floats(at, kChunk * (kCols + kPadColRead) / 2);
+  l.d_state = carve_floats(at, d.KP * (kCols + kPadColRead));
+  l.d_value_new = carve_floats(at, kChunk * (kCols + kPadColRead));
+  l.total = at;
+  return l;
+}
+
+template <int kCols, int kStaticDims>
+__global__ void __launch_bounds__(kThreads, 2)
+    kda_chunk_state_backward_regs_kernel(const uint16_t* d_o, const float* dsT, float* ds0,
+                                         KdaDims dims, KdaForwardWorkspace ws, float* d_states) {
+  const KdaDims d = static_dims(dims, kStaticDims);
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  const BackwardStateRegsLayout l = backward_state_regs_layout<kCols>(d);
+  float* key_to_end_s = reinterpret_cast<float*>(shared_bytes + l.key_to_end);   // [C, KP+4] Ke
+  float* lower_s = reinterpret_cast<float*>(shared_bytes + l.lower_query_key);   // [C, C+8]  P
+  uint16_t* d_out_s[2] = {reinterpret_cast<uint16_t*>(shared_bytes + l.d_out0),  // [C, ldt] dO
+                          reinterpret_cast<uint16_t*>(shared_bytes + l.d_out1)};
+  float* d_state_s = reinterpret_cast<float*>(shared_bytes + l.d_state);          // [KP, ldt] dS'
+  float* d_value_new_s = reinterpret_cast<float*>(shared_bytes + l.d_value_new);  // [C, ldt]  dV'
+  constexpr int ldt = kCols + kPadColRead;
+  constexpr int kHalfTiles = kCols / 16, kRowTiles = kCols / 8, kSteps = kChunk / 8;
+  constexpr int ldp = kChunk + kPadColRead;
+  const int ldke = d.KP + kPadRowRead;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H, first_chunk = bh * d.num_chunks;
+  const int e0 = blockIdx.x * kCols;
+  const int r0 = 16 * warp;  // phase 2: this warp's rows of dS (KP ≤ 128: one block per warp)
+  const bool has_rows = r0 < d.KP;
+
+  auto load_value_side = [&](int64_t n) {  // Ke, P and the dO tile of chunk n
+    const int64_t ch = first_chunk + n;
+    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(lower_s, ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk,
+                    kChunk);
+    uint16_t* dst = d_out_s[n & 1];
+    const int c = kda_chunk_length(d, n);
+    constexpr int kPieces = kCols / 8;  // 16-byte pieces per row
+    for (int idx = tid; idx < kChunk * kPieces; idx += kThreads) {
+      const int i = idx / kPieces, e = e0 + 8 * (idx % kPieces);
+      const bool valid = i < c && e < d.V;
+      const uint16_t* src = valid ? d_o + kda_token_row(d, b, h, n * kChunk + i) * d.V + e : d_o;
+      cp_async_16(dst + i * ldt + (e - e0), src, valid);
+    }
+  };
+  // Phase 2's A fragments of chunk n (tf32 m16n8k8 layout, kda_mma.cuh): step ks holds
+  // (row r0 + g, token 8ks + tq), (r0 + g + 8, 8ks + tq), (r0 + g, 8ks + tq + 4),
+  // (r0 + g + 8, 8ks + tq + 4) of Qdᵀ and Wᵀ, i.e. Qd[token][row], W[token][row]; and e^γ of
+  // rows r0 + g, r0 + g + 8.
+  float query_frag[kSteps][4], w_frag[kSteps][4], decay[2];
+  auto load_fragments = [&](float(&frag)[kSteps][4], const float* matrix, int64_t n) {
+    const float* rows = matrix + (first_chunk + n) * kChunk * d.KP + r0 + g;
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+      const int i0 = (8 * ks + tq) * d.KP, i1 = i0 + 4 * d.KP;
+      frag[ks][0] = rows[i0], frag[ks][1] = rows[i0 + 8];
+      frag[ks][2] = rows[i1], frag[ks][3] = rows[i1 + 8];
+    }
+  };
+  auto load_query_side = [&](int64_t n) {  // Qd's fragments and e^γ of chunk n
+    if (!has_rows) return;
+    load_fragments(query_frag, ws.query_decay, n);
+    decay[0] = ws.decay_whole[(first_chunk + n) * d.KP + r0 + g];
+    decay[1] = ws.decay_whole[(first_chunk + n) * d.KP + r0 + g + 8];
+  };
+
+  for (int idx = tid; idx < d.KP * kCols; idx += kThreads) {
+    const int row = idx / kCols, col = idx % kCols, e = e0 + col;
+    d_state_s[row * ldt + col] =
+        (dsT != nullptr && row < d.K && e < d.V) ? dsT[(bh * d.K + row) * d.V + e] : 0.0f;
+  }
+  const int64_t last = d.num_chunks - 1;
+  if (last >= 0) {
+    load_value_side(last);
+    load_query_side(last);
+  }
+  cp_async_commit();
+
+  const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
+  for (int64_t n = last; n >= 0; --n) {
+    const int64_t ch = first_chunk + n;
+    const uint16_t* d_out = d_out_s[n & 1];
+    auto d_out_at = [&](int i, int col) {
+      return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16);
+    };
+    cp_async_wait<0>();
+    __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
+    copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
+
+    // Phase 1: dV' = Ke·dS' + Pᵀ·dO (Pᵀ is upper triangular: k from the warp's first row).
+    {
+      float acc[kHalfTiles][4];
+      zero_tiles(acc);
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kHalfTiles, 0, d.KP,
+          [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
+          [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
+      warp_mma<MmaPrecision::Tf32>(
+          acc, kHalfTiles, r0_value, kChunk,
+          [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
+          [&](int j, int nn) { return d_out_at(j, col0_value + nn); });
+      for_each_element<kHalfTiles>(
+          kHalfTiles, r0_value, col0_value,
+          [&](int j, int e4, int i, int col) { d_value_new_s[i * ldt + col] = acc[j][e4]; });
+    }
+    __syncthreads();  // dV' complete; Ke, P free (this dO buffer stays: phase 2 reads it)
+    if (n > 0) load_value_side(n - 1);
+    cp_async_commit();
+
+    // Phase 2: dS = Diag(e^γ)·dS' + Qdᵀ·dO − Wᵀ·dV' over the warp's 16 rows, every column; its
+    // rows of dS' are its own, so no barrier separates it from the next step's fragment loads.
+    if (has_rows) {
+      load_fragments(w_frag, ws.w, n);
+      float acc[kRowTiles][4];
+      for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
+        acc[j][e4] = decay[e4 >> 1] * d_state_s[row * ldt + col];
+      });
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const int k0 = 8 * ks + tq;
+        const uint32_t a[4] = {to_tf32(query_frag[ks][0]), to_tf32(query_frag[ks][1]),
+                               to_tf32(query_frag[ks][2]), to_tf32(query_frag[ks][3])};
+#pragma unroll
+        for (int j = 0; j < kRowTiles; ++j)
+          mma_tf32_16x8x8(acc[j], a, to_tf32(d_out_at(k0, 8 * j + g)),
+                          to_tf32(d_out_at(k0 + 4, 8 * j + g)));
+      }
+      if (n > 0) load_query_side(n - 1);  // Qd's registers are free
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const int k0 = 8 * ks + tq;
+        const uint32_t a[4] = {to_tf32(-w_frag[ks][0]), to_tf32(-w_frag[ks][1]),
+                               to_tf32(-w_frag[ks][2]), to_tf32(-w_frag[ks][3])};
+#pragma unroll
+        for (int j = 0; j < kRowTiles; ++j)
+          mma_tf32_16x8x8(acc[j], a, to_tf32(d_value_new_s[k0 * ldt + 8 * j + g]),
+                          to_tf32(d_value_new_s[(k0 + 4) * ldt + 8 * j + g]));
+      }
+      for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
+        d_state_s[row * ldt + col] = acc[j][e4];
+      });
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the last phase 2's rows of dS, from every warp
+  if (ds0 != nullptr)
+    for (int idx = tid; idx < d.K * kCols; idx += kThreads) {
+      const int row = idx / kCols, col = idx % kCols, e = e0 + col;
+      if (e < d.V) ds0[(bh * d.K + row) * d.V + e] += d_state_s[row * ldt + col];
+    }
+}
+
 // 32-column tiles when they divide VP and still give every SM a block; else 16. Env
 // DM_KDA_STATE_COLUMNS=16|32 forces one (tests cover both widths on small shapes; 32 needs
 // VP % 32 == 0 and falls back to 16 otherwise).
@@ -353,6 +526,16 @@ int state_tile_columns(const KdaDims& d) {
   DM_CUDA_CHECK(cudaGetDevice(&device));
   DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return (d.VP % 32 == 0 && d.B * d.H * (d.VP / 32) >= sms) ? 32 : 16;
+}
+
+// DM_KDA_STATE_BACKWARD=staged (read once): the backward state kernel with Qd and W staged in
+// shared memory (one block per SM) instead of phase 2's fragments in registers.
+bool state_backward_staged() {
+  static const bool staged = [] {
+    const char* v = std::getenv("DM_KDA_STATE_BACKWARD");
+    return v != nullptr && std::strcmp(v, "staged") == 0;
+  }();
+  return staged;
 }
 
 template <int kCols>
@@ -382,10 +565,25 @@ void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, co
     kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
         d_o, dsT, ds0, d, ws, d_states);
   };
-  if (kda_static_dims(d) == kKdaStaticDims)
-    launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims>);
-  else
-    launch(kda_chunk_state_backward_tf32_kernel<kCols, 0>);
+  const bool fixed = kda_static_dims(d) == kKdaStaticDims;
+  if (state_backward_staged()) {
+    if (fixed)
+      launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims>);
+    else
+      launch(kda_chunk_state_backward_tf32_kernel<kCols, 0>);
+  } else {
+    const int regs_shared = backward_state_regs_layout<kCols>(d).total;
+    auto launch_regs = [&](auto kernel) {
+      DM_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, regs_shared));
+      kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(regs_shared),
+               stream>>>(d_o, dsT, ds0, d, ws, d_states);
+    };
+    if (fixed)
+      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims>);
+    else
+      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, 0>);
+  }
   check_last_error("cuda kda_chunk_backward (state gradient, tf32 tensor cores)");
 }
 
