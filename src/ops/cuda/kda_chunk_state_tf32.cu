@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward state with phase 2's A operands in registers (the default; DM_KDA_STATE_BACKWARD=
-// staged keeps the kernel above). The staged kernel holds Ke, P, Qd and W in shared memory (163
+// Backward state with phase 2's A operands in registers (picked by state_backward_staged below
+// when the staged kernel above would need more than one round). The staged kernel holds Ke, P, Qd and W in shared memory (163
 // KB at 32 columns, 147 KB at 16): one block per SM, so the 384 (head, column tile) sequences of
 // (1,8192,96,128) run in three rounds of 132, the 256 of (2,16384,16,128) in two. But each warp
 // of phase 2 owns 16 rows of dS, and reads exactly the matching 16 columns of Qd and W (its A
@@ -528,14 +528,25 @@ int state_tile_columns(const KdaDims& d) {
   return (d.VP % 32 == 0 && d.B * d.H * (d.VP / 32) >= sms) ? 32 : 16;
 }
 
-// DM_KDA_STATE_BACKWARD=staged (read once): the backward state kernel with Qd and W staged in
-// shared memory (one block per SM) instead of phase 2's fragments in registers.
-bool state_backward_staged() {
-  static const bool staged = [] {
+// Which backward state kernel: the staged one (Qd, W in shared memory, one block per SM) when
+// the whole grid fits one round at one block per SM, else the one holding them in registers (two
+// per SM). Measured on the H200, fwd+bwd: (1,8192,16,128), 128 blocks, staged 2.89 ms against
+// 3.01 with registers (each step is shorter when Qd and W come from shared memory);
+// (2,16384,16,128), 256 blocks, 10.95 against 10.77; (1,8192,96,128), 384 blocks, 15.25 against
+// 14.93. DM_KDA_STATE_BACKWARD=staged|regs (read once) forces one.
+bool state_backward_staged(int blocks) {
+  static const int forced = [] {
     const char* v = std::getenv("DM_KDA_STATE_BACKWARD");
-    return v != nullptr && std::strcmp(v, "staged") == 0;
+    if (v == nullptr) return -1;
+    if (std::strcmp(v, "staged") == 0) return 1;
+    if (std::strcmp(v, "regs") == 0) return 0;
+    return -1;
   }();
-  return staged;
+  if (forced >= 0) return forced == 1;
+  int device = 0, sms = 0;
+  DM_CUDA_CHECK(cudaGetDevice(&device));
+  DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return blocks <= sms;
 }
 
 template <int kCols>
@@ -566,7 +577,7 @@ void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, co
         d_o, dsT, ds0, d, ws, d_states);
   };
   const bool fixed = kda_static_dims(d) == kKdaStaticDims;
-  if (state_backward_staged()) {
+  if (state_backward_staged(d.VP / kCols * d.B * d.H)) {
     if (fixed)
       launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims>);
     else
