@@ -585,11 +585,11 @@ TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
 }
 
 // The tf32 state stages (kda_chunk_state_tf32.cu) pick 16- or 32-column tiles by the SM count,
-// and between kernels by how many blocks the grid has: the forward with one or two operand
-// buffers, the backward staged, with registers, or with registers and two buffers. Small test
-// shapes would only ever see 16 columns, two forward buffers and the staged backward. Every
-// combination, forced through DM_KDA_STATE_COLUMNS / _STAGES / _BACKWARD (read at each call),
-// on shapes with VP % 32 == 0, documents and a partial chunk, forward (bf16) and backward (tc).
+// and the backward's kernel by how many blocks the grid has (Qd and W staged in shared memory,
+// or held in registers); small test shapes would only ever see 16 columns and the staged
+// kernel. Every combination, forced through DM_KDA_STATE_COLUMNS and DM_KDA_STATE_BACKWARD
+// (read at each call), on shapes with VP % 32 == 0, documents and a partial chunk, forward
+// (bf16) and backward (tc).
 TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
   DM_SKIP_WITHOUT_GPU();
   struct EnvScope {
@@ -597,22 +597,16 @@ TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
     EnvScope(const char* n, const char* value) : name(n) { setenv(name, value, 1); }
     ~EnvScope() { unsetenv(name); }
   };
-  struct Kernels {
-    const char* stages;
-    const char* backward;
-  };
   uint64_t seed = 700;
   for (const char* columns : {"16", "32"})
-    for (const Kernels& k : {Kernels{"1", "regs"}, Kernels{"2", "regs2"}, Kernels{"2", "staged"}})
+    for (const char* backward : {"staged", "regs"})
       for (const KdaShape& s : {KdaShape{1, 300, 2, 128, 128}, KdaShape{2, 130, 3, 64, 32}}) {
-        EnvScope width("DM_KDA_STATE_COLUMNS", columns), stages("DM_KDA_STATE_STAGES", k.stages),
-            backward("DM_KDA_STATE_BACKWARD", k.backward);
+        EnvScope width("DM_KDA_STATE_COLUMNS", columns), kernel("DM_KDA_STATE_BACKWARD", backward);
         KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
         p.doc_start = make_doc_start(s, {37, 128, 129});
         round_inputs_bf16(p);
-        const std::string what = describe(s, (std::string("state tiles ") + columns + ", " +
-                                              k.stages + " forward buffers, backward " + k.backward)
-                                                 .c_str());
+        const std::string what =
+            describe(s, (std::string("state tiles ") + columns + ", backward " + backward).c_str());
         check_forward(p, KdaGpuForm::Chunked, true, true, what + " forward");
         check_backward(p, true, what + " backward", true, cu::KdaBackwardPath::TensorCore);
       }

@@ -86,12 +86,10 @@ __device__ __forceinline__ KdaDims static_dims(KdaDims dims, int static_head_dim
 
 // ---------------------------------------------------------------------------------------------
 // Forward state.
-// The chunk operands W, U, Ke, e^γ sit in kStages buffers of stage_bytes each (offsets w, u,
-// key_to_end, decay inside a buffer); S and V' once after them.
 struct ForwardStateLayout {
-  int w, u, key_to_end, decay, stage_bytes, state, value_new, total;  // byte offsets
+  int w, u, key_to_end, decay, state, value_new, total;  // byte offsets
 };
-template <int kCols, int kStages>
+template <int kCols>
 __host__ __device__ inline ForwardStateLayout forward_state_layout(const KdaDims& d) {
   ForwardStateLayout l;
   int at = 0;
@@ -99,41 +97,23 @@ __host__ __device__ inline ForwardStateLayout forward_state_layout(const KdaDims
   l.u = carve_floats(at, kChunk * (kCols + kPadColRead));
   l.key_to_end = carve_floats(at, kChunk * (d.KP + kPadColRead));
   l.decay = carve_floats(at, d.KP);
-  l.stage_bytes = at;
-  at *= kStages;
   l.state = carve_floats(at, d.KP * (kCols + kPadColRead));
   l.value_new = carve_floats(at, kChunk * (kCols + kPadColRead));
   l.total = at;
   return l;
 }
 
-// kStages = 1: one buffer per operand. A step's two phases read disjoint operand sets, so the
-// value side of chunk n+1 (W, U) is copied in while phase 2 of chunk n runs and the state side
-// (Ke, e^γ) while phase 1 of chunk n+1 runs: each copy has half a step to land.
-// kStages = 2: two buffers of everything, and all of chunk n+1's operands are copied in at the
-// top of step n, a whole step ahead (~168 KB of shared memory at 16 columns, 189 KB at 32: one
-// block per SM, picked when the grid fits one round; see forward_state_stages).
-template <int kCols, int kStaticDims, int kStages>
+template <int kCols, int kStaticDims>
 __global__ void __launch_bounds__(kThreads)
     kda_chunk_state_tf32_kernel(const float* s0, float* sT, KdaDims dims, KdaForwardWorkspace ws) {
-  static_assert(kStages == 1 || kStages == 2, "one or two operand buffers");
   const KdaDims d = static_dims(dims, kStaticDims);
   extern __shared__ __align__(128) unsigned char shared_bytes[];
-  const ForwardStateLayout l = forward_state_layout<kCols, kStages>(d);
-  // Operand buffer `buffer`: W [C, KP+4], the U tile [C, ldt], Ke [C, KP+8], e^γ [KP].
-  auto w_s = [&](int buffer) {
-    return reinterpret_cast<float*>(shared_bytes + buffer * l.stage_bytes + l.w);
-  };
-  auto u_s = [&](int buffer) {
-    return reinterpret_cast<float*>(shared_bytes + buffer * l.stage_bytes + l.u);
-  };
-  auto key_to_end_s = [&](int buffer) {
-    return reinterpret_cast<float*>(shared_bytes + buffer * l.stage_bytes + l.key_to_end);
-  };
-  auto decay_s = [&](int buffer) {
-    return reinterpret_cast<float*>(shared_bytes + buffer * l.stage_bytes + l.decay);
-  };
-  float* state_s = reinterpret_cast<float*>(shared_bytes + l.state);          // [KP, ldt] S tile
+  const ForwardStateLayout l = forward_state_layout<kCols>(d);
+  float* w_s = reinterpret_cast<float*>(shared_bytes + l.w);  // [C, KP+4]   W
+  float* u_s = reinterpret_cast<float*>(shared_bytes + l.u);  // [C, ldt]    U tile
+  float* key_to_end_s = reinterpret_cast<float*>(shared_bytes + l.key_to_end);  // [C, KP+8] Ke
+  float* decay_s = reinterpret_cast<float*>(shared_bytes + l.decay);            // [KP]        e^γ
+  float* state_s = reinterpret_cast<float*>(shared_bytes + l.state);          // [KP, ldt]   S tile
   float* value_new_s = reinterpret_cast<float*>(shared_bytes + l.value_new);  // [C, ldt]  V'
   constexpr int ldt = kCols + kPadColRead;
   constexpr int kHalfTiles = kCols / 16;  // phase 1: a warp's 8-column tiles (half the width)
@@ -143,16 +123,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.y, first_chunk = bh * d.num_chunks;
   const int e0 = blockIdx.x * kCols;
 
-  auto load_value_side = [&](int64_t n, int buffer) {  // W and the U tile of chunk n
+  auto load_value_side = [&](int64_t n) {  // W and the U tile of chunk n
     const int64_t ch = first_chunk + n;
-    copy_rows_async(w_s(buffer), ldw, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(u_s(buffer), ldt, ws.u + ch * kChunk * d.VP + e0, d.VP, kChunk, kCols);
+    copy_rows_async(w_s, ldw, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(u_s, ldt, ws.u + ch * kChunk * d.VP + e0, d.VP, kChunk, kCols);
   };
-  auto load_state_side = [&](int64_t n, int buffer) {  // Ke and e^γ of chunk n
+  auto load_state_side = [&](int64_t n) {  // Ke and e^γ of chunk n
     const int64_t ch = first_chunk + n;
-    copy_rows_async(key_to_end_s(buffer), ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk,
-                    d.KP);
-    copy_rows_async(decay_s(buffer), 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
   };
 
   for (int idx = tid; idx < d.KP * kCols; idx += kThreads) {
@@ -160,76 +139,58 @@ __global__ void __launch_bounds__(kThreads)
     state_s[row * ldt + col] =
         (s0 != nullptr && row < d.K && e < d.V) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
   }
-  // kStages = 1: commit groups alternate value side / state side, one pair per chunk (empty
-  // past the end), so "all but the newest group done" is always the side about to be used.
-  // kStages = 2: one group per chunk.
-  if (d.num_chunks > 0) load_value_side(0, 0);
+  // Commit groups alternate value side / state side, one pair per chunk (empty past the end),
+  // so "all but the newest group done" is always the side about to be used.
+  if (d.num_chunks > 0) load_value_side(0);
   cp_async_commit();
-  if (d.num_chunks > 0) load_state_side(0, 0);
+  if (d.num_chunks > 0) load_state_side(0);
   cp_async_commit();
 
   const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
   for (int64_t n = 0; n < d.num_chunks; ++n) {
     const int64_t ch = first_chunk + n;
-    const int buffer = kStages == 2 ? int(n & 1) : 0;
-    if constexpr (kStages == 2) {
-      // Buffer (n+1)&1 was last read in step n−1, which ended with a barrier.
-      if (n + 1 < d.num_chunks) {
-        load_value_side(n + 1, (n + 1) & 1);
-        load_state_side(n + 1, (n + 1) & 1);
-      }
-      cp_async_commit();
-    }
     cp_async_wait<1>();
-    __syncthreads();  // chunk n's operands landed (kStages = 1: its value side); S is its start
+    __syncthreads();  // value side of chunk n landed; S is the chunk-start state
     copy_tile_f4<kCols, true>(ws.states + ch * d.KP * d.VP + e0, d.VP, state_s, ldt, d.KP);
 
     // Phase 1: V' = U − W·S (warp: rows r0_value.., half the columns).
     {
-      const float* w = w_s(buffer);
-      const float* u = u_s(buffer);
       float acc[kHalfTiles][4];
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
-          acc, kHalfTiles, 0, d.KP, [&](int r, int c) { return w[(r0_value + r) * ldw + c]; },
+          acc, kHalfTiles, 0, d.KP, [&](int r, int c) { return w_s[(r0_value + r) * ldw + c]; },
           [&](int c, int nn) { return state_s[c * ldt + col0_value + nn]; });
       float* value_new = ws.value_new + ch * kChunk * d.VP + e0;
       for_each_element<kHalfTiles>(kHalfTiles, r0_value, col0_value,
                                    [&](int j, int e4, int i, int col) {
-                                     const float value = u[i * ldt + col] - acc[j][e4];
+                                     const float value = u_s[i * ldt + col] - acc[j][e4];
                                      value_new_s[i * ldt + col] = value;
                                      value_new[i * d.VP + col] = value;
                                    });
     }
     __syncthreads();  // W, U free; V' complete
-    if constexpr (kStages == 1) {
-      if (n + 1 < d.num_chunks) load_value_side(n + 1, 0);
-      cp_async_commit();
-      cp_async_wait<1>();
-      __syncthreads();  // state side of chunk n landed
-    }
+    if (n + 1 < d.num_chunks) load_value_side(n + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // state side of chunk n landed
 
     // Phase 2: S ← Diag(e^γ)·S + Keᵀ·V' (warp: a 16-row block of S, every column).
-    const float* key_to_end = key_to_end_s(buffer);
-    const float* decay = decay_s(buffer);
     for (int mt = warp; mt < d.KP / 16; mt += kWarpCount) {
       const int r0 = 16 * mt;
       float acc[kRowTiles][4];
       for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
-        acc[j][e4] = decay[row] * state_s[row * ldt + col];
+        acc[j][e4] = decay_s[row] * state_s[row * ldt + col];
       });
       warp_mma<MmaPrecision::Tf32>(
-          acc, kRowTiles, 0, kChunk, [&](int r, int i) { return key_to_end[i * ldke + r0 + r]; },
+          acc, kRowTiles, 0, kChunk, [&](int r, int i) { return key_to_end_s[i * ldke + r0 + r]; },
           [&](int i, int nn) { return value_new_s[i * ldt + nn]; });
       for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
         state_s[row * ldt + col] = acc[j][e4];
       });
     }
     __syncthreads();  // Ke, e^γ free; S is the next chunk's start state
-    if constexpr (kStages == 1) {
-      if (n + 1 < d.num_chunks) load_state_side(n + 1, 0);
-      cp_async_commit();
-    }
+    if (n + 1 < d.num_chunks) load_state_side(n + 1);
+    cp_async_commit();
   }
   cp_async_wait<0>();
   if (sT != nullptr)
@@ -391,21 +352,15 @@ __global__ void __launch_bounds__(kThreads)
 // that they land during the next step's wait and phase 1; W's (32) after phase 1, landing while the
 // Qd product runs (all 64 live through phase 1 spilled at the 128-register bound). Shared memory
 // keeps Ke, P, dO ×2, dS', dV' (91 KB at 32 columns, 77 KB at 16): two blocks per SM.
-// kStages = 2 doubles Ke and P (144 KB at 32 columns, 130 at 16: one block per SM), so that
-// chunk n−1's value side is copied in at the top of step n, a whole step ahead, instead of
-// after phase 1 (half a step).
 struct BackwardStateRegsLayout {
-  int key_to_end, lower_query_key, value_side_bytes, d_out0, d_out1, d_state, d_value_new,
-      total;  // byte offsets; Ke and P of buffer b at + b·value_side_bytes
+  int key_to_end, lower_query_key, d_out0, d_out1, d_state, d_value_new, total;  // byte offsets
 };
-template <int kCols, int kStages>
+template <int kCols>
 __host__ __device__ inline BackwardStateRegsLayout backward_state_regs_layout(const KdaDims& d) {
   BackwardStateRegsLayout l;
   int at = 0;
   l.key_to_end = carve_floats(at, kChunk * (d.KP + kPadRowRead));
   l.lower_query_key = carve_floats(at, kChunk * (kChunk + kPadColRead));
-  l.value_side_bytes = at;
-  at *= kStages;
   l.d_out0 = carve_floats(at, kChunk * (kCols + kPadColRead) / 2);  // bf16
   l.d_out1 = carve_floats(at, kChunk * (kCols + kPadColRead) / 2);
   l.d_state = carve_floats(at, d.KP * (kCols + kPadColRead));
@@ -414,22 +369,15 @@ __host__ __device__ inline BackwardStateRegsLayout backward_state_regs_layout(co
   return l;
 }
 
-template <int kCols, int kStaticDims, int kStages>
-__global__ void __launch_bounds__(kThreads, 3 - kStages)
+template <int kCols, int kStaticDims>
+__global__ void __launch_bounds__(kThreads, 2)
     kda_chunk_state_backward_regs_kernel(const uint16_t* d_o, const float* dsT, float* ds0,
                                          KdaDims dims, KdaForwardWorkspace ws, float* d_states) {
-  static_assert(kStages == 1 || kStages == 2, "one or two buffers of Ke and P");
   const KdaDims d = static_dims(dims, kStaticDims);
   extern __shared__ __align__(128) unsigned char shared_bytes[];
-  const BackwardStateRegsLayout l = backward_state_regs_layout<kCols, kStages>(d);
-  auto key_to_end_s = [&](int64_t n) {  // [C, KP+4] Ke of chunk n's buffer
-    const int buffer = kStages == 2 ? int(n & 1) : 0;
-    return reinterpret_cast<float*>(shared_bytes + buffer * l.value_side_bytes + l.key_to_end);
-  };
-  auto lower_s = [&](int64_t n) {  // [C, C+8] P of chunk n's buffer
-    const int buffer = kStages == 2 ? int(n & 1) : 0;
-    return reinterpret_cast<float*>(shared_bytes + buffer * l.value_side_bytes + l.lower_query_key);
-  };
+  const BackwardStateRegsLayout l = backward_state_regs_layout<kCols>(d);
+  float* key_to_end_s = reinterpret_cast<float*>(shared_bytes + l.key_to_end);   // [C, KP+4] Ke
+  float* lower_s = reinterpret_cast<float*>(shared_bytes + l.lower_query_key);   // [C, C+8]  P
   uint16_t* d_out_s[2] = {reinterpret_cast<uint16_t*>(shared_bytes + l.d_out0),  // [C, ldt] dO
                           reinterpret_cast<uint16_t*>(shared_bytes + l.d_out1)};
   float* d_state_s = reinterpret_cast<float*>(shared_bytes + l.d_state);          // [KP, ldt] dS'
@@ -446,8 +394,8 @@ __global__ void __launch_bounds__(kThreads, 3 - kStages)
 
   auto load_value_side = [&](int64_t n) {  // Ke, P and the dO tile of chunk n
     const int64_t ch = first_chunk + n;
-    copy_rows_async(key_to_end_s(n), ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(lower_s(n), ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk,
+    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+    copy_rows_async(lower_s, ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk,
                     kChunk);
     uint16_t* dst = d_out_s[n & 1];
     const int c = kda_chunk_length(d, n);
@@ -501,36 +449,27 @@ __global__ void __launch_bounds__(kThreads, 3 - kStages)
     };
     cp_async_wait<0>();
     __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
-    if constexpr (kStages == 2) {
-      // Buffers (n−1)&1 were last read in step n+1, which ended before the barrier above.
-      if (n > 0) load_value_side(n - 1);
-      cp_async_commit();
-    }
     copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
 
     // Phase 1: dV' = Ke·dS' + Pᵀ·dO (Pᵀ is upper triangular: k from the warp's first row).
     {
-      const float* key_to_end = key_to_end_s(n);
-      const float* lower = lower_s(n);
       float acc[kHalfTiles][4];
       zero_tiles(acc);
       warp_mma<MmaPrecision::Tf32>(
           acc, kHalfTiles, 0, d.KP,
-          [&](int r, int c) { return key_to_end[(r0_value + r) * ldke + c]; },
+          [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
           [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
       warp_mma<MmaPrecision::Tf32>(
           acc, kHalfTiles, r0_value, kChunk,
-          [&](int r, int j) { return lower[j * ldp + r0_value + r]; },
+          [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
           [&](int j, int nn) { return d_out_at(j, col0_value + nn); });
       for_each_element<kHalfTiles>(
           kHalfTiles, r0_value, col0_value,
           [&](int j, int e4, int i, int col) { d_value_new_s[i * ldt + col] = acc[j][e4]; });
     }
     __syncthreads();  // dV' complete; Ke, P free (this dO buffer stays: phase 2 reads it)
-    if constexpr (kStages == 1) {
-      if (n > 0) load_value_side(n - 1);
-      cp_async_commit();
-    }
+    if (n > 0) load_value_side(n - 1);
+    cp_async_commit();
 
     // Phase 2: dS = Diag(e^γ)·dS' + Qdᵀ·dO − Wᵀ·dV' over the warp's 16 rows, every column; its
     // rows of dS' are its own, so no barrier separates it from the next step's fragment loads.
@@ -599,65 +538,32 @@ int state_tile_columns(const KdaDims& d) {
 // per SM). Measured on the H200, fwd+bwd: (1,8192,16,128), 128 blocks, staged 2.89 ms against
 // 3.01 with registers (each step is shorter when Qd and W come from shared memory);
 // (2,16384,16,128), 256 blocks, 10.95 against 10.77; (1,8192,96,128), 384 blocks, 15.25 against
-// 14.93. DM_KDA_STATE_BACKWARD=staged|regs|regs2 (read at each call: the tests run every
-// kernel) forces one; regs2 is the registers kernel with two buffers of Ke and P (one per SM).
-enum class BackwardStateKernel { kStaged, kRegisters, kRegistersTwoStages };
-BackwardStateKernel backward_state_kernel(int blocks) {
+// 14.93. DM_KDA_STATE_BACKWARD=staged|regs (read at each call: the tests run both) forces one.
+bool state_backward_staged(int blocks) {
   if (const char* v = std::getenv("DM_KDA_STATE_BACKWARD")) {
-    if (std::strcmp(v, "staged") == 0) return BackwardStateKernel::kStaged;
-    if (std::strcmp(v, "regs") == 0) return BackwardStateKernel::kRegisters;
-    if (std::strcmp(v, "regs2") == 0) return BackwardStateKernel::kRegistersTwoStages;
+    if (std::strcmp(v, "staged") == 0) return true;
+    if (std::strcmp(v, "regs") == 0) return false;
   }
   int device = 0, sms = 0;
   DM_CUDA_CHECK(cudaGetDevice(&device));
   DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return blocks <= sms ? BackwardStateKernel::kStaged : BackwardStateKernel::kRegisters;
-}
-
-// Operand buffers of the forward state kernel: two (a whole step of prefetch) when the grid fits
-// one round at one block per SM and two buffers fit the SM's shared memory, else one (two
-// blocks per SM). DM_KDA_STATE_STAGES=1|2 (read at each call) forces one, where it fits.
-template <int kCols>
-int forward_state_stages(const KdaDims& d) {
-  const char* v = std::getenv("DM_KDA_STATE_STAGES");
-  const int forced = v == nullptr               ? 0
-                     : std::strcmp(v, "1") == 0 ? 1
-                     : std::strcmp(v, "2") == 0 ? 2
-                                                : 0;
-  int device = 0, sms = 0, shared_max = 0;
-  DM_CUDA_CHECK(cudaGetDevice(&device));
-  DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DM_CUDA_CHECK(
-      cudaDeviceGetAttribute(&shared_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (forward_state_layout<kCols, 2>(d).total > shared_max) return 1;
-  if (forced != 0) return forced;
-  return d.VP / kCols * d.B * d.H <= sms ? 2 : 1;
+  return blocks <= sms;
 }
 
 template <int kCols>
 void launch_forward_state(const float* s0, float* sT, const KdaDims& d,
                           const KdaForwardWorkspace& ws, cudaStream_t stream) {
-  const int stages = forward_state_stages<kCols>(d);
-  const int shared = stages == 2 ? forward_state_layout<kCols, 2>(d).total
-                                 : forward_state_layout<kCols, 1>(d).total;
+  const int shared = forward_state_layout<kCols>(d).total;
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
     kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
         s0, sT, d, ws);
   };
-  const bool fixed = kda_static_dims(d) == kKdaStaticDims;
-  if (stages == 2) {
-    if (fixed)
-      launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims, 2>);
-    else
-      launch(kda_chunk_state_tf32_kernel<kCols, 0, 2>);
-  } else {
-    if (fixed)
-      launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims, 1>);
-    else
-      launch(kda_chunk_state_tf32_kernel<kCols, 0, 1>);
-  }
+  if (kda_static_dims(d) == kKdaStaticDims)
+    launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims>);
+  else
+    launch(kda_chunk_state_tf32_kernel<kCols, 0>);
   check_last_error("cuda kda_chunk_forward (state, tf32 tensor cores)");
 }
 
@@ -672,32 +578,23 @@ void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, co
         d_o, dsT, ds0, d, ws, d_states);
   };
   const bool fixed = kda_static_dims(d) == kKdaStaticDims;
-  const BackwardStateKernel which = backward_state_kernel(d.VP / kCols * d.B * d.H);
-  if (which == BackwardStateKernel::kStaged) {
+  if (state_backward_staged(d.VP / kCols * d.B * d.H)) {
     if (fixed)
       launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims>);
     else
       launch(kda_chunk_state_backward_tf32_kernel<kCols, 0>);
   } else {
-    auto launch_regs = [&](auto kernel, int regs_shared) {
+    const int regs_shared = backward_state_regs_layout<kCols>(d).total;
+    auto launch_regs = [&](auto kernel) {
       DM_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, regs_shared));
       kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(regs_shared),
                stream>>>(d_o, dsT, ds0, d, ws, d_states);
     };
-    if (which == BackwardStateKernel::kRegistersTwoStages) {
-      const int regs_shared = backward_state_regs_layout<kCols, 2>(d).total;
-      if (fixed)
-        launch_regs(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims, 2>, regs_shared);
-      else
-        launch_regs(kda_chunk_state_backward_regs_kernel<kCols, 0, 2>, regs_shared);
-    } else {
-      const int regs_shared = backward_state_regs_layout<kCols, 1>(d).total;
-      if (fixed)
-        launch_regs(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims, 1>, regs_shared);
-      else
-        launch_regs(kda_chunk_state_backward_regs_kernel<kCols, 0, 1>, regs_shared);
-    }
+    if (fixed)
+      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims>);
+    else
+      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, 0>);
   }
   check_last_error("cuda kda_chunk_backward (state gradient, tf32 tensor cores)");
 }
