@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads)
     {
       float acc[kHalfTiles][4];
       zero_tiles(acc);
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kHalfTiles, 0, d.KP, [&](int r, int c) { return w_s[(r0_value + r) * ldw + c]; },
           [&](int c, int nn) { return state_s[c * ldt + col0_value + nn]; });
       float* value_new = ws.value_new + ch * kChunk * d.VP + e0;
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads)
       for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
         acc[j][e4] = decay_s[row] * state_s[row * ldt + col];
       });
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kRowTiles, 0, kChunk, [&](int r, int i) { return key_to_end_s[i * ldke + r0 + r]; },
           [&](int i, int nn) { return value_new_s[i * ldt + nn]; });
       for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
@@ -293,11 +293,11 @@ __global__ void __launch_bounds__(kThreads)
     {
       float acc[kHalfTiles][4];
       zero_tiles(acc);
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kHalfTiles, 0, d.KP,
           [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
           [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kHalfTiles, r0_value, kChunk,
           [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
           [&](int j, int nn) { return d_out_at(j, col0_value + nn); });
@@ -319,10 +319,10 @@ __global__ void __launch_bounds__(kThreads)
       for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
         acc[j][e4] = decay_s[row] * d_state_s[row * ldt + col];
       });
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kRowTiles, 0, kChunk, [&](int r, int i) { return query_decay_s[i * ldkc + r0 + r]; },
           [&](int i, int nn) { return d_out_at(i, nn); });
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kRowTiles, 0, kChunk, [&](int r, int i) { return -w_s[i * ldkc + r0 + r]; },
           [&](int i, int nn) { return d_value_new_s[i * ldt + nn]; });
       for_each_element<kRowTiles>(kRowTiles, r0, 0, [&](int j, int e4, int row, int col) {
@@ -455,11 +455,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     {
       float acc[kHalfTiles][4];
       zero_tiles(acc);
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kHalfTiles, 0, d.KP,
           [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
           [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_two_chains(
           acc, kHalfTiles, r0_value, kChunk,
           [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
           [&](int j, int nn) { return d_out_at(j, col0_value + nn); });

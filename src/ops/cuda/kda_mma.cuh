@@ -80,6 +80,40 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, i
   }
 }
 
+// warp_mma (tf32) with the 8-wide k-steps alternating between two accumulators, summed at the
+// end, and the loop unrolled: consecutive mma no longer wait on each other, and later steps'
+// fragment loads can issue early. A 16-step product becomes two interleaved chains of 8. For
+// the sequential KDA state kernels, whose step time is these products' latency (clock64 probes
+// of the forward state kernel: its 16-step phase 1 took 1.44K cycles a step, ~90 per k-step).
+// (k_end − k_begin) % 16 == 0.
+template <int kTiles, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_mma_tf32_two_chains(float (&acc)[kTiles][4], int n_tiles,
+                                                         int k_begin, int k_end, LoadA&& load_a,
+                                                         LoadB&& load_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  float other[kTiles][4];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) other[j][0] = other[j][1] = other[j][2] = other[j][3] = 0.0f;
+  auto step = [&](float(&into)[kTiles][4], int k0) {
+    const uint32_t a[4] = {to_tf32(load_a(g, k0 + tq)), to_tf32(load_a(g + 8, k0 + tq)),
+                           to_tf32(load_a(g, k0 + tq + 4)), to_tf32(load_a(g + 8, k0 + tq + 4))};
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      if (j < n_tiles)
+        mma_tf32_16x8x8(into[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
+                        to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
+  };
+#pragma unroll 4
+  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+    step(acc, k0);
+    step(other, k0 + 8);
+  }
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] += other[j][e];
+}
+
 // warp_mma with each operand fetched as two k-adjacent values: load_a2(r, k) = (A[r][k],
 // A[r][k+1]) and load_b2(k, n) = (B[k][n], B[k+1][n]), k even. For tf32 the k slots of every
 // 8-step are permuted the same way in A and B (slot tq ↔ k0 + 2tq, slot tq + 4 ↔ k0 + 2tq + 1),
