@@ -50,7 +50,7 @@ void kda_recurrent_forward(const uint16_t* q, const uint16_t* k, const uint16_t*
 //     range, else pair by pair), W = A·Diag(β)·(K⊙e^Γ), U = A·Diag(β)·V with
 //     A = (I + Diag(β)L)⁻¹ (by sub-blocks: the diagonal blocks' inverses, then tf32 products),
 //     Q⊙e^Γ, K⊙e^{γ−Γ}, e^γ;
-//   state (sequential over chunks, parallel over B·H and 32-column tiles of V):
+//   state (sequential over chunks, parallel over B·H and 16- or 32-column tiles of V):
 //     V' = U − W·S, S ← Diag(e^γ)·S + (K⊙e^{γ−Γ})ᵀ·V', storing S at every chunk start;
 //   output (parallel over chunks): O = (Q⊙e^Γ)·S + P·V'.
 // fp32 inputs run every product on CUDA cores in fp32; bf16 inputs run the state products on
