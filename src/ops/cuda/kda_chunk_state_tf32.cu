@@ -201,6 +201,61 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
+// The two backward state kernels below share their value side: per chunk n, Ke [C, KP+4] and P
+// [C, C+8] in shared memory and the dO tile [C, kCols+8] (bf16, zero past the chunk end and V),
+// and phase 1, dV' = Ke·dS' + Pᵀ·dO.
+
+// Copies chunk n's Ke, P and dO tile in by 16-byte cp.async, by the whole block; not committed.
+template <int kCols>
+__device__ __forceinline__ void load_backward_value_side(const KdaDims& d,
+                                                         const KdaForwardWorkspace& ws,
+                                                         const uint16_t* d_o, int64_t b, int64_t h,
+                                                         int64_t first_chunk, int e0, int64_t n,
+                                                         float* key_to_end_s, float* lower_s,
+                                                         uint16_t* d_out_tile) {
+  constexpr int ldt = kCols + kPadColRead, ldp = kChunk + kPadColRead;
+  const int64_t ch = first_chunk + n;
+  copy_rows_async(key_to_end_s, d.KP + kPadRowRead, ws.key_to_end + ch * kChunk * d.KP, d.KP,
+                  kChunk, d.KP);
+  copy_rows_async(lower_s, ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk, kChunk);
+  const int c = kda_chunk_length(d, n);
+  constexpr int kPieces = kCols / 8;  // 16-byte pieces per row
+  for (int idx = threadIdx.x; idx < kChunk * kPieces; idx += kThreads) {
+    const int i = idx / kPieces, e = e0 + 8 * (idx % kPieces);
+    const bool valid = i < c && e < d.V;
+    const uint16_t* src = valid ? d_o + kda_token_row(d, b, h, n * kChunk + i) * d.V + e : d_o;
+    cp_async_16(d_out_tile + i * ldt + (e - e0), src, valid);
+  }
+}
+
+// Phase 1: dV' = Ke·dS' + Pᵀ·dO into d_value_new_s [C, kCols+8] (warp: rows 16·(warp/2), half
+// the columns; Pᵀ is upper triangular: k from the warp's first row).
+template <int kCols>
+__device__ __forceinline__ void backward_value_product(const KdaDims& d, const float* key_to_end_s,
+                                                       const float* lower_s, const float* d_state_s,
+                                                       const uint16_t* d_out,
+                                                       float* d_value_new_s) {
+  constexpr int ldt = kCols + kPadColRead, ldp = kChunk + kPadColRead, kHalfTiles = kCols / 16;
+  const int ldke = d.KP + kPadRowRead, warp = threadIdx.x >> 5;
+  const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
+  float acc[kHalfTiles][4];
+  zero_tiles(acc);
+  warp_mma_tf32_two_chains(
+      acc, kHalfTiles, 0, d.KP,
+      [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
+      [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
+  warp_mma_tf32_two_chains(
+      acc, kHalfTiles, r0_value, kChunk,
+      [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
+      [&](int j, int nn) {
+        return __uint_as_float(uint32_t(d_out[j * ldt + col0_value + nn]) << 16);
+      });
+  for_each_element<kHalfTiles>(
+      kHalfTiles, r0_value, col0_value,
+      [&](int j, int e4, int i, int col) { d_value_new_s[i * ldt + col] = acc[j][e4]; });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Backward state (bf16 dO, V % 8 == 0 so its rows copy in 16-byte pieces).
 struct BackwardStateLayout {
   int key_to_end, lower_query_key, d_out0, d_out1, query_decay, w, decay, d_state, d_value_new,
@@ -239,28 +294,15 @@ __global__ void __launch_bounds__(kThreads)
   float* decay_s = reinterpret_cast<float*>(shared_bytes + l.decay);              // [KP]
   float* d_state_s = reinterpret_cast<float*>(shared_bytes + l.d_state);          // [KP, ldt] dS'
   float* d_value_new_s = reinterpret_cast<float*>(shared_bytes + l.d_value_new);  // [C, ldt]  dV'
-  constexpr int ldt = kCols + kPadColRead;
-  constexpr int kHalfTiles = kCols / 16, kRowTiles = kCols / 8;
-  constexpr int ldp = kChunk + kPadColRead;
-  const int ldke = d.KP + kPadRowRead, ldkc = d.KP + kPadColRead;
+  constexpr int ldt = kCols + kPadColRead, kRowTiles = kCols / 8;
+  const int ldkc = d.KP + kPadColRead;
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H, first_chunk = bh * d.num_chunks;
   const int e0 = blockIdx.x * kCols;
 
   auto load_value_side = [&](int64_t n) {  // Ke, P and the dO tile of chunk n
-    const int64_t ch = first_chunk + n;
-    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(lower_s, ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk,
-                    kChunk);
-    uint16_t* dst = d_out_s[n & 1];
-    const int c = kda_chunk_length(d, n);
-    constexpr int kPieces = kCols / 8;  // 16-byte pieces per row
-    for (int idx = tid; idx < kChunk * kPieces; idx += kThreads) {
-      const int i = idx / kPieces, e = e0 + 8 * (idx % kPieces);
-      const bool valid = i < c && e < d.V;
-      const uint16_t* src = valid ? d_o + kda_token_row(d, b, h, n * kChunk + i) * d.V + e : d_o;
-      cp_async_16(dst + i * ldt + (e - e0), src, valid);
-    }
+    load_backward_value_side<kCols>(d, ws, d_o, b, h, first_chunk, e0, n, key_to_end_s, lower_s,
+                                    d_out_s[n & 1]);
   };
   auto load_state_side = [&](int64_t n) {  // Qd, W and e^γ of chunk n
     const int64_t ch = first_chunk + n;
@@ -280,32 +322,16 @@ __global__ void __launch_bounds__(kThreads)
   if (last >= 0) load_state_side(last);
   cp_async_commit();
 
-  const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
   for (int64_t n = last; n >= 0; --n) {
     const int64_t ch = first_chunk + n;
     const uint16_t* d_out = d_out_s[n & 1];
-    auto d_out_at = [&](int i, int col) { return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16); };
+    auto d_out_at = [&](int i, int col) {
+      return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16);
+    };
     cp_async_wait<1>();
     __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
     copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
-
-    // Phase 1: dV' = Ke·dS' + Pᵀ·dO (Pᵀ is upper triangular: k from the warp's first row).
-    {
-      float acc[kHalfTiles][4];
-      zero_tiles(acc);
-      warp_mma_tf32_two_chains(
-          acc, kHalfTiles, 0, d.KP,
-          [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
-          [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
-      warp_mma_tf32_two_chains(
-          acc, kHalfTiles, r0_value, kChunk,
-          [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
-          [&](int j, int nn) { return d_out_at(j, col0_value + nn); });
-      for_each_element<kHalfTiles>(kHalfTiles, r0_value, col0_value,
-                                   [&](int j, int e4, int i, int col) {
-                                     d_value_new_s[i * ldt + col] = acc[j][e4];
-                                   });
-    }
+    backward_value_product<kCols>(d, key_to_end_s, lower_s, d_state_s, d_out, d_value_new_s);
     __syncthreads();  // Ke, P free (this dO buffer stays: phase 2 reads it)
     if (n > 0) load_value_side(n - 1);
     cp_async_commit();
@@ -382,10 +408,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                           reinterpret_cast<uint16_t*>(shared_bytes + l.d_out1)};
   float* d_state_s = reinterpret_cast<float*>(shared_bytes + l.d_state);          // [KP, ldt] dS'
   float* d_value_new_s = reinterpret_cast<float*>(shared_bytes + l.d_value_new);  // [C, ldt]  dV'
-  constexpr int ldt = kCols + kPadColRead;
-  constexpr int kHalfTiles = kCols / 16, kRowTiles = kCols / 8, kSteps = kChunk / 8;
-  constexpr int ldp = kChunk + kPadColRead;
-  const int ldke = d.KP + kPadRowRead;
+  constexpr int ldt = kCols + kPadColRead, kRowTiles = kCols / 8, kSteps = kChunk / 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H, first_chunk = bh * d.num_chunks;
   const int e0 = blockIdx.x * kCols;
@@ -393,19 +416,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool has_rows = r0 < d.KP;
 
   auto load_value_side = [&](int64_t n) {  // Ke, P and the dO tile of chunk n
-    const int64_t ch = first_chunk + n;
-    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(lower_s, ldp, ws.lower_query_key + ch * kChunk * kChunk, kChunk, kChunk,
-                    kChunk);
-    uint16_t* dst = d_out_s[n & 1];
-    const int c = kda_chunk_length(d, n);
-    constexpr int kPieces = kCols / 8;  // 16-byte pieces per row
-    for (int idx = tid; idx < kChunk * kPieces; idx += kThreads) {
-      const int i = idx / kPieces, e = e0 + 8 * (idx % kPieces);
-      const bool valid = i < c && e < d.V;
-      const uint16_t* src = valid ? d_o + kda_token_row(d, b, h, n * kChunk + i) * d.V + e : d_o;
-      cp_async_16(dst + i * ldt + (e - e0), src, valid);
-    }
+    load_backward_value_side<kCols>(d, ws, d_o, b, h, first_chunk, e0, n, key_to_end_s, lower_s,
+                                    d_out_s[n & 1]);
   };
   // Phase 2's A fragments of chunk n (tf32 m16n8k8 layout, kda_mma.cuh): step ks holds
   // (row r0 + g, token 8ks + tq), (r0 + g + 8, 8ks + tq), (r0 + g, 8ks + tq + 4),
@@ -440,7 +452,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   cp_async_commit();
 
-  const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
   for (int64_t n = last; n >= 0; --n) {
     const int64_t ch = first_chunk + n;
     const uint16_t* d_out = d_out_s[n & 1];
@@ -450,23 +461,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     cp_async_wait<0>();
     __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
     copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
-
-    // Phase 1: dV' = Ke·dS' + Pᵀ·dO (Pᵀ is upper triangular: k from the warp's first row).
-    {
-      float acc[kHalfTiles][4];
-      zero_tiles(acc);
-      warp_mma_tf32_two_chains(
-          acc, kHalfTiles, 0, d.KP,
-          [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
-          [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
-      warp_mma_tf32_two_chains(
-          acc, kHalfTiles, r0_value, kChunk,
-          [&](int r, int j) { return lower_s[j * ldp + r0_value + r]; },
-          [&](int j, int nn) { return d_out_at(j, col0_value + nn); });
-      for_each_element<kHalfTiles>(
-          kHalfTiles, r0_value, col0_value,
-          [&](int j, int e4, int i, int col) { d_value_new_s[i * ldt + col] = acc[j][e4]; });
-    }
+    backward_value_product<kCols>(d, key_to_end_s, lower_s, d_state_s, d_out, d_value_new_s);
     __syncthreads();  // dV' complete; Ke, P free (this dO buffer stays: phase 2 reads it)
     if (n > 0) load_value_side(n - 1);
     cp_async_commit();

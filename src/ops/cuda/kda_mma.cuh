@@ -46,6 +46,21 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One 8-wide k-step of a tf32 warp product at k0: acc[j] += A[:, k0..k0+8) · B_j[k0..k0+8, :]
+// for the tiles j < n_tiles (warp_mma's operand conventions below).
+template <int kTiles, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_mma_tf32_step(float (&acc)[kTiles][4], int n_tiles, int k0,
+                                                   LoadA& load_a, LoadB& load_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const uint32_t a[4] = {to_tf32(load_a(g, k0 + tq)), to_tf32(load_a(g + 8, k0 + tq)),
+                         to_tf32(load_a(g, k0 + tq + 4)), to_tf32(load_a(g + 8, k0 + tq + 4))};
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+    if (j < n_tiles)
+      mma_tf32_16x8x8(acc[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
+                      to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
+}
+
 // acc[j] += A·B_j for one warp: A = 16 rows × [k_begin, k_end), B_j = the k range × 8 columns
 // of tile j (j < n_tiles ≤ kTiles). load_a(r, k): r ∈ [0,16) local row, k absolute;
 // load_b(k, n): k absolute, n ∈ [0, 8·n_tiles) local column. k_end − k_begin is a multiple of
@@ -55,15 +70,8 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, i
                                          int k_end, LoadA&& load_a, LoadB&& load_b) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   if constexpr (kPrecision == MmaPrecision::Tf32) {
-    for (int k0 = k_begin; k0 < k_end; k0 += 8) {
-      const uint32_t a[4] = {to_tf32(load_a(g, k0 + tq)), to_tf32(load_a(g + 8, k0 + tq)),
-                             to_tf32(load_a(g, k0 + tq + 4)), to_tf32(load_a(g + 8, k0 + tq + 4))};
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j)
-        if (j < n_tiles)
-          mma_tf32_16x8x8(acc[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
-                          to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
-    }
+    for (int k0 = k_begin; k0 < k_end; k0 += 8)
+      warp_mma_tf32_step(acc, n_tiles, k0, load_a, load_b);
   } else {
     for (int k0 = k_begin; k0 < k_end; k0 += 16) {
       const int k = k0 + 2 * tq;
@@ -90,23 +98,13 @@ template <int kTiles, typename LoadA, typename LoadB>
 __device__ __forceinline__ void warp_mma_tf32_two_chains(float (&acc)[kTiles][4], int n_tiles,
                                                          int k_begin, int k_end, LoadA&& load_a,
                                                          LoadB&& load_b) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   float other[kTiles][4];
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) other[j][0] = other[j][1] = other[j][2] = other[j][3] = 0.0f;
-  auto step = [&](float(&into)[kTiles][4], int k0) {
-    const uint32_t a[4] = {to_tf32(load_a(g, k0 + tq)), to_tf32(load_a(g + 8, k0 + tq)),
-                           to_tf32(load_a(g, k0 + tq + 4)), to_tf32(load_a(g + 8, k0 + tq + 4))};
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j)
-      if (j < n_tiles)
-        mma_tf32_16x8x8(into[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
-                        to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
-  };
 #pragma unroll 4
   for (int k0 = k_begin; k0 < k_end; k0 += 16) {
-    step(acc, k0);
-    step(other, k0 + 8);
+    warp_mma_tf32_step(acc, n_tiles, k0, load_a, load_b);
+    warp_mma_tf32_step(other, n_tiles, k0 + 8, load_a, load_b);
   }
 #pragma unroll
   for (int j = 0; j < kTiles; ++j)
