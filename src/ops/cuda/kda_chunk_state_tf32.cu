@@ -77,6 +77,45 @@ __device__ __forceinline__ void copy_tile_f4(float* global, int64_t global_ld, f
   }
 }
 
+// warp_mma_tf32_two_chains with a row-major A (rows a_rows + r·lda, r < 16, 16-byte aligned; the
+// k-step k0 at a_rows + k0) read by ldmatrix: each 8 × 4 fp32 block of A is an 8 × 8 b16
+// matrix, so one x4 load gives a lane its four tf32 A fragments, where scalar loads took four
+// (ncu: the state kernels issue an instruction every 2 cycles per scheduler with 2 warps each,
+// so their steps are instruction-bound). Rows ≡ 4 floats (mod 32) apart keep the 8 rows of a
+// matrix on distinct 16-byte bank groups.
+template <int kTiles, typename LoadB>
+__device__ __forceinline__ void warp_mma_tf32_two_chains_rows(float (&acc)[kTiles][4], int n_tiles,
+                                                              int k_begin, int k_end,
+                                                              const float* a_rows, int lda,
+                                                              LoadB&& load_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  // Lanes 8m … 8m+7 address matrix m: rows 8·(m & 1) + (lane & 7), columns k0 + 4·(m >> 1).
+  const float* lane_row = a_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * lda + 4 * (lane >> 4);
+  float other[kTiles][4];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) other[j][0] = other[j][1] = other[j][2] = other[j][3] = 0.0f;
+  auto step = [&](float(&into)[kTiles][4], int k0) {
+    uint32_t raw[4];
+    attention_detail::ldmatrix_x4(raw, lane_row + k0);
+    const uint32_t a[4] = {to_tf32(__uint_as_float(raw[0])), to_tf32(__uint_as_float(raw[1])),
+                           to_tf32(__uint_as_float(raw[2])), to_tf32(__uint_as_float(raw[3]))};
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      if (j < n_tiles)
+        mma_tf32_16x8x8(into[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
+                        to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
+  };
+#pragma unroll 4
+  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+    step(acc, k0);
+    step(other, k0 + 8);
+  }
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] += other[j][e];
+}
+
 // dims with KP = VP = kStaticDims when that is > 0 (kda_static_dims): every layout offset and
 // stride below then folds to a constant.
 __device__ __forceinline__ KdaDims static_dims(KdaDims dims, int static_head_dims) {
@@ -157,8 +196,8 @@ __global__ void __launch_bounds__(kThreads)
     {
       float acc[kHalfTiles][4];
       zero_tiles(acc);
-      warp_mma_tf32_two_chains(
-          acc, kHalfTiles, 0, d.KP, [&](int r, int c) { return w_s[(r0_value + r) * ldw + c]; },
+      warp_mma_tf32_two_chains_rows(
+          acc, kHalfTiles, 0, d.KP, w_s + r0_value * ldw, ldw,
           [&](int c, int nn) { return state_s[c * ldt + col0_value + nn]; });
       float* value_new = ws.value_new + ch * kChunk * d.VP + e0;
       for_each_element<kHalfTiles>(kHalfTiles, r0_value, col0_value,
@@ -240,9 +279,8 @@ __device__ __forceinline__ void backward_value_product(const KdaDims& d, const f
   const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
   float acc[kHalfTiles][4];
   zero_tiles(acc);
-  warp_mma_tf32_two_chains(
-      acc, kHalfTiles, 0, d.KP,
-      [&](int r, int c) { return key_to_end_s[(r0_value + r) * ldke + c]; },
+  warp_mma_tf32_two_chains_rows(
+      acc, kHalfTiles, 0, d.KP, key_to_end_s + r0_value * ldke, ldke,
       [&](int c, int nn) { return d_state_s[c * ldt + col0_value + nn]; });
   warp_mma_tf32_two_chains(
       acc, kHalfTiles, r0_value, kChunk,
