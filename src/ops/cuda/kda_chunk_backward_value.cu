@@ -339,16 +339,14 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   const int col0_c = group * tiles_c * 8;
 
   // ---- 1. dV' = Ke·dS' + Pᵀ·dO (tf32; Pᵀ is upper triangular: k from r0). dP_h = dO·V'ᵀ (bf16).
+  // dS' [KP, VH] comes through shared memory in slabs, staged in dV's buffer (free until the
+  // product's end).
   {
     float acc[kTiles][4];
     zero_tiles(acc);
-    const float* d_state_cols = d_state + e0 + col0_v;
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, tiles_v, 0, KP,
-        [&](int r, int c) { return load_pair(key_to_end + (r0 + r) * KP + c); },
-        [&](int c, int nn) {
-          return make_float2(d_state_cols[c * VP + nn], d_state_cols[(c + 1) * VP + nn]);
-        });
+    row_slab_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
+        acc, tiles_v, col0_v, KP, d_state + e0, VP, VH, d_value,
+        [&](int r, int c) { return load_pair(key_to_end + (r0 + r) * KP + c); });
     warp_mma<MmaPrecision::Tf32>(
         acc, tiles_v, r0, kChunk, [&](int r, int j) { return lower_qk[j * kChunk + r0 + r]; },
         [&](int j, int nn) { return d_out_s[j * ldh + col0_v + nn]; });
@@ -385,15 +383,12 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     });
   }
   {
+    // S [KP, VH] through shared memory in slabs, staged in dO's buffer (dead since phase 1).
     float acc[kTiles][4];
     zero_tiles(acc);
-    const float* state_cols = state + e0 + col0_v;
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, tiles_v, 0, KP,
-        [&](int r, int c) { return load_pair(gam + (r0 + r) * ldk + c); },  // Kd
-        [&](int c, int nn) {
-          return make_float2(state_cols[c * VP + nn], state_cols[(c + 1) * VP + nn]);
-        });
+    row_slab_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
+        acc, tiles_v, col0_v, KP, state + e0, VP, VH, d_out_s,
+        [&](int r, int c) { return load_pair(gam + (r0 + r) * ldk + c); });  // Kd
     for_each_element<kTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
       const int column = e0 + e;
       const float value =

@@ -91,6 +91,49 @@ __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_
   }
 }
 
+// acc[j] += Σ_c A[r0 + r][c] · B[c][col0 + 8j + n] over c < K for the warp's 16 rows × 8·n_tiles
+// columns (col0 local to the block's `width` columns), where B [K, ·] is row-major in global
+// memory (row stride ld_b, its first column at B) and is staged kSlab rows at a time in `slabs`
+// (two buffers of [kSlab, width + 4] fp32, 16-byte cp.async by the whole block, the next slab in
+// flight while the current one is used): the warps sharing B's columns read each element once
+// from L2 between them, and their fragment loads wait on shared memory instead of L2. A comes
+// through load_a2(r, c) (k-adjacent pairs). Row stride width + 4 ≡ 4 (mod 32) floats when
+// width % 32 == 0: the two rows 2tq, 2tq + 1 a lane reads per k pair land on banks 8tq + g (+4).
+// K % kSlab == 0, width % 4 == 0. Every thread of the block (kBlockThreads) must call it; it
+// ends with a barrier, after which `slabs` is free.
+template <MmaPrecision kPrecision, int kTiles, int kBlockThreads, typename LoadA2>
+__device__ __forceinline__ void row_slab_product(float (&acc)[kTiles][4], int n_tiles, int col0,
+                                                 int K, const float* B, int ld_b, int width,
+                                                 float* slabs, LoadA2&& load_a2) {
+  const int ld = width + 4, buffer = kSlab * ld, count = K / kSlab, per_row = width / 4;
+  auto stage = [&](int s) {
+    float* dst = slabs + (s & 1) * buffer;
+    const float* src = B + int64_t(s) * kSlab * ld_b;
+    for (int idx = threadIdx.x; idx < kSlab * per_row; idx += kBlockThreads) {
+      const int r = idx / per_row, c4 = idx % per_row;
+      attention_detail::cp_async_16(dst + r * ld + 4 * c4, src + int64_t(r) * ld_b + 4 * c4, true);
+    }
+    attention_detail::cp_async_commit();
+  };
+  stage(0);
+  for (int s = 0; s < count; ++s) {
+    if (s + 1 < count) {
+      // Buffer (s+1)&1 was last read by slab s−1, before the barrier that ended its step.
+      stage(s + 1);
+      attention_detail::cp_async_wait<1>();
+    } else {
+      attention_detail::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* slab = slabs + (s & 1) * buffer - s * kSlab * ld;  // absolute row c
+    warp_mma_pairs<kPrecision>(
+        acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2, [&](int c, int nn) {
+          return make_float2(slab[c * ld + col0 + nn], slab[(c + 1) * ld + col0 + nn]);
+        });
+    __syncthreads();
+  }
+}
+
 // Columns [e0, e0 + width) of the chunk's dO rows as fp32 in dst [C, ld] (zero past the chunk end
 // and V), 8 bf16 per 16-byte load when by_8 (kda_rows_by_8; e0 a multiple of 8), by the
 // kBlockThreads threads of the block. No barrier.
