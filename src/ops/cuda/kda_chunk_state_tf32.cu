@@ -91,10 +91,7 @@ __device__ __forceinline__ void warp_mma_tf32_two_chains_rows(float (&acc)[kTile
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   // Lanes 8m … 8m+7 address matrix m: rows 8·(m & 1) + (lane & 7), columns k0 + 4·(m >> 1).
   const float* lane_row = a_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * lda + 4 * (lane >> 4);
-  float other[kTiles][4];
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j) other[j][0] = other[j][1] = other[j][2] = other[j][3] = 0.0f;
-  auto step = [&](float(&into)[kTiles][4], int k0) {
+  two_accumulator_chains(acc, k_begin, k_end, [&](float(&into)[kTiles][4], int k0) {
     uint32_t raw[4];
     attention_detail::ldmatrix_x4(raw, lane_row + k0);
     const uint32_t a[4] = {to_tf32(__uint_as_float(raw[0])), to_tf32(__uint_as_float(raw[1])),
@@ -104,16 +101,7 @@ __device__ __forceinline__ void warp_mma_tf32_two_chains_rows(float (&acc)[kTile
       if (j < n_tiles)
         mma_tf32_16x8x8(into[j], a, to_tf32(load_b(k0 + tq, 8 * j + g)),
                         to_tf32(load_b(k0 + tq + 4, 8 * j + g)));
-  };
-#pragma unroll 4
-  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
-    step(acc, k0);
-    step(other, k0 + 8);
-  }
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] += other[j][e];
+  });
 }
 
 // dims with KP = VP = kStaticDims when that is > 0 (kda_static_dims): every layout offset and

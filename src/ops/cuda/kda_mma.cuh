@@ -88,6 +88,26 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, i
   }
 }
 
+// Runs step(into, k0) over the 8-wide k-steps k0 of [k_begin, k_end) ((k_end − k_begin) % 16
+// == 0), alternating `into` between acc and a second accumulator that is added to acc at the
+// end, with the loop unrolled.
+template <int kTiles, typename Step>
+__device__ __forceinline__ void two_accumulator_chains(float (&acc)[kTiles][4], int k_begin,
+                                                       int k_end, Step&& step) {
+  float other[kTiles][4];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) other[j][0] = other[j][1] = other[j][2] = other[j][3] = 0.0f;
+#pragma unroll 4
+  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+    step(acc, k0);
+    step(other, k0 + 8);
+  }
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] += other[j][e];
+}
+
 // warp_mma (tf32) with the 8-wide k-steps alternating between two accumulators, summed at the
 // end, and the loop unrolled: consecutive mma no longer wait on each other, and later steps'
 // fragment loads can issue early. A 16-step product becomes two interleaved chains of 8. For
@@ -98,18 +118,9 @@ template <int kTiles, typename LoadA, typename LoadB>
 __device__ __forceinline__ void warp_mma_tf32_two_chains(float (&acc)[kTiles][4], int n_tiles,
                                                          int k_begin, int k_end, LoadA&& load_a,
                                                          LoadB&& load_b) {
-  float other[kTiles][4];
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j) other[j][0] = other[j][1] = other[j][2] = other[j][3] = 0.0f;
-#pragma unroll 4
-  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
-    warp_mma_tf32_step(acc, n_tiles, k0, load_a, load_b);
-    warp_mma_tf32_step(other, n_tiles, k0 + 8, load_a, load_b);
-  }
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] += other[j][e];
+  two_accumulator_chains(acc, k_begin, k_end, [&](float(&into)[kTiles][4], int k0) {
+    warp_mma_tf32_step(into, n_tiles, k0, load_a, load_b);
+  });
 }
 
 // warp_mma with each operand fetched as two k-adjacent values: load_a2(r, k) = (A[r][k],
