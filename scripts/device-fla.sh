@@ -10,7 +10,9 @@
 # the grown set ($OUT/triton-cache.tgz: carry it as .triton-cache.tgz next time). With the
 # committed set the three shapes took 282 s of one call, ours included.
 #
-#   scripts/device-fla.sh [SECONDS] [SHAPES] [PREBUILT]    default 500 s, 1x8192x16x128
+#   scripts/device-fla.sh [SECONDS] [SHAPES] [PREBUILT] [ROUNDS]    default 500 s, 1x8192x16x128, 3
+#   ROUNDS: fla times each shape that many times and reports its best median (its medians moved
+#   by up to 25% between calls).
 #   device tool: carry [".whl", ".triton-cache.tgz"] (the fla-core wheel from `pip download`),
 #   plus the archive of scripts/device-prebuild.sh when PREBUILT names it: then our
 #   bench_cuda_kda runs first on the same shapes, so the two tables come from the same call.
@@ -23,6 +25,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-500}
 shapes=${2:-1x8192x16x128}
 prebuilt=${3:-}
+rounds=${4:-3}
 out=${OUT:-out/device-fla}
 mkdir -p "$out"
 cache=/tmp/device-fla-triton
@@ -42,7 +45,8 @@ if [ -n "$prebuilt" ]; then
     /tmp/device-fla-bin/bench_cuda_kda --shapes "$shapes" --bf16-only 2>&1 | tee "$out/bench_cuda_kda.log"
 fi
 TRITON_CACHE_DIR=$cache TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1 timeout "$seconds" \
-  python3 bench/peers/kda_peers.py --impl fla --shapes "$shapes" 2>&1 | tee "$out/kda_peers_fla.log"
+  python3 bench/peers/kda_peers.py --impl fla --shapes "$shapes" --rounds "$rounds" 2>&1 |
+  tee "$out/kda_peers_fla.log"
 echo "kernels with tuning results at the end: $(tuned)"
 tar -czf "$out/triton-cache.tgz" -C "$cache" . 2>/dev/null
 if [ "$(stat -c %s "$out/triton-cache.tgz")" -gt 15000000 ]; then
