@@ -19,6 +19,7 @@
 
 #include "core/arena.h"
 #include "core/error.h"
+#include "cuda_kda_layer_test_util.h"
 #include "cuda_test_util.h"
 #include "io/config.h"
 #include "model/cuda/layers.h"
@@ -31,9 +32,11 @@
 namespace dm {
 namespace {
 
-// Larger than the default 0.02 so the gates, β and the decay vary across tokens and channels
-// (with 0.02 every projection is nearly zero and g ≈ its bias).
-constexpr float kTestInitStd = 0.1f;
+using test::kda_layer::KdaCase;
+using test::kda_layer::kSafeFull;
+using test::kda_layer::kSoftplusLow;
+using test::kda_layer::kTestInitStd;
+using test::kda_layer::kWide;
 
 ModelConfig base_config() { return load_config(test::source_dir() + "/configs/test.json"); }
 
@@ -62,12 +65,6 @@ std::unique_ptr<ModelWeights> rounded_weights(const ModelConfig& cfg, uint64_t s
   test::round_weights_to_bf16(*w);
   return w;
 }
-
-
-struct KdaCase {
-  const char* name;
-  std::function<void(ModelConfig&)> edit;  // applied to configs/test.json
-};
 
 void run_kda_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
   ModelConfig cfg = base_config();
@@ -113,26 +110,13 @@ void run_kda_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
   EXPECT_LE(err, 1e-2) << c.name << " B=" << B << " T=" << T << " packed=" << packed;
 }
 
-// configs/test.json as is: safe gate (lower bound −5), full-rank output gate, H = 2, K = 32.
-const KdaCase kSafeFull{"SafeFullRank", [](ModelConfig&) {}};
+// Besides the shared cases (cuda_kda_layer_test_util.h): the other gate / output-gate pairings.
 const KdaCase kSafeLow{"SafeLowRank", [](ModelConfig& cfg) {
                          cfg.kda.full_rank_output_gate = false;
                          cfg.kda.gate_lower_bound = -2.5f;
                        }};
-const KdaCase kSoftplusFull{"SoftplusFullRank", [](ModelConfig& cfg) {
-                              cfg.kda.gate = KdaGateKind::Softplus;
-                            }};
-const KdaCase kSoftplusLow{"SoftplusLowRank", [](ModelConfig& cfg) {
-                             cfg.kda.gate = KdaGateKind::Softplus;
-                             cfg.kda.full_rank_output_gate = false;
-                           }};
-// H·K = 192 (not a power of two), K = 64, conv kernel 3.
-const KdaCase kWide{"WideHeadsConv3", [](ModelConfig& cfg) {
-                      cfg.kda.num_heads = 3;
-                      cfg.kda.head_dim = 64;
-                      cfg.kda.conv_kernel = 3;
-                      cfg.kda.full_rank_output_gate = false;
-                    }};
+const KdaCase kSoftplusFull{"SoftplusFullRank",
+                            [](ModelConfig& cfg) { cfg.kda.gate = KdaGateKind::Softplus; }};
 
 TEST(CudaKdaLayer, SafeGateFullRankOutputGate) {
   DM_SKIP_WITHOUT_GPU();

@@ -22,19 +22,23 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "cuda_kda_layer_test_util.h"
+#include "cuda_test_util.h"
 #include "io/config.h"
 #include "model/cuda/layers.h"
 #include "model/kda.h"
 #include "model/weights.h"
 #include "ops/cuda/device.h"
-#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace dm {
 namespace {
 
-// Larger than the default 0.02 so the gates, β and the decay vary across tokens and channels.
-constexpr float kTestInitStd = 0.1f;
+using test::kda_layer::KdaCase;
+using test::kda_layer::kSafeFull;
+using test::kda_layer::kSoftplusLow;
+using test::kda_layer::kTestInitStd;
+using test::kda_layer::kWide;
 
 int first_kda_layer(const ModelConfig& cfg) {
   for (int l = 0; l < cfg.num_layers; ++l)
@@ -61,12 +65,6 @@ std::unique_ptr<ModelWeights> rounded_weights(const ModelConfig& cfg, uint64_t s
   test::round_weights_to_bf16(*w);
   return w;
 }
-
-
-struct KdaCase {
-  const char* name;
-  std::function<void(ModelConfig&)> edit;  // applied to configs/test.json
-};
 
 // The layer's trainable parameters (name, member of KdaWeights) under this config.
 std::vector<std::pair<const char*, float* KdaWeights::*>> kda_params(const ModelConfig& cfg) {
@@ -204,20 +202,6 @@ void run_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
         << tag << " " << name << ": the second call must accumulate";
   }
 }
-
-// configs/test.json as is: safe gate (lower bound −5), full-rank output gate, H = 2, K = 32.
-const KdaCase kSafeFull{"SafeFullRank", [](ModelConfig&) {}};
-const KdaCase kSoftplusLow{"SoftplusLowRank", [](ModelConfig& cfg) {
-                             cfg.kda.gate = KdaGateKind::Softplus;
-                             cfg.kda.full_rank_output_gate = false;
-                           }};
-// H·K = 192 (not a power of two), K = 64, conv kernel 3.
-const KdaCase kWide{"WideHeadsConv3", [](ModelConfig& cfg) {
-                      cfg.kda.num_heads = 3;
-                      cfg.kda.head_dim = 64;
-                      cfg.kda.conv_kernel = 3;
-                      cfg.kda.full_rank_output_gate = false;
-                    }};
 
 TEST(CudaKdaLayerBackward, SafeGateFullRankOutputGate) {
   DM_SKIP_WITHOUT_GPU();
