@@ -340,13 +340,21 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
 
   // ---- 1. dV' = Ke·dS' + Pᵀ·dO (tf32; Pᵀ is upper triangular: k from r0). dP_h = dO·V'ᵀ (bf16).
   // dS' [KP, VH] comes through shared memory in slabs, staged in dV's buffer (free until the
-  // product's end).
+  // product's end); at K = 128, Ke [C, KP] with it in raw k's rows (dead since the norms and Γ;
+  // too small for two [C, 32] slabs at smaller K).
   {
     float acc[kTiles][4];
     zero_tiles(acc);
-    row_slab_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
-        acc, tiles_v, col0_v, KP, d_state + e0, VP, VH, d_value,
-        [&](int r, int c) { return load_pair(key_to_end + (r0 + r) * KP + c); });
+    auto key_to_end_pair = [&](int r, int c) { return load_pair(key_to_end + (r0 + r) * KP + c); };
+    if constexpr (kStaticDims == 128) {
+      static_assert(2 * kChunk * kSlab * 4 <= kChunk * (128 + 8) * 2, "two Ke slabs in raw k's");
+      row_slab_product<MmaPrecision::Tf32, kTiles, kBlockThreads, true>(
+          acc, tiles_v, col0_v, KP, d_state + e0, VP, VH, d_value, key_to_end_pair, key_to_end, KP,
+          r0, reinterpret_cast<float*>(key_raw));
+    } else {
+      row_slab_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
+          acc, tiles_v, col0_v, KP, d_state + e0, VP, VH, d_value, key_to_end_pair);
+    }
     warp_mma<MmaPrecision::Tf32>(
         acc, tiles_v, r0, kChunk, [&](int r, int j) { return lower_qk[j * kChunk + r0 + r]; },
         [&](int j, int nn) { return d_out_s[j * ldh + col0_v + nn]; });

@@ -100,18 +100,34 @@ __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_
 // through load_a2(r, c) (k-adjacent pairs). Row stride width + 4 ≡ 4 (mod 32) floats when
 // width % 32 == 0: the two rows 2tq, 2tq + 1 a lane reads per k pair land on banks 8tq + g (+4).
 // K % kSlab == 0, width % 4 == 0. Every thread of the block (kBlockThreads) must call it; it
-// ends with a barrier, after which `slabs` is free.
-template <MmaPrecision kPrecision, int kTiles, int kBlockThreads, typename LoadA2>
+// ends with a barrier, after which `slabs` (and `a_slabs`) are free.
+// kStageA: A itself is a row-major [C, K] matrix in global memory (row stride lda) and is staged
+// too, its kSlab columns of every row per step in a_slabs (two buffers of [C, kSlab] fp32, 16 KB,
+// 16-byte pieces placed at piece ^ 2·(row & 3) so that a half warp's pair loads, rows g and
+// columns 2tq of a 16-row tile, hit 32 distinct banks); load_a2 is then unused.
+template <MmaPrecision kPrecision, int kTiles, int kBlockThreads, bool kStageA = false,
+          typename LoadA2>
 __device__ __forceinline__ void row_slab_product(float (&acc)[kTiles][4], int n_tiles, int col0,
                                                  int K, const float* B, int ld_b, int width,
-                                                 float* slabs, LoadA2&& load_a2) {
+                                                 float* slabs, LoadA2&& load_a2,
+                                                 const float* A = nullptr, int lda = 0,
+                                                 int row0 = 0, float* a_slabs = nullptr) {
   const int ld = width + 4, buffer = kSlab * ld, count = K / kSlab, per_row = width / 4;
+  constexpr int kPieces = kSlab / 4;  // 16-byte pieces per row of an A slab
   auto stage = [&](int s) {
     float* dst = slabs + (s & 1) * buffer;
     const float* src = B + int64_t(s) * kSlab * ld_b;
     for (int idx = threadIdx.x; idx < kSlab * per_row; idx += kBlockThreads) {
       const int r = idx / per_row, c4 = idx % per_row;
       attention_detail::cp_async_16(dst + r * ld + 4 * c4, src + int64_t(r) * ld_b + 4 * c4, true);
+    }
+    if constexpr (kStageA) {
+      float* a_dst = a_slabs + (s & 1) * kChunk * kSlab;
+      for (int idx = threadIdx.x; idx < kChunk * kPieces; idx += kBlockThreads) {
+        const int r = idx / kPieces, piece = idx % kPieces;
+        attention_detail::cp_async_16(a_dst + r * kSlab + 4 * (piece ^ ((r & 3) << 1)),
+                                      A + int64_t(r) * lda + s * kSlab + 4 * piece, true);
+      }
     }
     attention_detail::cp_async_commit();
   };
@@ -126,10 +142,19 @@ __device__ __forceinline__ void row_slab_product(float (&acc)[kTiles][4], int n_
     }
     __syncthreads();
     const float* slab = slabs + (s & 1) * buffer - s * kSlab * ld;  // absolute row c
-    warp_mma_pairs<kPrecision>(
-        acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2, [&](int c, int nn) {
-          return make_float2(slab[c * ld + col0 + nn], slab[(c + 1) * ld + col0 + nn]);
-        });
+    auto load_b2 = [&](int c, int nn) {
+      return make_float2(slab[c * ld + col0 + nn], slab[(c + 1) * ld + col0 + nn]);
+    };
+    if constexpr (kStageA) {
+      const float* a_slab = a_slabs + (s & 1) * kChunk * kSlab;
+      auto staged_a2 = [&](int r, int c) {  // c absolute, even
+        const int row = row0 + r, cc = c - s * kSlab;
+        return load_pair(a_slab + row * kSlab + 4 * ((cc >> 2) ^ ((row & 3) << 1)) + (cc & 3));
+      };
+      warp_mma_pairs<kPrecision>(acc, n_tiles, s * kSlab, (s + 1) * kSlab, staged_a2, load_b2);
+    } else {
+      warp_mma_pairs<kPrecision>(acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2, load_b2);
+    }
     __syncthreads();
   }
 }
