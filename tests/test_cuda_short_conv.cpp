@@ -3,10 +3,12 @@
 //   forward y (bf16) and backward dx (bf16): relative RMS ≤ 1e-2 (bf16 output rounding);
 //   dw (fp32, accumulated onto a nonzero start): relative RMS ≤ 1e-5;
 //   dy is left untouched (read only).
-// Shapes walk every edge of the run layout (16 tokens per thread, 32 channels per block): T below,
-// at and past one run, C not a multiple of 32, every tap count 1…8, packed documents whose starts
-// fall inside the conv window and on run edges, B = 2 rows, and a taller grid with several runs per
-// thread in the backward. Skips without a GPU.
+// Shapes walk every edge of the run layout (16 tokens per thread, 8 in the 2-channel backward; 32
+// lanes per block): T below, at and past one run, C not a multiple of 32, channel counts that take
+// the wide kernels (forward 4 channels a thread when C % 4 == 0, backward 2 when C is even) and
+// the one-channel ones, every tap count 1…8, packed documents whose starts fall inside the conv
+// window and on run edges, B = 2 rows, and a taller grid with several runs per thread in the
+// backward. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #if DELTAMOE_HAVE_CUDA
@@ -94,7 +96,10 @@ TEST(CudaShortConv, EveryTapCount) {
 
 TEST(CudaShortConv, PackedDocuments) {
   DM_SKIP_WITHOUT_GPU();
-  for (int Kc : {1, 3, 4, 8}) run_conv_case(2, 70, 36, Kc, true);
+  for (int Kc : {1, 3, 4, 8}) {
+    run_conv_case(2, 70, 36, Kc, true);  // forward 4 and backward 2 channels a thread
+    run_conv_case(2, 70, 37, Kc, true);  // one channel a thread both ways
+  }
 }
 
 TEST(CudaShortConv, SeveralRunsPerThread) {

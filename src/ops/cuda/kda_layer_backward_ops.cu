@@ -21,6 +21,7 @@
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda_layer_backward_ops.h"
+#include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -152,6 +153,85 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The same with each lane holding M chunks of 4 consecutive columns (column 128·m + 4·lane + e)
+// loaded once, as the forward's vec4 kernel (8-byte bf16 and 16-byte fp32 loads, where the kernel
+// above moved 2 or 4 bytes a lane and read x, gate and dy twice): D = 128·M, every tensor
+// 4-element aligned.
+template <int M>
+__global__ void __launch_bounds__(kThreads)
+    rmsnorm_gated_backward_vec4_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w,
+                                       const uint16_t* __restrict__ gate,
+                                       const float* __restrict__ dy, uint16_t* __restrict__ dx,
+                                       uint16_t* __restrict__ dgate, float* __restrict__ partial,
+                                       int64_t rows, float eps, int64_t range_rows) {
+  constexpr int D = 128 * M;
+  __shared__ float block_dw[kRowLanes][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = int64_t(blockIdx.x) * range_rows;
+  const int64_t r1 = r0 + range_rows < rows ? r0 + range_rows : rows;
+  float ws[M][4], dw_acc[M][4];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 wv = *reinterpret_cast<const float4*>(w + 128 * m + 4 * lane);
+    ws[m][0] = wv.x, ws[m][1] = wv.y, ws[m][2] = wv.z, ws[m][3] = wv.w;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dw_acc[m][e] = 0.0f;
+  }
+
+  // The row loop depends on the warp only, so the warp_sum shuffles below stay full-warp.
+  for (int64_t row = r0 + warp; row < r1; row += kRowLanes) {
+    const int64_t offset = row * D + 4 * lane;
+    float xs[M][4], sig[M][4], up[M][4];
+    float sum_squares = 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      load_vector_as_float<4>(x, offset + 128 * m, xs[m]);
+      load_vector_as_float<4>(gate, offset + 128 * m, sig[m]);
+      load_vector_as_float<4>(dy, offset + 128 * m, up[m]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum_squares += xs[m][e] * xs[m][e];
+    }
+    sum_squares = warp_sum(sum_squares);
+    const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);  // as the forward
+    float dot = 0.0f;  // Σ dn·n with n = x·r, dn = dy·w·σ
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float dg[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float s = sig[m][e] = sigmoid_f32(sig[m][e]);
+        const float normed = xs[m][e] * inverse_rms;
+        dg[e] = up[m][e] * normed * ws[m][e] * s * (1.0f - s);
+        dot += up[m][e] * ws[m][e] * s * normed;
+        dw_acc[m][e] += up[m][e] * normed * s;
+      }
+      store_vector_from_float<4>(dgate, offset + 128 * m, dg);
+    }
+    const float mean_dot = warp_sum(dot) / float(D);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float d_x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float normed = xs[m][e] * inverse_rms;
+        const float d_normed = up[m][e] * ws[m][e] * sig[m][e];
+        d_x[e] = inverse_rms * (d_normed - normed * mean_dot);
+      }
+      store_vector_from_float<4>(dx, offset + 128 * m, d_x);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) block_dw[warp][128 * m + 4 * lane + e] = dw_acc[m][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int wp = 0; wp < kRowLanes; ++wp) sum += block_dw[wp][i];  // fixed order
+    partial[int64_t(blockIdx.x) * D + i] = sum;
+  }
+}
+
 // ---- decay gate ------------------------------------------------------------------------------
 // Grid: ceil(HK/32) × R; block 32 × 8. partial: [R, HK] Σ dz, then [R, HK] Σ ∂/∂A_log.
 __global__ void __launch_bounds__(kThreads)
@@ -230,8 +310,19 @@ void kda_rmsnorm_gated_backward(const uint16_t* x, const float* w, const uint16_
            kKdaNormBackwardMaxD, ")");
   if (rows == 0) return;
   const int64_t R = norm_row_ranges(rows);
-  rmsnorm_gated_backward_kernel<<<unsigned(R), kThreads, 0, stream>>>(
-      x, w, gate, dy, dx, dgate, partial, rows, D, eps, norm_rows_per_range(rows));
+  const int64_t range_rows = norm_rows_per_range(rows);
+  const bool vec4 = (D == 128 || D == 256) && aligned_to(x, 8) && aligned_to(gate, 8) &&
+                    aligned_to(dy, 16) && aligned_to(dx, 8) && aligned_to(dgate, 8) &&
+                    aligned_to(w, 16);
+  if (vec4 && D == 128)
+    rmsnorm_gated_backward_vec4_kernel<1><<<unsigned(R), kThreads, 0, stream>>>(
+        x, w, gate, dy, dx, dgate, partial, rows, eps, range_rows);
+  else if (vec4)
+    rmsnorm_gated_backward_vec4_kernel<2><<<unsigned(R), kThreads, 0, stream>>>(
+        x, w, gate, dy, dx, dgate, partial, rows, eps, range_rows);
+  else
+    rmsnorm_gated_backward_kernel<<<unsigned(R), kThreads, 0, stream>>>(
+        x, w, gate, dy, dx, dgate, partial, rows, D, eps, range_rows);
   check_last_error("cuda kda_rmsnorm_gated_backward");
   reduce_partials(partial, R, D, 1, dw, D, stream, "cuda kda_rmsnorm_gated_backward (dw)");
 }

@@ -7,12 +7,14 @@
 // both precisions share one body and one launch configuration.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/mla_layer_ops.h"
+#include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -82,113 +84,178 @@ __global__ void rope_queries_kernel(Act* q, int64_t N, int64_t T, int64_t H, int
   }
 }
 
-// k [N, H, dq] then v [N, H, dv]: one thread per output element of either (index space
-// [0, N·H·dq) for k, the rest for v). The rotated kr is recomputed per head (H small reads of
-// the same row; cheaper than a second pass). kv, k, v share the Act storage, so the nope and v
-// slices are plain element copies.
-template <typename Act>
-__global__ void assemble_kv_kernel(const Act* kv, const float* kv_a, int64_t N, int64_t T,
-                                   int64_t H, int64_t nope, int64_t rope, int64_t dv, int64_t kvl,
-                                   const float* cos, const float* sin, const int32_t* doc_start,
-                                   Act* k, Act* v) {
-  const int64_t dq = nope + rope, kv_width = nope + dv;
-  const int64_t k_total = N * H * dq, total = k_total + N * H * dv;
+// G consecutive elements from src to dst in one load and one store (G·sizeof(T) bytes aligned).
+template <int G, typename T>
+__device__ __forceinline__ void copy_group(const T* __restrict__ src, T* __restrict__ dst) {
+  using Raw = typename RawVector<G* int(sizeof(T))>::type;
+  *reinterpret_cast<Raw*>(dst) = *reinterpret_cast<const Raw*>(src);
+}
+
+// k [N, H, dq] then v [N, H, dv] in groups of G consecutive elements (one load and one store
+// each; G > 1 needs nope, rope, dv multiples of G and kv, k, v aligned to G elements: the bf16
+// launch takes G = 8, 16 bytes, where one element per thread spent more on its 64-bit divisions
+// than on its bytes). Group index space [0, N·H·dq/G) for k, the rest for v. The rotated kr is
+// recomputed per head (H small reads of the same row; cheaper than a second pass). kv, k, v
+// share the Act storage, so the nope and v slices are plain copies.
+template <typename Act, int G>
+__global__ void assemble_kv_kernel(const Act* __restrict__ kv, const float* __restrict__ kv_a,
+                                   int64_t N, int64_t T, int64_t H, int64_t nope, int64_t rope,
+                                   int64_t dv, int64_t kvl, const float* __restrict__ cos,
+                                   const float* __restrict__ sin,
+                                   const int32_t* __restrict__ doc_start, Act* __restrict__ k,
+                                   Act* __restrict__ v) {
+  const int64_t dq_groups = (nope + rope) / G, nope_groups = nope / G, dv_groups = dv / G;
+  const int64_t kv_width = nope + dv;
+  const int64_t k_groups = N * H * dq_groups, total = k_groups + N * H * dv_groups;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    if (idx < k_total) {
-      const int64_t j = idx % dq, row = idx / dq;  // row = n·H + h
-      if (j < nope) {
-        k[idx] = kv[row * kv_width + j];
-        continue;
-      }
-      const int64_t n = row / H, r = j - nope;
-      const float* kr = kv_a + n * (kvl + rope) + kvl;  // [rope] shared by every head
-      float value;
+    if (idx >= k_groups) {
+      const int64_t e = idx - k_groups, row = e / dv_groups;
+      copy_group<G>(kv + row * kv_width + nope + G * (e - row * dv_groups), v + G * e);
+      continue;
+    }
+    const int64_t row = idx / dq_groups, group = idx - row * dq_groups;  // row = n·H + h
+    if (group < nope_groups) {
+      copy_group<G>(kv + row * kv_width + G * group, k + G * idx);
+      continue;
+    }
+    const int64_t n = row / H, r0 = G * (group - nope_groups);
+    const float* kr = kv_a + n * (kvl + rope) + kvl;  // [rope] shared by every head
+    const int64_t position = cos ? token_position(n, T, doc_start) : 0;
+    float values[G];
+#pragma unroll
+    for (int q = 0; q < G; ++q) {
+      const int64_t r = r0 + q;
       if (cos) {
-        const int64_t half = rope / 2, p = r / 2;
-        const int64_t table = token_position(n, T, doc_start) * half + p;
+        const int64_t p = r / 2, table = position * (rope / 2) + p;
         const float c = cos[table], s = sin[table];
         const float x0 = kr[2 * p], x1 = kr[2 * p + 1];
-        value = (r % 2 == 0) ? x0 * c - x1 * s : x1 * c + x0 * s;
+        values[q] = (r % 2 == 0) ? x0 * c - x1 * s : x1 * c + x0 * s;
       } else {
-        value = kr[r];
+        values[q] = kr[r];
       }
-      store_from_float(k, idx, value);
-    } else {
-      const int64_t e = idx - k_total;
-      const int64_t j = e % dv, row = e / dv;
-      v[e] = kv[row * kv_width + nope + j];
     }
+    store_vector_from_float<G>(k, G * idx, values);
   }
 }
 
-template <typename Act>
-__global__ void gate_multiply_kernel(Act* o, const Act* g, int64_t n) {
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
-       idx += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(o, idx, load_as_float(o, idx) * sigmoid_f32(load_as_float(g, idx)));
+// The output gate's element kernels take G = 4 consecutive elements a thread (one 8- or 16-byte
+// load per tensor) when n is a multiple of 4 and every tensor 16-byte aligned, else G = 1.
+template <typename Act, int G>
+__global__ void gate_multiply_kernel(Act* o, const Act* __restrict__ g, int64_t n) {
+  for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
+       idx += G * int64_t(gridDim.x) * blockDim.x) {
+    float ov[G], gv[G];
+    load_vector_as_float<G>(o, idx, ov);
+    load_vector_as_float<G>(g, idx, gv);
+#pragma unroll
+    for (int e = 0; e < G; ++e) ov[e] *= sigmoid_f32(gv[e]);
+    store_vector_from_float<G>(o, idx, ov);
+  }
+}
+
+// Whether the gate kernels can take 4 elements a thread.
+bool gate_groups_fit(int64_t n, std::initializer_list<const void*> tensors) {
+  if (n % 4 != 0) return false;
+  for (const void* p : tensors)
+    if (!aligned_to(p, 16)) return false;
+  return true;
 }
 
 // ---- Backward kernels ----------------------------------------------------------------------
 
-__global__ void gate_multiply_into_kernel(const uint16_t* o, const uint16_t* g, uint16_t* out,
-                                          int64_t n) {
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
-       idx += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(out, idx, load_as_float(o, idx) * sigmoid_f32(load_as_float(g, idx)));
-}
-
-// o_gated = o·σ(g): ∂/∂g = o·σ(1−σ), ∂/∂o = σ (the CPU's d_gate_preactivation and d_out ⊙ σ).
-__global__ void gate_backward_kernel(const float* d_out, const uint16_t* o, const uint16_t* g,
-                                     uint16_t* dg, uint16_t* d_o, int64_t n) {
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const float s = sigmoid_f32(load_as_float(g, idx));
-    const float up = d_out[idx];
-    store_from_float(dg, idx, up * load_as_float(o, idx) * s * (1.0f - s));
-    store_from_float(d_o, idx, up * s);
+template <int G>
+__global__ void gate_multiply_into_kernel(const uint16_t* __restrict__ o,
+                                          const uint16_t* __restrict__ g,
+                                          uint16_t* __restrict__ out, int64_t n) {
+  for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
+       idx += G * int64_t(gridDim.x) * blockDim.x) {
+    float ov[G], gv[G];
+    load_vector_as_float<G>(o, idx, ov);
+    load_vector_as_float<G>(g, idx, gv);
+#pragma unroll
+    for (int e = 0; e < G; ++e) ov[e] *= sigmoid_f32(gv[e]);
+    store_vector_from_float<G>(out, idx, ov);
   }
 }
 
-// d_kv [N, H, nope + dv] (index space [0, N·H·(nope+dv))) then the rope-key columns of d_kv_a
-// (index space N·rope after it): one thread per output element. A rope-key thread sums its
-// column over the H heads (and, with RoPE, its pair partner's column, which the transposed
-// rotation mixes in); the partner's sum is recomputed rather than shared (H·2 small reads).
-__global__ void split_kv_grad_kernel(const uint16_t* dk, const uint16_t* dv, int64_t N, int64_t T,
+// o_gated = o·σ(g): ∂/∂g = o·σ(1−σ), ∂/∂o = σ (the CPU's d_gate_preactivation and d_out ⊙ σ).
+template <int G>
+__global__ void gate_backward_kernel(const float* __restrict__ d_out,
+                                     const uint16_t* __restrict__ o, const uint16_t* __restrict__ g,
+                                     uint16_t* __restrict__ dg, uint16_t* __restrict__ d_o,
+                                     int64_t n) {
+  for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
+       idx += G * int64_t(gridDim.x) * blockDim.x) {
+    float up[G], ov[G], gv[G], dgv[G], dov[G];
+    load_vector_as_float<G>(d_out, idx, up);
+    load_vector_as_float<G>(o, idx, ov);
+    load_vector_as_float<G>(g, idx, gv);
+#pragma unroll
+    for (int e = 0; e < G; ++e) {
+      const float s = sigmoid_f32(gv[e]);
+      dgv[e] = up[e] * ov[e] * s * (1.0f - s);
+      dov[e] = up[e] * s;
+    }
+    store_vector_from_float<G>(dg, idx, dgv);
+    store_vector_from_float<G>(d_o, idx, dov);
+  }
+}
+
+// d_kv_a's rope-key column r of token n: Σ_h dk[n, h, nope + r] (and, with RoPE, its pair
+// partner's column, which the transposed rotation mixes in), stored as bf16. The partner's sum is
+// recomputed rather than shared (H·2 small reads).
+__device__ __forceinline__ void rope_key_grad(const uint16_t* dk, int64_t n, int64_t r, int64_t T,
+                                              int64_t H, int64_t nope, int64_t rope, int64_t kvl,
+                                              const float* cos, const float* sin,
+                                              const int32_t* doc_start, uint16_t* d_kv_a) {
+  const int64_t dq = nope + rope;
+  const uint16_t* dk_token = dk + n * H * dq + nope;  // head h's rope slice at + h·dq
+  float value;
+  if (cos) {
+    const int64_t half = rope / 2, p = r / 2;
+    float sum0 = 0.0f, sum1 = 0.0f;  // Σ_h of the pair (2p, 2p+1), head order like the CPU
+    for (int64_t h = 0; h < H; ++h) {
+      sum0 += load_as_float(dk_token, h * dq + 2 * p);
+      sum1 += load_as_float(dk_token, h * dq + 2 * p + 1);
+    }
+    const int64_t table = token_position(n, T, doc_start) * half + p;
+    const float c = cos[table], s = sin[table];
+    // Forward: y0 = x0·c − x1·s, y1 = x1·c + x0·s;  transpose: dx0 = dy0·c + dy1·s,
+    // dx1 = dy1·c − dy0·s.
+    value = (r % 2 == 0) ? sum0 * c + sum1 * s : sum1 * c - sum0 * s;
+  } else {
+    float sum = 0.0f;
+    for (int64_t h = 0; h < H; ++h) sum += load_as_float(dk_token, h * dq + r);
+    value = sum;
+  }
+  store_from_float(d_kv_a, n * (kvl + rope) + kvl + r, value);
+}
+
+// d_kv [N, H, nope + dv] in groups of G consecutive elements (index space [0, N·H·(nope+dv)/G);
+// G > 1 needs nope, dv multiples of G and dk, dv, d_kv aligned to G elements), then the rope-key
+// columns of d_kv_a (index space N·rope after it, rope_key_grad) one element per thread.
+template <int G>
+__global__ void split_kv_grad_kernel(const uint16_t* __restrict__ dk,
+                                     const uint16_t* __restrict__ dv, int64_t N, int64_t T,
                                      int64_t H, int64_t nope, int64_t rope, int64_t dv_dim,
-                                     int64_t kvl, const float* cos, const float* sin,
-                                     const int32_t* doc_start, uint16_t* d_kv, uint16_t* d_kv_a) {
-  const int64_t dq = nope + rope, kv_width = nope + dv_dim;
-  const int64_t kv_total = N * H * kv_width, total = kv_total + N * rope;
+                                     int64_t kvl, const float* __restrict__ cos,
+                                     const float* __restrict__ sin,
+                                     const int32_t* __restrict__ doc_start,
+                                     uint16_t* __restrict__ d_kv, uint16_t* __restrict__ d_kv_a) {
+  const int64_t dq = nope + rope, nope_groups = nope / G, width_groups = (nope + dv_dim) / G;
+  const int64_t kv_groups = N * H * width_groups, total = kv_groups + N * rope;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    if (idx < kv_total) {
-      const int64_t j = idx % kv_width, row = idx / kv_width;  // row = n·H + h
-      d_kv[idx] = j < nope ? dk[row * dq + j] : dv[row * dv_dim + (j - nope)];
+    if (idx < kv_groups) {
+      const int64_t row = idx / width_groups, group = idx - row * width_groups;  // row = n·H + h
+      const uint16_t* src = group < nope_groups ? dk + row * dq + G * group
+                                                : dv + row * dv_dim + G * (group - nope_groups);
+      copy_group<G>(src, d_kv + G * idx);
       continue;
     }
-    const int64_t e = idx - kv_total;
-    const int64_t n = e / rope, r = e % rope;
-    const uint16_t* dk_token = dk + n * H * dq + nope;  // head h's rope slice at + h·dq
-    float value;
-    if (cos) {
-      const int64_t half = rope / 2, p = r / 2;
-      float sum0 = 0.0f, sum1 = 0.0f;  // Σ_h of the pair (2p, 2p+1), head order like the CPU
-      for (int64_t h = 0; h < H; ++h) {
-        sum0 += load_as_float(dk_token, h * dq + 2 * p);
-        sum1 += load_as_float(dk_token, h * dq + 2 * p + 1);
-      }
-      const int64_t table = token_position(n, T, doc_start) * half + p;
-      const float c = cos[table], s = sin[table];
-      // Forward: y0 = x0·c − x1·s, y1 = x1·c + x0·s;  transpose: dx0 = dy0·c + dy1·s,
-      // dx1 = dy1·c − dy0·s.
-      value = (r % 2 == 0) ? sum0 * c + sum1 * s : sum1 * c - sum0 * s;
-    } else {
-      float sum = 0.0f;
-      for (int64_t h = 0; h < H; ++h) sum += load_as_float(dk_token, h * dq + r);
-      value = sum;
-    }
-    store_from_float(d_kv_a, n * (kvl + rope) + kvl + r, value);
+    const int64_t e = idx - kv_groups;
+    rope_key_grad(dk, e / rope, e % rope, T, H, nope, rope, kvl, cos, sin, doc_start, d_kv_a);
   }
 }
 
@@ -247,15 +314,24 @@ void assemble_kv_launch(const Act* kv, const float* kv_a, int64_t B, int64_t T, 
            "mla_assemble_kv: bad dims nope=", nope, " rope=", rope, " dv=", dv, " kvl=", kvl);
   const int64_t N = B * T, total = N * H * (nope + rope + dv);
   if (total == 0) return;
-  assemble_kv_kernel<Act><<<grid_for(total), kThreads, 0, stream>>>(
-      kv, kv_a, N, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
+  constexpr int G = 16 / int(sizeof(Act));  // 16-byte groups: 8 bf16 or 4 fp32
+  if (nope % G == 0 && rope % G == 0 && dv % G == 0 && aligned_to(kv, 16) && aligned_to(k, 16) &&
+      aligned_to(v, 16))
+    assemble_kv_kernel<Act, G><<<grid_for(total / G), kThreads, 0, stream>>>(
+        kv, kv_a, N, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
+  else
+    assemble_kv_kernel<Act, 1><<<grid_for(total), kThreads, 0, stream>>>(
+        kv, kv_a, N, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
   check_last_error("mla_assemble_kv");
 }
 
 template <typename Act>
 void gate_multiply_launch(Act* o, const Act* g, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
-  gate_multiply_kernel<Act><<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
+  if (gate_groups_fit(n, {o, g}))
+    gate_multiply_kernel<Act, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, n);
+  else
+    gate_multiply_kernel<Act, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
   check_last_error("mla_gate_multiply");
 }
 
@@ -313,14 +389,20 @@ void mla_gate_multiply(float* o, const float* g, int64_t n, CUstream_st* stream)
 void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out, int64_t n,
                             CUstream_st* stream) {
   if (n <= 0) return;
-  gate_multiply_into_kernel<<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
+  if (gate_groups_fit(n, {o, g, out}))
+    gate_multiply_into_kernel<4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, out, n);
+  else
+    gate_multiply_into_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
   check_last_error("mla_gate_multiply_into");
 }
 
 void mla_gate_backward(const float* d_out, const uint16_t* o, const uint16_t* g, uint16_t* dg,
                        uint16_t* d_o, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
-  gate_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
+  if (gate_groups_fit(n, {d_out, o, g, dg, d_o}))
+    gate_backward_kernel<4><<<grid_for(n / 4), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
+  else
+    gate_backward_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
   check_last_error("mla_gate_backward");
 }
 
@@ -346,8 +428,14 @@ void mla_split_kv_grad(const uint16_t* dk, const uint16_t* dv, int64_t B, int64_
            " kvl=", kvl);
   const int64_t N = B * T, total = N * H * (nope + dv_dim) + N * rope;
   if (total == 0) return;
-  split_kv_grad_kernel<<<grid_for(total), kThreads, 0, stream>>>(
-      dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
+  if (nope % 8 == 0 && dv_dim % 8 == 0 && (nope + rope) % 8 == 0 && aligned_to(dk, 16) &&
+      aligned_to(dv, 16) && aligned_to(d_kv, 16))
+    split_kv_grad_kernel<8>
+        <<<grid_for(N * H * (nope + dv_dim) / 8 + N * rope), kThreads, 0, stream>>>(
+            dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
+  else
+    split_kv_grad_kernel<1><<<grid_for(total), kThreads, 0, stream>>>(
+        dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
   check_last_error("mla_split_kv_grad");
 }
 

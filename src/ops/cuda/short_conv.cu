@@ -3,13 +3,15 @@
 // kernel is templated on the activation storage: bf16 bits, or fp32 for the fp32 GPU mode (one
 // body, fp32 math either way; only the loads and the store differ).
 //
-// Layout, both directions: a thread owns one channel c and a RUN of kConvRun consecutive tokens
-// of one row, loads the run's inputs (plus a Kc−1 halo) into registers with every load issued
-// before the first is used, then computes the run from registers: each input is read once and
-// no per-element index division is left. Blocks
-// are 32 channels × 8 runs: a warp reads 32 consecutive channels of one token (coalesced), and
-// the 8 runs of a block meet in shared memory for the weight gradient. The tap count is a
-// template argument (1…kConvMaxTaps) so the window lives in registers.
+// Layout, both directions: a thread owns V consecutive channels (forward 4, backward 2; 1 when C
+// or a tensor's alignment does not allow it) and a RUN of kConvRun consecutive tokens of one row,
+// loads the run's inputs (plus a Kc−1 halo) into registers with every load issued before the
+// first is used, then computes the run from registers: each input is read once and no
+// per-element index division is left. Blocks are 32 lanes × 8 runs: a warp reads 32·V
+// consecutive channels of one token (coalesced; with V = 1 each lane moved 2 bytes per load and
+// the forward ran at ~0.5 TB/s), and the 8 runs of a block meet in shared memory for the weight
+// gradient. The tap count is a template argument (1…kConvMaxTaps) so the window lives in
+// registers.
 //
 // (The first version ran one thread per output element with three 64-bit divisions and Kc loads
 // each, and the backward took three passes over [N, C] fp32: at N = 4096, C = 2048 on the H200
@@ -24,7 +26,12 @@
 //   dx[s]             = Σ_j w_j·da[s+Kc−1−j]             (finalised once da[s+Kc−1] is known)
 // Deterministic: every sum has a fixed order that depends only on the shape.
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
@@ -32,51 +39,76 @@
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda_layer_backward_ops.h"
 #include "ops/cuda/kda_layer_ops.h"
+#include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
 namespace {
 
-constexpr int kConvRun = 16;         // tokens per thread
+constexpr int kConvRun = 16;         // tokens per thread (the wide backward: kConvRunWide)
+constexpr int kConvRunWide = 8;      // the 2-channel backward's run: its registers stay ≤ 128
 constexpr int kConvLanes = 32;       // channels per block (one warp row)
 constexpr int kConvRunsPerBlock = 8; // runs per block (block = 32 × 8 = 256 threads)
 constexpr int kConvMaxTaps = 8;
 constexpr int64_t kConvMaxRunGroups = 256;  // backward: bound on the dw partial rows
 
-// Runs of a [B, T] token grid: ceil(T / kConvRun) per row, so a run never crosses rows.
+// Runs of RUN tokens of a [B, T] token grid: ceil(T / RUN) per row, so a run never crosses rows.
+template <int RUN>
 struct ConvRuns {
   int64_t T, per_row, total;
   __host__ __device__ ConvRuns(int64_t B, int64_t T_)
-      : T(T_), per_row((T_ + kConvRun - 1) / kConvRun), total(B * per_row) {}
+      : T(T_), per_row((T_ + RUN - 1) / RUN), total(B * per_row) {}
   // Run r → flat index of its row's token 0, and its token range [t0, t1) in the row.
   __device__ void locate(int64_t r, int64_t& row_base, int64_t& t0, int64_t& t1) const {
     const int64_t row = r / per_row;
     row_base = row * T;
-    t0 = (r - row * per_row) * kConvRun;
-    t1 = min(T, t0 + kConvRun);
+    t0 = (r - row * per_row) * RUN;
+    t1 = min(T, t0 + RUN);
   }
 };
 
-// Backward's grid rows R (the dw partial rows), a function of N only.
-int64_t conv_run_groups(int64_t N) {
-  const int64_t groups = (N + kConvRun * kConvRunsPerBlock - 1) / (kConvRun * kConvRunsPerBlock);
+// Backward's grid rows R (the dw partial rows), a function of N and the run length only.
+int64_t conv_run_groups(int64_t N, int run) {
+  const int64_t groups = (N + run * kConvRunsPerBlock - 1) / (run * kConvRunsPerBlock);
   return std::clamp<int64_t>(groups, 1, kConvMaxRunGroups);
 }
 
 // The run's inputs, every load issued before any is used: a thread walking its tokens one load
 // at a time waited on memory once per token (the first version of these kernels: 34 µs for the
-// forward at N = 4096, C = 2048, ~1 TB/s). vals[i] = src at position first_pos + i of the row
-// (0 outside [0, T)); token (row_base + t)'s element c sits at src[(row_base + t)·C + c].
-template <int COUNT, typename Src>
-__device__ __forceinline__ void load_positions(const Src* __restrict__ src, int64_t row_base,
-                                               int64_t first_pos, int64_t T, int64_t C,
-                                               int64_t c, float (&vals)[COUNT]) {
-  const Src* row = src + row_base * C + c;
+// forward at N = 4096, C = 2048, ~1 TB/s). Position i of the run (first_pos + i of the row) holds
+// V channels c … c+V−1 as loaded (bf16 stays packed: half the registers of floats, widened at
+// each use), 0 outside [0, T); token (row_base + t)'s element c sits at src[(row_base + t)·C + c].
+template <int COUNT, int V, typename Src>
+struct RunInputs {
+  using Raw = typename RawVector<V* int(sizeof(Src))>::type;
+  Raw raw[COUNT];
+
+  __device__ __forceinline__ void load(const Src* __restrict__ src, int64_t row_base,
+                                       int64_t first_pos, int64_t T, int64_t C, int64_t c) {
+    const Src* row = src + row_base * C + c;
 #pragma unroll
-  for (int i = 0; i < COUNT; ++i) {
-    const int64_t t = first_pos + i;
-    vals[i] = t >= 0 && t < T ? load_as_float(row, t * C) : 0.0f;
+    for (int i = 0; i < COUNT; ++i) {
+      const int64_t t = first_pos + i;
+      if (t >= 0 && t < T) {
+        raw[i] = *reinterpret_cast<const Raw*>(row + t * C);
+      } else {
+        memset(&raw[i], 0, sizeof(Raw));
+      }
+    }
   }
-}
+  __device__ __forceinline__ float at(int i, int v) const {
+    Src elements[V];
+    memcpy(elements, &raw[i], sizeof(Raw));
+    return load_as_float(elements, v);
+  }
+  // Overwrites channel v of position i (fp32 inputs only: the backward turns dy into da in place).
+  __device__ __forceinline__ void set(int i, int v, float value) {
+    static_assert(sizeof(Src) == sizeof(float), "set: fp32 inputs only");
+    Src elements[V];
+    memcpy(elements, &raw[i], sizeof(Raw));
+    elements[v] = value;
+    memcpy(&raw[i], elements, sizeof(Raw));
+  }
+};
 
 // First readable position of each token first_pos + i (document start, or 0; 0 past T).
 template <int COUNT>
@@ -91,122 +123,144 @@ __device__ __forceinline__ void load_firsts(const int32_t* __restrict__ doc_star
 }
 
 // a = Σ_j w_j·x[t−KC+1+j] over the taps whose position ≥ first, in tap order (the CPU's), with
-// xs[o + j] holding position t−KC+1+j.
-template <int KC, int N>
-__device__ __forceinline__ float conv_taps(const float (&w)[KC], const float (&xs)[N], int o,
+// xs.at(o + j, v) holding position t−KC+1+j of channel v.
+template <int KC, class Inputs>
+__device__ __forceinline__ float conv_taps(const float (&w)[KC], const Inputs& xs, int v, int o,
                                            int64_t t, int first) {
   float a = 0.0f;
 #pragma unroll
   for (int j = 0; j < KC; ++j)
-    if (t - (KC - 1) + j >= first) a += w[j] * xs[o + j];
+    if (t - (KC - 1) + j >= first) a += w[j] * xs.at(o + j, v);
   return a;
 }
 
-// x, y [B, T, C] (Act: bf16 bits uint16_t, or float in the fp32 mode); w [C, KC]. Grid
-// (ceil(C / 32), ≤ 65535), block (32, 8); grid-stride over runs.
-template <int KC, typename Act>
+// x, y [B, T, C] (Act: bf16 bits uint16_t, or float in the fp32 mode); w [C, KC]. A thread owns
+// V consecutive channels (one load per position: V = 4 moves 8 or 16 bytes a lane where single
+// bf16 loads moved 2); grid (ceil(C / (32·V)), ≤ 65535), block (32, 8); grid-stride over runs.
+template <int KC, int V, typename Act>
 __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
     short_conv_silu_kernel(const Act* __restrict__ x, const float* __restrict__ w_all,
-                           Act* __restrict__ y, ConvRuns runs, int64_t C,
+                           Act* __restrict__ y, ConvRuns<kConvRun> runs, int64_t C,
                            const int32_t* __restrict__ doc_start) {
   constexpr int kSpan = KC - 1 + kConvRun;  // positions t0−KC+1 … t0+kConvRun−1
-  const int64_t c = int64_t(blockIdx.x) * kConvLanes + threadIdx.x;
-  if (c >= C) return;  // no barrier in this kernel
-  float w[KC];
+  const int64_t c = (int64_t(blockIdx.x) * kConvLanes + threadIdx.x) * V;
+  if (c >= C) return;  // no barrier in this kernel; C % V == 0
+  float w[V][KC];
 #pragma unroll
-  for (int j = 0; j < KC; ++j) w[j] = w_all[c * KC + j];
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < KC; ++j) w[v][j] = w_all[(c + v) * KC + j];
   const int64_t T = runs.T;
   for (int64_t r = int64_t(blockIdx.y) * kConvRunsPerBlock + threadIdx.y; r < runs.total;
        r += int64_t(gridDim.y) * kConvRunsPerBlock) {
     int64_t base, t0, t1;
     runs.locate(r, base, t0, t1);
-    float xs[kSpan];
+    RunInputs<kSpan, V, Act> xs;
     int firsts[kConvRun];
-    load_positions(x, base, t0 - (KC - 1), T, C, c, xs);
+    xs.load(x, base, t0 - (KC - 1), T, C, c);
     load_firsts(doc_start, base, t0, T, firsts);
     Act* out = y + (base + t0) * C + c;
 #pragma unroll
     for (int i = 0; i < kConvRun; ++i) {
       if (t0 + i >= t1) break;
-      const float a = conv_taps(w, xs, i, t0 + i, firsts[i]);
-      store_from_float(out, int64_t(i) * C, a * sigmoid_f32(a));
+      float values[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const float a = conv_taps(w[v], xs, v, i, t0 + i, firsts[i]);
+        values[v] = a * sigmoid_f32(a);
+      }
+      store_vector_from_float<V>(out, int64_t(i) * C, values);
     }
   }
 }
 
-// Fused backward (file comment). Grid (ceil(C / 32), R = conv_run_groups(N)), block (32, 8);
-// partial [R, C·KC]: block row blockIdx.y's Σ over its runs of da·x per (c, j).
-template <int KC>
-__global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
-    short_conv_silu_backward_kernel(const uint16_t* __restrict__ x,
-                                    const float* __restrict__ w_all, const float* __restrict__ dy,
-                                    uint16_t* __restrict__ dx, float* __restrict__ partial,
-                                    ConvRuns runs, int64_t C, const int32_t* __restrict__ doc_start) {
+// Fused backward (file comment), V channels per thread as in the forward. Grid
+// (ceil(C / (32·V)), R = conv_run_groups(N)), block (32, 8); partial [R, C·KC]: block row
+// blockIdx.y's Σ over its runs of da·x per (c, j).
+template <int KC, int V, int RUN>
+__global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
+    short_conv_silu_backward_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w_all,
+                                    const float* __restrict__ dy, uint16_t* __restrict__ dx,
+                                    float* __restrict__ partial, ConvRuns<RUN> runs, int64_t C,
+                                    const int32_t* __restrict__ doc_start) {
   // da is needed at tokens t0 … t1+KC−2 (the run and the KC−1 tokens whose conv reads its last
   // positions); their pre-activations read x at t0−KC+1 … t1+KC−2.
-  constexpr int kTokens = kConvRun + KC - 1;
+  constexpr int kTokens = RUN + KC - 1;
   constexpr int kSpan = kTokens + KC - 1;
-  __shared__ float dw_runs[kConvRunsPerBlock][KC][kConvLanes];
-  const int64_t c = int64_t(blockIdx.x) * kConvLanes + threadIdx.x;
-  const bool active = c < C;  // inactive lanes still reach the barrier
-  float w[KC], dw[KC];
+  __shared__ float dw_runs[kConvRunsPerBlock][KC][kConvLanes * V];
+  const int64_t c = (int64_t(blockIdx.x) * kConvLanes + threadIdx.x) * V;
+  const bool active = c < C;  // inactive lanes still reach the barrier; C % V == 0
+  float w[V][KC], dw[V][KC];
 #pragma unroll
-  for (int j = 0; j < KC; ++j) {
-    w[j] = active ? w_all[c * KC + j] : 0.0f;
-    dw[j] = 0.0f;
-  }
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      w[v][j] = active ? w_all[(c + v) * KC + j] : 0.0f;
+      dw[v][j] = 0.0f;
+    }
   const int64_t T = runs.T;
   for (int64_t r = int64_t(blockIdx.y) * kConvRunsPerBlock + threadIdx.y; active && r < runs.total;
        r += int64_t(gridDim.y) * kConvRunsPerBlock) {
     int64_t base, t0, t1;
     runs.locate(r, base, t0, t1);
-    float xs[kSpan], da[kTokens];
+    RunInputs<kSpan, V, uint16_t> xs;
+    RunInputs<kTokens, V, float> da;  // dy, turned into da in place below
+    xs.load(x, base, t0 - (KC - 1), T, C, c);
+    da.load(dy, base, t0, T, C, c);
     int firsts[kTokens];
-    load_positions(x, base, t0 - (KC - 1), T, C, c, xs);
-    load_positions(dy, base, t0, T, C, c, da);  // dy, turned into da in place below
     load_firsts(doc_start, base, t0, T, firsts);
 #pragma unroll
     for (int i = 0; i < kTokens; ++i) {
       const int64_t t = t0 + i;
-      if (t >= T) {
-        da[i] = 0.0f;
-        continue;
-      }
-      const float a = conv_taps(w, xs, i, t, firsts[i]);
-      const float sig = sigmoid_f32(a);
-      da[i] *= sig * (1.0f + a * (1.0f - sig));  // SiLU'(a)
-      if (t < t1) {
 #pragma unroll
-        for (int j = 0; j < KC; ++j)
-          if (t - (KC - 1) + j >= firsts[i]) dw[j] += da[i] * xs[i + j];
+      for (int v = 0; v < V; ++v) {
+        if (t >= T) continue;  // da = 0 there: dy loaded as 0 past T
+        const float a = conv_taps(w[v], xs, v, i, t, firsts[i]);
+        const float sig = sigmoid_f32(a);
+        const float d_a = da.at(i, v) * (sig * (1.0f + a * (1.0f - sig)));  // dy·SiLU'(a)
+        da.set(i, v, d_a);
+        if (t < t1) {
+#pragma unroll
+          for (int j = 0; j < KC; ++j)
+            if (t - (KC - 1) + j >= firsts[i]) dw[v][j] += d_a * xs.at(i + j, v);
+        }
       }
     }
     // dx[s] = Σ_j w_j·da[s+KC−1−j] over the tokens (< T) whose document starts at or before s;
     // j ascending as on the CPU.
     uint16_t* out = dx + (base + t0) * C + c;
 #pragma unroll
-    for (int i = 0; i < kConvRun; ++i) {
+    for (int i = 0; i < RUN; ++i) {
       const int64_t s_pos = t0 + i;
       if (s_pos >= t1) break;
-      float acc = 0.0f;
+      float acc[V];
 #pragma unroll
-      for (int j = 0; j < KC; ++j) {
-        const int u = i + KC - 1 - j;  // token s + KC − 1 − j
-        if (t0 + u < T && s_pos >= firsts[u]) acc += w[j] * da[u];
+      for (int v = 0; v < V; ++v) {
+        acc[v] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KC; ++j) {
+          const int u = i + KC - 1 - j;  // token s + KC − 1 − j
+          if (t0 + u < T && s_pos >= firsts[u]) acc[v] += w[v][j] * da.at(u, v);
+        }
       }
-      store_from_float(out, int64_t(i) * C, acc);
+      store_vector_from_float<V>(out, int64_t(i) * C, acc);
     }
   }
 #pragma unroll
-  for (int j = 0; j < KC; ++j) dw_runs[threadIdx.y][j][threadIdx.x] = dw[j];
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < KC; ++j) dw_runs[threadIdx.y][j][threadIdx.x * V + v] = dw[v][j];
   __syncthreads();
   if (threadIdx.y == 0 && active) {
 #pragma unroll
-    for (int j = 0; j < KC; ++j) {
-      float sum = 0.0f;
-      for (int q = 0; q < kConvRunsPerBlock; ++q) sum += dw_runs[q][j][threadIdx.x];  // fixed order
-      partial[int64_t(blockIdx.y) * C * KC + c * KC + j] = sum;
-    }
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+      for (int j = 0; j < KC; ++j) {
+        float sum = 0.0f;
+        for (int q = 0; q < kConvRunsPerBlock; ++q)
+          sum += dw_runs[q][j][threadIdx.x * V + v];  // fixed order
+        partial[int64_t(blockIdx.y) * C * KC + (c + v) * KC + j] = sum;
+      }
   }
 }
 
@@ -218,6 +272,20 @@ __global__ void conv_weight_grad_reduce_kernel(const float* __restrict__ partial
   float sum = 0.0f;
   for (int64_t g = 0; g < R; ++g) sum += partial[g * M + m];
   dw[m] += sum;
+}
+
+// Whether V channels per thread fit: C a multiple of V and every tensor's base aligned to V of
+// its elements (rows then stay aligned, as C·V·size is a multiple of the vector's bytes). The
+// environment's DM_SHORT_CONV_WIDE=0 (read once) keeps one channel per thread, to compare.
+bool vectors_fit(int64_t C, int V, std::initializer_list<std::pair<const void*, size_t>> tensors) {
+  static const bool wide_allowed = [] {
+    const char* env = std::getenv("DM_SHORT_CONV_WIDE");
+    return !(env && std::string(env) == "0");
+  }();
+  if (!wide_allowed || C % V != 0) return false;
+  for (const auto& [p, element_bytes] : tensors)
+    if (!aligned_to(p, V * element_bytes)) return false;
+  return true;
 }
 
 // Calls f(std::integral_constant<int, Kc>) for Kc in 1…kConvMaxTaps.
@@ -245,12 +313,20 @@ void short_conv_silu_forward_launch(const Act* x, const float* w, Act* y, int64_
   DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0, "cuda kda_short_conv_silu_forward: bad shape B=",
            B, " T=", T, " C=", C, " Kc=", Kc);
   if (B * T == 0) return;
-  const ConvRuns runs(B, T);
-  const dim3 grid(unsigned(ceil_div(C, kConvLanes)),
-                  unsigned(std::min<int64_t>(ceil_div(runs.total, kConvRunsPerBlock), 65535)));
+  const ConvRuns<kConvRun> runs(B, T);
+  const unsigned run_blocks =
+      unsigned(std::min<int64_t>(ceil_div(runs.total, kConvRunsPerBlock), 65535));
+  const bool wide = vectors_fit(C, 4, {{x, sizeof(Act)}, {y, sizeof(Act)}});
   with_taps(Kc, [&](auto taps) {
-    short_conv_silu_kernel<decltype(taps)::value, Act>
-        <<<grid, dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
+    constexpr int KC = decltype(taps)::value;
+    if (wide)
+      short_conv_silu_kernel<KC, 4, Act>
+          <<<dim3(unsigned(ceil_div(C, 4 * kConvLanes)), run_blocks),
+             dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
+    else
+      short_conv_silu_kernel<KC, 1, Act>
+          <<<dim3(unsigned(ceil_div(C, kConvLanes)), run_blocks),
+             dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
   });
   check_last_error("cuda kda_short_conv_silu_forward");
 }
@@ -270,7 +346,8 @@ void kda_short_conv_silu_forward(const float* x, const float* w, float* y, int64
 }
 
 size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc) {
-  return size_t(conv_run_groups(N) * C * Kc);
+  // The shorter run gives at least as many partial rows: enough for either kernel.
+  return size_t(conv_run_groups(N, std::min(kConvRun, kConvRunWide)) * C * Kc);
 }
 
 void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy,
@@ -281,13 +358,19 @@ void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float
            "cuda kda_short_conv_silu_backward: bad shape B=", B, " T=", T, " C=", C, " Kc=", Kc);
   const int64_t N = B * T;
   if (N == 0) return;
-  const ConvRuns runs(B, T);
-  const int64_t R = conv_run_groups(N), M = C * Kc;
-  const dim3 grid(unsigned(ceil_div(C, kConvLanes)), unsigned(R));
+  const bool wide = vectors_fit(C, 2, {{x, 2}, {dy, 4}, {dx, 2}});
+  const int64_t R = conv_run_groups(N, wide ? kConvRunWide : kConvRun), M = C * Kc;
+  const dim3 block(kConvLanes, kConvRunsPerBlock);
   with_taps(Kc, [&](auto taps) {
-    short_conv_silu_backward_kernel<decltype(taps)::value>
-        <<<grid, dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, dy, dx, partial, runs, C,
-                                                                   doc_start);
+    constexpr int KC = decltype(taps)::value;
+    if (wide)
+      short_conv_silu_backward_kernel<KC, 2, kConvRunWide>
+          <<<dim3(unsigned(ceil_div(C, 2 * kConvLanes)), unsigned(R)), block, 0, stream>>>(
+              x, w, dy, dx, partial, ConvRuns<kConvRunWide>(B, T), C, doc_start);
+    else
+      short_conv_silu_backward_kernel<KC, 1, kConvRun>
+          <<<dim3(unsigned(ceil_div(C, kConvLanes)), unsigned(R)), block, 0, stream>>>(
+              x, w, dy, dx, partial, ConvRuns<kConvRun>(B, T), C, doc_start);
   });
   check_last_error("cuda kda_short_conv_silu_backward");
   conv_weight_grad_reduce_kernel<<<unsigned(ceil_div(M, 256)), 256, 0, stream>>>(partial, R, M,
