@@ -57,12 +57,13 @@ struct ConvRuns {
   int64_t T, per_row, total;
   __host__ __device__ ConvRuns(int64_t B, int64_t T_)
       : T(T_), per_row((T_ + RUN - 1) / RUN), total(B * per_row) {}
-  // Run r → flat index of its row's token 0, and its token range [t0, t1) in the row.
-  __device__ void locate(int64_t r, int64_t& row_base, int64_t& t0, int64_t& t1) const {
+  // Run r → flat index of its row's token 0, and its token range [t0, t1) in the row (T < 2³¹:
+  // positions inside a row are 32-bit, which halves the compares of the checked path).
+  __device__ void locate(int64_t r, int64_t& row_base, int& t0, int& t1) const {
     const int64_t row = r / per_row;
     row_base = row * T;
-    t0 = (r - row * per_row) * RUN;
-    t1 = min(T, t0 + RUN);
+    t0 = int(r - row * per_row) * RUN;
+    t1 = min(int(T), t0 + RUN);
   }
 };
 
@@ -82,14 +83,14 @@ struct RunInputs {
   using Raw = typename RawVector<V* int(sizeof(Src))>::type;
   Raw raw[COUNT];
 
-  __device__ __forceinline__ void load(const Src* __restrict__ src, int64_t row_base,
-                                       int64_t first_pos, int64_t T, int64_t C, int64_t c) {
+  __device__ __forceinline__ void load(const Src* __restrict__ src, int64_t row_base, int first_pos,
+                                       int T, int64_t C, int64_t c) {
     const Src* row = src + row_base * C + c;
 #pragma unroll
     for (int i = 0; i < COUNT; ++i) {
-      const int64_t t = first_pos + i;
+      const int t = first_pos + i;
       if (t >= 0 && t < T) {
-        raw[i] = *reinterpret_cast<const Raw*>(row + t * C);
+        raw[i] = *reinterpret_cast<const Raw*>(row + int64_t(t) * C);
       } else {
         memset(&raw[i], 0, sizeof(Raw));
       }
@@ -112,26 +113,39 @@ struct RunInputs {
 
 // First readable position of each token first_pos + i (document start, or 0; 0 past T).
 template <int COUNT>
-__device__ __forceinline__ void load_firsts(const int32_t* __restrict__ doc_start,
-                                            int64_t row_base, int64_t first_pos, int64_t T,
-                                            int (&firsts)[COUNT]) {
+__device__ __forceinline__ void load_firsts(const int32_t* __restrict__ doc_start, int64_t row_base,
+                                            int first_pos, int T, int (&firsts)[COUNT]) {
 #pragma unroll
   for (int i = 0; i < COUNT; ++i) {
-    const int64_t t = first_pos + i;
+    const int t = first_pos + i;
     firsts[i] = doc_start && t >= 0 && t < T ? max(int(doc_start[row_base + t]), 0) : 0;
   }
 }
 
 // a = Σ_j w_j·x[t−KC+1+j] over the taps whose position ≥ first, in tap order (the CPU's), with
-// xs.at(o + j, v) holding position t−KC+1+j of channel v.
-template <int KC, class Inputs>
+// xs.at(o + j, v) holding position t−KC+1+j of channel v. Unchecked (kChecked false) every tap
+// is summed: the same bits whenever no tap lies before its document's start, since taps before
+// position 0 hold zeros and a + (±0) = a for the +0-started sum.
+template <bool kChecked, int KC, class Inputs>
 __device__ __forceinline__ float conv_taps(const float (&w)[KC], const Inputs& xs, int v, int o,
-                                           int64_t t, int first) {
+                                           int t, int first) {
   float a = 0.0f;
 #pragma unroll
   for (int j = 0; j < KC; ++j)
-    if (t - (KC - 1) + j >= first) a += w[j] * xs.at(o + j, v);
+    if (!kChecked || t - (KC - 1) + j >= first) a += w[j] * xs.at(o + j, v);
   return a;
+}
+
+// Whether a run's window needs no per-tap checks: every token of it inside [0, T) (`inside`) and
+// no document starting inside the window (doc starts do not decrease along a row, so the last
+// token's is the largest). The branch is the same for the 32 lanes of a warp (one run).
+template <int COUNT>
+__device__ __forceinline__ bool window_clean(const int (&firsts)[COUNT], int window_start,
+                                             bool inside) {
+  int latest = 0;
+#pragma unroll
+  for (int i = 0; i < COUNT; ++i) latest = max(latest, firsts[i]);
+  return inside && latest <= max(window_start, 0);
 }
 
 // x, y [B, T, C] (Act: bf16 bits uint16_t, or float in the fp32 mode); w [C, KC]. A thread owns
@@ -150,27 +164,35 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
   for (int v = 0; v < V; ++v)
 #pragma unroll
     for (int j = 0; j < KC; ++j) w[v][j] = w_all[(c + v) * KC + j];
-  const int64_t T = runs.T;
+  const int T = int(runs.T);
   for (int64_t r = int64_t(blockIdx.y) * kConvRunsPerBlock + threadIdx.y; r < runs.total;
        r += int64_t(gridDim.y) * kConvRunsPerBlock) {
-    int64_t base, t0, t1;
+    int64_t base;
+    int t0, t1;
     runs.locate(r, base, t0, t1);
     RunInputs<kSpan, V, Act> xs;
     int firsts[kConvRun];
     xs.load(x, base, t0 - (KC - 1), T, C, c);
     load_firsts(doc_start, base, t0, T, firsts);
     Act* out = y + (base + t0) * C + c;
+    const auto run_outputs = [&](auto checked) {
+      constexpr bool kChecked = decltype(checked)::value;
 #pragma unroll
-    for (int i = 0; i < kConvRun; ++i) {
-      if (t0 + i >= t1) break;
-      float values[V];
+      for (int i = 0; i < kConvRun; ++i) {
+        if (kChecked && t0 + i >= t1) break;
+        float values[V];
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const float a = conv_taps(w[v], xs, v, i, t0 + i, firsts[i]);
-        values[v] = a * sigmoid_f32(a);
+        for (int v = 0; v < V; ++v) {
+          const float a = conv_taps<kChecked>(w[v], xs, v, i, t0 + i, firsts[i]);
+          values[v] = a * sigmoid_f32(a);
+        }
+        store_vector_from_float<V>(out, int64_t(i) * C, values);
       }
-      store_vector_from_float<V>(out, int64_t(i) * C, values);
-    }
+    };
+    if (window_clean(firsts, t0 - (KC - 1), t1 == t0 + kConvRun))
+      run_outputs(std::false_type());
+    else
+      run_outputs(std::true_type());
   }
 }
 
@@ -198,10 +220,11 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
       w[v][j] = active ? w_all[(c + v) * KC + j] : 0.0f;
       dw[v][j] = 0.0f;
     }
-  const int64_t T = runs.T;
+  const int T = int(runs.T);
   for (int64_t r = int64_t(blockIdx.y) * kConvRunsPerBlock + threadIdx.y; active && r < runs.total;
        r += int64_t(gridDim.y) * kConvRunsPerBlock) {
-    int64_t base, t0, t1;
+    int64_t base;
+    int t0, t1;
     runs.locate(r, base, t0, t1);
     RunInputs<kSpan, V, uint16_t> xs;
     RunInputs<kTokens, V, float> da;  // dy, turned into da in place below
@@ -209,42 +232,50 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
     da.load(dy, base, t0, T, C, c);
     int firsts[kTokens];
     load_firsts(doc_start, base, t0, T, firsts);
-#pragma unroll
-    for (int i = 0; i < kTokens; ++i) {
-      const int64_t t = t0 + i;
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        if (t >= T) continue;  // da = 0 there: dy loaded as 0 past T
-        const float a = conv_taps(w[v], xs, v, i, t, firsts[i]);
-        const float sig = sigmoid_f32(a);
-        const float d_a = da.at(i, v) * (sig * (1.0f + a * (1.0f - sig)));  // dy·SiLU'(a)
-        da.set(i, v, d_a);
-        if (t < t1) {
-#pragma unroll
-          for (int j = 0; j < KC; ++j)
-            if (t - (KC - 1) + j >= firsts[i]) dw[v][j] += d_a * xs.at(i + j, v);
-        }
-      }
-    }
-    // dx[s] = Σ_j w_j·da[s+KC−1−j] over the tokens (< T) whose document starts at or before s;
-    // j ascending as on the CPU.
     uint16_t* out = dx + (base + t0) * C + c;
+    // Unchecked (a clean window, every token < T): the checks below all pass, so it drops them.
+    const auto run_gradients = [&](auto checked) {
+      constexpr bool kChecked = decltype(checked)::value;
 #pragma unroll
-    for (int i = 0; i < RUN; ++i) {
-      const int64_t s_pos = t0 + i;
-      if (s_pos >= t1) break;
-      float acc[V];
+      for (int i = 0; i < kTokens; ++i) {
+        const int t = t0 + i;
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        acc[v] = 0.0f;
+        for (int v = 0; v < V; ++v) {
+          if (kChecked && t >= T) continue;  // da = 0 there: dy loaded as 0 past T
+          const float a = conv_taps<kChecked>(w[v], xs, v, i, t, firsts[i]);
+          const float sig = sigmoid_f32(a);
+          const float d_a = da.at(i, v) * (sig * (1.0f + a * (1.0f - sig)));  // dy·SiLU'(a)
+          da.set(i, v, d_a);
+          if (kChecked ? t < t1 : i < RUN) {
 #pragma unroll
-        for (int j = 0; j < KC; ++j) {
-          const int u = i + KC - 1 - j;  // token s + KC − 1 − j
-          if (t0 + u < T && s_pos >= firsts[u]) acc[v] += w[v][j] * da.at(u, v);
+            for (int j = 0; j < KC; ++j)
+              if (!kChecked || t - (KC - 1) + j >= firsts[i]) dw[v][j] += d_a * xs.at(i + j, v);
+          }
         }
       }
-      store_vector_from_float<V>(out, int64_t(i) * C, acc);
-    }
+      // dx[s] = Σ_j w_j·da[s+KC−1−j] over the tokens (< T) whose document starts at or before
+      // s; j ascending as on the CPU.
+#pragma unroll
+      for (int i = 0; i < RUN; ++i) {
+        const int s_pos = t0 + i;
+        if (kChecked && s_pos >= t1) break;
+        float acc[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          acc[v] = 0.0f;
+#pragma unroll
+          for (int j = 0; j < KC; ++j) {
+            const int u = i + KC - 1 - j;  // token s + KC − 1 − j
+            if (!kChecked || (t0 + u < T && s_pos >= firsts[u])) acc[v] += w[v][j] * da.at(u, v);
+          }
+        }
+        store_vector_from_float<V>(out, int64_t(i) * C, acc);
+      }
+    };
+    if (window_clean(firsts, t0 - (KC - 1), t0 + kTokens <= T))
+      run_gradients(std::false_type());
+    else
+      run_gradients(std::true_type());
   }
 #pragma unroll
   for (int v = 0; v < V; ++v)
