@@ -45,6 +45,7 @@ void run_bench_train(BenchTrainOptions& o) {
     js["device"] = o.bench.device;
     js["config"] = o.config;
     js["batch"] = o.bench.batch;
+    js["accum"] = o.bench.accum;
     js["seq"] = o.bench.seq;
     js["recompute"] = o.bench.recompute;
     js["step_ms"] = r.step_s * 1e3;
@@ -61,10 +62,10 @@ void run_bench_train(BenchTrainOptions& o) {
     std::printf("%s\n", js.dump().c_str());
     return;
   }
-  std::printf("%s on %s: %s parameters, %s active; B=%lld T=%lld; recompute %s\n", o.config.c_str(),
-              o.bench.device.c_str(), dm::format_param_count(r.params).c_str(),
+  std::printf("%s on %s: %s parameters, %s active; B=%lld T=%lld accum=%lld; recompute %s\n",
+              o.config.c_str(), o.bench.device.c_str(), dm::format_param_count(r.params).c_str(),
               dm::format_param_count(r.active_params).c_str(), (long long)o.bench.batch,
-              (long long)o.bench.seq, o.bench.recompute ? "on" : "off");
+              (long long)o.bench.seq, (long long)o.bench.accum, o.bench.recompute ? "on" : "off");
   std::printf("train step %.1f ms (forward+backward %.1f ms): %.0f tokens/s, %.2f model TFLOP/s",
               r.step_s * 1e3, r.forward_backward_s * 1e3, r.tokens_per_s(), r.model_tflops());
   if (peak > 0) std::printf(", MFU %.1f%% of %.0f", 100 * mfu, peak);
@@ -156,9 +157,14 @@ dm::cli::Registrar reg(
       auto opt = std::make_shared<BenchTrainOptions>();
       train->add_option("--config", opt->config, "config.json (or a checkpoint directory)")
           ->required();
-      train->add_option("--batch", opt->bench.batch, "Sequences per step")
+      train->add_option("--batch", opt->bench.batch, "Sequences per micro-batch")
           ->default_val(1)
           ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+      train
+          ->add_option("--accum", opt->bench.accum,
+                       "Micro-batches per optimizer step (gradients accumulated, as train --accum)")
+          ->default_val(1)
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 16));
       train->add_option("--seq", opt->bench.seq, "Tokens per sequence")
           ->default_val(256)
           ->check(CLI::Range(int64_t(2), int64_t(1) << 24));

@@ -146,8 +146,8 @@ TEST(PlanCli, JsonAndTable) {
 }
 
 // `deltamoe bench train` on the CPU: a few steps of the test config, one JSON line whose
-// throughput agrees with its own step time and FLOP count; the text form; a clear error for a
-// GPU that is not there and for a sequence past the config's context.
+// throughput agrees with its own step time and FLOP count (also with --accum); the text form; a
+// clear error for a GPU that is not there and for a sequence past the config's context.
 TEST(BenchCli, TrainJsonTextAndErrors) {
   const std::string cfg = config_path("test");
   const auto js = test::run_cli("bench train --json --seq 32 --steps 2 --warmup 1 --config " + cfg);
@@ -166,6 +166,16 @@ TEST(BenchCli, TrainJsonTextAndErrors) {
   const double loss = j["loss"].get<double>();
   EXPECT_TRUE(std::isfinite(loss) && loss > 0) << loss;
   EXPECT_GT(j["optimizer_bytes"].get<double>(), 0.0);
+
+  // --accum 3: three micro-batches per optimizer step, so three times the tokens per step.
+  const auto accum =
+      test::run_cli("bench train --json --seq 16 --accum 3 --steps 1 --warmup 0 --config " + cfg);
+  ASSERT_EQ(accum.exit_code, 0) << accum.output;
+  const nlohmann::json ja = nlohmann::json::parse(accum.output);
+  EXPECT_EQ(ja["accum"], 3);
+  EXPECT_NEAR(ja["tokens_per_s"].get<double>(), 48.0 / (ja["step_ms"].get<double>() * 1e-3),
+              1e-6 * ja["tokens_per_s"].get<double>());
+  EXPECT_LE(ja["forward_backward_ms"].get<double>(), ja["step_ms"].get<double>());
 
   const auto text = test::run_cli(
       "bench train --seq 16 --steps 1 --warmup 0 --peak-tflops 1 "

@@ -24,9 +24,9 @@ double median(std::vector<double> v) {
 }  // namespace
 
 TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o) {
-  DM_CHECK(o.batch >= 1 && o.seq >= 2 && o.steps >= 1 && o.warmup >= 0,
-           "bench train: need batch ≥ 1, seq ≥ 2, steps ≥ 1 and warmup ≥ 0, got batch ", o.batch,
-           " seq ", o.seq, " steps ", o.steps, " warmup ", o.warmup);
+  DM_CHECK(o.batch >= 1 && o.seq >= 2 && o.steps >= 1 && o.warmup >= 0 && o.accum >= 1,
+           "bench train: need batch ≥ 1, seq ≥ 2, steps ≥ 1, warmup ≥ 0 and accum ≥ 1, got batch ",
+           o.batch, " seq ", o.seq, " steps ", o.steps, " warmup ", o.warmup, " accum ", o.accum);
   DM_CHECK(o.seq <= cfg.max_context, "bench train: seq ", o.seq, " exceeds the config's context ",
            cfg.max_context);
   auto w = weights_allocate<float>(cfg);
@@ -51,8 +51,10 @@ TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     const auto t0 = Clock::now();
     engine->zero_grads();
-    const TrainStepResult step = engine->forward_backward(tokens.data(), targets.data(), nullptr, B,
-                                                          T, 1.0 / double(N - B), options, nullptr);
+    TrainStepResult step;
+    for (int64_t m = 0; m < o.accum; ++m)  // the same tokens each time: only the timing matters
+      step = engine->forward_backward(tokens.data(), targets.data(), nullptr, B, T,
+                                      1.0 / double(o.accum * (N - B)), options, nullptr);
     const auto t1 = Clock::now();
     const double norm = engine->grad_norm();  // synchronises on the GPU
     if (norm > 1.0) engine->scale_grads(float(1.0 / norm));
@@ -68,7 +70,7 @@ TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions
   const ParamCount pc = count_params(cfg);
   r.step_s = median(steps);
   r.forward_backward_s = median(forward_backward);
-  r.tokens_per_step = N;
+  r.tokens_per_step = o.accum * N;
   r.params = pc.total;
   r.active_params = pc.active;
   r.flops_per_token = train_flops_per_token(cfg, pc.active, T);

@@ -1,7 +1,8 @@
 // Training-step throughput of a config on a device (`deltamoe bench train`,
-// bench/bench_cuda_train.cpp): random init, random tokens, and per step zero_grads → forward +
-// backward → global-norm clip at 1 → AdamW, through the same TrainEngine the trainer uses. The
-// median over the timed steps after the warm-up ones; the model FLOPs come from model/plan.h.
+// bench/bench_cuda_train.cpp): random init, random tokens, and per step zero_grads → `accum`
+// micro-batches of forward + backward (gradients accumulated, as `deltamoe train --accum`) →
+// global-norm clip at 1 → AdamW, through the same TrainEngine the trainer uses. The median over
+// the timed steps after the warm-up ones; the model FLOPs come from model/plan.h.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,7 @@ namespace dm {
 struct TrainBenchOptions {
   std::string device = "cpu";  // "cpu" or "cuda"
   int64_t batch = 1, seq = 256;
+  int64_t accum = 1;  // micro-batches of batch × seq per optimizer step
   int steps = 5, warmup = 2;
   bool recompute = true;  // false: layers keep their forward internals (more memory, faster)
   uint64_t seed = 1;
@@ -21,10 +23,10 @@ struct TrainBenchOptions {
 
 struct TrainBenchResult {
   double step_s = 0;              // median wall time of a whole step
-  double forward_backward_s = 0;  // median wall time of its forward + backward
+  double forward_backward_s = 0;  // median wall time of its forward + backward (all micro-batches)
   double loss = 0;                // mean cross-entropy of the last step
   double flops_per_token = 0;     // model FLOPs (model/plan.h train_flops_per_token)
-  int64_t tokens_per_step = 0;
+  int64_t tokens_per_step = 0;    // accum × batch × seq
   int64_t params = 0, active_params = 0;
   size_t optimizer_bytes = 0, activation_peak = 0;
   double tokens_per_s() const { return double(tokens_per_step) / step_s; }
