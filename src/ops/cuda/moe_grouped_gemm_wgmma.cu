@@ -23,6 +23,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/moe.h"
@@ -76,9 +80,17 @@ struct SwizzledRowsCopy {
   }
 };
 
+// The output tile through shared memory (the ring, free once the K loop returns): the fragments
+// go in as bf16 pairs (rows 272 bytes apart, so the 8 rows a store instruction touches fall in
+// distinct banks), then each warp writes two whole 256-byte tile rows per instruction, 16 bytes a
+// lane. Stored straight from the fragments, each instruction wrote 16-byte pieces of 8 rows.
+constexpr int kStagedRowBytes = kTileN * 2 + 16;
+static_assert(kTileM * kStagedRowBytes <= kStages * kStageBytes, "the tile fits the ring");
+
 // kOverlap (moe_wgmma_overlap(), moe.h): issue step t's wgmma batch before waiting for step
-// t − 1's, then refill t − 1's stage (two barriers a step instead of one).
-template <bool kOverlap>
+// t − 1's, then refill t − 1's stage (two barriers a step instead of one). kStaged: the output
+// through shared memory (needs N % 8 == 0: 16-byte row pieces), else straight from the fragments.
+template <bool kOverlap, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2)
     grouped_rows_nk_bf16_wgmma_kernel(const __nv_bfloat16* __restrict__ A,
                                       const __nv_bfloat16* __restrict__ W,
@@ -121,13 +133,37 @@ __global__ void __launch_bounds__(kThreads, 2)
   // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
   // + (j mod 2) of the tile; adjacent columns go out as one bf16 pair.
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  if constexpr (kStaged) {
+    __syncthreads();  // both warpgroups are done with the ring
 #pragma unroll
-  for (int j = 0; j < 64; j += 2) {
-    const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
-    const int64_t col = n0 + 8 * (j / 4) + 2 * (lane % 4);
-    if (r >= tile_rows || col >= N) continue;
-    *reinterpret_cast<__nv_bfloat162*>(Y + (row0 + r) * N + col) =
-        __floats2bfloat162_rn(acc[j], acc[j + 1]);
+    for (int j = 0; j < 64; j += 2) {
+      const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+      const int c = 8 * (j / 4) + 2 * (lane % 4);
+      *reinterpret_cast<__nv_bfloat162*>(ring + r * kStagedRowBytes + c * 2) =
+          __floats2bfloat162_rn(acc[j], acc[j + 1]);
+    }
+    __syncthreads();
+    // 16 pieces of 16 bytes a row: thread t takes piece t % 16 of rows t / 16 + 16i.
+    const int piece = threadIdx.x % 16;
+    const int64_t col = n0 + 8 * piece;
+    if (col < N) {
+#pragma unroll
+      for (int i = 0; i < kTileM / 16; ++i) {
+        const int r = threadIdx.x / 16 + 16 * i;
+        if (r >= tile_rows) break;
+        *reinterpret_cast<uint4*>(Y + (row0 + r) * N + col) =
+            *reinterpret_cast<const uint4*>(ring + r * kStagedRowBytes + piece * 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 64; j += 2) {
+      const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+      const int64_t col = n0 + 8 * (j / 4) + 2 * (lane % 4);
+      if (r >= tile_rows || col >= N) continue;
+      *reinterpret_cast<__nv_bfloat162*>(Y + (row0 + r) * N + col) =
+          __floats2bfloat162_rn(acc[j], acc[j + 1]);
+    }
   }
 }
 
@@ -188,8 +224,16 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
                                        const int64_t* offsets, int E, int64_t R, int64_t K,
                                        int64_t N, uint16_t* Y, CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
-  auto kernel = moe_wgmma_overlap() ? grouped_rows_nk_bf16_wgmma_kernel<true>
-                                    : grouped_rows_nk_bf16_wgmma_kernel<false>;
+  // DM_MOE_WGMMA_STAGED=0 (read once) stores straight from the fragments everywhere, to compare.
+  static const bool staged_allowed = [] {
+    const char* env = std::getenv("DM_MOE_WGMMA_STAGED");
+    return !(env && std::string(env) == "0");
+  }();
+  const bool staged = staged_allowed && N % 8 == 0 && reinterpret_cast<uintptr_t>(Y) % 16 == 0;
+  auto kernel = moe_wgmma_overlap() ? (staged ? grouped_rows_nk_bf16_wgmma_kernel<true, true>
+                                              : grouped_rows_nk_bf16_wgmma_kernel<true, false>)
+                                    : (staged ? grouped_rows_nk_bf16_wgmma_kernel<false, true>
+                                              : grouped_rows_nk_bf16_wgmma_kernel<false, false>);
   DM_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
