@@ -630,8 +630,9 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
   }
 }
 
-// Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default) and its
-// overlapped schedule (DM_MOE_WGMMA_OVERLAP=1).
+// Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default), its
+// overlapped schedule (DM_MOE_WGMMA_OVERLAP=1) and its output straight from the fragments
+// (DM_MOE_WGMMA_STAGED=0).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   const ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
@@ -640,10 +641,12 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   const std::vector<float> loop = c.gpu(act, cuda::MoeGemmPath::Loop);
   const std::vector<float> y_ref = c.reference(act);
   const bool wgmma_before = cuda::moe_grouped_wgmma(), overlap_before = cuda::moe_wgmma_overlap();
-  for (int variant : {0, 1, 2}) {  // mma.sync, wgmma, wgmma overlapped
+  const bool staged_before = cuda::moe_wgmma_staged_output();
+  for (int variant : {0, 1, 2, 3}) {  // mma.sync, wgmma, wgmma overlapped, wgmma unstaged
     SCOPED_TRACE(str_cat("variant=", variant));
     cuda::moe_set_grouped_wgmma(variant > 0);
     cuda::moe_set_wgmma_overlap(variant == 2);
+    cuda::moe_set_wgmma_staged_output(variant != 3);
     std::vector<int64_t> offsets;
     const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets);
     ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
@@ -654,6 +657,7 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   }
   cuda::moe_set_grouped_wgmma(wgmma_before);
   cuda::moe_set_wgmma_overlap(overlap_before);
+  cuda::moe_set_wgmma_staged_output(staged_before);
 }
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below

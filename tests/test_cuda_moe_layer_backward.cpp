@@ -338,13 +338,16 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     const std::vector<float> grad0 = test::random_normal(size_t(E * F * Din), 97, 0.01f);
 
     const bool rows_before = cuda::moe_grouped_wgmma_backward();
-    // The mma.sync kernels, then the wgmma ones (both grouped paths take them) in both schedules.
+    // The mma.sync kernels, then the wgmma ones (both grouped paths take them) in both schedules
+    // and with their row outputs stored straight from the fragments.
     const bool overlap_before = cuda::moe_wgmma_overlap();
-    for (int variant : {0, 1, 2})  // mma.sync, wgmma, wgmma overlapped
+    const bool staged_before = cuda::moe_wgmma_staged_output();
+    for (int variant : {0, 1, 2, 3})  // mma.sync, wgmma, wgmma overlapped, wgmma unstaged
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
         SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " variant=", variant));
         cuda::moe_set_grouped_wgmma_backward(variant > 0);
         cuda::moe_set_wgmma_overlap(variant == 2);
+        cuda::moe_set_wgmma_staged_output(variant != 3);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;
@@ -434,6 +437,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
       }
     cuda::moe_set_grouped_wgmma_backward(rows_before);
     cuda::moe_set_wgmma_overlap(overlap_before);
+    cuda::moe_set_wgmma_staged_output(staged_before);
   }
 }
 

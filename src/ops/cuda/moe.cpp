@@ -288,7 +288,18 @@ std::atomic<bool>& wgmma_overlap_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_OVERLAP", false)};
   return on;
 }
+std::atomic<bool>& wgmma_staged_output_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_STAGED", true)};
+  return on;
+}
 }  // namespace
+
+bool moe_wgmma_staged_output() {
+  return wgmma_staged_output_setting().load(std::memory_order_relaxed);
+}
+void moe_set_wgmma_staged_output(bool on) {
+  wgmma_staged_output_setting().store(on, std::memory_order_relaxed);
+}
 
 bool moe_wgmma_overlap() { return wgmma_overlap_setting().load(std::memory_order_relaxed); }
 void moe_set_wgmma_overlap(bool on) {

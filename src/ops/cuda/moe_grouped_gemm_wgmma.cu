@@ -24,8 +24,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
@@ -224,12 +222,8 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
                                        const int64_t* offsets, int E, int64_t R, int64_t K,
                                        int64_t N, uint16_t* Y, CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
-  // DM_MOE_WGMMA_STAGED=0 (read once) stores straight from the fragments everywhere, to compare.
-  static const bool staged_allowed = [] {
-    const char* env = std::getenv("DM_MOE_WGMMA_STAGED");
-    return !(env && std::string(env) == "0");
-  }();
-  const bool staged = staged_allowed && N % 8 == 0 && reinterpret_cast<uintptr_t>(Y) % 16 == 0;
+  const bool staged =
+      moe_wgmma_staged_output() && N % 8 == 0 && reinterpret_cast<uintptr_t>(Y) % 16 == 0;
   auto kernel = moe_wgmma_overlap() ? (staged ? grouped_rows_nk_bf16_wgmma_kernel<true, true>
                                               : grouped_rows_nk_bf16_wgmma_kernel<true, false>)
                                     : (staged ? grouped_rows_nk_bf16_wgmma_kernel<false, true>

@@ -93,6 +93,7 @@ struct BackwardArgs {
   int64_t K, N;         // rows: A [R, K], B_e [K, N]; weight grad: N columns of C_e and B
   int64_t M, lda, ldb;  // weight grad: C_e [M, N], A [R, lda], B [R, ldb]
   void* out;            // rows: Y [R, N] (fp32 or bf16); weight grad: C [E, M, N] fp32
+  bool staged_rows;  // rows: Y through shared memory (moe_wgmma_staged_output; N·size % 16 == 0)
 };
 
 constexpr int kStages = 3;
@@ -171,6 +172,39 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   if constexpr (kRows) {
     Out* Y = static_cast<Out*>(a.out);
+    if (a.staged_rows) {
+      // Through the (free) ring as the forward's output (moe_grouped_gemm_wgmma.cu): fragments in
+      // as pairs (rows 16 bytes longer than the tile's, so a store instruction's 8 rows fall in
+      // distinct banks), then whole rows out, 16 bytes a lane: a warp writes 512 contiguous
+      // bytes (bf16: two rows) per instruction instead of 8- or 4-byte pieces of 8 rows.
+      constexpr int kRowBytes = kTile * int(sizeof(Out)) + 16, kPieces = kTile * sizeof(Out) / 16;
+      static_assert(kTile * kRowBytes <= kStages * kStageBytes, "the staged tile fits the ring");
+      __syncthreads();  // both warpgroups' last batches have read the ring
+#pragma unroll
+      for (int j = 0; j < 64; j += 2) {
+        const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+        const int col = 8 * (j / 4) + 2 * (lane % 4);
+        uint8_t* at = ring + r * kRowBytes + col * int(sizeof(Out));
+        if constexpr (sizeof(Out) == 4)
+          *reinterpret_cast<float2*>(at) = make_float2(acc[j], acc[j + 1]);
+        else
+          *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(acc[j], acc[j + 1]);
+      }
+      __syncthreads();
+      // Thread t: piece t % kPieces of rows t / kPieces + (kThreads / kPieces)·i.
+      const int piece = threadIdx.x % kPieces;
+      const int64_t col = n0 + piece * (16 / int(sizeof(Out)));
+      if (col < a.N) {
+#pragma unroll
+        for (int i = 0; i < kTile * kPieces / kThreads; ++i) {
+          const int r = threadIdx.x / kPieces + (kThreads / kPieces) * i;
+          if (r >= tile_rows) break;
+          *reinterpret_cast<uint4*>(Y + (row0 + r) * a.N + col) =
+              *reinterpret_cast<const uint4*>(ring + r * kRowBytes + piece * 16);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < 64; j += 2) {
       const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
@@ -249,6 +283,8 @@ void launch_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2, con
   a.K = K;
   a.N = N;
   a.out = Y;
+  a.staged_rows = moe_wgmma_staged_output() && (N * int64_t(sizeof(Out))) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(Y) % 16 == 0;
   launch<Product::Rows, Out>(a, grouped_rows_grid(R, E, N), stream);
 }
 
