@@ -160,6 +160,7 @@ if [ "$BENCH" = 1 ]; then
     --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
   bench bench_cuda_mla 45 $B/bench_cuda_mla
   bench bench_cuda_moe_gemm 15 $B/bench_cuda_moe_gemm
+  bench bench_cuda_layer_ops 10 $B/bench_cuda_layer_ops
 fi
 if [ "$NCU" = 1 ] && [ -x "$B/bench_cuda_decode" ] && command -v ncu >/dev/null && fits "ncu decode" 45; then
   step "ncu: one decode step, batch 1, 32K context, per kernel"

@@ -4,7 +4,7 @@
 #
 #   scripts/device-prebuild.sh [TARGET ...]
 #       default: deltamoe deltamoe_tests bench_cuda_kda bench_cuda_train bench_cuda_mla
-#                bench_cuda_decode bench_cuda_moe_gemm bench_cuda_prefix
+#                bench_cuda_decode bench_cuda_moe_gemm bench_cuda_prefix bench_cuda_layer_ops
 #   device tool: carry [".devbuild/prebuilt.tar.xz", ".goldens", ".whl"],
 #                command `scripts/device-check.sh --prebuilt .devbuild/prebuilt.tar.xz`
 # The stripped binaries are packed with xz (~4× smaller): unpacked they are ~50 MB, which with
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(deltamoe deltamoe_tests bench_cuda_kda bench_cuda_train bench_cuda_mla bench_cuda_decode bench_cuda_moe_gemm bench_cuda_prefix)
+[ ${#targets[@]} -gt 0 ] || targets=(deltamoe deltamoe_tests bench_cuda_kda bench_cuda_train bench_cuda_mla bench_cuda_decode bench_cuda_moe_gemm bench_cuda_prefix bench_cuda_layer_ops)
 cmake -S . -B .devbuild -DCMAKE_BUILD_TYPE=Release -DDELTAMOE_CUDA=ON -DDELTAMOE_BENCH=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DDELTAMOE_WITH_PCRE2=OFF -DDELTAMOE_WITH_HTTP=OFF >/dev/null
 cmake --build .devbuild -j"$(nproc)" --target "${targets[@]}"
