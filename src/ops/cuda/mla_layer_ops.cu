@@ -141,8 +141,9 @@ __global__ void assemble_kv_kernel(const Act* __restrict__ kv, const float* __re
 
 // The output gate's element kernels take G = 4 consecutive elements a thread (one 8- or 16-byte
 // load per tensor) when n is a multiple of 4 and every tensor 16-byte aligned, else G = 1.
+// out[i] = o[i]·σ(g[i]); out may be o (the forward gates in place).
 template <typename Act, int G>
-__global__ void gate_multiply_kernel(Act* o, const Act* __restrict__ g, int64_t n) {
+__global__ void gate_multiply_kernel(const Act* o, const Act* __restrict__ g, Act* out, int64_t n) {
   for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
        idx += G * int64_t(gridDim.x) * blockDim.x) {
     float ov[G], gv[G];
@@ -150,7 +151,7 @@ __global__ void gate_multiply_kernel(Act* o, const Act* __restrict__ g, int64_t 
     load_vector_as_float<G>(g, idx, gv);
 #pragma unroll
     for (int e = 0; e < G; ++e) ov[e] *= sigmoid_f32(gv[e]);
-    store_vector_from_float<G>(o, idx, ov);
+    store_vector_from_float<G>(out, idx, ov);
   }
 }
 
@@ -163,21 +164,6 @@ bool gate_groups_fit(int64_t n, std::initializer_list<const void*> tensors) {
 }
 
 // ---- Backward kernels ----------------------------------------------------------------------
-
-template <int G>
-__global__ void gate_multiply_into_kernel(const uint16_t* __restrict__ o,
-                                          const uint16_t* __restrict__ g,
-                                          uint16_t* __restrict__ out, int64_t n) {
-  for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
-       idx += G * int64_t(gridDim.x) * blockDim.x) {
-    float ov[G], gv[G];
-    load_vector_as_float<G>(o, idx, ov);
-    load_vector_as_float<G>(g, idx, gv);
-#pragma unroll
-    for (int e = 0; e < G; ++e) ov[e] *= sigmoid_f32(gv[e]);
-    store_vector_from_float<G>(out, idx, ov);
-  }
-}
 
 // o_gated = o·σ(g): ∂/∂g = o·σ(1−σ), ∂/∂o = σ (the CPU's d_gate_preactivation and d_out ⊙ σ).
 template <int G>
@@ -329,9 +315,9 @@ template <typename Act>
 void gate_multiply_launch(Act* o, const Act* g, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
   if (gate_groups_fit(n, {o, g}))
-    gate_multiply_kernel<Act, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, n);
+    gate_multiply_kernel<Act, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, o, n);
   else
-    gate_multiply_kernel<Act, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, n);
+    gate_multiply_kernel<Act, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, o, n);
   check_last_error("mla_gate_multiply");
 }
 
@@ -390,9 +376,9 @@ void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out,
                             CUstream_st* stream) {
   if (n <= 0) return;
   if (gate_groups_fit(n, {o, g, out}))
-    gate_multiply_into_kernel<4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, out, n);
+    gate_multiply_kernel<uint16_t, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, out, n);
   else
-    gate_multiply_into_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
+    gate_multiply_kernel<uint16_t, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
   check_last_error("mla_gate_multiply_into");
 }
 
