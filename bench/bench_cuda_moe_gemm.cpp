@@ -179,9 +179,12 @@ int run(int argc, char** argv) {
        }},
       {"bwd dW_gate (dgᵀ·x)", 2 * rows * F * Din, false, size_t(E * F * Din),
        [&](bool w, void* o) {
-         auto f = w ? cuda::moe_detail::launch_grouped_weight_grad_wgmma
-                    : cuda::moe_detail::launch_grouped_weight_grad;
-         f(dg, F, x, Din, d_offsets, int(E), F, Din, static_cast<float*>(o), nullptr);
+         if (w)  // accumulating (store = false), as the mma.sync kernel
+           cuda::moe_detail::launch_grouped_weight_grad_wgmma(dg, F, x, Din, d_offsets, int(E), F,
+                                                              Din, static_cast<float*>(o), nullptr);
+         else
+           cuda::moe_detail::launch_grouped_weight_grad(dg, F, x, Din, d_offsets, int(E), F, Din,
+                                                        static_cast<float*>(o), nullptr);
        },
        [&] {
          gemm.gemm_bf16(true, false, F, Din, R, 1.0f, dg, F, x, Din, 0.0f, out_f32,
@@ -189,9 +192,12 @@ int run(int argc, char** argv) {
        }},
       {"bwd dW_down (doutᵀ·h)", 2 * rows * Din * F, false, size_t(E * Din * F),
        [&](bool w, void* o) {
-         auto f = w ? cuda::moe_detail::launch_grouped_weight_grad_wgmma
-                    : cuda::moe_detail::launch_grouped_weight_grad;
-         f(dout, Din, h, F, d_offsets, int(E), Din, F, static_cast<float*>(o), nullptr);
+         if (w)  // accumulating (store = false), as the mma.sync kernel
+           cuda::moe_detail::launch_grouped_weight_grad_wgmma(
+               dout, Din, h, F, d_offsets, int(E), Din, F, static_cast<float*>(o), nullptr);
+         else
+           cuda::moe_detail::launch_grouped_weight_grad(dout, Din, h, F, d_offsets, int(E), Din, F,
+                                                        static_cast<float*>(o), nullptr);
        },
        [&] {
          gemm.gemm_bf16(true, false, Din, F, R, 1.0f, dout, Din, h, F, 0.0f, out_f32,

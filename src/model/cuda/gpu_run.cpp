@@ -3,6 +3,7 @@
 #include "model/cuda/gpu_run.h"
 
 #include <algorithm>
+#include <iterator>
 #include <vector>
 
 #include "core/error.h"
@@ -164,6 +165,52 @@ float* DeviceParamArena::at(const float* host_view) const {
 
 void DeviceParamArena::zero(CUstream_st* stream) {
   if (numel_ > 0) fill_zero_async(data_, size_t(numel_) * sizeof(float), stream);
+  pending_.assign(store_first_.size(), false);
+}
+
+void DeviceParamArena::add_store_first(const float* host_view, int64_t n) {
+  const int64_t begin = at(host_view) - data_;
+  DM_CHECK(n > 0 && begin + n <= numel_, "DeviceParamArena::add_store_first: range outside");
+  const StoreFirstRange r{begin, begin + n};
+  auto it = std::lower_bound(
+      store_first_.begin(), store_first_.end(), r,
+      [](const StoreFirstRange& a, const StoreFirstRange& b) { return a.begin < b.begin; });
+  DM_CHECK((it == store_first_.end() || r.end <= it->begin) &&
+               (it == store_first_.begin() || std::prev(it)->end <= r.begin),
+           "DeviceParamArena::add_store_first: overlapping ranges");
+  store_first_.insert(it, r);
+  pending_.assign(store_first_.size(), false);
+}
+
+void DeviceParamArena::zero_deferred(CUstream_st* stream) {
+  int64_t from = 0;  // the gaps between the store-first ranges
+  for (const StoreFirstRange& r : store_first_) {
+    if (r.begin > from)
+      fill_zero_async(data_ + from, size_t(r.begin - from) * sizeof(float), stream);
+    from = r.end;
+  }
+  if (numel_ > from) fill_zero_async(data_ + from, size_t(numel_ - from) * sizeof(float), stream);
+  pending_.assign(store_first_.size(), true);
+}
+
+bool DeviceParamArena::take_pending(const float* host_view) const {
+  const int64_t begin = at(host_view) - data_;
+  for (size_t i = 0; i < store_first_.size(); ++i)
+    if (store_first_[i].begin == begin) {
+      const bool was = pending_[i];
+      pending_[i] = false;
+      return was;
+    }
+  return false;  // not a store-first range: always accumulate
+}
+
+void DeviceParamArena::settle(CUstream_st* stream) const {
+  for (size_t i = 0; i < store_first_.size(); ++i)
+    if (pending_[i]) {
+      const StoreFirstRange& r = store_first_[i];
+      fill_zero_async(data_ + r.begin, size_t(r.end - r.begin) * sizeof(float), stream);
+      pending_[i] = false;
+    }
 }
 
 void DeviceParamArena::download(ModelWeights& dst) const {

@@ -99,15 +99,33 @@ class DeviceParamArena {
   float* data() const { return data_; }
   int64_t numel() const { return numel_; }
   void zero(CUstream_st* stream = nullptr);
+
+  // Store-first ranges (the gradient arena: the MoE experts' stacked weights, more than half of
+  // the parameters, each written by one grouped product a micro-batch). zero_deferred() zeroes
+  // every element except these ranges and marks them pending; the first writer of a pending range
+  // asks take_pending() (true once, then false until the next zero_deferred) and stores instead
+  // of accumulating; settle() zeroes whatever is still pending before anything reads the arena
+  // (the norm, the optimizer). This skips the ranges' memset and the first product's read of
+  // them. zero() clears every pending mark. The marks are host-side bookkeeping of stream-ordered
+  // state, so take_pending and settle are const (the layers get the arena by const reference).
+  void add_store_first(const float* host_view, int64_t n);
+  void zero_deferred(CUstream_st* stream = nullptr);
+  bool take_pending(const float* host_view) const;
+  void settle(CUstream_st* stream = nullptr) const;
   // Whole-arena copies to / from a host arena of the same layout (synchronous).
   void download(ModelWeights& dst) const;
   void upload(const ModelWeights& src);
 
  private:
+  struct StoreFirstRange {
+    int64_t begin, end;  // element offsets
+  };
   const ModelWeights& host_;
   int64_t numel_ = 0;
   DeviceArena arena_;
   float* data_ = nullptr;
+  std::vector<StoreFirstRange> store_first_;  // sorted, disjoint
+  mutable std::vector<bool> pending_;         // per store_first_ range
 };
 using DeviceGrads = DeviceParamArena;
 

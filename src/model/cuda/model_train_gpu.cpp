@@ -11,12 +11,13 @@
 
 #include "core/error.h"
 #include "model/cuda/layers.h"
+#include "model/moe.h"
 #include "model/residual.h"
-#include "train/balance.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_layer_ops.h"
 #include "ops/cuda/residual_ops.h"
+#include "train/balance.h"
 
 namespace dm::cuda {
 namespace {
@@ -114,6 +115,18 @@ class PhaseTimer {
 GpuTrainModel::GpuTrainModel(ModelWeights& host)
     : host_(host), dw_(host), grads_(host), master_(host) {
   master_.upload(host);
+  // The experts' stacked gradients are written whole by one grouped product each per
+  // micro-batch: the first one stores, so the step neither zeroes them nor reads them back
+  // (DeviceParamArena store-first ranges; moe_gpu_backward.cpp takes the marks).
+  const ModelConfig& c = host.cfg;
+  const MoeShape s = moe_shape(c);
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.ffns[size_t(i)] != FfnKind::MoE) continue;
+    const MoeWeights& w = host.layers[size_t(i)].moe;
+    grads_.add_store_first(w.expert_gate, s.E * s.F * s.latent);
+    grads_.add_store_first(w.expert_up, s.E * s.F * s.latent);
+    grads_.add_store_first(w.expert_down, s.E * s.latent * s.F);
+  }
 }
 GpuTrainModel::~GpuTrainModel() = default;
 

@@ -222,6 +222,13 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     expert_grads.gate = grads.at(w.expert_gate);
     expert_grads.up = grads.at(w.expert_up);
     expert_grads.down = grads.at(w.expert_down);
+    // Store-first ranges (DeviceParamArena): pending after zero_deferred, so the products store.
+    const bool gate_pending = grads.take_pending(w.expert_gate);
+    const bool up_pending = grads.take_pending(w.expert_up);
+    const bool down_pending = grads.take_pending(w.expert_down);
+    DM_CHECK(gate_pending == up_pending && up_pending == down_pending,
+             "moe_layer_backward_gpu: expert gradients pending unevenly");
+    expert_grads.store = gate_pending;
     // Latent: dz is written; plain: the experts' input is xn, so dz accumulates into dxn.
     moe_experts_backward(run.gemm, plan, weight, ew, act, du, dweight, s.has_latent ? dz : dxn,
                          /*dx_accumulate=*/!s.has_latent, expert_grads, workspace, stream,

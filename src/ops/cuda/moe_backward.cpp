@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/moe.h"
+#include "ops/cuda/device.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_experts_chain.h"
@@ -81,14 +82,18 @@ ExpertBuffers carve(void* workspace, int64_t rows, const ExpertWeightsBf16& ew) 
 }
 
 // The grouped products through the wgmma kernels or the mma.sync ones (moe.h
-// moe_grouped_wgmma_backward()); the same contracts (moe_kernels.h).
+// moe_grouped_wgmma_backward()); the same contracts (moe_kernels.h). store: C = the product
+// (the wgmma kernel writes it without reading C; the mma.sync one accumulates onto zeros).
 void grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                          const int64_t* offsets, int E, int64_t M, int64_t N, float* C,
-                         CUstream_st* stream) {
-  if (moe_grouped_wgmma_backward())
-    moe_detail::launch_grouped_weight_grad_wgmma(A, lda, B, ldb, offsets, E, M, N, C, stream);
-  else
-    moe_detail::launch_grouped_weight_grad(A, lda, B, ldb, offsets, E, M, N, C, stream);
+                         CUstream_st* stream, bool store) {
+  if (moe_grouped_wgmma_backward()) {
+    moe_detail::launch_grouped_weight_grad_wgmma(A, lda, B, ldb, offsets, E, M, N, C, stream,
+                                                 store);
+    return;
+  }
+  if (store) fill_zero_async(C, size_t(E * M * N) * sizeof(float), stream);
+  moe_detail::launch_grouped_weight_grad(A, lda, B, ldb, offsets, E, M, N, C, stream);
 }
 void grouped_rows_bf16(const uint16_t* A, const uint16_t* B, const int64_t* offsets, int E,
                        int64_t R, int64_t K, int64_t N, uint16_t* Y, CUstream_st* stream) {
@@ -189,9 +194,16 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   const bool own = path == MoeGemmPath::GroupedOwn;
   const bool grouped = path == MoeGemmPath::Grouped || own;
   const bool ours = own || (grouped && grouped_f32_kernels());
+  // grads.store: the gradients hold garbage and the first product stores. Our grouped kernels do
+  // that themselves; the cuBLAS products (loop, or Grouped with cuBLAS dW) accumulate onto zeros.
+  const bool store = grads.store && ours;
+  if (grads.store && !ours)
+    for (float* g : {grads.gate, grads.up, grads.down})
+      if (g) fill_zero_async(g, size_t(ew.E * F * Din) * sizeof(float), stream);
   if (own) {
     if (grads.down)
-      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream);
+      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream,
+                          store);
     // dh [R, F] = dout_e [n_e, Din]·W_down_e [Din, F], written over h (queued after dW_down).
     grouped_rows_bf16(dout, ew.down, plan.offsets, int(ew.E), rows, Din, F, buf.h, stream);
   } else if (grouped) {
@@ -200,7 +212,8 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
     // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
     // (stream order), so the dh arrays reuse the first 3E entries of the same region.
     if (grads.down && ours)
-      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream);
+      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream,
+                          store);
     if (grads.down && !ours)
       for (int64_t e = 0; e < ew.E; ++e) {
         const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
@@ -242,10 +255,10 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   if (ours) {
     if (grads.gate)
       grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F, Din, grads.gate,
-                          stream);
+                          stream, store);
     if (grads.up)
       grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F, Din, grads.up,
-                          stream);
+                          stream, store);
     if (dx)
       grouped_rows_f32(dg, ew.gate, du, ew.up, plan.offsets, int(ew.E), rows, F, Din, buf.dx_sorted,
                        stream);

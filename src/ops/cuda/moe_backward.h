@@ -36,6 +36,9 @@ struct ExpertGradsF32 {
   float* gate = nullptr;
   float* up = nullptr;
   float* down = nullptr;
+  // The three hold no gradient yet (not zeroed this step): the backward stores into them
+  // instead of accumulating (every expert's slice written; zeros where an expert got no row).
+  bool store = false;
 };
 
 // Device scratch shared by moe_experts_recompute and moe_experts_backward (R = N·k rows):

@@ -93,7 +93,8 @@ struct BackwardArgs {
   int64_t K, N;         // rows: A [R, K], B_e [K, N]; weight grad: N columns of C_e and B
   int64_t M, lda, ldb;  // weight grad: C_e [M, N], A [R, lda], B [R, ldb]
   void* out;            // rows: Y [R, N] (fp32 or bf16); weight grad: C [E, M, N] fp32
-  bool staged_rows;  // rows: Y through shared memory (moe_wgmma_staged_output; N·size % 16 == 0)
+  bool staged_rows;     // rows: Y through shared memory (moe_wgmma_staged_output)
+  bool store_c;         // weight grad: C_e = product (not read; 0 for an expert without rows)
 };
 
 constexpr int kStages = 3;
@@ -120,7 +121,16 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
     m0 = int64_t(blockIdx.y) * kTile;
     red_begin = a.offsets[e];
     red_end = a.offsets[e + 1];
-    if (red_end <= red_begin) return;  // no rows: C_e stays as it is
+    if (red_end <= red_begin) {  // no rows: C_e stays as it is, or (store) becomes 0
+      if (a.store_c) {
+        float* C = static_cast<float*>(a.out) + int64_t(e) * a.M * a.N;
+        for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+          const int64_t m = m0 + i / kTile, n = n0 + i % kTile;
+          if (m < a.M && n < a.N) C[m * a.N + n] = 0.0f;
+        }
+      }
+      return;
+    }
     steps = int((red_end - red_begin + kStepK - 1) / kStepK);
   }
   extern __shared__ __align__(1024) uint8_t wgmma_backward_smem_raw[];
@@ -240,8 +250,9 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
 #pragma unroll
       for (int i = 0; i < kTile / 16; ++i) {
         const int64_t m = m0 + row_warp + 8 * (i + half * kTile / 16);
-        old[i] = m < a.M && col < a.N ? *reinterpret_cast<const float4*>(C + m * a.N + col)
-                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        old[i] = !a.store_c && m < a.M && col < a.N
+                     ? *reinterpret_cast<const float4*>(C + m * a.N + col)
+                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
       for (int i = 0; i < kTile / 16; ++i) {
@@ -305,7 +316,7 @@ void launch_grouped_rows_bf16_wgmma(const uint16_t* A, const uint16_t* B, const 
 
 void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint16_t* B,
                                       int64_t ldb, const int64_t* offsets, int E, int64_t M,
-                                      int64_t N, float* C, CUstream_st* stream) {
+                                      int64_t N, float* C, CUstream_st* stream, bool store) {
   if (E <= 0 || M <= 0 || N <= 0) return;
   BackwardArgs a{};
   a.A1 = reinterpret_cast<const __nv_bfloat16*>(A);
@@ -317,6 +328,7 @@ void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint
   a.lda = lda;
   a.ldb = ldb;
   a.out = C;
+  a.store_c = store;
   const dim3 grid(unsigned((N + kTile - 1) / kTile), unsigned((M + kTile - 1) / kTile),
                   unsigned(E));
   launch<Product::WeightGrad, float>(a, grid, stream);

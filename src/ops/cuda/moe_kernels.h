@@ -98,9 +98,12 @@ void launch_grouped_rows_f32_wgmma(const uint16_t* A1, const uint16_t* B1, const
 void launch_grouped_rows_bf16_wgmma(const uint16_t* A, const uint16_t* B, const int64_t* offsets,
                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                     CUstream_st* stream);
+// store (weight gradient only): C_e = A_eᵀ·B_e instead of +=, C not read, and an expert without
+// rows gets C_e = 0: the first product into gradients the step has not zeroed (DeviceParamArena
+// store-first ranges).
 void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint16_t* B,
                                       int64_t ldb, const int64_t* offsets, int E, int64_t M,
-                                      int64_t N, float* C, CUstream_st* stream);
+                                      int64_t N, float* C, CUstream_st* stream, bool store = false);
 // The same product for few rows per expert (moe_grouped_few_rows.cu): weights as the MMA's
 // M operand, tokens as its N, each expert's W streamed once into registers; one CTA per
 // (128 weight rows, expert), grid (ceil(N / 128), E). R = offsets[E] (the host's N·k) sets the

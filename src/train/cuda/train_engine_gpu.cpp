@@ -1,4 +1,7 @@
 // The GPU training engine: GpuTrainModel (forward + backward on the device) + GpuOptimizer.
+#include <cstdlib>
+#include <cstring>
+
 #include "core/error.h"
 #include "model/cuda/model_train_gpu.h"
 #include "ops/cuda/device.h"
@@ -12,7 +15,19 @@ class GpuTrainEngine final : public TrainEngine {
  public:
   GpuTrainEngine(Model& model, const OptimizerConfig& oc)
       : gpu_(model.weights()), opt_(model.weights(), oc) {}
-  void zero_grads() override { gpu_.grads().zero(stream()); }
+  // The experts' gradients are left to their first product (DeviceParamArena::zero_deferred);
+  // settle() zeroes any a micro-batch did not reach before the norm or the optimizer reads them.
+  // DM_STORE_FIRST_GRADS=0 (read once) zeroes the whole arena instead, to compare.
+  void zero_grads() override {
+    static const bool deferred = [] {
+      const char* env = std::getenv("DM_STORE_FIRST_GRADS");
+      return !(env && std::strcmp(env, "0") == 0);
+    }();
+    if (deferred)
+      gpu_.grads().zero_deferred(stream());
+    else
+      gpu_.grads().zero(stream());
+  }
   TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
                                    const int32_t* doc_start, int64_t B, int64_t T,
                                    double loss_scale, const TrainOptions& to,
@@ -24,9 +39,13 @@ class GpuTrainEngine final : public TrainEngine {
     peak_ = std::max(peak_, gpu_.activation_bytes());
     return r;
   }
-  double grad_norm() override { return opt_.grad_norm(gpu_.run(), gpu_.grads()); }
+  double grad_norm() override {
+    gpu_.grads().settle(stream());
+    return opt_.grad_norm(gpu_.run(), gpu_.grads());
+  }
   void scale_grads(float s) override { opt_.scale_grads(s); }  // applied by the next step
   void optimizer_step(float lr) override {
+    gpu_.grads().settle(stream());
     opt_.step(gpu_.run(), gpu_.master(), gpu_.weights(), gpu_.grads(), lr);
   }
   void after_bias_update() override { gpu_.upload_router_biases(); }
