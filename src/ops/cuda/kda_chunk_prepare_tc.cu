@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
 #include "ops/cuda/device.h"
@@ -511,10 +512,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 }  // namespace
 
 int kda_static_dims(const KdaDims& d) {
-  static const bool off = [] {
-    const char* v = std::getenv("DM_KDA_STATIC_DIMS");
-    return v != nullptr && std::strcmp(v, "0") == 0;
-  }();
+  static const bool off = !env_flag("DM_KDA_STATIC_DIMS", true);
   return !off && d.KP == kKdaStaticDims && d.VP == kKdaStaticDims ? kKdaStaticDims : 0;
 }
 

@@ -155,14 +155,6 @@ __global__ void gate_multiply_kernel(const Act* o, const Act* __restrict__ g, Ac
   }
 }
 
-// Whether the gate kernels can take 4 elements a thread.
-bool gate_groups_fit(int64_t n, std::initializer_list<const void*> tensors) {
-  if (n % 4 != 0) return false;
-  for (const void* p : tensors)
-    if (!aligned_to(p, 16)) return false;
-  return true;
-}
-
 // ---- Backward kernels ----------------------------------------------------------------------
 
 // o_gated = o·σ(g): ∂/∂g = o·σ(1−σ), ∂/∂o = σ (the CPU's d_gate_preactivation and d_out ⊙ σ).
@@ -314,7 +306,7 @@ void assemble_kv_launch(const Act* kv, const float* kv_a, int64_t B, int64_t T, 
 template <typename Act>
 void gate_multiply_launch(Act* o, const Act* g, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
-  if (gate_groups_fit(n, {o, g}))
+  if (vectors_fit(n, 4, {{o, sizeof(Act)}, {g, sizeof(Act)}}))
     gate_multiply_kernel<Act, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, o, n);
   else
     gate_multiply_kernel<Act, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, o, n);
@@ -375,7 +367,7 @@ void mla_gate_multiply(float* o, const float* g, int64_t n, CUstream_st* stream)
 void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out, int64_t n,
                             CUstream_st* stream) {
   if (n <= 0) return;
-  if (gate_groups_fit(n, {o, g, out}))
+  if (vectors_fit(n, 4, {{o, 2}, {g, 2}, {out, 2}}))
     gate_multiply_kernel<uint16_t, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, out, n);
   else
     gate_multiply_kernel<uint16_t, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
@@ -385,7 +377,7 @@ void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out,
 void mla_gate_backward(const float* d_out, const uint16_t* o, const uint16_t* g, uint16_t* dg,
                        uint16_t* d_o, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
-  if (gate_groups_fit(n, {d_out, o, g, dg, d_o}))
+  if (vectors_fit(n, 4, {{d_out, 4}, {o, 2}, {g, 2}, {dg, 2}, {d_o, 2}}))
     gate_backward_kernel<4><<<grid_for(n / 4), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
   else
     gate_backward_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);

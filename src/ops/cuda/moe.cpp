@@ -13,6 +13,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
@@ -269,13 +270,6 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
 namespace {
 // A kernel variant's process-wide switch from env `var` ("1" on, "0" off; unset or empty: the
 // fallback; anything else an error), read once by each setting below.
-bool env_flag(const char* var, bool fallback) {
-  const char* env = std::getenv(var);
-  if (env == nullptr || env[0] == '\0') return fallback;
-  DM_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, var,
-           " must be '0' or '1', got '", env, "'");
-  return env[0] == '1';
-}
 std::atomic<bool>& grouped_wgmma_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA", true)};
   return on;

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
@@ -305,18 +306,13 @@ __global__ void conv_weight_grad_reduce_kernel(const float* __restrict__ partial
   dw[m] += sum;
 }
 
-// Whether V channels per thread fit: C a multiple of V and every tensor's base aligned to V of
-// its elements (rows then stay aligned, as C·V·size is a multiple of the vector's bytes). The
-// environment's DM_SHORT_CONV_WIDE=0 (read once) keeps one channel per thread, to compare.
-bool vectors_fit(int64_t C, int V, std::initializer_list<std::pair<const void*, size_t>> tensors) {
-  static const bool wide_allowed = [] {
-    const char* env = std::getenv("DM_SHORT_CONV_WIDE");
-    return !(env && std::string(env) == "0");
-  }();
-  if (!wide_allowed || C % V != 0) return false;
-  for (const auto& [p, element_bytes] : tensors)
-    if (!aligned_to(p, V * element_bytes)) return false;
-  return true;
+// Whether V channels per thread fit (vector_access.cuh's vectors_fit over the channels: C a
+// multiple of V, every base aligned to V of its elements). The environment's
+// DM_SHORT_CONV_WIDE=0 (read once) keeps one channel per thread, to compare.
+bool conv_vectors_fit(int64_t C, int V,
+                      std::initializer_list<std::pair<const void*, size_t>> tensors) {
+  static const bool wide_allowed = env_flag("DM_SHORT_CONV_WIDE", true);
+  return wide_allowed && vectors_fit(C, V, tensors);
 }
 
 // Calls f(std::integral_constant<int, Kc>) for Kc in 1…kConvMaxTaps.
@@ -347,7 +343,7 @@ void short_conv_silu_forward_launch(const Act* x, const float* w, Act* y, int64_
   const ConvRuns<kConvRun> runs(B, T);
   const unsigned run_blocks =
       unsigned(std::min<int64_t>(ceil_div(runs.total, kConvRunsPerBlock), 65535));
-  const bool wide = vectors_fit(C, 4, {{x, sizeof(Act)}, {y, sizeof(Act)}});
+  const bool wide = conv_vectors_fit(C, 4, {{x, sizeof(Act)}, {y, sizeof(Act)}});
   with_taps(Kc, [&](auto taps) {
     constexpr int KC = decltype(taps)::value;
     if (wide)
@@ -389,7 +385,7 @@ void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float
            "cuda kda_short_conv_silu_backward: bad shape B=", B, " T=", T, " C=", C, " Kc=", Kc);
   const int64_t N = B * T;
   if (N == 0) return;
-  const bool wide = vectors_fit(C, 2, {{x, 2}, {dy, 4}, {dx, 2}});
+  const bool wide = conv_vectors_fit(C, 2, {{x, 2}, {dy, 4}, {dx, 2}});
   const int64_t R = conv_run_groups(N, wide ? kConvRunWide : kConvRun), M = C * Kc;
   const dim3 block(kConvLanes, kConvRunsPerBlock);
   with_taps(Kc, [&](auto taps) {

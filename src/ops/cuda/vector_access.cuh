@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 
 #include "ops/cuda/elementwise_storage.cuh"
 
@@ -13,6 +15,17 @@ namespace dm::cuda {
 // Whether p sits on a multiple of `bytes` (the vector paths' launch check).
 __host__ __device__ inline bool aligned_to(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Whether a launch can take V elements a thread: n splits into whole vectors and every tensor,
+// given as (pointer, element bytes), sits on a multiple of V·element bytes (its rows then stay
+// aligned too, as the row lengths the callers pass are multiples of V).
+inline bool vectors_fit(int64_t n, int V,
+                        std::initializer_list<std::pair<const void*, size_t>> tensors) {
+  if (n % V != 0) return false;
+  for (const auto& [p, element_bytes] : tensors)
+    if (!aligned_to(p, size_t(V) * element_bytes)) return false;
+  return true;
 }
 
 // V consecutive elements [i, i + V) in one load or store (p + i aligned to V·sizeof(T): the

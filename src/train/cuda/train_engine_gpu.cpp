@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/model_train_gpu.h"
 #include "ops/cuda/device.h"
@@ -19,10 +20,7 @@ class GpuTrainEngine final : public TrainEngine {
   // settle() zeroes any a micro-batch did not reach before the norm or the optimizer reads them.
   // DM_STORE_FIRST_GRADS=0 (read once) zeroes the whole arena instead, to compare.
   void zero_grads() override {
-    static const bool deferred = [] {
-      const char* env = std::getenv("DM_STORE_FIRST_GRADS");
-      return !(env && std::strcmp(env, "0") == 0);
-    }();
+    static const bool deferred = env_flag("DM_STORE_FIRST_GRADS", true);
     if (deferred)
       gpu_.grads().zero_deferred(stream());
     else
