@@ -1,6 +1,6 @@
 // GPU benchmark of the MLA / MoE kernels (ops/cuda): one table, CUDA-event timing (warm-up, then
 // the median of --reps runs). Skips with a message when built without CUDA or run without a GPU.
-//   bench_cuda_mla [--reps 15] [--quick]
+//   bench_cuda_mla [--reps 15] [--quick] [--decode-only]
 // Rows:
 //   gemm      cuBLASLt bf16 8192³ (bf16 out): the measured peak every other row is compared to.
 //   mla fwd   causal prefill forward, B = 1, Dqk = 192 (128 nope + 64 rope), Dv = 128.
@@ -12,8 +12,10 @@
 //               backward = 2·H·P·(3·Dqk + 2·Dv)      (S, dP = dO Vᵀ, dV, dK, dQ: 5 products;
 //                          our deterministic two-pass kernels recompute S and dP once more,
 //                          which is not counted)
-//   decode    absorbed MLA decode step over a 32K-token paged latent cache (Dk 576, Dv 512),
-//             µs per step; FLOP = 2·S·H·L·(Dk + Dv); GB/s = cache bytes read / time.
+//   decode    absorbed MLA decode step over a paged latent cache (Dk 576, Dv 512) of 32K tokens
+//             (S = 1, 64) and of 1M tokens (S = 1; not with --quick), µs per step;
+//             FLOP = 2·S·H·L·(Dk + Dv); GB/s = cache bytes read / time. --decode-only: these
+//             rows alone (after the GEMM peak).
 //   moe       grouped expert forward (gather, gate+up GEMMs, SiTU-GLU, down GEMM, combine) at a
 //             K3-like expert shape (Din = ℓ = 3584, F = 3072), 64 local experts, top-16 routing;
 //             FLOP = 2·rows·3·Din·F (rows = N·k).
@@ -65,7 +67,7 @@ void print_table(const std::vector<Row>& rows, double peak_tflops) {
   }
 }
 
-int run(int reps, bool quick) {
+int run(int reps, bool quick, bool decode_only) {
   using namespace dm;
   std::printf("device: %s\n", cuda::device_description().c_str());
   std::vector<Row> rows;
@@ -149,55 +151,62 @@ int run(int reps, bool quick) {
   };
   const std::vector<int64_t> lengths =
       quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 32768};
-  for (int64_t T : lengths)
-    for (int64_t H : {16, 32}) prefill(T, H, 1);
-  for (int64_t T : lengths) prefill(T, 32, 8);
+  if (!decode_only) {
+    for (int64_t T : lengths)
+      for (int64_t H : {16, 32}) prefill(T, H, 1);
+    for (int64_t T : lengths) prefill(T, 32, 8);
+  }
 
-  // ---- absorbed decode, 32K context
-  {
-    const int Dk = 576, Dvl = 512, context = 32768;
+  // ---- absorbed decode: (context, S) = (32K, 1), (32K, 64), (1M, 1)
+  struct DecodeCase {
+    int context, S;
+  };
+  std::vector<DecodeCase> decode_cases{{32768, 1}, {32768, 64}};
+  if (!quick) decode_cases.push_back({1 << 20, 1});
+  for (const DecodeCase& dc : decode_cases) {
+    const int Dk = 576, Dvl = 512, context = dc.context, S = dc.S;
     const int max_pages = context / cuda::kMlaDecodePageTokens;
     for (int H : {16, 32}) {
-      for (int S : {1, 64}) {
-        const size_t pool_rows = size_t(S) * context;
-        auto* cache = arena.alloc<uint16_t>(pool_rows * Dk);
-        auto* q = arena.alloc<uint16_t>(size_t(S) * H * Dk);
-        auto* out = arena.alloc<uint16_t>(size_t(S) * H * Dvl);
-        fill_random_bf16(cache, pool_rows * Dk, 7);
-        fill_random_bf16(q, size_t(S) * H * Dk, 8, 0.05f);
-        // Pages of each sequence scattered over the pool (stride-7 permutation).
-        std::vector<int32_t> table(static_cast<size_t>(S) * max_pages), lens(static_cast<size_t>(S), context);
-        const int64_t pool_pages = int64_t(S) * max_pages;
-        for (int64_t i = 0; i < pool_pages; ++i) table[size_t(i)] = int32_t((i * 7) % pool_pages);
-        auto* table_dev = arena.alloc<int32_t>(table.size());
-        auto* lens_dev = arena.alloc<int32_t>(lens.size());
-        cuda::copy_to_device(table_dev, table.data(), table.size() * 4);
-        cuda::copy_to_device(lens_dev, lens.data(), lens.size() * 4);
-        const cuda::MlaDecodePlan plan = cuda::mla_decode_plan(S, H, max_pages);
-        void* ws = arena.alloc_bytes(std::max<size_t>(1, cuda::mla_decode_workspace_bytes(plan, S, H, Dvl)));
-        cuda::MlaDecodeArgs args;
-        args.q = q;
-        args.cache = cache;
-        args.page_table = table_dev;
-        args.seq_len = lens_dev;
-        args.out = out;
-        args.S = S;
-        args.H = H;
-        args.Dk = Dk;
-        args.Dv = Dvl;
-        args.scale = 1.0 / std::sqrt(192.0);
-        const double ms = median_ms([&] { cuda::mla_decode_absorbed(args, plan, ws); }, reps);
-        rows.push_back({"mla decode (absorbed)",
-                        str_cat("S=", S, " H=", H, " L=32K splits=", plan.num_splits), ms,
-                        2.0 * S * H * double(context) * (Dk + Dvl),
-                        double(pool_rows) * Dk * 2.0});
-        arena.reset();
-      }
+      const size_t pool_rows = size_t(S) * context;
+      auto* cache = arena.alloc<uint16_t>(pool_rows * Dk);
+      auto* q = arena.alloc<uint16_t>(size_t(S) * H * Dk);
+      auto* out = arena.alloc<uint16_t>(size_t(S) * H * Dvl);
+      fill_random_bf16(cache, pool_rows * Dk, 7);
+      fill_random_bf16(q, size_t(S) * H * Dk, 8, 0.05f);
+      // Pages of each sequence scattered over the pool (stride-7 permutation).
+      std::vector<int32_t> table(static_cast<size_t>(S) * max_pages),
+          lens(static_cast<size_t>(S), context);
+      const int64_t pool_pages = int64_t(S) * max_pages;
+      for (int64_t i = 0; i < pool_pages; ++i) table[size_t(i)] = int32_t((i * 7) % pool_pages);
+      auto* table_dev = arena.alloc<int32_t>(table.size());
+      auto* lens_dev = arena.alloc<int32_t>(lens.size());
+      cuda::copy_to_device(table_dev, table.data(), table.size() * 4);
+      cuda::copy_to_device(lens_dev, lens.data(), lens.size() * 4);
+      const cuda::MlaDecodePlan plan = cuda::mla_decode_plan(S, H, max_pages);
+      void* ws =
+          arena.alloc_bytes(std::max<size_t>(1, cuda::mla_decode_workspace_bytes(plan, S, H, Dvl)));
+      cuda::MlaDecodeArgs args;
+      args.q = q;
+      args.cache = cache;
+      args.page_table = table_dev;
+      args.seq_len = lens_dev;
+      args.out = out;
+      args.S = S;
+      args.H = H;
+      args.Dk = Dk;
+      args.Dv = Dvl;
+      args.scale = 1.0 / std::sqrt(192.0);
+      const double ms = median_ms([&] { cuda::mla_decode_absorbed(args, plan, ws); }, reps);
+      rows.push_back(
+          {"mla decode (absorbed)",
+           str_cat("S=", S, " H=", H, " L=", context >> 10, "K splits=", plan.num_splits), ms,
+           2.0 * S * H * double(context) * (Dk + Dvl), double(pool_rows) * Dk * 2.0});
+      arena.reset();
     }
   }
 
   // ---- grouped MoE experts, K3-like expert shape
-  {
+  if (!decode_only) {
     const int64_t E = 64, Din = 3584, F = 3072;
     const int k = 16;
     GluActivation act;
@@ -255,12 +264,14 @@ int run(int reps, bool quick) {
 
 int main(int argc, char** argv) {
   int reps = 15;
-  bool quick = false;
+  bool quick = false, decode_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(10, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--decode-only"))
+      decode_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_cuda_mla [--reps N] [--quick]\n");
+      std::fprintf(stderr, "usage: bench_cuda_mla [--reps N] [--quick] [--decode-only]\n");
       return 2;
     }
   }
@@ -269,7 +280,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    return run(reps, quick);
+    return run(reps, quick, decode_only);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_cuda_mla: %s\n", e.what());
     return 1;
