@@ -457,6 +457,23 @@ TEST(CudaMlaDecode, AbsorbedMatchesExpandedFullDims) {
   check_absorbed_decode(DecodeDims{40, 128, 64, 128, 512}, {1, 300}, 1, 23);
 }
 
+TEST(CudaMlaDecode, WgmmaAndMmaSyncKernelsMatchExpanded) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  // Both kernels at the MLA shape (576-wide rows, 512 values): 32 heads (one CTA, m64n32) with
+  // one split walking all five pages (out / lse written directly) and with 2 pages a split (the
+  // partials and the combine); 16 heads (m64n16) with 2 pages a split. Lengths: one token, a
+  // page and one, a partial last page.
+  const bool saved = cuda::mla_decode_wgmma();
+  for (bool wgmma : {true, false}) {
+    cuda::mla_set_decode_wgmma(wgmma);
+    SCOPED_TRACE(wgmma ? "warpgroup-MMA kernel" : "mma.sync kernel");
+    check_absorbed_decode(DecodeDims{32, 128, 64, 128, 512}, {1, 65, 300}, 8, 31);
+    check_absorbed_decode(DecodeDims{32, 128, 64, 128, 512}, {300, 1, 65}, 2, 32);
+    check_absorbed_decode(DecodeDims{16, 128, 64, 128, 512}, {65, 300, 1}, 2, 33);
+  }
+  cuda::mla_set_decode_wgmma(saved);
+}
+
 TEST(CudaMlaDecode, PlanCoversThePageTable) {
   // Pure host arithmetic (num_sms given): no device needed beyond the build. First the rule of
   // at least two CTAs per multiprocessor (DM_MLA_DECODE_SPLITS=fixed).
@@ -490,6 +507,12 @@ TEST(CudaMlaDecode, PlanCoversThePageTable) {
   EXPECT_EQ(sixty_four.pages_per_split, 256);
   EXPECT_EQ(cuda::mla_decode_plan(8, 32, 512, 132, 128, waves).num_splits, 16);
   EXPECT_EQ(cuda::mla_decode_plan(64, 32, 512, 132, 128, fixed).num_splits, 5);
+  // Batch 1 × 1M (16384 pages): 132 splits of 125 pages (one whole wave) under the default limit
+  // of 256 splits; 128 of 128 pages (four multiprocessors idle) under the old 128.
+  const cuda::MlaDecodePlan million = cuda::mla_decode_plan(1, 32, 16384, 132, 256, waves);
+  EXPECT_EQ(million.num_splits, 132);
+  EXPECT_EQ(million.pages_per_split, 125);
+  EXPECT_EQ(cuda::mla_decode_plan(1, 32, 16384, 132, 128, waves).num_splits, 128);
 }
 
 }  // namespace

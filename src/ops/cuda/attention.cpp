@@ -4,6 +4,7 @@
 #include "ops/cuda/attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cpu/attention.h"
 #include "ops/cuda/attention_cudnn.h"
@@ -186,6 +188,16 @@ void attention_check_doc_start_device(const int32_t* doc_start, int64_t B, int64
   copy_to_host(host.data(), doc_start, host.size() * sizeof(int32_t));
   attention_check_doc_start(host.data(), B, T);
 }
+
+namespace {
+std::atomic<bool>& decode_wgmma_setting() {
+  static std::atomic<bool> on{env_flag("DM_MLA_DECODE_WGMMA", true)};
+  return on;
+}
+}  // namespace
+
+bool mla_decode_wgmma() { return decode_wgmma_setting().load(std::memory_order_relaxed); }
+void mla_set_decode_wgmma(bool on) { decode_wgmma_setting().store(on, std::memory_order_relaxed); }
 
 MlaSplitRule mla_split_rule_default() {
   static const MlaSplitRule rule = [] {

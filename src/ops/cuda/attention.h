@@ -95,8 +95,9 @@ struct MlaDecodePlan {
 enum class MlaSplitRule : uint8_t { TwoCtasPerSm, WholeWaves };
 MlaSplitRule mla_split_rule_default();
 // max_pages: page_table row length (≥ ceil(longest seq_len / 64)). num_sms ≤ 0: read it off the
-// current device.
-MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms = 0, int max_splits = 128,
+// current device. max_splits ≤ 256 (the combine's limit); at batch 1 × 1M the default lets
+// whole waves take 132 splits on 132 multiprocessors (128 left four idle).
+MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms = 0, int max_splits = 256,
                               MlaSplitRule rule = mla_split_rule_default());
 // Device scratch for the split partials (0 when num_splits == 1).
 size_t mla_decode_workspace_bytes(const MlaDecodePlan& plan, int S, int H, int Dv);
@@ -112,7 +113,15 @@ struct MlaDecodeArgs {
   double scale = 1.0;
 };
 // `workspace`: mla_decode_workspace_bytes(plan, S, H, Dv) bytes of device memory.
+// Kernel: for Dk = 576, Dv = 512 (this family's MLA) the warpgroup-MMA one
+// (attention_decode_wgmma.cu), else, or with mla_decode_wgmma() off, the mma.sync one; same
+// outputs to rounding (the products' summation orders differ).
 void mla_decode_absorbed(const MlaDecodeArgs& args, const MlaDecodePlan& plan, void* workspace,
                          CUstream_st* stream = nullptr);
+
+// Whether mla_decode_absorbed may take the warpgroup-MMA kernel: env DM_MLA_DECODE_WGMMA (0 or 1,
+// default 1; read once), changeable at run time (tests run both kernels).
+bool mla_decode_wgmma();
+void mla_set_decode_wgmma(bool on);
 
 }  // namespace dm::cuda

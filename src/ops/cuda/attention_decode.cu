@@ -23,6 +23,7 @@
 
 #include <cmath>
 
+#include "ops/cuda/attention_decode.cuh"
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
@@ -39,19 +40,6 @@ constexpr int kDecodeWarps = 4;
 constexpr int kCombineMaxSplits = 256;
 
 using bf16 = __nv_bfloat16;
-
-struct DecodeArgs {
-  const bf16* q;               // [S, H, Dk]
-  const bf16* cache;           // [pages, 64, Dk]
-  const int32_t* page_table;   // [S, max_pages]
-  const int32_t* seq_len;      // [S]
-  bf16* out;                   // [S, H, Dv]
-  float* lse;                  // [S, H] or nullptr
-  float* partial_o;            // [S, splits, H, Dv]
-  float* partial_lse;          // [S, splits, H]
-  int S, H, Dk, Dv, max_pages, num_splits, pages_per_split;
-  float scale_log2;
-};
 
 template <int kDk, int kDv, int kGroups>
 struct DecodeConfig {
@@ -351,7 +339,9 @@ void launch_attention_decode(const DecodeProblem& p, const uint16_t* q, const ui
   a.num_splits = p.num_splits;
   a.pages_per_split = p.pages_per_split;
   a.scale_log2 = p.scale * kLog2e;
-  if (p.Dk <= 64 && p.Dv <= 64)
+  if (launch_attention_decode_wgmma(a, stream)) {
+    // the MLA shapes on warpgroup MMA (attention_decode_wgmma.cu)
+  } else if (p.Dk <= 64 && p.Dv <= 64)
     launch_decode_instance<64, 64>(a, stream);
   else if (p.Dk <= 128 && p.Dv <= 128)
     launch_decode_instance<128, 128>(a, stream);

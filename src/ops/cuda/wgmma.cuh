@@ -1,7 +1,8 @@
 // Hopper warpgroup MMA (wgmma) helpers: shared-memory matrix descriptors for 128-byte-swizzled
-// K-major tiles, the m64n128k16 bf16 → fp32 instruction, and its fences. Used by the kernels
-// that multiply from shared memory at the tensor cores' full rate (moe_grouped_gemm_wgmma.cu);
-// mma.sync tops out near 270 TFLOP/s there (moe_grouped_gemm.cu's measurements).
+// K-major tiles, the m64n128k16 / m64n32k16 / m64n16k16 bf16 → fp32 instructions, and their
+// fences. Used by the kernels that multiply from shared memory at the tensor cores' full rate
+// (moe_grouped_gemm_wgmma.cu; mma.sync tops out near 270 TFLOP/s there, moe_grouped_gemm.cu's
+// measurements) and by the MLA decode (attention_decode_wgmma.cu).
 //
 // Tile layout (K-major, 128-byte swizzle): a tile is R rows of 64 bf16 (128 bytes), stored row
 // after row from a 1024-byte-aligned base; the 16-byte chunk c (k = 8c … 8c + 7) of row r sits at
@@ -59,6 +60,14 @@ __device__ __forceinline__ uint64_t smem_desc_sw128_mn(const void* smem, uint32_
   return desc;
 }
 
+// A descriptor moved `bytes` further on in shared memory (a multiple of 16): the start address
+// sits in the low 14 bits as address / 16, and shared addresses stay below 256 KB, so the sum
+// never carries into the other fields. Lets a kernel build one descriptor per tile and step
+// through its k slices and atoms with one add each.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -99,6 +108,42 @@ __device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t des
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
+}
+
+// d (+)= A·Bᵀ for a 64 × 32 tile over 16 k (16 fp32 accumulators a thread; same operand
+// conventions as mma_m64n128k16_bf16, B with 32 rows). Used where the N side is a handful of
+// attention heads (attention_decode_wgmma.cu).
+template <int kTransA = 0, int kTransB = 0>
+__device__ __forceinline__ void mma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                                   bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, "
+      "1, %19, %20;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
+}
+
+// The same for a 64 × 16 tile (8 accumulators a thread).
+template <int kTransA = 0, int kTransB = 0>
+__device__ __forceinline__ void mma_m64n16k16_bf16(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
+                                                   bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, %12;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
       : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
 }
 
