@@ -522,6 +522,39 @@ TEST(CudaMoeDecode, GatheredMatchesGroupedExperts) {
     const std::vector<float> planned = download_y(y_gathered);
     EXPECT_EQ(std::memcmp(planned.data(), gathered.data(), gathered.size() * sizeof(float)), 0)
         << "the pair kernels and the planned path differ";
+    // A shared expert of the routed width folded in as N more pairs (the pair path only):
+    // y = routed + shared_out, against the CPU reference of both.
+    if (cuda::moe_decode_folds_shared(N, k, ew, F)) {
+      const mla::Bf16Host shared_gate =
+          mla::random_bf16(size_t(F * Din), seed + 5, 1.0f / std::sqrt(float(Din)));
+      const mla::Bf16Host shared_up =
+          mla::random_bf16(size_t(F * Din), seed + 6, 1.0f / std::sqrt(float(Din)));
+      const mla::Bf16Host shared_down =
+          mla::random_bf16(size_t(Din * F), seed + 7, 1.0f / std::sqrt(float(F)));
+      const ExpertWeights shared_cpu{
+          shared_gate.values.data(), shared_up.values.data(), shared_down.values.data(), 1, Din, F};
+      const std::vector<int32_t> expert_zero(static_cast<size_t>(N), 0);
+      const std::vector<float> weight_one(static_cast<size_t>(N), 1.0f);
+      std::vector<float> expected(static_cast<size_t>(N * Din));
+      moe_experts_reference(x.values.data(), expert_zero.data(), weight_one.data(), N, 1,
+                            shared_cpu, act, expected.data());
+      for (size_t i = 0; i < expected.size(); ++i) expected[i] += y_cpu[i];
+      const cuda::SharedExpertBf16 shared{mla::upload(arena, shared_gate.bits),
+                                          mla::upload(arena, shared_up.bits),
+                                          mla::upload(arena, shared_down.bits)};
+      void* folded_ws = arena.alloc_bytes(cuda::moe_decode_workspace_bytes(N, k, ew, true));
+      cuda::moe_decode_experts_forward(x_dev, idx_dev, w_dev, N, k, ew, params, y_gathered, out,
+                                       folded_ws, nullptr, &shared);
+      cuda::synchronize();
+      const std::vector<float> folded = download_y(y_gathered);
+      ASSERT_TRUE(mla::all_finite(folded));
+      const double folded_vs_cpu = test::rel_rms(folded.data(), expected.data(), folded.size());
+      std::printf("[          ] N=%lld k=%d with the shared expert folded in: vs CPU %.2e\n",
+                  (long long)N, k, folded_vs_cpu);
+      EXPECT_LE(folded_vs_cpu, 1e-2);
+    } else {
+      EXPECT_GT(N * k, 32) << "the pair path folds a shared expert of the routed width";
+    }
     const double vs_grouped = test::rel_rms(gathered.data(), grouped.data(), gathered.size());
     const double vs_cpu = test::rel_rms(gathered.data(), y_cpu.data(), gathered.size());
     const double grouped_vs_cpu = test::rel_rms(grouped.data(), y_cpu.data(), grouped.size());

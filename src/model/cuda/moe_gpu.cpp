@@ -70,7 +70,7 @@ size_t scope_base_bytes(const MoeShape& s, int64_t N) {
 size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
   const ExpertWeightsBf16 ew = expert_weights(nullptr, nullptr, s);
   const size_t experts = aligned(std::max(moe_experts_forward_workspace_bytes(N, int(s.k), ew),
-                                          moe_decode_workspace_bytes(N, int(s.k), ew)));
+                                          moe_decode_workspace_bytes(N, int(s.k), ew, true)));
   size_t after = 0;
   if (s.has_latent_norm) after += n_bytes(N * s.latent, 2);
   if (s.has_shared) after += 2 * n_bytes(N * s.shared_F, 2);
@@ -122,6 +122,12 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
            "moe_layer_forward_gpu: the gathered expert path does not take E=", E, " k=", k,
            " (see moe_decode_supported)");
   DM_CHECK(!(gathered && kept), "moe_layer_forward_gpu: keeping internals needs the grouped path");
+  // A decode step's gathered experts take the shared expert as one more pair per token (its
+  // gate/up and down in the routed kernels' launches, moe_decode.h) when it has the routed width
+  // and feeds y directly (no latent projection between the routed sum and the shared add).
+  const bool fold_shared =
+      gathered && s.has_shared && !s.has_latent &&
+      moe_decode_folds_shared(N, int(k), expert_weights(nullptr, nullptr, s), s.shared_F);
   CUstream_st* stream = run.stream;
   DeviceArena& arena = run.scratch;
   // Kept internals (training without recompute) are carved from the caller's memory instead.
@@ -155,7 +161,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
   float* logits = arena.alloc<float>(size_t(N * E));
   float* weight = keep.alloc<float>(size_t(N * k));
   uint16_t *shared_gate = nullptr, *shared_up = nullptr;
-  if (fused_input_projections(s, N, kept != nullptr)) {
+  if (!fold_shared && fused_input_projections(s, N, kept != nullptr)) {
     shared_gate = arena.alloc<uint16_t>(size_t(N * s.shared_F));
     shared_up = arena.alloc<uint16_t>(size_t(N * s.shared_F));
     const LinearOut projections[] = {
@@ -216,10 +222,13 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     DeviceArenaScope experts_scope(arena);
     const ExpertWeightsBf16 ew = expert_weights(&dw, &w, s);
     if (gathered) {
-      void* workspace = arena.alloc_bytes(moe_decode_workspace_bytes(N, int(k), ew));
+      void* workspace = arena.alloc_bytes(moe_decode_workspace_bytes(N, int(k), ew, fold_shared));
+      SharedExpertBf16 shared;
+      if (fold_shared)
+        shared = {dw.bf16(w.shared.gate), dw.bf16(w.shared.up), dw.bf16(w.shared.down)};
       moe_decode_experts_forward(z, r.idx, weight, N, int(k), ew,
                                  glu_kernel_params(glu_activation(cfg)), u, u_type, workspace,
-                                 stream);
+                                 stream, fold_shared ? &shared : nullptr);
     } else {
       void* workspace = arena.alloc_bytes(moe_experts_forward_workspace_bytes(N, int(k), ew));
       moe_experts_forward(run.gemm, z, plan, weight, ew, glu_activation(cfg), u, u_type, workspace,
@@ -245,7 +254,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     linear(run, up_in, dw.bf16(w.latent_up), N, l, d, y, GemmOutType::F32);
   }
 
-  if (s.has_shared) {
+  if (s.has_shared && !fold_shared) {
     // Fused shared experts at full width: h = act(g, u) over [N, Fs], y += h·W_dᵀ.
     const int64_t Fs = s.shared_F;
     uint16_t* gate = shared_gate;

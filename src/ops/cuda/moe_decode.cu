@@ -10,6 +10,7 @@
 #include <atomic>
 #include <limits>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
@@ -42,16 +43,17 @@ struct Plan {
 constexpr int kPairPathMaxPairs = 32;
 struct Workspace {
   Plan plan;
-  uint16_t* h;  // [N·k, F] bf16, row = pair id
+  uint16_t* h;  // [N·k (+ N shared pairs), F] bf16, row = pair id
   float* o;     // [N·k, Din] fp32, row = pair id
 };
 
 int64_t max_active_experts(int64_t N, int k, int64_t E) { return std::min<int64_t>(E, N * k); }
 
 // Carves the workspace from `base`, or (base == nullptr) only counts its bytes.
-Workspace carve_workspace(void* base, int64_t N, int k, const ExpertWeightsBf16& ew,
+Workspace carve_workspace(void* base, int64_t N, int k, const ExpertWeightsBf16& ew, bool shared,
                           size_t* bytes) {
   const int64_t pairs = std::max<int64_t>(N * k, 1), A = std::max<int64_t>(max_active_experts(N, k, ew.E), 1);
+  const int64_t h_rows = pairs + (shared ? N : 0);
   char* cursor = static_cast<char*>(base);
   size_t used = 0;
   auto take = [&](size_t b) {
@@ -65,7 +67,7 @@ Workspace carve_workspace(void* base, int64_t N, int k, const ExpertWeightsBf16&
   w.plan.row_begin = static_cast<int32_t*>(take(size_t(A + 1) * sizeof(int32_t)));
   w.plan.rows = static_cast<int32_t*>(take(size_t(pairs) * sizeof(int32_t)));
   w.plan.pair_rank = static_cast<int32_t*>(take(size_t(pairs) * sizeof(int32_t)));
-  w.h = static_cast<uint16_t*>(take(size_t(pairs) * size_t(ew.F) * sizeof(uint16_t)));
+  w.h = static_cast<uint16_t*>(take(size_t(h_rows) * size_t(ew.F) * sizeof(uint16_t)));
   w.o = static_cast<float*>(take(size_t(pairs) * size_t(ew.Din) * sizeof(float)));
   *bytes = used;
   return w;
@@ -272,11 +274,13 @@ __device__ __forceinline__ void gate_up_pass(const uint4* const (&w)[kWeightRows
                                              const int32_t* __restrict__ rows, int count,
                                              int64_t f0, int nf, int64_t F,
                                              const GluKernelParams& act, uint16_t* __restrict__ h,
-                                             int lane) {
+                                             int lane, int token = -1) {
+  // token ≥ 0 (MT = 1): the row's token, where it is not rows[0] / k (a shared-expert pair).
   const uint4* xr[MT];
 #pragma unroll
   for (int j = 0; j < MT; ++j)
-    xr[j] = reinterpret_cast<const uint4*>(x + int64_t(rows[min(j, count - 1)] / k) * Din);
+    xr[j] = reinterpret_cast<const uint4*>(
+        x + int64_t(token >= 0 ? token : rows[min(j, count - 1)] / k) * Din);
   float acc[kWeightRows][MT];
   warp_rows_dot<MT>(w, xr, int(Din / 8), lane, acc);
 #pragma unroll
@@ -360,47 +364,57 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- pair path (N·k ≤ kPairPathMaxPairs) ---------------------------------------------------
 
-// Gate/up: grid (ceil(F / 16), N·k), kThreads: block (bx, p) applies expert idx[p]'s gate and up
-// rows f0 = (bx·8 + w)·2 … +1 (warp w) to token p / k, h[p, f] exactly as gate_up_pass<1> of the
-// planned kernel computes it. A pair with an expert outside [0, E) is skipped (never combined).
+// Gate/up: grid (ceil(F / 16), N·k + shared pairs), kThreads: block (bx, p) applies expert
+// idx[p]'s gate and up rows f0 = (bx·8 + w)·2 … +1 (warp w) to token p / k, h[p, f] exactly as
+// gate_up_pass<1> of the planned kernel computes it; pair N·k + t (with a shared expert) applies
+// the shared expert's rows to token t. A pair with an expert outside [0, E) is skipped (never
+// combined).
 __global__ void __launch_bounds__(kThreads)
     moe_decode_gate_up_pairs_kernel(const uint16_t* __restrict__ x,
                                     const uint16_t* __restrict__ gate_w,
                                     const uint16_t* __restrict__ up_w, int64_t Din, int64_t F,
-                                    int k, const int32_t* __restrict__ idx, int E,
-                                    GluKernelParams act, uint16_t* __restrict__ h) {
+                                    int k, const int32_t* __restrict__ idx, int E, int routed_pairs,
+                                    SharedExpertBf16 shared, GluKernelParams act,
+                                    uint16_t* __restrict__ h) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
   if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
   const int32_t pair = int32_t(blockIdx.y);
-  const int expert = idx[pair];
+  const bool shared_pair = pair >= routed_pairs;
+  const int expert = shared_pair ? 0 : idx[pair];
   if (expert < 0 || expert >= E) return;
   const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
   const uint4* w[kWeightRows];
-  gate_up_rows(gate_w, up_w, expert, f0, nf, F, Din, w);
-  gate_up_pass<1>(w, x, Din, k, &pair, 1, f0, nf, F, act, h, lane);
+  gate_up_rows(shared_pair ? shared.gate : gate_w, shared_pair ? shared.up : up_w, expert, f0, nf,
+               F, Din, w);
+  gate_up_pass<1>(w, x, Din, k, &pair, 1, f0, nf, F, act, h, lane,
+                  shared_pair ? pair - routed_pairs : -1);
 }
 
 // Down + combine: grid ceil(Din / 4), kThreads: block b owns channels c0 = 4b … c0 + 3. Warp w
 // takes pairs w, w + 8, …: dots[p][i] = W_down,idx[p][c0 + i, :]·h[p, :] (warp_rows_dot, as
 // down_pass<1>); then y[t, c0 + i] = Σ_slot w[t, slot]·dots[t·k + slot][i] in slot order, the
-// combine kernel's sum: the same bits as the planned path, with one launch and no o buffer.
+// combine kernel's sum: the same bits as the planned path, with one launch and no o buffer. With
+// a shared expert (shared_pairs = N) the shared pair's dot is added last, weight 1.
 template <bool kF32Out>
 __global__ void __launch_bounds__(kThreads)
     moe_decode_down_combine_pairs_kernel(const uint16_t* __restrict__ h,
                                          const uint16_t* __restrict__ down_w, int64_t Din,
                                          int64_t F, const int32_t* __restrict__ idx,
                                          const float* __restrict__ weight, int N, int k, int E,
+                                         const uint16_t* __restrict__ shared_down, int shared_pairs,
                                          void* __restrict__ y) {
-  __shared__ float dots[kPairPathMaxPairs][kDownRowsPerWarp];
+  __shared__ float dots[2 * kPairPathMaxPairs][kDownRowsPerWarp];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t c0 = int64_t(blockIdx.x) * kDownRowsPerWarp;
   const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
-  for (int p = warp; p < N * k; p += kWarps) {
-    const int expert = idx[p];
+  const int routed_pairs = N * k;
+  for (int p = warp; p < routed_pairs + shared_pairs; p += kWarps) {
+    const bool shared_pair = p >= routed_pairs;
+    const int expert = shared_pair ? 0 : idx[p];
     if (expert < 0 || expert >= E) continue;
     const uint4* w[kWeightRows];
-    down_rows(down_w, expert, c0, nc, Din, F, w);
+    down_rows(shared_pair ? shared_down : down_w, expert, c0, nc, Din, F, w);
     const uint4* const hr[1] = {reinterpret_cast<const uint4*>(h + int64_t(p) * F)};
     float acc[kWeightRows][1];
     warp_rows_dot<1>(w, hr, int(F / 8), lane, acc);
@@ -418,6 +432,7 @@ __global__ void __launch_bounds__(kThreads)
       if (e < 0 || e >= E) continue;
       sum += weight[pair] * dots[pair][c];
     }
+    if (shared_pairs > 0) sum += dots[routed_pairs + t][c];
     const int64_t at = int64_t(t) * Din + c0 + c;
     if constexpr (kF32Out)
       static_cast<float*>(y)[at] = sum;
@@ -484,16 +499,22 @@ bool moe_decode_supported(int64_t N, int k, const ExpertWeightsBf16& ew) {
 // most experts are hit, so the bound is one row per expert on average.
 bool moe_decode_preferred(int64_t N, int k, int64_t E) { return N * k <= E; }
 
-size_t moe_decode_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew) {
+bool moe_decode_folds_shared(int64_t N, int k, const ExpertWeightsBf16& ew, int64_t Fs) {
+  // DM_MOE_DECODE_FOLD_SHARED=0 (read once) keeps the shared expert's own launches, to compare.
+  static const bool allowed = env_flag("DM_MOE_DECODE_FOLD_SHARED", true);
+  return allowed && N >= 1 && N * k <= kPairPathMaxPairs && !force_plan_kernel() && Fs == ew.F;
+}
+
+size_t moe_decode_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew, bool shared) {
   size_t bytes = 0;
-  carve_workspace(nullptr, N, k, ew, &bytes);
+  carve_workspace(nullptr, N, k, ew, shared, &bytes);
   return bytes;
 }
 
 void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const float* w, int64_t N,
                                 int k, const ExpertWeightsBf16& ew, const GluKernelParams& act,
-                                void* y, GemmOutType y_type, void* workspace,
-                                CUstream_st* stream) {
+                                void* y, GemmOutType y_type, void* workspace, CUstream_st* stream,
+                                const SharedExpertBf16* shared) {
   const char* who = "moe_decode_experts_forward";
   DM_CHECK(moe_decode_supported(N, k, ew), who, ": unsupported shape N=", N, " k=", k, " E=",
            ew.E, " Din=", ew.Din, " F=", ew.F, " (need E ≤ ", kMoeDecodeMaxExperts,
@@ -506,22 +527,32 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
   DM_CHECK(aligned16(x) && aligned16(y) && aligned16(ew.gate) && aligned16(ew.up) &&
                aligned16(ew.down) && reinterpret_cast<uintptr_t>(workspace) % 256 == 0,
            who, ": x, y and the weights must be 16-byte aligned, the workspace 256-byte aligned");
+  if (shared) {
+    DM_CHECK(moe_decode_folds_shared(N, k, ew, ew.F), who, ": a shared expert needs the pair path ",
+             "(N·k ≤ ", kPairPathMaxPairs, "), got N=", N, " k=", k);
+    DM_CHECK(shared->gate && shared->up && shared->down && aligned16(shared->gate) &&
+                 aligned16(shared->up) && aligned16(shared->down),
+             who, ": the shared expert's weights must be non-null and 16-byte aligned");
+  }
   size_t bytes = 0;
-  const Workspace ws = carve_workspace(workspace, N, k, ew, &bytes);
+  const Workspace ws = carve_workspace(workspace, N, k, ew, shared != nullptr, &bytes);
   const int64_t A = max_active_experts(N, k, ew.E);
   const int E = int(ew.E);
   if (N * k <= kPairPathMaxPairs && !force_plan_kernel()) {
-    const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)), unsigned(N * k));
+    const SharedExpertBf16 folded = shared ? *shared : SharedExpertBf16{};
+    const int shared_pairs = shared ? int(N) : 0;
+    const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)),
+                            unsigned(N * k + shared_pairs));
     moe_decode_gate_up_pairs_kernel<<<gate_up_grid, kThreads, 0, stream>>>(
-        x, ew.gate, ew.up, ew.Din, ew.F, k, idx, E, act, ws.h);
+        x, ew.gate, ew.up, ew.Din, ew.F, k, idx, E, int(N * k), folded, act, ws.h);
     check_last_error("moe_decode_gate_up_pairs_kernel");
     const unsigned down_blocks = unsigned(ceil_div(ew.Din, kDownRowsPerWarp));
     if (y_type == GemmOutType::F32)
       moe_decode_down_combine_pairs_kernel<true><<<down_blocks, kThreads, 0, stream>>>(
-          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, y);
+          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, folded.down, shared_pairs, y);
     else
       moe_decode_down_combine_pairs_kernel<false><<<down_blocks, kThreads, 0, stream>>>(
-          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, y);
+          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, folded.down, shared_pairs, y);
     check_last_error("moe_decode_down_combine_pairs_kernel");
     return;
   }

@@ -57,17 +57,35 @@ bool moe_decode_supported(int64_t N, int k, const ExpertWeightsBf16& ew);
 // (moe_decode.cu), so the bound is where the measurement says.
 bool moe_decode_preferred(int64_t N, int k, int64_t E);
 
-// Device scratch: the plan, h [N·k, F] bf16 and o [N·k, Din] fp32.
-size_t moe_decode_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew);
+// The layer's shared experts, fused to one of width F (gate, up [F, Din], down [Din, F] bf16),
+// for the pair path to take as N more pairs: pair N·k + t applies them to token t, and the
+// combine adds its output after the routed slots with weight 1 (the CPU's y += shared_out).
+// One launch each for gate/up and down instead of the separate GEMVs and GLU (three launches a
+// decode layer fewer, and the router's GEMV no longer carries the shared gate and up).
+struct SharedExpertBf16 {
+  const uint16_t* gate = nullptr;
+  const uint16_t* up = nullptr;
+  const uint16_t* down = nullptr;
+};
+// Whether moe_decode_experts_forward takes a shared expert of width Fs for this call: the pair
+// path (N·k ≤ 32, not forced to the plan) and Fs == F; env DM_MOE_DECODE_FOLD_SHARED=0 (read
+// once) says no, keeping the shared expert's own launches.
+bool moe_decode_folds_shared(int64_t N, int k, const ExpertWeightsBf16& ew, int64_t Fs);
+
+// Device scratch: the plan, h [N·k (+ N with a shared expert), F] bf16 and o [N·k, Din] fp32.
+size_t moe_decode_workspace_bytes(int64_t N, int k, const ExpertWeightsBf16& ew,
+                                  bool shared = false);
 
 // y[N, Din] (WRITTEN, fp32 or bf16 per y_type) = Σ_slot w[t, slot]·E_{idx[t, slot]}(x[t]).
 // x [N, Din] bf16, idx [N, k] int32, w [N, k] fp32 (device); workspace ≥
-// moe_decode_workspace_bytes (256-byte aligned). x and y 16-byte aligned. Never synchronises,
-// never allocates.
+// moe_decode_workspace_bytes (256-byte aligned; with `shared` true when shared is given). x and
+// y 16-byte aligned. shared (optional, device weights): folded in as above; only where
+// moe_decode_folds_shared says so. Never synchronises, never allocates.
 void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const float* w, int64_t N,
                                 int k, const ExpertWeightsBf16& ew, const GluKernelParams& act,
                                 void* y, GemmOutType y_type, void* workspace,
-                                CUstream_st* stream = nullptr);
+                                CUstream_st* stream = nullptr,
+                                const SharedExpertBf16* shared = nullptr);
 
 // Tests: take the planned path even up to 32 pairs, where the pair kernels run by default (the
 // two must give the same bits). Process-wide; off by default.
