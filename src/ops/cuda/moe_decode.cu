@@ -41,6 +41,22 @@ struct Plan {
 };
 // Up to this many (token, expert) pairs (batch ≤ 4 at k = 8) the pair kernels run instead.
 constexpr int kPairPathMaxPairs = 32;
+constexpr int kPairDownMaxWarps = 16;  // down + combine pair kernel: most warps a block
+
+// Launch shapes of the pair kernels. Up to 16 pairs (batch 1 and 2 at k = 8, with the shared
+// expert): gate/up warps take 2 row pairs each and a down block 8 channels with a warp per pair,
+// so that each kernel is one wave on the 48B shape (at 64-70 registers 3-4 blocks fit an SM; a
+// warp per row pair or per 4 channels made 1.1-1.5 waves, and 9 pairs on 8 warps left warp 0
+// two): 1 x 32K 3.08/3.11 -> 2.97/2.96 ms a step on an H200. Beyond, 1 row pair a warp and
+// 4-channel blocks of 8 warps striding over the pairs (at 36 pairs, batch 4, the one-wave shape
+// left a third of the warps a third pair: 6.27 -> 6.81 ms).
+struct PairPlan {
+  int gate_up_steps, down_channels, down_warps;
+};
+PairPlan pair_plan(int64_t pairs) {
+  if (pairs <= kPairDownMaxWarps) return {2, 8, int(pairs)};
+  return {1, 4, kWarps};
+}
 struct Workspace {
   Plan plan;
   uint16_t* h;  // [N·k (+ N shared pairs), F] bf16, row = pair id
@@ -364,11 +380,13 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- pair path (N·k ≤ kPairPathMaxPairs) ---------------------------------------------------
 
-// Gate/up: grid (ceil(F / 16), N·k + shared pairs), kThreads: block (bx, p) applies expert
-// idx[p]'s gate and up rows f0 = (bx·8 + w)·2 … +1 (warp w) to token p / k, h[p, f] exactly as
+// Gate/up: grid (ceil(F / (16·kSteps)), N·k + shared pairs), kThreads: block (bx, p) applies
+// expert idx[p]'s gate and up rows f0 = ((bx·8 + w)·kSteps + step)·2 … +1 (warp w; pair_plan()
+// picks kSteps) to token p / k, h[p, f] exactly as
 // gate_up_pass<1> of the planned kernel computes it; pair N·k + t (with a shared expert) applies
 // the shared expert's rows to token t. A pair with an expert outside [0, E) is skipped (never
 // combined).
+template <int kSteps>
 __global__ void __launch_bounds__(kThreads)
     moe_decode_gate_up_pairs_kernel(const uint16_t* __restrict__ x,
                                     const uint16_t* __restrict__ gate_w,
@@ -377,54 +395,64 @@ __global__ void __launch_bounds__(kThreads)
                                     SharedExpertBf16 shared, GluKernelParams act,
                                     uint16_t* __restrict__ h) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
-  if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
   const int32_t pair = int32_t(blockIdx.y);
   const bool shared_pair = pair >= routed_pairs;
   const int expert = shared_pair ? 0 : idx[pair];
   if (expert < 0 || expert >= E) return;
-  const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
-  const uint4* w[kWeightRows];
-  gate_up_rows(shared_pair ? shared.gate : gate_w, shared_pair ? shared.up : up_w, expert, f0, nf,
-               F, Din, w);
-  gate_up_pass<1>(w, x, Din, k, &pair, 1, f0, nf, F, act, h, lane,
-                  shared_pair ? pair - routed_pairs : -1);
+#pragma unroll 1
+  for (int step = 0; step < kSteps; ++step) {
+    const int64_t f0 = ((int64_t(blockIdx.x) * kWarps + warp) * kSteps + step) * kGateUpRowsPerWarp;
+    if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
+    const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
+    const uint4* w[kWeightRows];
+    gate_up_rows(shared_pair ? shared.gate : gate_w, shared_pair ? shared.up : up_w, expert, f0, nf,
+                 F, Din, w);
+    gate_up_pass<1>(w, x, Din, k, &pair, 1, f0, nf, F, act, h, lane,
+                    shared_pair ? pair - routed_pairs : -1);
+  }
 }
 
-// Down + combine: grid ceil(Din / 4), kThreads: block b owns channels c0 = 4b … c0 + 3. Warp w
-// takes pairs w, w + 8, …: dots[p][i] = W_down,idx[p][c0 + i, :]·h[p, :] (warp_rows_dot, as
-// down_pass<1>); then y[t, c0 + i] = Σ_slot w[t, slot]·dots[t·k + slot][i] in slot order, the
-// combine kernel's sum: the same bits as the planned path, with one launch and no o buffer. With
-// a shared expert (shared_pairs = N) the shared pair's dot is added last, weight 1.
-template <bool kF32Out>
-__global__ void __launch_bounds__(kThreads)
+// Down + combine: grid ceil(Din / kChannels), block b owns channels c0 = kChannels·b … + kChannels
+// − 1, its warps take pairs w, w + warps, …: dots[p][i] = W_down,idx[p][c0 + i, :]·h[p, :] for
+// each group of 4 channels (warp_rows_dot, as down_pass<1>); then y[t, c0 + i] = Σ_slot w[t,
+// slot]·dots[t·k + slot][i] in slot order, the combine kernel's sum: the same bits as the planned
+// path, with one launch and no o buffer. With a shared expert (shared_pairs = N) the shared
+// pair's dot is added last, weight 1. pair_plan() picks the shape.
+template <bool kF32Out, int kChannels>
+__global__ void __launch_bounds__(kPairDownMaxWarps * 32)
     moe_decode_down_combine_pairs_kernel(const uint16_t* __restrict__ h,
                                          const uint16_t* __restrict__ down_w, int64_t Din,
                                          int64_t F, const int32_t* __restrict__ idx,
                                          const float* __restrict__ weight, int N, int k, int E,
                                          const uint16_t* __restrict__ shared_down, int shared_pairs,
                                          void* __restrict__ y) {
-  __shared__ float dots[2 * kPairPathMaxPairs][kDownRowsPerWarp];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t c0 = int64_t(blockIdx.x) * kDownRowsPerWarp;
-  const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
+  __shared__ float dots[2 * kPairPathMaxPairs][kChannels];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t block_c0 = int64_t(blockIdx.x) * kChannels;
+  const int block_nc = int(min(int64_t(kChannels), Din - block_c0));
   const int routed_pairs = N * k;
-  for (int p = warp; p < routed_pairs + shared_pairs; p += kWarps) {
+  for (int p = warp; p < routed_pairs + shared_pairs; p += warps) {
     const bool shared_pair = p >= routed_pairs;
     const int expert = shared_pair ? 0 : idx[p];
     if (expert < 0 || expert >= E) continue;
-    const uint4* w[kWeightRows];
-    down_rows(shared_pair ? shared_down : down_w, expert, c0, nc, Din, F, w);
     const uint4* const hr[1] = {reinterpret_cast<const uint4*>(h + int64_t(p) * F)};
-    float acc[kWeightRows][1];
-    warp_rows_dot<1>(w, hr, int(F / 8), lane, acc);
+#pragma unroll 1
+    for (int group = 0; group < kChannels / kDownRowsPerWarp; ++group) {
+      if (group * kDownRowsPerWarp >= block_nc) break;
+      const int64_t c0 = block_c0 + group * kDownRowsPerWarp;
+      const int nc = int(min(int64_t(kDownRowsPerWarp), Din - c0));
+      const uint4* w[kWeightRows];
+      down_rows(shared_pair ? shared_down : down_w, expert, c0, nc, Din, F, w);
+      float acc[kWeightRows][1];
+      warp_rows_dot<1>(w, hr, int(F / 8), lane, acc);
 #pragma unroll
-    for (int i = 0; i < kDownRowsPerWarp; ++i)
-      if (lane == i) dots[p][i] = acc[i][0];
+      for (int i = 0; i < kDownRowsPerWarp; ++i)
+        if (lane == i) dots[p][group * kDownRowsPerWarp + i] = acc[i][0];
+    }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < N * nc; i += kThreads) {
-    const int t = i / nc, c = i % nc;
+  for (int i = threadIdx.x; i < N * block_nc; i += blockDim.x) {
+    const int t = i / block_nc, c = i % block_nc;
     float sum = 0.0f;
     for (int s = 0; s < k; ++s) {
       const int pair = t * k + s;
@@ -433,7 +461,7 @@ __global__ void __launch_bounds__(kThreads)
       sum += weight[pair] * dots[pair][c];
     }
     if (shared_pairs > 0) sum += dots[routed_pairs + t][c];
-    const int64_t at = int64_t(t) * Din + c0 + c;
+    const int64_t at = int64_t(t) * Din + block_c0 + c;
     if constexpr (kF32Out)
       static_cast<float*>(y)[at] = sum;
     else
@@ -541,18 +569,32 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
   if (N * k <= kPairPathMaxPairs && !force_plan_kernel()) {
     const SharedExpertBf16 folded = shared ? *shared : SharedExpertBf16{};
     const int shared_pairs = shared ? int(N) : 0;
-    const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)),
-                            unsigned(N * k + shared_pairs));
-    moe_decode_gate_up_pairs_kernel<<<gate_up_grid, kThreads, 0, stream>>>(
-        x, ew.gate, ew.up, ew.Din, ew.F, k, idx, E, int(N * k), folded, act, ws.h);
-    check_last_error("moe_decode_gate_up_pairs_kernel");
-    const unsigned down_blocks = unsigned(ceil_div(ew.Din, kDownRowsPerWarp));
-    if (y_type == GemmOutType::F32)
-      moe_decode_down_combine_pairs_kernel<true><<<down_blocks, kThreads, 0, stream>>>(
-          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, folded.down, shared_pairs, y);
+    const PairPlan shape = pair_plan(N * k + shared_pairs);
+    const dim3 gate_up_grid(
+        unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp * shape.gate_up_steps)),
+        unsigned(N * k + shared_pairs));
+    auto gate_up = [&](auto kernel) {
+      kernel<<<gate_up_grid, kThreads, 0, stream>>>(x, ew.gate, ew.up, ew.Din, ew.F, k, idx, E,
+                                                    int(N * k), folded, act, ws.h);
+    };
+    if (shape.gate_up_steps == 2)
+      gate_up(moe_decode_gate_up_pairs_kernel<2>);
     else
-      moe_decode_down_combine_pairs_kernel<false><<<down_blocks, kThreads, 0, stream>>>(
-          ws.h, ew.down, ew.Din, ew.F, idx, w, int(N), k, E, folded.down, shared_pairs, y);
+      gate_up(moe_decode_gate_up_pairs_kernel<1>);
+    check_last_error("moe_decode_gate_up_pairs_kernel");
+    const unsigned down_blocks = unsigned(ceil_div(ew.Din, shape.down_channels));
+    const unsigned down_threads = 32u * unsigned(shape.down_warps);
+    auto down = [&](auto kernel) {
+      kernel<<<down_blocks, down_threads, 0, stream>>>(ws.h, ew.down, ew.Din, ew.F, idx, w, int(N),
+                                                       k, E, folded.down, shared_pairs, y);
+    };
+    const bool f32 = y_type == GemmOutType::F32;
+    if (shape.down_channels == 8)
+      down(f32 ? moe_decode_down_combine_pairs_kernel<true, 8>
+               : moe_decode_down_combine_pairs_kernel<false, 8>);
+    else
+      down(f32 ? moe_decode_down_combine_pairs_kernel<true, 4>
+               : moe_decode_down_combine_pairs_kernel<false, 4>);
     check_last_error("moe_decode_down_combine_pairs_kernel");
     return;
   }
