@@ -1,7 +1,7 @@
 // Routed experts of a few tokens without a host synchronisation (layout and cost in
 // moe_decode.h). Up to 32 (token, expert) pairs: two launches, a block per (f-tile, pair) for
-// gate/up + GLU and a block per 4 output channels whose warps take the pairs and whose sums go
-// straight into y (the combine). Beyond that: plan → gate/up + GLU → down → combine, the expert
+// gate/up + GLU and a block per 4 or 8 output channels whose warps take the pairs and whose sums
+// go straight into y (the combine). Beyond that: plan → gate/up + GLU → down → combine, the expert
 // kernels reading each hit expert's weights once for all its tokens. Both give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -7,11 +7,14 @@
 // path (moe.h) instead copies per-expert row counts to the host to size its GEMMs.
 // Plain C++17 header (no CUDA includes); kernels in moe_decode.cu.
 //
-// Up to 32 (token, expert) pairs (batch ≤ 4 at k = 8), two launches with no plan:
-//   gate/up   grid (F / 16, N·k): block (f-tile, pair) streams rows f..f+15 of the pair's
-//             expert's W_gate and W_up: h[pair, f] = act(g, u) in fp32, stored bf16 [N·k, F]
-//   down      grid (Din / 4): block (channels c..c+3), its warps over the pairs, the dots in
-//             shared memory, then y[t, c..c+3] = Σ_slot w[t, slot]·dot[t·k + slot] in slot order
+// Up to 32 (token, expert) pairs (batch ≤ 4 at k = 8), two launches with no plan (plus N
+// shared-expert pairs when SharedExpertBf16 is given):
+//   gate/up   grid (F / (16·steps), pairs): block (f-tile, pair) streams rows of the pair's
+//             expert's W_gate and W_up: h[pair, f] = act(g, u) in fp32, stored bf16 [pairs, F]
+//   down      grid (Din / C): block (C channels), its warps over the pairs, the dots in shared
+//             memory, then y[t, c] = Σ_slot w[t, slot]·dot[t·k + slot] in slot order
+//   (steps = 2, C = 8 and a warp per pair up to 16 pairs, so each kernel is one wave on the 48B
+//   shape; steps = 1, C = 4 and 8 warps beyond: moe_decode.cu pair_plan)
 // Beyond that, four launches, each reading what the previous one wrote:
 //   plan      one block: rows of each expert in (token, slot) order, the list of experts the
 //             batch hits (ascending), their row ranges; a device count of them
