@@ -38,6 +38,14 @@ namespace {
 
 ModelConfig test_config() { return load_config(test::source_dir() + "/configs/test.json"); }
 
+// Initialised weights rounded to bf16 (so the GPU's compute copy equals the master).
+auto bf16_rounded_weights(const ModelConfig& c, uint64_t seed) {
+  auto W = weights_allocate<float>(c);
+  weights_init(*W, seed);
+  test::round_weights_to_bf16(*W);
+  return W;
+}
+
 struct Batch {
   std::vector<int64_t> tokens, targets;
   std::vector<int32_t> doc;
@@ -61,9 +69,7 @@ Batch random_batch(const ModelConfig& c, int64_t B, int64_t T, bool packed, uint
 }
 
 void compare_gradients(const ModelConfig& c, int64_t B, int64_t T, bool packed, const char* what) {
-  auto W = weights_allocate<float>(c);
-  weights_init(*W, 3);
-  test::round_weights_to_bf16(*W);
+  auto W = bf16_rounded_weights(c, 3);
   const Batch b = random_batch(c, B, T, packed, 9);
   const int32_t* doc = packed ? b.doc.data() : nullptr;
   int64_t count = 0;
@@ -167,9 +173,7 @@ TEST(CudaTrain, GradientsMatchCpuWithPackedDocuments) {
 TEST(CudaTrain, KeptInternalsMatchRecompute) {
   DM_SKIP_WITHOUT_GPU();
   const ModelConfig c = test_config();
-  auto W = weights_allocate<float>(c);
-  weights_init(*W, 5);
-  test::round_weights_to_bf16(*W);
+  auto W = bf16_rounded_weights(c, 5);
   const int64_t B = 1, T = 200;
   const Batch b = random_batch(c, B, T, true, 11);
   std::vector<float> grads[2];
@@ -201,9 +205,7 @@ TEST(CudaTrain, KeptInternalsMatchRecompute) {
 TEST(CudaTrain, StoreFirstExpertGradientsMatchZeroedOnes) {
   DM_SKIP_WITHOUT_GPU();
   const ModelConfig c = test_config();
-  auto W = weights_allocate<float>(c);
-  weights_init(*W, 6);
-  test::round_weights_to_bf16(*W);
+  auto W = bf16_rounded_weights(c, 6);
   const int64_t B = 1, T = 150;
   const Batch b1 = random_batch(c, B, T, true, 12), b2 = random_batch(c, B, T, false, 13);
   auto garbage = weights_allocate<float>(c);
@@ -281,9 +283,7 @@ struct RecordingSink : RoutingSink {
 TEST(CudaTrain, DeviceQbHistogramsMatchTheHostOnes) {
   DM_SKIP_WITHOUT_GPU();
   const ModelConfig c = test_config();
-  auto W = weights_allocate<float>(c);
-  weights_init(*W, 9);
-  test::round_weights_to_bf16(*W);
+  auto W = bf16_rounded_weights(c, 9);
   const int64_t B = 2, T = 90;
   const Batch b = random_batch(c, B, T, true, 13);
   RecordingSink host_sink, device_sink;
@@ -398,9 +398,7 @@ TEST(CudaTrain, LossFallsLikeTheCpuRun) {
   for (int64_t t : b.targets) count += t >= 0;
   std::vector<double> losses[2];
   for (int dev = 0; dev < 2; ++dev) {
-    auto W = weights_allocate<float>(c);
-    weights_init(*W, 6);
-    test::round_weights_to_bf16(*W);
+    auto W = bf16_rounded_weights(c, 6);
     Model m(std::move(W));
     OptimizerConfig oc;
     auto engine = make_train_engine(dev == 0 ? "cpu" : "cuda", m, oc);
