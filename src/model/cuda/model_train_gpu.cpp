@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/layers.h"
 #include "model/moe.h"
@@ -84,7 +85,7 @@ size_t train_scratch_bytes(const ModelConfig& c, int64_t B, int64_t T) {
 // went (one line per step on stderr). Off by default: the synchronisations cost time.
 class PhaseTimer {
  public:
-  PhaseTimer() : on_(std::getenv("DM_GPU_TRAIN_PROFILE") != nullptr) {}
+  PhaseTimer() : on_(env_flag("DM_GPU_TRAIN_PROFILE", false)) {}
   template <typename F>
   void operator()(const char* phase, CUstream_st* stream, F&& f) {
     if (!on_) {

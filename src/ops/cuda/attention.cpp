@@ -82,10 +82,7 @@ int build_after(AttentionKernel kernel) {
 // the host included); DM_CUDNN_PACKED=0 keeps them on our kernel. The explicit Cudnn kernel
 // always takes them.
 bool packed_on_cudnn() {
-  static const bool on = [] {
-    const char* e = std::getenv("DM_CUDNN_PACKED");
-    return !(e && *e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = [] { return env_flag("DM_CUDNN_PACKED", true); }();
   return on;
 }
 

@@ -16,6 +16,7 @@
 
 #include <cstring>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cpu/attention.h"
 
@@ -321,10 +322,7 @@ bool stream_capturing(CUstream_st* stream) {
 }
 
 bool debug_log() {
-  static const bool on = [] {
-    const char* e = std::getenv("DM_CUDNN_DEBUG");
-    return e && *e && std::strcmp(e, "0") != 0;
-  }();
+  static const bool on = [] { return env_flag("DM_CUDNN_DEBUG", false); }();
   return on;
 }
 

@@ -12,8 +12,6 @@
 // Row-major → column-major mapping: a row-major [r, c] matrix with leading dimension ld is the
 // column-major [c, r] matrix with the same ld, so C = op(A)·op(B) (row-major) is computed as the
 // column-major product Cᵀ = op(B)ᵀ·op(A)ᵀ: cuBLAS's "A" is our B, its "B" is our A, m = N, n = M.
-#include "ops/cuda/gemm.h"
-
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -23,8 +21,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv.h"
 
 namespace dm::cuda {
@@ -390,12 +390,8 @@ struct GemmContext::AlgoCacheEntry {
 };
 
 GemmContext::GemmContext(size_t workspace_bytes) {
-  const auto env_on = [](const char* name) {
-    const char* v = std::getenv(name);
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  };
-  tuning_ = env_on("DM_GEMM_TUNE");
-  tuning_log_ = env_on("DM_GEMM_TUNE_LOG");
+  tuning_ = env_flag("DM_GEMM_TUNE", false);
+  tuning_log_ = env_flag("DM_GEMM_TUNE_LOG", false);
   workspace_bytes = (workspace_bytes + 511) & ~size_t(511);
   cublasLtHandle_t lt = nullptr;
   DM_CUBLAS_CHECK(cublasLtCreate(&lt));

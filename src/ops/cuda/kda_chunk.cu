@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
@@ -265,8 +266,7 @@ void kda_chunk_prepare_and_state(const Storage* q, const Storage* k, const Stora
   // bf16 inputs with tensor cores take the tensor-core prepare; DM_KDA_PREPARE=fp32 forces the
   // fp32 kernel (comparisons).
   static const bool prepare_fp32_forced = [] {
-    const char* env = std::getenv("DM_KDA_PREPARE");
-    return env != nullptr && std::string(env) == "fp32";
+    return env_choice("DM_KDA_PREPARE", {"tc", "fp32"}) == 1;
   }();
   if constexpr (sizeof(Storage) == 2) {
     if (tensor_cores && !prepare_fp32_forced) {

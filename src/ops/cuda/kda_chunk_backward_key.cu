@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda_backward_detail.cuh"
@@ -598,8 +599,7 @@ size_t kda_chunk_grad_key_shared_bytes(const KdaDims& d) {
 
 int kda_stage4_column_groups(int half_width) {
   static const bool force_two = [] {
-    const char* v = std::getenv("DM_KDA_STAGE4_GROUPS");
-    return v != nullptr && std::strcmp(v, "2") == 0;
+    return env_choice("DM_KDA_STAGE4_GROUPS", {"4", "2"}) == 1;
   }();
   return half_width % 32 == 0 && !force_two ? 4 : 2;
 }
@@ -618,14 +618,13 @@ void kda_chunk_grad_key_launch(const uint16_t* q, const uint16_t* k, const uint1
   const int shared = key_layout(d.KP, d.VP).total;
   // DM_KDA_KEY_INSIDE=pairs (read once): every sub-block's inside sums pair by pair.
   static const float inside_limit = [] {
-    const char* v = std::getenv("DM_KDA_KEY_INSIDE");
-    return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kKdaInsideExponentLimit;
+    return env_choice("DM_KDA_KEY_INSIDE", {"limit", "pairs"}) == 1 ? 0.0f
+                                                                    : kKdaInsideExponentLimit;
   }();
   // DM_KDA_KEY_PAIRWISE=blocks (read once): a reference token per sub-block in the pairwise
   // sums (one product and epilogue each) instead of one per side.
   static const bool per_block_refs = [] {
-    const char* v = std::getenv("DM_KDA_KEY_PAIRWISE");
-    return v != nullptr && std::strcmp(v, "blocks") == 0;
+    return env_choice("DM_KDA_KEY_PAIRWISE", {"sides", "blocks"}) == 1;
   }();
   launch_stage4_split_kernel(
       kda_chunk_grad_key_kernel<2, 0>, kda_chunk_grad_key_kernel<4, kKdaStaticDims>,

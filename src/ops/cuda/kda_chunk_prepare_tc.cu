@@ -524,8 +524,8 @@ void kda_chunk_prepare_tensor_cores(const uint16_t* q, const uint16_t* k, const 
   const int shared = tc_prepare_layout(d.KP).total;
   // DM_KDA_PREPARE_INSIDE=pairs (read once): every sub-block's inside pairs one by one.
   static const float inside_limit = [] {
-    const char* v = std::getenv("DM_KDA_PREPARE_INSIDE");
-    return v != nullptr && std::strcmp(v, "pairs") == 0 ? 0.0f : kKdaInsideExponentLimit;
+    return env_choice("DM_KDA_PREPARE_INSIDE", {"limit", "pairs"}) == 1 ? 0.0f
+                                                                        : kKdaInsideExponentLimit;
   }();
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/attention_mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
 #include "ops/cuda/device.h"
@@ -539,9 +540,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 // DM_KDA_STATE_COLUMNS=16|32 forces one (tests cover both widths on small shapes; 32 needs
 // VP % 32 == 0 and falls back to 16 otherwise).
 int state_tile_columns(const KdaDims& d) {
-  if (const char* env = std::getenv("DM_KDA_STATE_COLUMNS")) {
-    if (std::strcmp(env, "16") == 0) return 16;
-    if (std::strcmp(env, "32") == 0) return d.VP % 32 == 0 ? 32 : 16;
+  switch (env_choice("DM_KDA_STATE_COLUMNS", {"auto", "16", "32"})) {
+    case 1:
+      return 16;
+    case 2:
+      return d.VP % 32 == 0 ? 32 : 16;
+    default:
+      break;
   }
   int device = 0, sms = 0;
   DM_CUDA_CHECK(cudaGetDevice(&device));
@@ -561,9 +566,13 @@ int state_tile_columns(const KdaDims& d) {
 // (2,16384,16,128), 256 blocks, 10.95 against 10.77; (1,8192,96,128), 384 blocks, 15.25 against
 // 14.93. DM_KDA_STATE_BACKWARD=staged|regs (read at each call: the tests run both) forces one.
 bool state_backward_staged(int blocks) {
-  if (const char* v = std::getenv("DM_KDA_STATE_BACKWARD")) {
-    if (std::strcmp(v, "staged") == 0) return true;
-    if (std::strcmp(v, "regs") == 0) return false;
+  switch (env_choice("DM_KDA_STATE_BACKWARD", {"auto", "staged", "regs"})) {
+    case 1:
+      return true;
+    case 2:
+      return false;
+    default:
+      break;
   }
   int device = 0, sms = 0;
   DM_CUDA_CHECK(cudaGetDevice(&device));

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
@@ -296,10 +297,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // The whole-chunk-head kernel unless DM_KDA_OUTPUT=tiles (read once).
 bool output_whole_selected() {
-  static const bool tiles = [] {
-    const char* v = std::getenv("DM_KDA_OUTPUT");
-    return v != nullptr && std::strcmp(v, "tiles") == 0;
-  }();
+  static const bool tiles = [] { return env_choice("DM_KDA_OUTPUT", {"whole", "tiles"}) == 1; }();
   return !tiles;
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/moe.h"
@@ -149,10 +150,7 @@ void moe_experts_recompute(GemmContext& gemm, const uint16_t* x, const MoeDispat
 
 // DM_MOE_GROUPED_F32=cublas: the grouped path's fp32-output GEMMs one cuBLAS call per expert.
 static bool grouped_f32_kernels() {
-  static const bool on = [] {
-    const char* e = std::getenv("DM_MOE_GROUPED_F32");
-    return !(e && std::strcmp(e, "cublas") == 0);
-  }();
+  static const bool on = [] { return env_choice("DM_MOE_GROUPED_F32", {"own", "cublas"}) == 0; }();
   return on;
 }
 
