@@ -15,7 +15,8 @@
 // warp through ldmatrix; with two groups (H = 32) it issued from 8 warps at 0.47 eligible a
 // scheduler and streamed the cache at 2.66 TB/s (1 × 1M, ncu: 452 µs a layer) against 3.52 TB/s
 // with one group. Here the tensor cores pull the operands themselves and one warpgroup's issue
-// work per page is ~70 wgmma instructions plus the softmax of 16 scores a thread.
+// work per page is ~70 wgmma instructions plus the softmax of 16 scores a thread: 302 µs a layer
+// at 1 × 1M (4.0 TB/s, DRAM 86% busy), 590 µs at 64 × 32K (H200, bench_cuda_mla --decode-only).
 //
 // CTA: one warpgroup (128 threads), the split's pages double-buffered by cp.async (2 × 72 KB),
 // one CTA per multiprocessor. Per page:
