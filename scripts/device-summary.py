@@ -84,6 +84,8 @@ def main():
             direction = "bwd" if " bwd" in r[0] else "fwd"
             peer = torch_cudnn.get((direction, r[1]), "")
             out.append(f"| {r[0]} {r[1]} | {r[3]} TF/s ({r[4]} of peak) | {peer} | ≥ 50% of peak |")
+        elif len(r) >= 6 and r[0].startswith("mla decode"):
+            out.append(f"| {r[0]} {r[1]} | {r[2]}, {r[5]} GB/s of cache read | | — |")
 
     # Decode, Kimi-Linear-48B shape: ms/step against the HBM floor.
     for line in read(d, "bench_cuda_decode.log").splitlines():
