@@ -331,7 +331,15 @@ std::string GpuDecoder::mode() const {
         break;
     }
   }
-  return graphs + "; " + moe;
+  std::string mla;
+  const std::vector<MixerKind>& mixers = config().mixers;
+  if (std::find(mixers.begin(), mixers.end(), MixerKind::MLA) != mixers.end()) {
+    const MlaConfig& m = config().mla;
+    const int Dk = int(m.kv_lora_rank + m.qk_rope_dim), Dv = int(m.kv_lora_rank);
+    mla = mla_decode_uses_wgmma(Dk, Dv) ? "; MLA attention: warpgroup MMA"
+                                        : "; MLA attention: mma.sync";
+  }
+  return graphs + "; " + moe + mla;
 }
 
 int64_t GpuDecoder::length(int64_t slot) const {

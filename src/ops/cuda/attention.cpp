@@ -195,6 +195,10 @@ std::atomic<bool>& decode_wgmma_setting() {
 
 bool mla_decode_wgmma() { return decode_wgmma_setting().load(std::memory_order_relaxed); }
 void mla_set_decode_wgmma(bool on) { decode_wgmma_setting().store(on, std::memory_order_relaxed); }
+bool mla_decode_uses_wgmma(int Dk, int Dv) {
+  return mla_decode_wgmma() && Dk == attention_detail::kDecodeMaxDk &&
+         Dv == attention_detail::kDecodeMaxDv;
+}
 
 MlaSplitRule mla_split_rule_default() {
   static const MlaSplitRule rule = [] {

@@ -123,5 +123,8 @@ void mla_decode_absorbed(const MlaDecodeArgs& args, const MlaDecodePlan& plan, v
 // default 1; read once), changeable at run time (tests run both kernels).
 bool mla_decode_wgmma();
 void mla_set_decode_wgmma(bool on);
+// Whether mla_decode_absorbed takes the warpgroup-MMA kernel for cache rows of Dk and values of
+// Dv: mla_decode_wgmma() and Dk = 576, Dv = 512.
+bool mla_decode_uses_wgmma(int Dk, int Dv);
 
 }  // namespace dm::cuda

@@ -354,7 +354,7 @@ void launch_wgmma_decode(const DecodeArgs& a, CUstream_st* stream) {
 }  // namespace
 
 bool launch_attention_decode_wgmma(const DecodeArgs& a, CUstream_st* stream) {
-  if (!mla_decode_wgmma() || a.Dk != kDk || a.Dv != kDv) return false;
+  if (!mla_decode_uses_wgmma(a.Dk, a.Dv)) return false;
   if (decode_heads_per_cta(a.H) == 32)
     launch_wgmma_decode<32>(a, stream);
   else
