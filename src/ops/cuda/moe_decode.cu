@@ -47,7 +47,7 @@ constexpr int kPairDownMaxWarps = 16;  // down + combine pair kernel: most warps
 // expert): gate/up warps take 2 row pairs each and a down block 8 channels with a warp per pair,
 // so that each kernel is one wave on the 48B shape (at 64-70 registers 3-4 blocks fit an SM; a
 // warp per row pair or per 4 channels made 1.1-1.5 waves, and 9 pairs on 8 warps left warp 0
-// two): 1 x 32K 3.08/3.11 -> 2.97/2.96 ms a step on an H200. Beyond, 1 row pair a warp and
+// two): 1 x 32K 3.07/3.07 -> 2.94/2.94 ms a step on an H200. Beyond, 1 row pair a warp and
 // 4-channel blocks of 8 warps striding over the pairs (at 36 pairs, batch 4, the one-wave shape
 // left a third of the warps a third pair: 6.27 -> 6.81 ms).
 struct PairPlan {
