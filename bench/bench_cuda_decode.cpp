@@ -6,6 +6,8 @@
 // --graphs / --moe pick how a step runs (GpuDecodeOptions; defaults from DM_DECODE_GRAPHS and
 // DM_DECODE_MOE, else graphs on and the gathered MoE kernels for small batches): each case
 // prints a "mode:" line saying what ran. `--graphs off --moe grouped` is the pre-graph decoder.
+// With DM_DECODE_PROFILE=1 each case also prints the device time of the timed steps' phases
+// (GpuDecoder::profile_report: KDA / MLA mixers, MoE / dense FFNs, the rest), graphs included.
 // Weights are random bf16 drawn on the device: DeviceWeights(…, RandomInit) over a
 // ReservedWeights layout (48B parameters are 196 GB in fp32, more than the host holds, and a
 // host-side init would take minutes). Each slot's cache is filled to the context length by the
@@ -200,6 +202,7 @@ int main(int argc, char** argv) {
       std::vector<float> logits(static_cast<size_t>(B * V));
       std::vector<double> ms;
       for (int s = 0; s < warmup + steps; ++s) {
+        if (s == warmup) dec.profile_report();  // DM_DECODE_PROFILE: time the measured steps only
         for (auto& x : tok) x = int32_t(rng() % uint64_t(V));
         const auto ts = std::chrono::steady_clock::now();
         dec.step(tok.data(), logits.data());
@@ -221,6 +224,8 @@ int main(int argc, char** argv) {
                   double(dec.scratch_bytes()) / 1e9);
       std::printf("       mode: %s; MoE at batch %lld: %s\n", dec.mode().c_str(), (long long)B,
                   moe_path_name(dec.moe_path(B)));
+      const std::string profile = dec.profile_report();
+      if (!profile.empty()) std::printf("       %s\n", profile.c_str());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_cuda_decode: %s\n", e.what());

@@ -675,6 +675,48 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
 // Linear-48B's experts (E = 256, k = 8): the gathered kernels up to one row per expert (n ≤ 32),
 // our few-rows grouped kernel up to two (n ≤ 64), cuBLAS' grouped GEMM below 64 (n < 2048), our
 // 128-row tiles from there; forced modes as asked.
+// DM_DECODE_PROFILE=1 (read when a decoder is built): the timed phases of graphed and direct
+// steps are positive, add up to no more than the step, and the report resets; off, it is empty.
+TEST(CudaDecode, ProfileReportsThePhasesOfGraphedSteps) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  auto model = bf16_model(c, 41);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, S = 2, Lmax = 32;
+  std::vector<int32_t> tokens = {3, 5};
+  std::vector<float> logits(static_cast<size_t>(S * V));
+  {
+    cuda::GpuDecoder off(dw, S, Lmax, decode_options(true, DecodeMoe::Auto));
+    off.step(tokens.data(), logits.data());
+    EXPECT_TRUE(off.profile_report().empty());
+  }
+  setenv("DM_DECODE_PROFILE", "1", 1);
+  for (bool graphs : {true, false}) {
+    SCOPED_TRACE(graphs ? "graphs" : "direct");
+    cuda::GpuDecoder dec(dw, S, Lmax, decode_options(graphs, DecodeMoe::Auto));
+    for (int step = 0; step < 5; ++step) dec.step(tokens.data(), logits.data());
+    if (graphs) EXPECT_GT(dec.graph_replays(), 0);
+    const std::string report = dec.profile_report();
+    std::printf("[          ] %s\n", report.c_str());
+    double kda = -1, mla = -1, moe = -1, dense = -1, rest = 0, step = -1;
+    long long steps = 0;
+    ASSERT_EQ(std::sscanf(report.c_str(),
+                          "decode profile (µs per step, %lld steps): KDA mixers %lf, MLA mixers "
+                          "%lf, MoE FFNs %lf, dense FFNs %lf, the rest %lf, step %lf",
+                          &steps, &kda, &mla, &moe, &dense, &rest, &step),
+              7)
+        << report;
+    EXPECT_EQ(steps, 5);
+    EXPECT_GT(kda, 0.0);
+    EXPECT_GT(mla, 0.0);
+    EXPECT_GT(moe, 0.0);
+    EXPECT_GE(dense, 0.0);
+    EXPECT_GT(step, kda + mla + moe + dense - 1.0);  // the events' resolution is ~0.5 µs
+    EXPECT_TRUE(dec.profile_report().empty()) << "the report resets";
+  }
+  unsetenv("DM_DECODE_PROFILE");
+}
+
 TEST(CudaDecode, MoePathByRowsPerExpert) {
   using Path = cuda::MoeExpertsPath;
   const cuda::ExpertWeightsBf16 ew{nullptr, nullptr, nullptr, 256, 2304, 1024};

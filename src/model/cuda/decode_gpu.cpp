@@ -29,6 +29,7 @@
 #include <cstring>
 #include <exception>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/decode_gpu_internal.h"
 #include "model/cuda/layers.h"
@@ -195,6 +196,8 @@ GpuDecoder::GpuDecoder(const DeviceWeights& dw, int64_t num_slots, int64_t max_l
 GpuDecoder::~GpuDecoder() = default;
 
 void GpuDecoder::init() {
+  if (env_flag("DM_DECODE_PROFILE", false))
+    marks_ = std::make_unique<StreamMarks>(4 * config().num_layers + 2);
   const ModelConfig& c = config();
   check_decode_config(c, S_, max_length_);
   has_moe_ = any_moe(c);
@@ -662,6 +665,7 @@ const float* GpuDecoder::run_rows(int64_t n, bool want_logits) {
                        stream);
   stream_synchronize(stream);  // the step's one host synchronisation
   check_last_error("GpuDecoder step");
+  if (marks_) add_step_phases();
   return want_logits ? pinned_logits_->as<float>() : nullptr;
 }
 
@@ -710,16 +714,25 @@ void GpuDecoder::record_step(const DecodeStepBuffers& b, int64_t n, bool want_lo
   rows.positions = b.positions;
   rows.seq_len = b.seq_len;
   rows.row_table = b.row_table;
+  auto mark = [&](int m) {
+    if (marks_) marks_->record(m, stream);
+  };
+  mark(0);
   auto mixer = [&](int i, const uint16_t* in, float* o) {
-    if (c.mixers[i] == MixerKind::KDA) kda_step(i, in, o, rows);
+    mark(1 + 4 * i);
+    if (c.mixers[i] == MixerKind::KDA)
+      kda_step(i, in, o, rows);
     else
       mla_step(run, i, in, o, rows);
+    mark(2 + 4 * i);
   };
   auto ffn = [&](int i, const uint16_t* in, float* o) {
+    mark(3 + 4 * i);
     if (c.ffns[i] == FfnKind::MoE)
       moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n, nullptr, moe);
     else
       dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
+    mark(4 + 4 * i);
   };
   DecodeResidualOps ops;
   ops.dw = dw_;
@@ -729,6 +742,34 @@ void GpuDecoder::record_step(const DecodeStepBuffers& b, int64_t n, bool want_lo
       ops);
   if (want_logits)
     linear(run, final_hidden, dw_->bf16(W.lm_head), n, d, V, b.logits, GemmOutType::F32);
+  mark(1 + 4 * c.num_layers);
+}
+
+void GpuDecoder::add_step_phases() {
+  const ModelConfig& c = config();
+  for (int i = 0; i < c.num_layers; ++i) {
+    const double mixer = marks_->elapsed_ms(1 + 4 * i, 2 + 4 * i);
+    const double ffn = marks_->elapsed_ms(3 + 4 * i, 4 + 4 * i);
+    (c.mixers[size_t(i)] == MixerKind::KDA ? phase_sums_.kda : phase_sums_.mla) += mixer;
+    (c.ffns[size_t(i)] == FfnKind::MoE ? phase_sums_.moe : phase_sums_.dense) += ffn;
+  }
+  phase_sums_.step += marks_->elapsed_ms(0, 1 + 4 * c.num_layers);
+  ++phase_sums_.steps;
+}
+
+std::string GpuDecoder::profile_report() {
+  if (!marks_ || phase_sums_.steps == 0) return {};
+  const PhaseSums p = phase_sums_;
+  phase_sums_ = PhaseSums{};
+  const double us = 1e3 / double(p.steps);
+  const double rest = p.step - p.kda - p.mla - p.moe - p.dense;
+  char line[320];
+  std::snprintf(line, sizeof(line),
+                "decode profile (µs per step, %lld steps): KDA mixers %.1f, MLA mixers %.1f, "
+                "MoE FFNs %.1f, dense FFNs %.1f, the rest %.1f, step %.1f",
+                (long long)p.steps, p.kda * us, p.mla * us, p.moe * us, p.dense * us, rest * us,
+                p.step * us);
+  return line;
 }
 
 }  // namespace dm::cuda

@@ -42,6 +42,7 @@
 #include "model/cuda/gpu_run.h"
 #include "model/cuda/layers.h"
 #include "ops/cuda/graph.h"
+#include "ops/cuda/stream_marks.h"
 
 namespace dm::cuda {
 
@@ -96,6 +97,11 @@ class GpuDecoder {
   const GpuDecodeOptions& options() const { return options_; }
   // How steps run, in one line (bench output): graphs on/off (and why off), the MoE path.
   std::string mode() const;
+  // DM_DECODE_PROFILE=1: the device time of each step's phases, from timing events recorded
+  // around every sub-layer (inside the graphs too, so the phases are timed as they run): the
+  // KDA and MLA mixers, the MoE and dense FFNs, and the rest (residual stream, norms, embedding,
+  // LM head). One line of µs-per-step averages since the last call (then reset); empty when off.
+  std::string profile_report();
   // Graphs captured so far and steps replayed from one (tests, bench); 0 and 0 without graphs.
   int64_t graphs_captured() const { return graphs_captured_; }
   int64_t graph_replays() const { return graph_replays_; }
@@ -212,6 +218,14 @@ class GpuDecoder {
   std::vector<std::unique_ptr<StepGraph>> graphs_;
   bool graph_capture_failed_ = false;
   int64_t graphs_captured_ = 0, graph_replays_ = 0;
+  // DM_DECODE_PROFILE: marks 0 (step start), 1 + 4i … 4 + 4i (layer i's mixer start / end, FFN
+  // start / end), 1 + 4L (step end); per-phase sums in ms since profile_report().
+  std::unique_ptr<StreamMarks> marks_;
+  struct PhaseSums {
+    double kda = 0, mla = 0, moe = 0, dense = 0, step = 0;
+    int64_t steps = 0;
+  } phase_sums_;
+  void add_step_phases();
   // The chunked prefill's own resources, sized for the longest prompt seen (grown on demand).
   std::unique_ptr<GpuRun> prefill_run_;
   std::unique_ptr<DeviceArena> prefill_act_;
