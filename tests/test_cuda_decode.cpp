@@ -671,10 +671,6 @@ TEST(CudaDecode, GraphsAndGatheredMoeMatchDirectSteps) {
   EXPECT_GE(graphed_grouped.graph_replays(), 20) << graphed_grouped.mode();
 }
 
-// The decoder's routed-expert path by batch rows (host arithmetic: runs without a GPU). Kimi-
-// Linear-48B's experts (E = 256, k = 8): the gathered kernels up to one row per expert (n ≤ 32),
-// our few-rows grouped kernel up to two (n ≤ 64), cuBLAS' grouped GEMM below 64 (n < 2048), our
-// 128-row tiles from there; forced modes as asked.
 // DM_DECODE_PROFILE=1 (read when a decoder is built): the timed phases of graphed and direct
 // steps are positive, add up to no more than the step, and the report resets; off, it is empty.
 TEST(CudaDecode, ProfileReportsThePhasesOfGraphedSteps) {
@@ -717,6 +713,10 @@ TEST(CudaDecode, ProfileReportsThePhasesOfGraphedSteps) {
   unsetenv("DM_DECODE_PROFILE");
 }
 
+// The decoder's routed-expert path by batch rows (host arithmetic: runs without a GPU). Kimi-
+// Linear-48B's experts (E = 256, k = 8): the gathered kernels up to one row per expert (n ≤ 32),
+// our few-rows grouped kernel up to two (n ≤ 64), cuBLAS' grouped GEMM below 64 (n < 2048), our
+// 128-row tiles from there; forced modes as asked.
 TEST(CudaDecode, MoePathByRowsPerExpert) {
   using Path = cuda::MoeExpertsPath;
   const cuda::ExpertWeightsBf16 ew{nullptr, nullptr, nullptr, 256, 2304, 1024};

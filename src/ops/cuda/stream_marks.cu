@@ -25,7 +25,17 @@ StreamMarks::~StreamMarks() {
 
 void StreamMarks::record(int i, CUstream_st* stream) {
   DM_CHECK(i >= 0 && i < count_, "StreamMarks: mark ", i, " of ", count_);
-  DM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[i]), stream));
+  // During stream capture a plain record only orders the graph's nodes (no record node, nothing
+  // to time); the external flag makes it a record node, stamped each time the graph replays.
+  // Outside capture the flag is refused ("cannot be performed in the present state", CUDA 13.0
+  // on the H200), so it is passed only while capturing.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  DM_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const auto e = static_cast<cudaEvent_t>(events_[i]);
+  if (capture == cudaStreamCaptureStatusActive)
+    DM_CUDA_CHECK(cudaEventRecordWithFlags(e, stream, cudaEventRecordExternal));
+  else
+    DM_CUDA_CHECK(cudaEventRecord(e, stream));
 }
 
 float StreamMarks::elapsed_ms(int from, int to) const {
