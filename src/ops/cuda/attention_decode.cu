@@ -28,6 +28,7 @@
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda::attention_detail {
 
@@ -60,6 +61,7 @@ struct DecodeConfig {
 template <int kDk, int kDv, int kGroups>
 __global__ void __launch_bounds__(kGroups * kDecodeWarps * 32, 1)
     attention_decode_kernel(const DecodeArgs a) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   using Cfg = DecodeConfig<kDk, kDv, kGroups>;
   constexpr int kThreads = Cfg::kThreads, kTokens = Cfg::kTokens, kStride = Cfg::kStride;
   constexpr int kDvPerWarp = Cfg::kDvPerWarp, kScoreStride = Cfg::kScoreStride;
@@ -210,6 +212,7 @@ static_assert(kCombineColumns == 32 * 4, "one float4 per lane");
 
 __global__ void __launch_bounds__(kCombineWarps * 32)
     attention_decode_combine_kernel(const DecodeArgs a) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float weights[kCombineMaxSplits];
   __shared__ float reduce_scratch[32];
   __shared__ float4 warp_sums[kCombineWarps][32];
@@ -291,8 +294,8 @@ void launch_decode_groups(const DecodeArgs& args, CUstream_st* stream) {
   }
   const dim3 grid(unsigned(args.num_splits), unsigned(ceil_div(args.H, Cfg::kHeads)),
                   unsigned(args.S));
-  attention_decode_kernel<kDk, kDv, kGroups>
-      <<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  launch_pdl(attention_decode_kernel<kDk, kDv, kGroups>, grid, Cfg::kThreads, Cfg::kSmemBytes,
+             stream, args);
   check_last_error("attention_decode_kernel");
 }
 
@@ -352,7 +355,7 @@ void launch_attention_decode(const DecodeProblem& p, const uint16_t* q, const ui
                         "/", kDecodeMaxDv));
   if (p.num_splits > 1) {
     const dim3 grid(unsigned(p.H), unsigned(p.S), unsigned(ceil_div(p.Dv, kCombineColumns)));
-    attention_decode_combine_kernel<<<grid, kCombineWarps * 32, 0, stream>>>(a);
+    launch_pdl(attention_decode_combine_kernel, grid, kCombineWarps * 32, 0, stream, a);
     check_last_error("attention_decode_combine_kernel");
   }
 }

@@ -40,6 +40,7 @@
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/wgmma.cuh"
 
 namespace dm::cuda::attention_detail {
@@ -98,6 +99,7 @@ __device__ __forceinline__ void mma_heads(float (&d)[kHeads / 2], uint64_t desc_
 
 template <int kHeads>
 __global__ void __launch_bounds__(kThreads, 1) attention_decode_wgmma_kernel(const DecodeArgs a) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   using Cfg = WgmmaDecodeConfig<kHeads>;
   constexpr int kAcc = Cfg::kAcc, kCols = kHeads / 8;  // a thread's head columns: kCols pairs
   extern __shared__ __align__(1024) uint8_t decode_smem_raw[];
@@ -346,8 +348,8 @@ void launch_wgmma_decode(const DecodeArgs& a, CUstream_st* stream) {
     attribute_set = true;
   }
   const dim3 grid(unsigned(a.num_splits), unsigned(ceil_div(a.H, kHeads)), unsigned(a.S));
-  attention_decode_wgmma_kernel<kHeads>
-      <<<grid, kThreads, Cfg::kSmemBytes, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  launch_pdl(attention_decode_wgmma_kernel<kHeads>, grid, kThreads, Cfg::kSmemBytes,
+             reinterpret_cast<cudaStream_t>(stream), a);
   check_last_error("attention_decode_wgmma_kernel");
 }
 

@@ -15,6 +15,7 @@
 #include "ops/cuda/decode_ops.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -36,6 +37,7 @@ __global__ void prepare_rows_kernel(const int32_t* __restrict__ slots, int32_t* 
                                     const int32_t* __restrict__ page_table, int64_t P,
                                     int32_t* __restrict__ positions, int32_t* __restrict__ seq_len,
                                     int32_t* __restrict__ row_table) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t r = blockIdx.x;
   const int64_t slot = slots[r];
   for (int64_t j = threadIdx.x; j < P; j += blockDim.x) row_table[r * P + j] = page_table[slot * P + j];
@@ -51,6 +53,7 @@ __global__ void prepare_rows_kernel(const int32_t* __restrict__ slots, int32_t* 
 // so the in-place shift needs no synchronisation (a slot appears once per step).
 __global__ void conv_step_kernel(const KdaConvStepArgs a, const int32_t* __restrict__ slots,
                                  int64_t n, int64_t C, int Kc) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = 3 * n * C;
   const int tail_rows = Kc - 1;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -81,6 +84,7 @@ __global__ void write_latent_kernel(const float* __restrict__ kv_a, const float*
                                     const int32_t* __restrict__ positions,
                                     const int32_t* __restrict__ row_table, int64_t P,
                                     int64_t page_tokens, uint16_t* __restrict__ pages) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float shared[32];
   const int64_t r = blockIdx.x, W = kvl + rope;
   const float* row = kv_a + r * W;
@@ -111,6 +115,7 @@ __global__ void query_rope_kernel(const uint16_t* __restrict__ q, int64_t H, int
                                   const float* __restrict__ sin,
                                   const int32_t* __restrict__ positions,
                                   uint16_t* __restrict__ q_abs, int64_t total) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t dq = nope + rope, W = kvl + rope, half = rope / 2;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -139,8 +144,8 @@ void decode_prepare_rows(const int32_t* slots, int64_t n, int32_t* lengths,
                          const int32_t* page_table, int64_t P, int32_t* positions,
                          int32_t* seq_len, int32_t* row_table, DecodeStream stream) {
   if (n == 0) return;
-  prepare_rows_kernel<<<unsigned(n), kRowThreads, 0, stream>>>(slots, lengths, page_table, P,
-                                                               positions, seq_len, row_table);
+  launch_pdl(prepare_rows_kernel, unsigned(n), kRowThreads, 0, stream, slots, lengths, page_table,
+             P, positions, seq_len, row_table);
   check_last_error("decode_prepare_rows");
 }
 
@@ -148,7 +153,7 @@ void decode_kda_conv_step(const KdaConvStepArgs& a, const int32_t* slots, int64_
                           int Kc, DecodeStream stream) {
   DM_CHECK(Kc >= 1, "decode_kda_conv_step: conv kernel must be ≥ 1, got ", Kc);
   if (n * C == 0) return;
-  conv_step_kernel<<<grid_blocks(3 * n * C), kThreads, 0, stream>>>(a, slots, n, C, Kc);
+  launch_pdl(conv_step_kernel, grid_blocks(3 * n * C), kThreads, 0, stream, a, slots, n, C, Kc);
   check_last_error("decode_kda_conv_step");
 }
 void decode_mla_write_latent(const float* kv_a, const float* norm_w, int64_t n, int64_t kvl,
@@ -156,8 +161,8 @@ void decode_mla_write_latent(const float* kv_a, const float* norm_w, int64_t n, 
                              const int32_t* positions, const int32_t* row_table, int64_t P,
                              int64_t page_tokens, uint16_t* pages, DecodeStream stream) {
   if (n == 0) return;
-  write_latent_kernel<<<unsigned(n), kRowThreads, 0, stream>>>(
-      kv_a, norm_w, kvl, rope, eps, cos, sin, positions, row_table, P, page_tokens, pages);
+  launch_pdl(write_latent_kernel, unsigned(n), kRowThreads, 0, stream, kv_a, norm_w, kvl, rope, eps,
+             cos, sin, positions, row_table, P, page_tokens, pages);
   check_last_error("decode_mla_write_latent");
 }
 
@@ -166,8 +171,8 @@ void decode_mla_query_rope(const uint16_t* q, int64_t n, int64_t H, int64_t nope
                            const int32_t* positions, uint16_t* q_abs, DecodeStream stream) {
   const int64_t total = n * H * rope;
   if (total == 0) return;
-  query_rope_kernel<<<grid_blocks(total), kThreads, 0, stream>>>(q, H, nope, rope, kvl, cos, sin,
-                                                                 positions, q_abs, total);
+  launch_pdl(query_rope_kernel, grid_blocks(total), kThreads, 0, stream, q, H, nope, rope, kvl, cos,
+             sin, positions, q_abs, total);
   check_last_error("decode_mla_query_rope");
 }
 }  // namespace dm::cuda

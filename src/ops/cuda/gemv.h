@@ -9,6 +9,9 @@
 // shared memory in a fixed order, so results are deterministic. A decode step at 1 × 32K took
 // 3.85 ms with it against 4.7 ms with cuBLASLt (docs/benchmarks.md).
 // GemmContext::gemm_bf16 routes here by itself (gemv_applies), unless DM_GEMV=cublas.
+// Launched with PDL (pdl.h): a block loads its weight rows before it waits for the kernel before
+// it, so W must not be written by a PDL kernel launched just before (every caller passes weights,
+// which the optimizer writes in kernels launched without PDL).
 // Plain C++ (no CUDA headers); implemented in gemv.cu.
 #pragma once
 #include <cstdint>

@@ -16,6 +16,7 @@
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda_gate.cuh"
 #include "ops/cuda/kda_layer_ops.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
@@ -64,6 +65,7 @@ template <typename Act>
 __global__ void rmsnorm_gated_kernel(const Act* x, const float* __restrict__ w,
                                      const Act* __restrict__ gate, Act* y, int64_t rows, int64_t D,
                                      float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kNormRowsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
@@ -90,6 +92,7 @@ template <typename Act, int M>
 __global__ void rmsnorm_gated_vec4_kernel(const Act* x, const float* __restrict__ w,
                                           const Act* __restrict__ gate, Act* y, int64_t rows,
                                           float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr int D = 128 * M;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kNormRowsPerBlock + (threadIdx.x >> 5);
@@ -155,14 +158,14 @@ void rmsnorm_gated_launch(const Act* x, const float* w, const Act* gate, Act* y,
                     aligned_to(gate, 4 * sizeof(Act)) && aligned_to(y, 4 * sizeof(Act)) &&
                     aligned_to(w, 16);
   if (vec4 && D == 128)
-    rmsnorm_gated_vec4_kernel<Act, 1>
-        <<<unsigned(blocks), kThreads, 0, stream>>>(x, w, gate, y, rows, eps);
+    launch_pdl(rmsnorm_gated_vec4_kernel<Act, 1>, unsigned(blocks), kThreads, 0, stream, x, w, gate,
+               y, rows, eps);
   else if (vec4)
-    rmsnorm_gated_vec4_kernel<Act, 2>
-        <<<unsigned(blocks), kThreads, 0, stream>>>(x, w, gate, y, rows, eps);
+    launch_pdl(rmsnorm_gated_vec4_kernel<Act, 2>, unsigned(blocks), kThreads, 0, stream, x, w, gate,
+               y, rows, eps);
   else
-    rmsnorm_gated_kernel<Act>
-        <<<unsigned(blocks), kThreads, 0, stream>>>(x, w, gate, y, rows, D, eps);
+    launch_pdl(rmsnorm_gated_kernel<Act>, unsigned(blocks), kThreads, 0, stream, x, w, gate, y,
+               rows, D, eps);
   check_last_error("cuda kda_rmsnorm_gated_forward");
 }
 

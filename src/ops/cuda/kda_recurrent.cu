@@ -19,6 +19,7 @@
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda.h"
 #include "ops/cuda/kda_gate.cuh"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -43,6 +44,7 @@ __global__ void __launch_bounds__(kRecurrentThreads)
                          const Storage* beta, const float* s0, Storage* o, float* sT,
                          const int32_t* doc_start, const int32_t* state_index, KdaRecurrentDims d,
                          const KdaStepGates gates) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   extern __shared__ float shared[];
   float* key_hat = shared;           // [K]
   float* query_hat = key_hat + d.K;  // [K]
@@ -169,8 +171,8 @@ void kda_recurrent_launch(const Storage* q, const Storage* k, const Storage* v, 
   const dim3 block(kRecurrentTile, kRecurrentRowLanes);
   // Registers of state per thread: the smallest power of two covering K / 8.
   const auto launch = [&](auto rows) {
-    kda_recurrent_kernel<Storage, decltype(rows)::value><<<grid, block, shared_bytes, stream>>>(
-        q, k, v, g, beta, s0, o, sT, doc_start, state_index, d, gates);
+    launch_pdl(kda_recurrent_kernel<Storage, decltype(rows)::value>, grid, block, shared_bytes,
+               stream, q, k, v, g, beta, s0, o, sT, doc_start, state_index, d, gates);
   };
   const int64_t rows = ceil_div(s.K, kRecurrentRowLanes);
   if (rows <= 1)

@@ -13,6 +13,7 @@
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
 #include "ops/cuda/moe_kernels.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda::moe_detail {
 
@@ -49,6 +50,7 @@ __device__ __forceinline__ float router_sigmoid(float x) {
 // selection order, so no "taken" mask is needed: O((k+1)·E/32) per lane.
 __global__ void moe_route_kernel(const RouteProblem p, const float* logits, const float* bias,
                                  float* scores, int32_t* idx, float* w, float* cutoff) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float group_score[kRouteWarps][kRouteMaxGroups];
   __shared__ unsigned char group_kept[kRouteWarps][kRouteMaxGroups];
   __shared__ int pick_expert[kRouteWarps][kRouteMaxPicks];
@@ -557,8 +559,8 @@ int grid_for(int64_t n, int threads) {
 void launch_route(const RouteProblem& p, const float* logits, const float* bias, float* scores,
                   int32_t* idx, float* w, float* cutoff, CUstream_st* stream) {
   if (p.N == 0) return;
-  moe_route_kernel<<<ceil_div(p.N, kRouteWarps), kRouteWarps * 32, 0, stream>>>(
-      p, logits, bias, scores, idx, w, cutoff);
+  launch_pdl(moe_route_kernel, ceil_div(p.N, kRouteWarps), kRouteWarps * 32, 0, stream, p, logits,
+             bias, scores, idx, w, cutoff);
   check_last_error("moe_route_kernel");
 }
 

@@ -16,6 +16,7 @@
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/moe_decode.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -122,6 +123,7 @@ __device__ unsigned long long plan_exclusive_scan(unsigned long long v, unsigned
 // count[e] (earlier groups) + the set bits below t's (stable order without a sort).
 __global__ void __launch_bounds__(kPlanThreads)
     moe_decode_plan_kernel(const int32_t* __restrict__ idx, int N, int k, int E, Plan plan) {
+  pdl_wait_then_launch_dependents();               // PDL (pdl.h): before any input is read
   __shared__ int32_t count[kMoeDecodeMaxExperts];  // rows so far; later the expert's first row
   __shared__ uint32_t mask[kMoeDecodeMaxExperts];
   const int tid = threadIdx.x;
@@ -313,6 +315,7 @@ __global__ void __launch_bounds__(kThreads)
     moe_decode_gate_up_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ gate_w,
                               const uint16_t* __restrict__ up_w, int64_t Din, int64_t F, int k,
                               Plan plan, GluKernelParams act, uint16_t* __restrict__ h) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t f0 = (int64_t(blockIdx.x) * kWarps + warp) * kGateUpRowsPerWarp;
   if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
@@ -358,6 +361,7 @@ __device__ __forceinline__ void down_pass(const uint4* const (&w)[kWeightRows],
 __global__ void __launch_bounds__(kThreads)
     moe_decode_down_kernel(const uint16_t* __restrict__ h, const uint16_t* __restrict__ down_w,
                            int64_t Din, int64_t F, Plan plan, float* __restrict__ o) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kDownRowsPerWarp;
   if (c0 >= Din) return;  // warp-uniform; the kernel has no block barrier
@@ -394,6 +398,7 @@ __global__ void __launch_bounds__(kThreads)
                                     int k, const int32_t* __restrict__ idx, int E, int routed_pairs,
                                     SharedExpertBf16 shared, GluKernelParams act,
                                     uint16_t* __restrict__ h) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int32_t pair = int32_t(blockIdx.y);
   const bool shared_pair = pair >= routed_pairs;
@@ -426,6 +431,7 @@ __global__ void __launch_bounds__(kPairDownMaxWarps * 32)
                                          const float* __restrict__ weight, int N, int k, int E,
                                          const uint16_t* __restrict__ shared_down, int shared_pairs,
                                          void* __restrict__ y) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float dots[2 * kPairPathMaxPairs][kChannels];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t block_c0 = int64_t(blockIdx.x) * kChannels;
@@ -478,6 +484,7 @@ __global__ void moe_decode_combine_kernel(const float* __restrict__ o,
                                           const int32_t* __restrict__ idx,
                                           const float* __restrict__ w, int64_t N, int k, int E,
                                           int64_t Din, void* __restrict__ y) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t quads = Din / 4, total = N * quads;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -574,8 +581,8 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
         unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp * shape.gate_up_steps)),
         unsigned(N * k + shared_pairs));
     auto gate_up = [&](auto kernel) {
-      kernel<<<gate_up_grid, kThreads, 0, stream>>>(x, ew.gate, ew.up, ew.Din, ew.F, k, idx, E,
-                                                    int(N * k), folded, act, ws.h);
+      launch_pdl(kernel, gate_up_grid, kThreads, 0, stream, x, ew.gate, ew.up, ew.Din, ew.F, k, idx,
+                 E, int(N * k), folded, act, ws.h);
     };
     if (shape.gate_up_steps == 2)
       gate_up(moe_decode_gate_up_pairs_kernel<2>);
@@ -585,8 +592,8 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
     const unsigned down_blocks = unsigned(ceil_div(ew.Din, shape.down_channels));
     const unsigned down_threads = 32u * unsigned(shape.down_warps);
     auto down = [&](auto kernel) {
-      kernel<<<down_blocks, down_threads, 0, stream>>>(ws.h, ew.down, ew.Din, ew.F, idx, w, int(N),
-                                                       k, E, folded.down, shared_pairs, y);
+      launch_pdl(kernel, down_blocks, down_threads, 0, stream, ws.h, ew.down, ew.Din, ew.F, idx, w,
+                 int(N), k, E, folded.down, shared_pairs, y);
     };
     const bool f32 = y_type == GemmOutType::F32;
     if (shape.down_channels == 8)
@@ -599,24 +606,24 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
     return;
   }
   const Plan plan = ws.plan;
-  moe_decode_plan_kernel<<<1, kPlanThreads, 0, stream>>>(idx, int(N), k, E, plan);
+  launch_pdl(moe_decode_plan_kernel, 1, kPlanThreads, 0, stream, idx, int(N), k, E, plan);
   check_last_error("moe_decode_plan_kernel");
   const dim3 gate_up_grid(unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp)), unsigned(A));
-  moe_decode_gate_up_kernel<<<gate_up_grid, kThreads, 0, stream>>>(x, ew.gate, ew.up, ew.Din, ew.F,
-                                                                   k, plan, act, ws.h);
+  launch_pdl(moe_decode_gate_up_kernel, gate_up_grid, kThreads, 0, stream, x, ew.gate, ew.up,
+             ew.Din, ew.F, k, plan, act, ws.h);
   check_last_error("moe_decode_gate_up_kernel");
   const dim3 down_grid(unsigned(ceil_div(ew.Din, kWarps * kDownRowsPerWarp)), unsigned(A));
-  moe_decode_down_kernel<<<down_grid, kThreads, 0, stream>>>(ws.h, ew.down, ew.Din, ew.F, plan,
-                                                             ws.o);
+  launch_pdl(moe_decode_down_kernel, down_grid, kThreads, 0, stream, ws.h, ew.down, ew.Din, ew.F,
+             plan, ws.o);
   check_last_error("moe_decode_down_kernel");
   const int64_t quads = N * (ew.Din / 4);
   const int blocks = int(std::min<int64_t>((quads + kCombineThreads - 1) / kCombineThreads, 4096));
   if (y_type == GemmOutType::F32)
-    moe_decode_combine_kernel<true><<<blocks, kCombineThreads, 0, stream>>>(ws.o, idx, w, N, k, E,
-                                                                            ew.Din, y);
+    launch_pdl(moe_decode_combine_kernel<true>, blocks, kCombineThreads, 0, stream, ws.o, idx, w, N,
+               k, E, ew.Din, y);
   else
-    moe_decode_combine_kernel<false><<<blocks, kCombineThreads, 0, stream>>>(ws.o, idx, w, N, k,
-                                                                             E, ew.Din, y);
+    launch_pdl(moe_decode_combine_kernel<false>, blocks, kCombineThreads, 0, stream, ws.o, idx, w,
+               N, k, E, ew.Din, y);
   check_last_error("moe_decode_combine_kernel");
 }
 

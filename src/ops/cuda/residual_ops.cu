@@ -10,6 +10,7 @@
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/residual_ops.h"
 
 namespace dm::cuda {
@@ -21,6 +22,7 @@ namespace {
 template <typename Table, typename Id>
 __global__ void embedding_gather_kernel(const Table* table, const Id* tokens, int64_t D,
                                         float* out) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t n = blockIdx.x;
   const Table* row = table + int64_t(tokens[n]) * D;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[n * D + i] = load_as_float(row, i);
@@ -30,6 +32,7 @@ __global__ void embedding_gather_kernel(const Table* table, const Id* tokens, in
 // bits rounded to nearest even, or fp32).
 template <typename Out>
 __global__ void rmsnorm_rows_kernel(const float* x, const float* w, Out* y, int64_t D, float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   const float* row = x + int64_t(blockIdx.x) * D;
   float sum_squares = 0.0f;
@@ -87,6 +90,7 @@ __device__ __forceinline__ void rmsnorm_row_vec4(const float4 (&xv)[kRowVec4],
 template <typename Out>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_rows_vec4_kernel(const float* x, const float* w, Out* y, int64_t D, float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   const int64_t D4 = D / 4;
   const float4* row = reinterpret_cast<const float4*>(x + int64_t(blockIdx.x) * D);
@@ -107,6 +111,7 @@ template <typename Out>
 __global__ void __launch_bounds__(kRowThreads)
     add_rmsnorm_rows_vec4_kernel(float* p, const float* out, const float* w, Out* y, int64_t D,
                                  float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   const int64_t D4 = D / 4;
   float4* row = reinterpret_cast<float4*>(p + int64_t(blockIdx.x) * D);
@@ -314,7 +319,8 @@ template <typename Table, typename Id>
 void embedding_gather_launch(const Table* table, const Id* tokens, int64_t N, int64_t D, float* out,
                              CUstream_st* stream) {
   if (N == 0) return;
-  embedding_gather_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(table, tokens, D, out);
+  launch_pdl(embedding_gather_kernel<Table, Id>, unsigned(N), kRowThreads, 0, stream, table, tokens,
+             D, out);
   check_last_error("embedding_gather");
 }
 
@@ -326,9 +332,9 @@ void rmsnorm_rows_launch(const float* x, const float* w, Out* y, int64_t N, int6
   if (N == 0) return;
   if (D % 4 == 0 && D <= 4 * kRowVec4 * kRowThreads && aligned16(x) && aligned16(w) &&
       aligned16(y))
-    rmsnorm_rows_vec4_kernel<Out><<<unsigned(N), kRowThreads, 0, stream>>>(x, w, y, D, eps);
+    launch_pdl(rmsnorm_rows_vec4_kernel<Out>, unsigned(N), kRowThreads, 0, stream, x, w, y, D, eps);
   else
-    rmsnorm_rows_kernel<Out><<<unsigned(N), kRowThreads, 0, stream>>>(x, w, y, D, eps);
+    launch_pdl(rmsnorm_rows_kernel<Out>, unsigned(N), kRowThreads, 0, stream, x, w, y, D, eps);
   check_last_error(what);
 }
 
@@ -339,8 +345,8 @@ void add_rmsnorm_rows_launch(float* p, const float* out, const float* w, Out* y,
   if (N == 0) return;
   if (D % 4 == 0 && D <= 4 * kRowVec4 * kRowThreads && aligned16(p) && aligned16(out) &&
       aligned16(w) && aligned16(y)) {
-    add_rmsnorm_rows_vec4_kernel<Out>
-        <<<unsigned(N), kRowThreads, 0, stream>>>(p, out, w, y, D, eps);
+    launch_pdl(add_rmsnorm_rows_vec4_kernel<Out>, unsigned(N), kRowThreads, 0, stream, p, out, w, y,
+               D, eps);
     check_last_error(what);
     return;
   }

@@ -1,0 +1,23 @@
+// Programmatic dependent launch (PDL, sm_90): a kernel launched with it may start while the
+// kernel before it on the stream is still running, and waits (griddepcontrol.wait, pdl_wait in
+// pdl.cuh) for that kernel's completion and memory before it touches anything the kernel wrote.
+// Why: a decode step is ~400 short kernels, and each one's launch, ramp-up and drain cost more
+// than its bytes (Kimi-Linear-48B at 1 x 32K: 2.99 ms a step against a 1.56 ms HBM floor, ~3.7
+// us over the floor per kernel). With PDL the next kernel's blocks are resident while the last
+// wave of the previous one finishes, and a GEMV streams its weights (which no kernel of the step
+// writes) before it waits for its input vector.
+//
+// The rules every kernel launched through launch_pdl keeps (pdl.cuh): every thread waits
+// (pdl_wait_then_launch_dependents) before it reads data another kernel writes or writes global
+// memory, and lets its dependent launch only after that wait. Kernels launched the old way are
+// ordered as before; a PDL kernel after a cuBLAS kernel or a copy waits for all of it.
+#pragma once
+
+namespace dm::cuda {
+
+// DM_PDL (env_flag, default 1) until set_pdl_enabled is called. Read at each launch: graphs keep
+// the launches they captured, so compare the two modes with fresh decoders.
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
+
+}  // namespace dm::cuda
