@@ -3,9 +3,12 @@
 //   bench_cuda_decode --config configs/kimi_linear_48b.json \
 //                     --cases 1x32768,64x32768,1x1048576 --steps 10 [--warmup 2] [--seed 1] \
 //                     [--graphs on|off] [--moe auto|grouped|gathered]
+//                     [--skip kda,mla,moe,lm_head]
 // --graphs / --moe pick how a step runs (GpuDecodeOptions; defaults from DM_DECODE_GRAPHS and
 // DM_DECODE_MOE, else graphs on and the gathered MoE kernels for small batches): each case
 // prints a "mode:" line saying what ran. `--graphs off --moe grouped` is the pre-graph decoder.
+// --skip leaves parts out of every step (outputs zeroed; wrong tokens): what a part costs in a
+// graphed, PDL-overlapped step is the difference (per-kernel timings cannot show overlap).
 // With DM_DECODE_PROFILE=1 each case also prints the device time of the timed steps' phases
 // (GpuDecoder::profile_report: KDA / MLA mixers, MoE / dense FFNs, the rest), graphs included.
 // Weights are random bf16 drawn on the device: DeviceWeights(…, RandomInit) over a
@@ -121,7 +124,7 @@ int main(int argc, char** argv) {
   std::string config = "configs/kimi_linear_48b.json", cases_arg = "1x32768,64x32768,1x1048576";
   int steps = 10, warmup = 2;
   uint64_t seed = 1;
-  std::string graphs_arg, moe_arg;
+  std::string graphs_arg, moe_arg, skip_arg;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--config")) config = argv[i + 1];
     else if (!std::strcmp(argv[i], "--cases")) cases_arg = argv[i + 1];
@@ -130,6 +133,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--seed")) seed = std::strtoull(argv[i + 1], nullptr, 10);
     else if (!std::strcmp(argv[i], "--graphs")) graphs_arg = argv[i + 1];
     else if (!std::strcmp(argv[i], "--moe")) moe_arg = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--skip"))
+      skip_arg = argv[i + 1];
   }
   try {
     cu::GpuDecodeOptions options = cu::GpuDecodeOptions::from_env();
@@ -144,6 +149,24 @@ int main(int argc, char** argv) {
       else if (moe_arg == "gathered") options.moe = cu::GpuDecodeOptions::Moe::Gathered;
       else DM_CHECK(false, "--moe: expected auto, grouped or gathered, got '", moe_arg, "'");
     }
+    for (size_t at = 0; at < skip_arg.size();) {  // --skip kda,mla,moe,lm_head
+      const size_t comma = std::min(skip_arg.find(',', at), skip_arg.size());
+      const std::string part = skip_arg.substr(at, comma - at);
+      using O = cu::GpuDecodeOptions;
+      if (part == "kda")
+        options.skip |= O::kSkipKda;
+      else if (part == "mla")
+        options.skip |= O::kSkipMla;
+      else if (part == "moe")
+        options.skip |= O::kSkipMoe;
+      else if (part == "lm_head")
+        options.skip |= O::kSkipLmHead;
+      else
+        DM_CHECK(false, "--skip: expected kda, mla, moe or lm_head, got '", part, "'");
+      at = comma + 1;
+    }
+    if (options.skip)
+      std::printf("--skip %s: timing attribution only, the tokens are wrong\n", skip_arg.c_str());
     if (!cu::device_available()) {
       std::printf("no GPU: %s\n", cu::device_description().c_str());
       return 0;

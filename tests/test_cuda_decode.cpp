@@ -18,6 +18,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 
 #include "core/error.h"
@@ -159,6 +160,34 @@ std::vector<int32_t> parse_output_ids(const std::string& out) {
 TEST(CudaDecode, LockstepMatchesCpuForwardOnTestConfig) {
   DM_SKIP_WITHOUT_GPU();
   check_lockstep_all_modes(load_config(test::source_dir() + "/configs/test.json"), "test config");
+}
+
+// The fused KDA decode step (decode_ops.h decode_kda_fused_step) takes head dim 128 only, which
+// the test config's 32 does not reach: the same config at 128 with both output gates and both
+// decay gates, fused and five-kernel, each against the CPU forward.
+TEST(CudaDecode, FusedKdaStepMatchesCpuAtHeadDim128) {
+  DM_SKIP_WITHOUT_GPU();
+  for (bool full_gate : {true, false}) {
+    ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+    c.kda.head_dim = 128;
+    c.kda.full_rank_output_gate = full_gate;
+    c.kda.gate = full_gate ? KdaGateKind::Safe : KdaGateKind::Softplus;
+    const char* name = full_gate ? "K=128 full-rank output gate, safe gate"
+                                 : "K=128 low-rank output gate, softplus gate";
+    cuda::GpuDecodeOptions fused = decode_options(true, DecodeMoe::Auto);
+    cuda::GpuDecodeOptions five = fused;
+    five.fused_kda = false;
+    {
+      auto model = bf16_model(c, 11);
+      const cuda::DeviceWeights dw(model->weights());
+      EXPECT_NE(cuda::GpuDecoder(dw, 1, 8, fused).mode().find("KDA: one fused kernel"),
+                std::string::npos);
+      EXPECT_NE(cuda::GpuDecoder(dw, 1, 8, five).mode().find("KDA: five kernels"),
+                std::string::npos);
+    }
+    check_lockstep(c, name, fused, "fused KDA");
+    check_lockstep(c, name, five, "five KDA kernels");
+  }
 }
 
 // RoPE with YaRN (amplitude ≠ 1, mscale² in the softmax scale), no q LoRA, two MLA layers,

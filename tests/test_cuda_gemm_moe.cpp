@@ -94,13 +94,20 @@ TEST(CudaGemm, MatchesCpuGemmOnOddShapes) {
 // tolerances as the cuBLAS test above.
 TEST(CudaGemm, FewRowGemvMatchesCpuGemm) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  // An output count at which one row of x takes four outputs per block (K = 1024).
-  int64_t wide_N = 0;
-  for (int64_t N = 256; N <= (int64_t(1) << 16) && wide_N == 0; N += 256) {
-    const cuda::GemvOutput o{nullptr, 1024, N, nullptr, cuda::GemmOutType::F32, N};
-    if (cuda::gemv_columns_per_block(1, 1024, &o, 1) == 4) wide_N = N;
-  }
+  // An output count at which some row count takes four outputs per block (K = 1024; which
+  // counts do depends on the kernels' registers, gemv.cu choose_shape).
+  int64_t wide_N = 0, wide_M = 0;
+  for (int64_t M = 1; M <= cuda::kGemvMaxRows && wide_N == 0; ++M)
+    for (int64_t N = 64; N <= (int64_t(1) << 16) && wide_N == 0; N += 64) {
+      const cuda::GemvOutput o{nullptr, 1024, N, nullptr, cuda::GemmOutType::F32, N};
+      if (cuda::gemv_columns_per_block(M, 1024, &o, 1) == 4) wide_N = N, wide_M = M;
+    }
   ASSERT_GT(wide_N, 0) << "no output count picks four outputs per block";
+  const cuda::GemvOutput ragged{nullptr,   1024, wide_N + 3, nullptr, cuda::GemmOutType::F32,
+                                wide_N + 3};
+  EXPECT_EQ(cuda::gemv_columns_per_block(wide_M, 1024, &ragged, 1), 4) << "N=" << wide_N + 3;
+  std::printf("[          ] four outputs per block at M=%lld N=%lld\n", (long long)wide_M,
+              (long long)wide_N);
   const cuda::GemvOutput small{nullptr, 64, 40, nullptr, cuda::GemmOutType::F32, 40};
   EXPECT_EQ(cuda::gemv_columns_per_block(1, 64, &small, 1), 0);
   EXPECT_EQ(cuda::gemv_columns_per_block(1, 136, &small, 1), 2);

@@ -177,6 +177,7 @@ GpuDecodeOptions GpuDecodeOptions::from_env() {
     else DM_CHECK(s.empty() || s == "auto", "DM_DECODE_MOE: expected auto, grouped or gathered, "
                   "got '", s, "'");
   }
+  o.fused_kda = env_flag("DM_KDA_DECODE_FUSED", o.fused_kda);
   return o;
 }
 
@@ -342,7 +343,14 @@ std::string GpuDecoder::mode() const {
     mla = mla_decode_uses_wgmma(Dk, Dv) ? "; MLA attention: warpgroup MMA"
                                         : "; MLA attention: mma.sync";
   }
-  return graphs + "; " + moe + mla;
+  std::string kda;
+  if (std::find(mixers.begin(), mixers.end(), MixerKind::KDA) != mixers.end())
+    kda = options_.fused_kda &&
+                  kda_decode_fused_applies(1, config().kda.head_dim, config().kda.head_dim,
+                                           int(config().kda.conv_kernel))
+              ? str_cat("; KDA: one fused kernel while n ≤ ", kKdaFusedMaxRows, ", five above")
+              : "; KDA: five kernels";
+  return graphs + "; " + moe + mla + kda;
 }
 
 int64_t GpuDecoder::length(int64_t slot) const {
@@ -718,17 +726,21 @@ void GpuDecoder::record_step(const DecodeStepBuffers& b, int64_t n, bool want_lo
     if (marks_) marks_->record(m, stream);
   };
   mark(0);
+  const uint8_t skip = options_.skip;
+  auto zero = [&](float* o) { fill_zero_async(o, size_t(n * d) * sizeof(float), stream); };
   auto mixer = [&](int i, const uint16_t* in, float* o) {
     mark(1 + 4 * i);
     if (c.mixers[i] == MixerKind::KDA)
-      kda_step(i, in, o, rows);
+      (skip & GpuDecodeOptions::kSkipKda) ? zero(o) : kda_step(i, in, o, rows);
     else
-      mla_step(run, i, in, o, rows);
+      (skip & GpuDecodeOptions::kSkipMla) ? zero(o) : mla_step(run, i, in, o, rows);
     mark(2 + 4 * i);
   };
   auto ffn = [&](int i, const uint16_t* in, float* o) {
     mark(3 + 4 * i);
-    if (c.ffns[i] == FfnKind::MoE)
+    if (c.ffns[i] == FfnKind::MoE && (skip & GpuDecodeOptions::kSkipMoe))
+      zero(o);
+    else if (c.ffns[i] == FfnKind::MoE)
       moe_layer_forward_gpu(run, *dw_, W.layers[i].moe, in, o, n, nullptr, moe);
     else
       dense_ffn_forward_gpu(run, *dw_, W.layers[i].dense, in, o, n);
@@ -740,7 +752,7 @@ void GpuDecoder::record_step(const DecodeStepBuffers& b, int64_t n, bool want_lo
   const uint16_t* final_hidden = residual_stack_forward<float>(
       c, W, n, b.p, b.x, b.xn, b.out, b.blocks, mixer, ffn, [](const char*, int, const float*) {},
       ops);
-  if (want_logits)
+  if (want_logits && !(skip & GpuDecodeOptions::kSkipLmHead))
     linear(run, final_hidden, dw_->bf16(W.lm_head), n, d, V, b.logits, GemmOutType::F32);
   mark(1 + 4 * c.num_layers);
 }

@@ -60,6 +60,15 @@ struct GpuDecodeOptions {
   // DM_DECODE_MOE=auto|grouped|gathered.
   enum class Moe : uint8_t { Auto, Grouped, Gathered };
   Moe moe = Moe::Auto;
+  // A KDA layer's conv, gates, recurrent step and gated norm in one launch (decode_ops.h
+  // decode_kda_fused_step) where it applies (head dim 128, n ≤ 4 rows); off, five kernels. Env
+  // DM_KDA_DECODE_FUSED=0|1.
+  bool fused_kda = true;
+  // Timing attribution only (bench_cuda_decode --skip): leave a part out of every step, its
+  // output zeroed (a memset) so the rest still sees finite values; the tokens are wrong. The
+  // time a part costs in a real step is the full step's time minus the step's without it.
+  enum Skip : uint8_t { kSkipKda = 1, kSkipMla = 2, kSkipMoe = 4, kSkipLmHead = 8 };
+  uint8_t skip = 0;
   // The defaults above, overridden by the environment (a bad value is an error).
   static GpuDecodeOptions from_env();
 };

@@ -84,10 +84,45 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
                 : LinearOut{dw.bf16(w.g_a), K, b.low_gate, GemmOutType::Bf16}};
   linear_many(run, xn, n, d, projections, 6);
 
-  // q, k, v = SiLU(conv(tail ; raw)), the tails advancing by this token's raw projections.
   const float* conv[3] = {w.q_conv, w.k_conv, w.v_conv};
   uint16_t* tails[3] = {kda_tail_q_[size_t(layer)], kda_tail_k_[size_t(layer)],
                         kda_tail_v_[size_t(layer)]};
+  const float scale = 1.0f / std::sqrt(float(K));
+  if (options_.fused_kda && kda_decode_fused_applies(n, K, K, c.kda.conv_kernel)) {
+    // Conv, gates, recurrent step and gated norm in one launch (decode_ops.h), then W_o.
+    KdaFusedStepArgs f;
+    f.H = H;
+    f.conv_kernel = c.kda.conv_kernel;
+    f.scale = scale;
+    f.eps = c.rms_eps;
+    f.lower_bound = c.kda.gate_lower_bound;
+    f.safe_gate = c.kda.gate == KdaGateKind::Safe;
+    for (int br = 0; br < 3; ++br) {
+      f.raw[br] = b.raw[br];
+      f.conv_weight[br] = dw.f32(conv[br]);
+      f.tail[br] = tails[br];
+    }
+    f.low = b.low;
+    f.f_up = dw.bf16(w.f_b);
+    f.A_log = dw.f32(w.A_log);
+    f.dt_bias = dw.f32(w.dt_bias);
+    f.beta_logits = b.beta_logits;
+    if (full_gate) {
+      f.gate = b.out_gate;
+    } else {
+      f.low_gate = b.low_gate;
+      f.g_up = dw.bf16(w.g_b);
+    }
+    f.norm_weight = dw.f32(w.o_norm);
+    f.state = kda_state_[size_t(layer)];
+    f.slots = rows.slots;
+    f.out = b.o;
+    decode_kda_fused_step(f, n, stream);
+    linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
+    return;
+  }
+
+  // q, k, v = SiLU(conv(tail ; raw)), the tails advancing by this token's raw projections.
   KdaConvStepArgs args;
   for (int br = 0; br < 3; ++br) {
     args.raw[br] = b.raw[br];
@@ -110,7 +145,6 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
   gates.beta_logits = b.beta_logits;
   gates.safe_gate = c.kda.gate == KdaGateKind::Safe;
   gates.lower_bound = c.kda.gate_lower_bound;
-  const float scale = 1.0f / std::sqrt(float(K));
   decode_kda_recurrent_step(b.qkv[0], b.qkv[1], b.qkv[2], gates, kda_state_[size_t(layer)],
                             rows.slots, b.o, n, H, K, K, scale, stream);
 

@@ -66,6 +66,40 @@ void decode_kda_recurrent_step(const uint16_t* q, const uint16_t* k, const uint1
                                uint16_t* o, int64_t n, int64_t H, int64_t K, int64_t V, float scale,
                                DecodeStream stream = nullptr);
 
+// The conv step, the gate's and the output gate's up-projections, the recurrent step and the
+// gated RMSNorm of a KDA layer in one launch (kda_decode_fused.cu; the same values as
+// decode_kda_conv_step → f GEMV → decode_kda_recurrent_step → g GEMV → kda_rmsnorm_gated but
+// for the order of the two GEMVs' sums), for K = V = kKdaFusedHeadDim, conv kernels up to
+// kKdaFusedMaxConv and n ≤ kKdaFusedMaxRows rows (kda_decode_fused_applies; each row reads its
+// heads' gate weights, which the unfused step's GEMM over many rows reads once):
+//   raw[b] [n, H·K] bf16 (q, k, v before the conv), conv_weight[b] [H·K, Kc] fp32, tail[b]
+//   [S, Kc−1, H·K] bf16; low [n, K] bf16 (W_f↓ x) and f_up [H·K, K] bf16 (W_f↑); A_log [H],
+//   dt_bias [H·K] fp32; beta_logits [n, H] fp32; the output gate as low_gate [n, K] with g_up
+//   [H·K, K] (low rank), or as gate [n, H·K] bf16 (full rank; g_up = nullptr); norm_weight [K]
+//   fp32; state [S, H, K, K] fp32 in place; out [n, H·K] bf16 = RMSNorm(o)·w·σ(gate).
+// Tensors read 16 bytes at a time (low, low_gate, f_up, g_up) must be 16-byte aligned.
+constexpr int kKdaFusedHeadDim = 128;
+constexpr int kKdaFusedMaxConv = 8;
+constexpr int kKdaFusedMaxRows = 4;
+struct KdaFusedStepArgs {
+  int64_t H = 0;
+  int conv_kernel = 0;
+  float scale = 1.0f, eps = 0.0f, lower_bound = 0.0f;
+  bool safe_gate = false;
+  const uint16_t* raw[3] = {};
+  const float* conv_weight[3] = {};
+  uint16_t* tail[3] = {};
+  const uint16_t *low = nullptr, *f_up = nullptr;
+  const float *A_log = nullptr, *dt_bias = nullptr, *beta_logits = nullptr;
+  const uint16_t *low_gate = nullptr, *g_up = nullptr, *gate = nullptr;
+  const float* norm_weight = nullptr;
+  float* state = nullptr;
+  const int32_t* slots = nullptr;
+  uint16_t* out = nullptr;
+};
+bool kda_decode_fused_applies(int64_t n, int64_t K, int64_t V, int conv_kernel);
+void decode_kda_fused_step(const KdaFusedStepArgs& a, int64_t n, DecodeStream stream = nullptr);
+
 // ---- MLA ----------------------------------------------------------------------------------
 // Writes each row's latent cache row [RMSNorm(c)·w ; RoPE(kr)] (kvl + rope wide, bf16) into its
 // slot's page: page row_table[r, pos / page_tokens], row pos % page_tokens of

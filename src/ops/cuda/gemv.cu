@@ -69,7 +69,7 @@ struct GemvBatch {
   int count;
 };
 
-template <int kRows, int kCols>
+template <int kRows, int kCols, bool kRegisterPrefetch>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_bf16_kernel(const uint16_t* __restrict__ x, int64_t ldx, int64_t K, float alpha,
                      float beta, const GemvBatch batch) {
@@ -98,15 +98,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   // This warp's chunks (of 8 elements): [begin, end); lane takes begin + lane + 32·i.
   const int64_t chunks = K / kChunk, per_warp = (chunks + kWarps - 1) / kWarps;
   const int64_t begin = warp * per_warp, end = begin + per_warp < chunks ? begin + per_warp : chunks;
-  // PDL (pdl.h): the first step's weight chunks are requested into L2 before the wait for x (no
-  // kernel writes W). Prefetches hold no registers: loading them into registers here instead
-  // raised the four-column kernel from 84 to 115 registers (fewer resident blocks).
+  // PDL (pdl.h): the first step's weight chunks are requested before the wait for x (no kernel
+  // writes W): by default loaded into the first step's registers, or (DM_GEMV_PREFETCH=l2)
+  // prefetched into L2, which holds no registers (the one-row four-column kernel: 84 against
+  // 115, so it fits 6 blocks an SM instead of 4) but was slower end to end: Kimi-Linear-48B
+  // decode 1 x 32K 2.768 / 2.775 ms against 2.652 / 2.703 with registers (H200).
+  bool waited = !kRegisterPrefetch;  // every thread waits once: here, in the loop or after it
+  if constexpr (!kRegisterPrefetch) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c)
-      if (begin + lane + u * 32 < end) prefetch_l2(w_rows[c] + begin + lane + u * 32);
-  pdl_wait_then_launch_dependents();
+      for (int c = 0; c < kCols; ++c)
+        if (begin + lane + u * 32 < end) prefetch_l2(w_rows[c] + begin + lane + u * 32);
+    pdl_wait_then_launch_dependents();
+  }
   for (int64_t j = begin + lane; j < end; j += kUnroll * 32) {
     uint4 wv[kUnroll][kCols];
 #pragma unroll
@@ -114,6 +119,10 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
         wv[u][c] = j + u * 32 < end ? __ldcs(w_rows[c] + j + u * 32) : make_uint4(0u, 0u, 0u, 0u);
+    if (!waited) {
+      pdl_wait_then_launch_dependents();
+      waited = true;
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j + u * 32 >= end) break;
@@ -125,6 +134,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   }
+  if (!waited) pdl_wait_then_launch_dependents();
 
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -215,14 +225,22 @@ struct GemvShape {
   }
 };
 
+bool gemv_register_prefetch() {
+  static const bool registers = env_choice("DM_GEMV_PREFETCH", {"registers", "l2"}) == 0;
+  return registers;
+}
+
 template <int kRows, int kCols>
-int resident_blocks() {  // per GPU, for one launch of gemv_bf16_kernel<kRows, kCols>
+int resident_blocks() {  // per GPU, for one launch of gemv_bf16_kernel<kRows, kCols, ·>
   static const int blocks = [] {
     int device = 0, sms = 0, per_sm = 0;
     DM_CUDA_CHECK(cudaGetDevice(&device));
     DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     DM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, gemv_bf16_kernel<kRows, kCols>, kWarps * 32, 0));
+        &per_sm,
+        gemv_register_prefetch() ? gemv_bf16_kernel<kRows, kCols, true>
+                                 : gemv_bf16_kernel<kRows, kCols, false>,
+        kWarps * 32, 0));
     return sms * per_sm;
   }();
   return blocks;
@@ -272,8 +290,12 @@ void launch_rows(const GemvShape& shape, float alpha, const uint16_t* x, int64_t
                  float beta, const GemvBatch& batch, CUstream_st* stream) {
   const unsigned grid = unsigned(batch.block_begin[batch.count]);
   if (!shape.small_k) {
-    launch_pdl(shape.cols == 4 ? gemv_bf16_kernel<kRows, 4> : gemv_bf16_kernel<kRows, 2>, grid,
-               kWarps * 32, 0, stream, x, ldx, K, alpha, beta, batch);
+    const bool regs = gemv_register_prefetch();
+    auto kernel =
+        shape.cols == 4
+            ? (regs ? gemv_bf16_kernel<kRows, 4, true> : gemv_bf16_kernel<kRows, 4, false>)
+            : (regs ? gemv_bf16_kernel<kRows, 2, true> : gemv_bf16_kernel<kRows, 2, false>);
+    launch_pdl(kernel, grid, kWarps * 32, 0, stream, x, ldx, K, alpha, beta, batch);
     check_last_error("gemv_bf16_kernel");
     return;
   }
