@@ -162,6 +162,30 @@ TEST(CudaDecode, LockstepMatchesCpuForwardOnTestConfig) {
   check_lockstep_all_modes(load_config(test::source_dir() + "/configs/test.json"), "test config");
 }
 
+// The absorbed MLA step's per-head products: our kernels (the default up to 4 rows, which the
+// lockstep tests above run) and the strided-batched cuBLAS GEMMs, each against the CPU, with
+// RoPE/YaRN on (the absorption kernel writes the rotated half too).
+TEST(CudaDecode, MlaPerHeadProductsOursAndCublasMatchCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  c.mixers = {MixerKind::KDA, MixerKind::MLA, MixerKind::KDA, MixerKind::MLA};
+  c.mla.use_rope = true;
+  c.mla.yarn.enabled = true;
+  c.mla.yarn.factor = 4.0;
+  c.mla.yarn.original_max_position = 32;
+  for (bool ours : {true, false}) {
+    cuda::GpuDecodeOptions options = decode_options(true, DecodeMoe::Auto);
+    options.mla_own_products = ours;
+    {
+      auto model = bf16_model(c, 11);
+      const cuda::DeviceWeights dw(model->weights());
+      const std::string mode = cuda::GpuDecoder(dw, 1, 8, options).mode();
+      EXPECT_NE(mode.find(ours ? "products: ours" : "products: cuBLAS"), std::string::npos) << mode;
+    }
+    check_lockstep(c, "rope/yarn, two MLA layers", options, ours ? "own products" : "cuBLAS");
+  }
+}
+
 // The fused KDA decode step (decode_ops.h decode_kda_fused_step) takes head dim 128 only, which
 // the test config's 32 does not reach: the same config at 128 with both output gates and both
 // decay gates, fused and five-kernel, each against the CPU forward.

@@ -178,6 +178,7 @@ GpuDecodeOptions GpuDecodeOptions::from_env() {
                   "got '", s, "'");
   }
   o.fused_kda = env_flag("DM_KDA_DECODE_FUSED", o.fused_kda);
+  o.mla_own_products = env_choice("DM_MLA_DECODE_PRODUCTS", {"ours", "cublas"}) == 0;
   return o;
 }
 
@@ -342,6 +343,9 @@ std::string GpuDecoder::mode() const {
     const int Dk = int(m.kv_lora_rank + m.qk_rope_dim), Dv = int(m.kv_lora_rank);
     mla = mla_decode_uses_wgmma(Dk, Dv) ? "; MLA attention: warpgroup MMA"
                                         : "; MLA attention: mma.sync";
+    mla += options_.mla_own_products
+               ? str_cat(", per-head products: ours while n ≤ ", kMlaDecodeProjectionMaxRows)
+               : ", per-head products: cuBLAS";
   }
   std::string kda;
   if (std::find(mixers.begin(), mixers.end(), MixerKind::KDA) != mixers.end())

@@ -64,6 +64,10 @@ struct GpuDecodeOptions {
   // decode_kda_fused_step) where it applies (head dim 128, n ≤ 4 rows); off, five kernels. Env
   // DM_KDA_DECODE_FUSED=0|1.
   bool fused_kda = true;
+  // The absorbed MLA step's per-head products (query absorption + RoPE, value projection) by our
+  // kernels up to kMlaDecodeProjectionMaxRows rows (decode_ops.h), else strided-batched cuBLAS
+  // GEMMs. Env DM_MLA_DECODE_PRODUCTS=ours|cublas.
+  bool mla_own_products = true;
   // Timing attribution only (bench_cuda_decode --skip): leave a part out of every step, its
   // output zeroed (a memset) so the rest still sees finite values; the tokens are wrong. The
   // time a part costs in a real step is the full step's time minus the step's without it.

@@ -197,11 +197,19 @@ void GpuDecoder::mla_step(GpuRun& run, int layer, const uint16_t* xn, float* y, 
   // Absorbed queries: q_abs[:, h, :kvl] = q_nope_h · W_k,h (W_k,h = W_kvb's key rows of head h,
   // [nope, kvl]); q_abs[:, h, kvl:] = RoPE(q_rope_h).
   const uint16_t* kv_b = dw.bf16(w.kv_b);
-  // One strided-batched GEMM over the heads (batch h: columns h·dq of q, rows h·(nope+dv) of W).
-  run.gemm.gemm_bf16_strided_batched(false, false, n, kvl, nope, 1.0f, b.q, H * dq, dq, kv_b, kvl,
-                                     kvb_rows_per_head * kvl, 0.0f, b.q_abs, GemmOutType::Bf16,
-                                     H * Wd, Wd, H, stream);
-  decode_mla_query_rope(b.q, n, H, nope, rope, kvl, cos, sin, rows.positions, b.q_abs, stream);
+  // Few rows: our per-head kernels (PDL, weights loaded before the wait); else one
+  // strided-batched GEMM over the heads (batch h: columns h·dq of q, rows h·(nope+dv) of W).
+  const bool own_products =
+      options_.mla_own_products && decode_mla_projections_apply(n, kvl, kv_b, b.latent);
+  if (own_products) {
+    decode_mla_absorb_query(b.q, kv_b, n, H, nope, rope, kvl, dv, cos, sin, rows.positions, b.q_abs,
+                            stream);
+  } else {
+    run.gemm.gemm_bf16_strided_batched(false, false, n, kvl, nope, 1.0f, b.q, H * dq, dq, kv_b, kvl,
+                                       kvb_rows_per_head * kvl, 0.0f, b.q_abs, GemmOutType::Bf16,
+                                       H * Wd, Wd, H, stream);
+    decode_mla_query_rope(b.q, n, H, nope, rope, kvl, cos, sin, rows.positions, b.q_abs, stream);
+  }
 
   MlaDecodeArgs args;
   args.q = b.q_abs;
@@ -217,9 +225,12 @@ void GpuDecoder::mla_step(GpuRun& run, int layer, const uint16_t* xn, float* y, 
   mla_decode_absorbed(args, plan, b.attention_ws, stream);
 
   // o_h = W_v,h · latent_h (W_v,h = W_kvb's value rows of head h, [dv, kvl]), output gate, W_o.
-  run.gemm.gemm_bf16_strided_batched(false, true, n, dv, kvl, 1.0f, b.latent, H * kvl, kvl,
-                                     kv_b + nope * kvl, kvl, kvb_rows_per_head * kvl, 0.0f, b.o,
-                                     GemmOutType::Bf16, H * dv, dv, H, stream);
+  if (own_products)
+    decode_mla_value_projection(b.latent, kv_b, n, H, nope, kvl, dv, b.o, stream);
+  else
+    run.gemm.gemm_bf16_strided_batched(false, true, n, dv, kvl, 1.0f, b.latent, H * kvl, kvl,
+                                       kv_b + nope * kvl, kvl, kvb_rows_per_head * kvl, 0.0f, b.o,
+                                       GemmOutType::Bf16, H * dv, dv, H, stream);
   if (m.output_gate) mla_gate_multiply(b.o, b.gate, n * H * dv, stream);
   linear(run, b.o, dw.bf16(w.o_proj), n, H * dv, d, y, GemmOutType::F32);
 }

@@ -111,6 +111,25 @@ void decode_mla_write_latent(const float* kv_a, const float* norm_w, int64_t n, 
                              const int32_t* positions, const int32_t* row_table, int64_t P,
                              int64_t page_tokens, uint16_t* pages, DecodeStream stream = nullptr);
 
+// The absorbed step's per-head products for n ≤ kMlaDecodeProjectionMaxRows rows (own kernels,
+// launched with PDL; mla_decode_projections.cu), W_kvb [H·(nope + dv), kvl] bf16:
+//   absorb_query:  q_abs[r, h, :kvl] = q[r, h, :nope]·W_k,h (W_k,h = rows h·(nope + dv) + [0,
+//                  nope)), q_abs[r, h, kvl:] = RoPE(q[r, h, nope:]) as decode_mla_query_rope;
+//   value_projection: o[r, h·dv + d] = W_v,h[d, :]·latent[r, h, :] (W_v,h = rows h·(nope + dv)
+//                  + nope + d), latent [n, H, kvl] bf16, o [n, H·dv] bf16.
+// decode_mla_projections_apply: n in range, kvl a multiple of 8, W_kvb and latent 16-byte
+// aligned (nullptr passes). Larger batches keep the strided-batched GEMMs.
+constexpr int64_t kMlaDecodeProjectionMaxRows = 4;
+bool decode_mla_projections_apply(int64_t n, int64_t kvl, const uint16_t* kv_b,
+                                  const uint16_t* latent);
+void decode_mla_absorb_query(const uint16_t* q, const uint16_t* kv_b, int64_t n, int64_t H,
+                             int64_t nope, int64_t rope, int64_t kvl, int64_t dv, const float* cos,
+                             const float* sin, const int32_t* positions, uint16_t* q_abs,
+                             DecodeStream stream = nullptr);
+void decode_mla_value_projection(const uint16_t* latent, const uint16_t* kv_b, int64_t n, int64_t H,
+                                 int64_t nope, int64_t kvl, int64_t dv, uint16_t* o,
+                                 DecodeStream stream = nullptr);
+
 // The rope half of the absorbed queries: q_abs[r, h, kvl + i] = RoPE(q[r, h, nope + i]) at
 // positions[r] (unrotated when cos == nullptr). q [n, H, nope + rope] bf16,
 // q_abs [n, H, kvl + rope] bf16 (its first kvl columns are the absorbed key part, not touched).
