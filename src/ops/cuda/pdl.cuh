@@ -27,12 +27,11 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // The only order the two are used in: a kernel lets its dependent in after its own wait, so
 // the dependent starts only when every kernel before this one has finished. Triggering first
-// (tried on the H200, CUDA 13.0) broke chains of PDL kernels: a kernel's blocks started while
-// the kernel two back still ran and, after their wait, read stale data (a wait covers the
-// kernel waited on; whatever the kernel two back wrote was seen late, through a cache or
-// otherwise). PDL on any one group of kernels alone gave the same bits as without it. A block that
-// calls this at its top waits for its inputs and overlaps its launch with the previous kernel; a
-// GEMV issues its weight loads first.
+// (tried on the H200, CUDA 13.0) broke chains of PDL kernels: results went wrong wherever a
+// kernel's blocks could start while the kernel two back still ran (a wait covers only the
+// kernel waited on), while PDL on any one group of kernels alone gave the same bits as without
+// it. A block that calls this at its top waits for its inputs and overlaps its launch with the
+// previous kernel; a GEMV issues its weight loads first.
 __device__ __forceinline__ void pdl_wait_then_launch_dependents() {
   pdl_wait();
   pdl_launch_dependents();
