@@ -40,6 +40,27 @@ __device__ __forceinline__ T block_sum(T v, T* shared) {
   return warp_sum(v);
 }
 
+// Sums of two values over a block of kWarps warps, thread tid (linear), in warp order; every
+// thread gets both. scratch holds 2 × kWarps floats. Its barrier also publishes what the block
+// wrote to shared memory before the call; a caller that calls again must barrier in between.
+template <int kWarps>
+__device__ __forceinline__ void block_sum_pair(float& a, float& b, int tid,
+                                               float (&scratch)[2][kWarps]) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if ((tid & 31) == 0) {
+    scratch[0][tid >> 5] = a;
+    scratch[1][tid >> 5] = b;
+  }
+  __syncthreads();
+  a = 0.0f;
+  b = 0.0f;
+  for (int w = 0; w < kWarps; ++w) {
+    a += scratch[0][w];
+    b += scratch[1][w];
+  }
+}
+
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 }  // namespace dm::cuda

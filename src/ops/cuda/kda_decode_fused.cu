@@ -105,6 +105,13 @@ __device__ __forceinline__ void shift_tail(uint16_t* tail, int64_t C, uint16_t r
 
 __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     kda_decode_fused_kernel(const KdaFusedStepArgs a) {
+  {  // this tile's 32 rows of W_f↑ and W_g↑ (8 KB each, contiguous) into L2 before the wait
+    const int64_t row0 = (int64_t(blockIdx.y) % a.H) * kDim + blockIdx.x * kTile;
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+      prefetch_l2_bulk(a.f_up + row0 * kDim, kTile * kDim * 2);
+      if (a.g_up != nullptr) prefetch_l2_bulk(a.g_up + row0 * kDim, kTile * kDim * 2);
+    }
+  }
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float query[kDim], key[kDim], decay[kDim], partial[kRowLanes][kTile];
   __shared__ float gate_tile[kTile], value_tile[kTile], decay_tile[kTile];
@@ -175,19 +182,9 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
   if (tid < kDim) decay[tid] = *cluster.map_shared_rank(&decay_tile[tid % kTile], tid / kTile);
 
   // The recurrent step (kda_recurrent.cu, T = 1): L2 norms of q and k, β.
-  float sum_q = warp_sum(tid < kDim ? qk * qk : 0.0f);
-  float sum_k = warp_sum(tid < kDim ? 0.0f : qk * qk);
-  if ((tid & 31) == 0) {
-    reduce_scratch[0][tid >> 5] = sum_q;
-    reduce_scratch[1][tid >> 5] = sum_k;
-  }
-  __syncthreads();  // also publishes query, key, decay, gate_tile and value_tile
-  sum_q = 0.0f;
-  sum_k = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) {
-    sum_q += reduce_scratch[0][w];
-    sum_k += reduce_scratch[1][w];
-  }
+  float sum_q = tid < kDim ? qk * qk : 0.0f, sum_k = tid < kDim ? 0.0f : qk * qk;
+  // (its barrier also publishes query, key, decay, gate_tile and value_tile)
+  block_sum_pair<kThreads / 32>(sum_q, sum_k, tid, reduce_scratch);
   const float query_factor = a.scale / sqrtf(sum_q + kL2NormEps);
   const float key_factor = 1.0f / sqrtf(sum_k + kL2NormEps);
   const float beta = round_through_bf16(sigmoid_f32(a.beta_logits[r * H + h]));

@@ -91,19 +91,7 @@ __global__ void __launch_bounds__(kRecurrentThreads)
       sum_q += qv * qv;
       sum_k += kv * kv;
     }
-    sum_q = warp_sum(sum_q);
-    sum_k = warp_sum(sum_k);
-    if ((tid & 31) == 0) {
-      reduce_scratch[0][tid >> 5] = sum_q;
-      reduce_scratch[1][tid >> 5] = sum_k;
-    }
-    __syncthreads();
-    sum_q = 0.0f;
-    sum_k = 0.0f;
-    for (int w = 0; w < kRecurrentThreads / 32; ++w) {
-      sum_q += reduce_scratch[0][w];
-      sum_k += reduce_scratch[1][w];
-    }
+    block_sum_pair<kRecurrentThreads / 32>(sum_q, sum_k, tid, reduce_scratch);
     const float query_factor = d.scale / sqrtf(sum_q + kRecurrentL2NormEps);
     const float key_factor = 1.0f / sqrtf(sum_k + kRecurrentL2NormEps);
     const float beta_t = gates.f == nullptr

@@ -398,10 +398,23 @@ __global__ void __launch_bounds__(kThreads)
                                     int k, const int32_t* __restrict__ idx, int E, int routed_pairs,
                                     SharedExpertBf16 shared, GluKernelParams act,
                                     uint16_t* __restrict__ h) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int32_t pair = int32_t(blockIdx.y);
   const bool shared_pair = pair >= routed_pairs;
+  // The shared expert's rows do not depend on the routing: lane 0 of each warp asks for them
+  // into L2 before the wait (the routed experts' rows are known only after it).
+  if (shared_pair && lane == 0) {
+#pragma unroll 1
+    for (int step = 0; step < kSteps; ++step) {
+      const int64_t f0 =
+          ((int64_t(blockIdx.x) * kWarps + warp) * kSteps + step) * kGateUpRowsPerWarp;
+      for (int r = 0; r < kGateUpRowsPerWarp && f0 + r < F; ++r) {
+        prefetch_l2_bulk(shared.gate + (f0 + r) * Din, uint32_t(Din * 2));
+        prefetch_l2_bulk(shared.up + (f0 + r) * Din, uint32_t(Din * 2));
+      }
+    }
+  }
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int expert = shared_pair ? 0 : idx[pair];
   if (expert < 0 || expert >= E) return;
 #pragma unroll 1
@@ -431,11 +444,15 @@ __global__ void __launch_bounds__(kPairDownMaxWarps * 32)
                                          const float* __restrict__ weight, int N, int k, int E,
                                          const uint16_t* __restrict__ shared_down, int shared_pairs,
                                          void* __restrict__ y) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float dots[2 * kPairPathMaxPairs][kChannels];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t block_c0 = int64_t(blockIdx.x) * kChannels;
   const int block_nc = int(min(int64_t(kChannels), Din - block_c0));
+  // The shared expert's down rows of this block's channels into L2 before the wait (they do not
+  // depend on the routing), one row per thread of the first warp.
+  if (shared_pairs > 0 && warp == 0 && lane < block_nc)
+    prefetch_l2_bulk(shared_down + (block_c0 + lane) * F, uint32_t(F * 2));
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int routed_pairs = N * k;
   for (int p = warp; p < routed_pairs + shared_pairs; p += warps) {
     const bool shared_pair = p >= routed_pairs;

@@ -37,6 +37,15 @@ __device__ __forceinline__ void pdl_wait_then_launch_dependents() {
   pdl_launch_dependents();
 }
 
+// Asks the TMA unit to bring [p, p + bytes) into L2 (cp.async.bulk.prefetch; p and bytes
+// multiples of 16): one instruction per contiguous weight row, no registers held. For weights a
+// PDL kernel will read after its wait (no kernel writes them), issued before it.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // kernel<<<grid, block, shared_bytes, stream>>>(args...) with the PDL attribute when
 // pdl_enabled(). The kernel must keep pdl.h's rule.
 template <typename... Params, typename... Args>
