@@ -2,6 +2,7 @@
 // decode_gpu.cpp's header comment) and the scratch each carves.
 #include <cmath>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/decode_gpu_internal.h"
 #include "model/cuda/layers.h"
@@ -117,6 +118,8 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
     f.state = kda_state_[size_t(layer)];
     f.slots = rows.slots;
     f.out = b.o;
+    static const bool prefetch = env_flag("DM_DECODE_L2_PREFETCH", true);
+    f.prefetch = prefetch;
     decode_kda_fused_step(f, n, stream);
     linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
     return;

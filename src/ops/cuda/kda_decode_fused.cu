@@ -107,7 +107,7 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     kda_decode_fused_kernel(const KdaFusedStepArgs a) {
   {  // this tile's 32 rows of W_f↑ and W_g↑ (8 KB each, contiguous) into L2 before the wait
     const int64_t row0 = (int64_t(blockIdx.y) % a.H) * kDim + blockIdx.x * kTile;
-    if (threadIdx.x == 0 && threadIdx.y == 0) {
+    if (a.prefetch && threadIdx.x == 0 && threadIdx.y == 0) {
       prefetch_l2_bulk(a.f_up + row0 * kDim, kTile * kDim * 2);
       if (a.g_up != nullptr) prefetch_l2_bulk(a.g_up + row0 * kDim, kTile * kDim * 2);
     }

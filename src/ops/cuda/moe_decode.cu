@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool shared_pair = pair >= routed_pairs;
   // The shared expert's rows do not depend on the routing: lane 0 of each warp asks for them
   // into L2 before the wait (the routed experts' rows are known only after it).
-  if (shared_pair && lane == 0) {
+  if (shared_pair && shared.prefetch && lane == 0) {
 #pragma unroll 1
     for (int step = 0; step < kSteps; ++step) {
       const int64_t f0 =
@@ -443,14 +443,14 @@ __global__ void __launch_bounds__(kPairDownMaxWarps * 32)
                                          int64_t F, const int32_t* __restrict__ idx,
                                          const float* __restrict__ weight, int N, int k, int E,
                                          const uint16_t* __restrict__ shared_down, int shared_pairs,
-                                         void* __restrict__ y) {
+                                         bool prefetch_shared, void* __restrict__ y) {
   __shared__ float dots[2 * kPairPathMaxPairs][kChannels];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t block_c0 = int64_t(blockIdx.x) * kChannels;
   const int block_nc = int(min(int64_t(kChannels), Din - block_c0));
   // The shared expert's down rows of this block's channels into L2 before the wait (they do not
   // depend on the routing), one row per thread of the first warp.
-  if (shared_pairs > 0 && warp == 0 && lane < block_nc)
+  if (shared_pairs > 0 && prefetch_shared && warp == 0 && lane < block_nc)
     prefetch_l2_bulk(shared_down + (block_c0 + lane) * F, uint32_t(F * 2));
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int routed_pairs = N * k;
@@ -591,7 +591,9 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
   const int64_t A = max_active_experts(N, k, ew.E);
   const int E = int(ew.E);
   if (N * k <= kPairPathMaxPairs && !force_plan_kernel()) {
-    const SharedExpertBf16 folded = shared ? *shared : SharedExpertBf16{};
+    SharedExpertBf16 folded = shared ? *shared : SharedExpertBf16{};
+    static const bool prefetch = env_flag("DM_DECODE_L2_PREFETCH", true);
+    folded.prefetch = prefetch;
     const int shared_pairs = shared ? int(N) : 0;
     const PairPlan shape = pair_plan(N * k + shared_pairs);
     const dim3 gate_up_grid(
@@ -610,7 +612,7 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
     const unsigned down_threads = 32u * unsigned(shape.down_warps);
     auto down = [&](auto kernel) {
       launch_pdl(kernel, down_blocks, down_threads, 0, stream, ws.h, ew.down, ew.Din, ew.F, idx, w,
-                 int(N), k, E, folded.down, shared_pairs, y);
+                 int(N), k, E, folded.down, shared_pairs, folded.prefetch, y);
     };
     const bool f32 = y_type == GemmOutType::F32;
     if (shape.down_channels == 8)

@@ -69,6 +69,8 @@ struct SharedExpertBf16 {
   const uint16_t* gate = nullptr;
   const uint16_t* up = nullptr;
   const uint16_t* down = nullptr;
+  // Ask for its rows into L2 before the kernels' PDL wait (env DM_DECODE_L2_PREFETCH, default 1).
+  bool prefetch = true;
 };
 // Whether moe_decode_experts_forward takes a shared expert of width Fs for this call: the pair
 // path (N·k ≤ 32, not forced to the plan) and Fs == F; env DM_MOE_DECODE_FOLD_SHARED=0 (read
