@@ -3,7 +3,7 @@
 //   bench_cuda_decode --config configs/kimi_linear_48b.json \
 //                     --cases 1x32768,64x32768,1x1048576 --steps 10 [--warmup 2] [--seed 1] \
 //                     [--graphs on|off] [--moe auto|grouped|gathered]
-//                     [--skip kda,mla,moe,lm_head]
+//                     [--skip kda,mla,moe,lm_head] [--logits rows|copy]
 // --graphs / --moe pick how a step runs (GpuDecodeOptions; defaults from DM_DECODE_GRAPHS and
 // DM_DECODE_MOE, else graphs on and the gathered MoE kernels for small batches): each case
 // prints a "mode:" line saying what ran. `--graphs off --moe grouped` is the pre-graph decoder.
@@ -19,11 +19,13 @@
 //
 // Per case B×L: a decoder of B slots × (L + warmup + steps) tokens (L lowered when that would
 // pass the config's context limit; the table prints the L used), every slot filled to L tokens,
-// `warmup` steps, then `steps` timed steps: host wall clock around GpuDecoder::step, which ends
-// with the logits' copy to the host; median ms/step. With graphs, a batch size's first step runs
-// directly and its second captures the graph: keep --warmup ≥ 2 so only replays are timed. A case
-// whose cache (estimated from the config) does not fit the free device memory is skipped with the
-// sizes that decide it.
+// `warmup` steps, then `steps` timed steps: host wall clock around GpuDecoder::step_rows (the
+// server's call), which ends with the logits' copy into the decoder's pinned host buffer;
+// `--logits copy` times step instead, which also copies them into the caller's array (42 MB of
+// host memcpy at batch 64 on a 163840-token vocabulary); median ms/step. With graphs, a batch
+// size's first step runs directly and its second captures the graph: keep --warmup ≥ 2 so only
+// replays are timed. A case whose cache (estimated from the config) does not fit the free device
+// memory is skipped with the sizes that decide it.
 //
 // HBM floor = bytes one step must move (model/plan.h decode_step_bytes: the non-routed weights,
 // the routed experts the batch is expected to hit, KDA states read and written, the latent rows
@@ -124,7 +126,7 @@ int main(int argc, char** argv) {
   std::string config = "configs/kimi_linear_48b.json", cases_arg = "1x32768,64x32768,1x1048576";
   int steps = 10, warmup = 2;
   uint64_t seed = 1;
-  std::string graphs_arg, moe_arg, skip_arg;
+  std::string graphs_arg, moe_arg, skip_arg, logits_arg = "rows";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--config")) config = argv[i + 1];
     else if (!std::strcmp(argv[i], "--cases")) cases_arg = argv[i + 1];
@@ -149,6 +151,9 @@ int main(int argc, char** argv) {
       else if (moe_arg == "gathered") options.moe = cu::GpuDecodeOptions::Moe::Gathered;
       else DM_CHECK(false, "--moe: expected auto, grouped or gathered, got '", moe_arg, "'");
     }
+    DM_CHECK(logits_arg == "rows" || logits_arg == "copy", "--logits: expected rows or copy, got '",
+             logits_arg, "'");
+    const bool copy_logits = logits_arg == "copy";
     for (size_t at = 0; at < skip_arg.size();) {  // --skip kda,mla,moe,lm_head
       const size_t comma = std::min(skip_arg.find(',', at), skip_arg.size());
       const std::string part = skip_arg.substr(at, comma - at);
@@ -224,13 +229,18 @@ int main(int argc, char** argv) {
       std::vector<int32_t> tok(static_cast<size_t>(B));
       std::vector<float> logits(static_cast<size_t>(B * V));
       std::vector<double> ms;
+      const float* rows = nullptr;
       for (int s = 0; s < warmup + steps; ++s) {
         if (s == warmup) dec.profile_report();  // DM_DECODE_PROFILE: time the measured steps only
         for (auto& x : tok) x = int32_t(rng() % uint64_t(V));
         const auto ts = std::chrono::steady_clock::now();
-        dec.step(tok.data(), logits.data());
+        if (copy_logits)
+          dec.step(tok.data(), logits.data());
+        else
+          rows = dec.step_rows(tok.data());
         if (s >= warmup) ms.push_back(seconds_since(ts) * 1e3);
       }
+      if (!copy_logits) std::copy(rows, rows + B * V, logits.begin());
       bool finite = true;
       for (float x : logits) finite &= std::isfinite(x);
       std::sort(ms.begin(), ms.end());

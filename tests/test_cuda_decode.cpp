@@ -162,6 +162,39 @@ TEST(CudaDecode, LockstepMatchesCpuForwardOnTestConfig) {
   check_lockstep_all_modes(load_config(test::source_dir() + "/configs/test.json"), "test config");
 }
 
+// step_rows (the server's call: logits left in the decoder's pinned rows, active slots in order)
+// gives step's logits bit for bit, graphed, with the active set changing; no active slot: null.
+TEST(CudaDecode, StepRowsAreTheStepsLogits) {
+  DM_SKIP_WITHOUT_GPU();
+  const ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  auto model = bf16_model(c, 47);
+  const cuda::DeviceWeights dw(model->weights());
+  const int64_t V = c.vocab_size, S = 3, Lmax = 32;
+  cuda::GpuDecoder copied(dw, S, Lmax, decode_options(true, DecodeMoe::Auto));
+  cuda::GpuDecoder rows(dw, S, Lmax, decode_options(true, DecodeMoe::Auto));
+  std::vector<float> logits(size_t(S * V));
+  std::vector<int32_t> tokens = {1, 2, 3};
+  const std::vector<int> none = {0, 0, 0};
+  EXPECT_EQ(rows.step_rows(tokens.data(), none.data()), nullptr);
+  for (int step = 0; step < 12; ++step) {
+    std::vector<int> active = {1, 1, 1};
+    if (step >= 4 && step < 8) active = {1, 0, 1};
+    if (step >= 8) active = {0, 1, 0};
+    copied.step(tokens.data(), logits.data(), active.data());
+    const float* r = rows.step_rows(tokens.data(), active.data());
+    ASSERT_NE(r, nullptr);
+    int64_t row = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      if (!active[size_t(s)]) continue;
+      const float* a = logits.data() + s * V;
+      const float* b = r + (row++) * V;
+      EXPECT_TRUE(std::equal(a, a + V, b)) << "step " << step << " slot " << s;
+      tokens[size_t(s)] = int32_t(argmax(a, V));
+      EXPECT_EQ(copied.length(s), rows.length(s));
+    }
+  }
+}
+
 // The absorbed MLA step's per-head products: our kernels (the default up to 4 rows, which the
 // lockstep tests above run) and the strided-batched cuBLAS GEMMs, each against the CPU, with
 // RoPE/YaRN on (the absorption kernel writes the rotated half too).

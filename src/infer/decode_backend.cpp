@@ -15,6 +15,7 @@ class CpuDecodeBackend final : public DecodeBackend {
       : state_(cfg, slots, max_length, pool_options(cfg, slots, max_length, prefix_cache_bytes)) {
     if (prefix_cache_bytes > 0) state_.enable_prefix_cache(prefix_cache_bytes);
   }
+  int64_t num_slots() const override { return int64_t(state_.cached_tokens.size()); }
   int64_t cached_tokens(int64_t slot) const override {
     return state_.cached_tokens[size_t(slot)];
   }
@@ -46,6 +47,13 @@ class CpuDecodeBackend final : public DecodeBackend {
 };
 
 }  // namespace
+
+const float* DecodeBackend::decode_active_rows(Model& model, const int32_t* next_ids,
+                                               const int* active, float* scratch, int64_t* row_of) {
+  decode_active(model, next_ids, active, scratch);
+  for (int64_t s = 0; s < num_slots(); ++s) row_of[s] = active[s] ? s : -1;
+  return scratch;
+}
 
 std::unique_ptr<DecodeBackend> make_decode_backend(const std::string& device, const Model& model,
                                                    int64_t slots, int64_t max_length,

@@ -15,6 +15,7 @@ namespace dm {
 class DecodeBackend {
  public:
   virtual ~DecodeBackend() = default;
+  virtual int64_t num_slots() const = 0;
   // Prompt tokens the last prefill of `slot` took from the prefix cache (0 without one).
   virtual int64_t cached_tokens(int64_t slot) const = 0;
   // Prompt ids into `slot` (replacing what it held); the last position's logits → row [V].
@@ -23,6 +24,12 @@ class DecodeBackend {
   // One token per active slot: next_ids [S], active [S] (0/1) → logits [S, V] (active rows).
   virtual void decode_active(Model& model, const int32_t* next_ids, const int* active,
                              float* logits) = 0;
+  // The same step with the logits left where the backend has them: active slot s's row is
+  // rows + row_of[s]·V (row_of [S]; −1 for inactive slots), valid until the backend's next call.
+  // The default decodes into scratch [S, V] (row_of[s] = s); the GPU backend returns the
+  // decoder's pinned rows without a host copy.
+  virtual const float* decode_active_rows(Model& model, const int32_t* next_ids, const int* active,
+                                          float* scratch, int64_t* row_of);
   // The slot's sequence is done (its cache may be reused at once).
   virtual void release_slot(int64_t slot) = 0;
 };

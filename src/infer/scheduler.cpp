@@ -111,6 +111,7 @@ struct Scheduler::Engine {
   std::vector<TokenLogprob> top_scratch;  // [V]
   std::vector<int32_t> next_ids;        // [S]
   std::vector<int> active;              // [S]
+  std::vector<int64_t> row_of;          // [S] a slot's row of the backend's logits rows
   std::vector<RunningSequence> slots;   // [S]
   std::vector<WaitingRequest> admitted, dropped;
   std::vector<uint64_t> cancels;
@@ -148,6 +149,7 @@ Scheduler::Engine::Engine(std::unique_ptr<Model> m, const SchedulerOptions& o)
   top_scratch.assign(size_t(V), TokenLogprob{});
   next_ids.assign(size_t(S), 0);
   active.assign(size_t(S), 0);
+  row_of.assign(size_t(S), -1);
   slots.resize(size_t(S));
   admitted.reserve(size_t(S));
   stats.max_concurrent = S;
@@ -390,8 +392,10 @@ void Scheduler::Engine::run() {
       n_active += active[size_t(s)];
     }
     if (n_active == 0) continue;
+    const float* rows = nullptr;
     try {
-      backend->decode_active(*model, next_ids.data(), active.data(), logits.data());
+      rows = backend->decode_active_rows(*model, next_ids.data(), active.data(), logits.data(),
+                                         row_of.data());
     } catch (const std::exception& e) {
       for (int64_t s = 0; s < S; ++s)
         if (active[size_t(s)]) retire(s, FinishReason::Error, str_cat("decode failed: ", e.what()));
@@ -399,7 +403,8 @@ void Scheduler::Engine::run() {
     }
     ++pending_steps;
     for (int64_t s = 0; s < S; ++s)
-      if (active[size_t(s)] && slots[size_t(s)].busy) sample_and_emit(s, logits.data() + s * V);
+      if (active[size_t(s)] && slots[size_t(s)].busy)
+        sample_and_emit(s, rows + row_of[size_t(s)] * V);
   }
   std::lock_guard<std::mutex> lk(mu);
   stats.active = 0;

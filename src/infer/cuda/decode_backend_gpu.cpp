@@ -1,6 +1,6 @@
 // The scheduler's GPU cache: GpuDecoder (chunked prefill into a slot, one batched decode step
 // per iteration over the active slots) with the GPU prefix cache (prefix_cache_gpu.h) when it
-// has a budget; sampling stays on the host.
+// has a budget; sampling stays on the host, from the decoder's pinned logits rows.
 #include <memory>
 #include <vector>
 
@@ -20,6 +20,7 @@ class GpuDecodeBackend final : public DecodeBackend {
     if (prefix_cache_bytes > 0)
       prefix_cache_ = std::make_unique<cuda::GpuPrefixCache>(decoder_, prefix_cache_bytes);
   }
+  int64_t num_slots() const override { return int64_t(cached_.size()); }
   int64_t cached_tokens(int64_t slot) const override { return cached_.at(size_t(slot)); }
   void prefill_slot(Model&, int64_t slot, std::span<const int32_t> prompt, float* row) override {
     DM_CHECK(slot >= 0 && slot < int64_t(cached_.size()), "prefill: slot ", slot, " outside [0, ",
@@ -34,6 +35,13 @@ class GpuDecodeBackend final : public DecodeBackend {
   void decode_active(Model&, const int32_t* next_ids, const int* active,
                      float* logits) override {
     decoder_.step(next_ids, logits, active);
+  }
+  // The decoder's pinned rows, no host copy (GpuDecoder::step_rows: active slots in order).
+  const float* decode_active_rows(Model&, const int32_t* next_ids, const int* active, float*,
+                                  int64_t* row_of) override {
+    int64_t r = 0;
+    for (size_t s = 0; s < cached_.size(); ++s) row_of[s] = active[s] ? r++ : -1;
+    return decoder_.step_rows(next_ids, active);
   }
   void release_slot(int64_t slot) override { decoder_.release(slot); }
 

@@ -424,7 +424,7 @@ void GpuDecoder::fill_for_benchmark(int64_t slot, int64_t length, uint64_t seed)
   host_lengths_[size_t(slot)] = length;
 }
 
-void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
+int64_t GpuDecoder::stage_active(const int32_t* tokens, const int* active) {
   const int64_t V = config().vocab_size;
   int64_t n = 0;
   for (int64_t s = 0; s < S_; ++s) {
@@ -435,18 +435,32 @@ void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
              " of slot ", s, " outside the vocabulary [0, ", V, ")");
     active_slots_[size_t(n++)] = int32_t(s);
   }
-  if (n == 0) return;
   int32_t* staged = pinned_meta_->as<int32_t>();  // ids [n] | slots [n]
   for (int64_t r = 0; r < n; ++r) {
     staged[r] = tokens[active_slots_[size_t(r)]];
     staged[n + r] = active_slots_[size_t(r)];
   }
+  return n;
+}
+
+void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
+  const int64_t V = config().vocab_size;
+  const int64_t n = stage_active(tokens, active);
+  if (n == 0) return;
   const float* rows = run_rows(n, logits != nullptr);
   for (int64_t r = 0; r < n; ++r) {
     const int64_t s = active_slots_[size_t(r)];
     ++host_lengths_[size_t(s)];
     if (logits) std::memcpy(logits + s * V, rows + r * V, size_t(V) * sizeof(float));
   }
+}
+
+const float* GpuDecoder::step_rows(const int32_t* tokens, const int* active) {
+  const int64_t n = stage_active(tokens, active);
+  if (n == 0) return nullptr;
+  const float* rows = run_rows(n, true);
+  for (int64_t r = 0; r < n; ++r) ++host_lengths_[size_t(active_slots_[size_t(r)])];
+  return rows;
 }
 
 void GpuDecoder::prefill(int64_t slot, const int32_t* ids, int64_t n, float* last_logits,
