@@ -48,8 +48,8 @@ class CpuDecodeBackend final : public DecodeBackend {
 
 }  // namespace
 
-const float* DecodeBackend::decode_active_rows(Model& model, const int32_t* next_ids,
-                                               const int* active, float* scratch, int64_t* row_of) {
+float* DecodeBackend::decode_active_rows(Model& model, const int32_t* next_ids, const int* active,
+                                         float* scratch, int64_t* row_of) {
   decode_active(model, next_ids, active, scratch);
   for (int64_t s = 0; s < num_slots(); ++s) row_of[s] = active[s] ? s : -1;
   return scratch;

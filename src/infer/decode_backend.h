@@ -25,11 +25,12 @@ class DecodeBackend {
   virtual void decode_active(Model& model, const int32_t* next_ids, const int* active,
                              float* logits) = 0;
   // The same step with the logits left where the backend has them: active slot s's row is
-  // rows + row_of[s]·V (row_of [S]; −1 for inactive slots), valid until the backend's next call.
+  // rows + row_of[s]·V (row_of [S]; −1 for inactive slots), valid (and the caller's to modify,
+  // as sampling does) until the backend's next call.
   // The default decodes into scratch [S, V] (row_of[s] = s); the GPU backend returns the
   // decoder's pinned rows without a host copy.
-  virtual const float* decode_active_rows(Model& model, const int32_t* next_ids, const int* active,
-                                          float* scratch, int64_t* row_of);
+  virtual float* decode_active_rows(Model& model, const int32_t* next_ids, const int* active,
+                                    float* scratch, int64_t* row_of);
   // The slot's sequence is done (its cache may be reused at once).
   virtual void release_slot(int64_t slot) = 0;
 };

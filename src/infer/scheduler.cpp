@@ -392,7 +392,7 @@ void Scheduler::Engine::run() {
       n_active += active[size_t(s)];
     }
     if (n_active == 0) continue;
-    const float* rows = nullptr;
+    float* rows = nullptr;
     try {
       rows = backend->decode_active_rows(*model, next_ids.data(), active.data(), logits.data(),
                                          row_of.data());

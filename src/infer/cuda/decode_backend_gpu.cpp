@@ -37,8 +37,8 @@ class GpuDecodeBackend final : public DecodeBackend {
     decoder_.step(next_ids, logits, active);
   }
   // The decoder's pinned rows, no host copy (GpuDecoder::step_rows: active slots in order).
-  const float* decode_active_rows(Model&, const int32_t* next_ids, const int* active, float*,
-                                  int64_t* row_of) override {
+  float* decode_active_rows(Model&, const int32_t* next_ids, const int* active, float*,
+                            int64_t* row_of) override {
     int64_t r = 0;
     for (size_t s = 0; s < cached_.size(); ++s) row_of[s] = active[s] ? r++ : -1;
     return decoder_.step_rows(next_ids, active);

@@ -455,10 +455,10 @@ void GpuDecoder::step(const int32_t* tokens, float* logits, const int* active) {
   }
 }
 
-const float* GpuDecoder::step_rows(const int32_t* tokens, const int* active) {
+float* GpuDecoder::step_rows(const int32_t* tokens, const int* active) {
   const int64_t n = stage_active(tokens, active);
   if (n == 0) return nullptr;
-  const float* rows = run_rows(n, true);
+  float* rows = run_rows(n, true);
   for (int64_t r = 0; r < n; ++r) ++host_lengths_[size_t(active_slots_[size_t(r)])];
   return rows;
 }
@@ -656,7 +656,7 @@ void GpuDecoder::forward_rows(int64_t slot, const int32_t* ids, int64_t n, int64
   host_lengths_[size_t(slot)] = start + n;
 }
 
-const float* GpuDecoder::run_rows(int64_t n, bool want_logits) {
+float* GpuDecoder::run_rows(int64_t n, bool want_logits) {
   const ModelConfig& c = config();
   GpuRun& run = *run_;
   CUstream_st* stream = run.stream;

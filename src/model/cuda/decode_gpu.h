@@ -134,10 +134,10 @@ class GpuDecoder {
   // logits == nullptr: the LM head is skipped (prompt tokens whose logits nobody reads).
   void step(const int32_t* tokens, float* logits, const int* active = nullptr);
   // The same step with the logits left in the decoder's pinned host buffer: the active slots'
-  // rows [n, V] fp32 in ascending slot order, valid until the next call (nullptr when no slot
-  // is active). What a server samples from: step's copy into the caller's array is 42 MB of host
-  // memcpy a step at batch 64 on the 48B shape's vocabulary.
-  const float* step_rows(const int32_t* tokens, const int* active = nullptr);
+  // rows [n, V] fp32 in ascending slot order, the caller's to read or modify until the next call
+  // (nullptr when no slot is active). What a server samples from: step's copy into the caller's
+  // array is 42 MB of host memcpy a step at batch 64 on the 48B shape's vocabulary.
+  float* step_rows(const int32_t* tokens, const int* active = nullptr);
 
   // release(slot), then the prompt ids [n] in one pass of the chunked forward (model/cuda/
   // layers.h: KDA leaves its final state and conv tails in the slot, MLA writes every position's
@@ -188,7 +188,7 @@ class GpuDecoder {
   void init();
   // One step of the n rows staged in pinned_meta_ (ids [n] | slots [n]); returns the rows'
   // logits [n, V] in pinned memory (valid until the next step), or nullptr when not wanted.
-  const float* run_rows(int64_t n, bool want_logits);
+  float* run_rows(int64_t n, bool want_logits);
   // Checks the active slots' tokens and stages ids | slots for run_rows; the number of rows.
   int64_t stage_active(const int32_t* tokens, const int* active);
   // Queues the step's kernels on the decoder's stream (directly or into a capture).
