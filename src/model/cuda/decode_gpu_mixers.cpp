@@ -11,6 +11,7 @@
 #include "ops/cuda/decode_ops.h"
 #include "ops/cuda/kda_layer_ops.h"
 #include "ops/cuda/mla_layer_ops.h"
+#include "ops/cuda/pdl.h"
 
 namespace dm::cuda {
 namespace decode_detail {
@@ -118,8 +119,7 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
     f.state = kda_state_[size_t(layer)];
     f.slots = rows.slots;
     f.out = b.o;
-    static const bool prefetch = env_flag("DM_DECODE_L2_PREFETCH", true);
-    f.prefetch = prefetch;
+    f.prefetch = decode_l2_prefetch(n);
     decode_kda_fused_step(f, n, stream);
     linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
     return;

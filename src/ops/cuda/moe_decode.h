@@ -69,7 +69,7 @@ struct SharedExpertBf16 {
   const uint16_t* gate = nullptr;
   const uint16_t* up = nullptr;
   const uint16_t* down = nullptr;
-  // Ask for its rows into L2 before the kernels' PDL wait (env DM_DECODE_L2_PREFETCH, default 1).
+  // Ask for its rows into L2 before the kernels' PDL wait, where decode_l2_prefetch(N) says so.
   bool prefetch = true;
 };
 // Whether moe_decode_experts_forward takes a shared expert of width Fs for this call: the pair

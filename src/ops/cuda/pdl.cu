@@ -23,4 +23,9 @@ bool pdl_enabled() {
 
 void set_pdl_enabled(bool on) { pdl_state().store(on ? 1 : 0, std::memory_order_relaxed); }
 
+bool decode_l2_prefetch(int64_t rows) {
+  static const int choice = env_choice("DM_DECODE_L2_PREFETCH", {"auto", "1", "0"});
+  return choice == 1 || (choice == 0 && rows == 1);
+}
+
 }  // namespace dm::cuda

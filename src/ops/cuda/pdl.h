@@ -12,6 +12,7 @@
 // memory, and lets its dependent launch only after that wait. Kernels launched the old way are
 // ordered as before; a PDL kernel after a cuBLAS kernel or a copy waits for all of it.
 #pragma once
+#include <cstdint>
 
 namespace dm::cuda {
 
@@ -19,5 +20,12 @@ namespace dm::cuda {
 // the launches they captured, so compare the two modes with fresh decoders.
 bool pdl_enabled();
 void set_pdl_enabled(bool on);
+
+// Whether a decode step of `rows` rows asks the weights the routing does not choose (the shared
+// expert's rows, the fused KDA step's gate rows) into L2 before its PDL wait. DM_DECODE_L2_PREFETCH
+// = auto (default: one row only), 1, 0. Measured on the H200 (48B, twenty-third session): one row
+// 2.518/2.532 vs 2.540/2.541 ms at 32K, four rows 5.773/5.801 vs 5.733/5.734 (the prefetches then
+// compete with four rows' routed experts for the same bandwidth).
+bool decode_l2_prefetch(int64_t rows);
 
 }  // namespace dm::cuda
