@@ -69,8 +69,15 @@ struct GemvBatch {
   int count;
 };
 
+// Blocks an SM must hold of gemv_bf16_kernel<kRows, kCols, ·> (its __launch_bounds__): one row,
+// four outputs per block at ≤ 96 registers (115 without the bound; ptxas spills nothing at 96)
+// fits 5 blocks an SM, 660 on an H200, so N = 2304 (the KDA and MLA W_o: 576 blocks) runs in one
+// wave instead of two waves of two-output blocks (1152 against 1056 resident). Two or more rows
+// at four outputs spill under the same bound: they keep 1.
+constexpr int gemv_min_blocks(int rows, int cols) { return rows == 1 && cols == 4 ? 5 : 1; }
+
 template <int kRows, int kCols, bool kRegisterPrefetch>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, gemv_min_blocks(kRows, kCols))
     gemv_bf16_kernel(const uint16_t* __restrict__ x, int64_t ldx, int64_t K, float alpha,
                      float beta, const GemvBatch batch) {
   __shared__ float partial[kWarps][kRows * kCols];
@@ -225,6 +232,13 @@ struct GemvShape {
   }
 };
 
+// DM_GEMV_COLUMNS=auto|2: `2` keeps two outputs per block even where four would save a wave
+// (the A/B of gemv_min_blocks' bound).
+bool gemv_four_columns_allowed() {
+  static const bool allowed = env_choice("DM_GEMV_COLUMNS", {"auto", "2"}) == 0;
+  return allowed;
+}
+
 bool gemv_register_prefetch() {
   static const bool registers = env_choice("DM_GEMV_PREFETCH", {"registers", "l2"}) == 0;
   return registers;
@@ -281,7 +295,9 @@ GemvShape choose_shape(int64_t M, int64_t K, const GemvOutput* outputs, int coun
     for (int i = 0; i < count; ++i) b += (outputs[i].N + cols - 1) / cols;
     return b;
   };
-  if (blocks_at(2) > resident_blocks(M, 2) && blocks_at(4) <= resident_blocks(M, 4)) shape.cols = 4;
+  if (gemv_four_columns_allowed() && blocks_at(2) > resident_blocks(M, 2) &&
+      blocks_at(4) <= resident_blocks(M, 4))
+    shape.cols = 4;
   return shape;
 }
 
