@@ -444,6 +444,42 @@ TEST(CudaMoeRoute, MatchesCpuRouter) {
   }
 }
 
+// Exact ties everywhere: logits from four values and no bias, so every token's top k + 1 holds
+// equal scores and the picks are decided by the tie rule alone (the lower expert first), the
+// same on both sides because equal logits give equal sigmoids within each implementation.
+TEST(CudaMoeRoute, TiesGoToTheLowerExpert) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t N = 64;
+  for (int E : {256, 64, 7}) {
+    SCOPED_TRACE(str_cat("E=", E));
+    RouterParams p;
+    p.num_experts = E;
+    p.top_k = std::min(8, E - 1);
+    const int k = p.top_k;
+    std::mt19937 gen{uint32_t(E)};
+    const float values[] = {-1.0f, 0.0f, 0.5f, 1.0f};
+    std::vector<float> logits(static_cast<size_t>(N * E)), bias(static_cast<size_t>(E), 0.0f);
+    for (auto& x : logits) x = values[gen() % 4];
+    std::vector<float> scores(logits.size()), w(static_cast<size_t>(N * k)),
+        cutoff(static_cast<size_t>(N));
+    std::vector<int32_t> idx(static_cast<size_t>(N * k));
+    moe_route<float>(logits.data(), bias.data(), N, p, scores.data(), idx.data(), w.data(),
+                     cutoff.data());
+    cuda::DeviceArena arena(size_t(4) << 20);
+    float* scores_dev = arena.alloc<float>(scores.size());
+    float* w_dev = arena.alloc<float>(w.size());
+    float* cutoff_dev = arena.alloc<float>(cutoff.size());
+    int32_t* idx_dev = arena.alloc<int32_t>(idx.size());
+    cuda::moe_route(upload(arena, logits), upload(arena, bias), N, p, scores_dev, idx_dev, w_dev,
+                    cutoff_dev);
+    cuda::synchronize();
+    EXPECT_EQ(download(idx_dev, idx.size()), idx);
+    const std::vector<float> cutoff_gpu = download(cutoff_dev, cutoff.size());
+    for (int64_t t = 0; t < N; ++t)
+      EXPECT_NEAR(cutoff_gpu[size_t(t)], cutoff[size_t(t)], 1e-6f) << "token " << t;
+  }
+}
+
 // Parameter checks run before any device work (no GPU needed).
 TEST(CudaMoeRoute, RejectsBadParameters) {
   auto* fake = reinterpret_cast<float*>(uintptr_t(1) << 12);

@@ -119,7 +119,6 @@ void GpuDecoder::kda_step(int layer, const uint16_t* xn, float* y, const Rows& r
     f.state = kda_state_[size_t(layer)];
     f.slots = rows.slots;
     f.out = b.o;
-    f.prefetch = decode_l2_prefetch(n);
     decode_kda_fused_step(f, n, stream);
     linear(run, b.o, dw.bf16(w.o_proj), n, HK, d, y, GemmOutType::F32);
     return;

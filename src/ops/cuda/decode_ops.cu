@@ -77,32 +77,41 @@ __global__ void conv_step_kernel(const KdaConvStepArgs a, const int32_t* __restr
     store_from_float(a.out[branch], rc, silu_f32(acc));
   }
 }
-// One block per row: the latent norm's statistic needs the whole kvl-wide vector.
-__global__ void write_latent_kernel(const float* __restrict__ kv_a, const float* __restrict__ norm_w,
-                                    int64_t kvl, int64_t rope, float eps,
-                                    const float* __restrict__ cos, const float* __restrict__ sin,
+// One block per row: the latent norm's statistic needs the whole kvl-wide vector. The row's
+// position, page and rotation are read before the PDL wait (prepare_rows wrote them at the
+// step's start: pdl.h's two-launches-back rule), so after it only kv_a is a round trip away.
+__global__ void write_latent_kernel(const float* __restrict__ kv_a,
+                                    const float* __restrict__ norm_w, int64_t kvl, int64_t rope,
+                                    float eps, const float* __restrict__ cos,
+                                    const float* __restrict__ sin,
                                     const int32_t* __restrict__ positions,
                                     const int32_t* __restrict__ row_table, int64_t P,
                                     int64_t page_tokens, uint16_t* __restrict__ pages) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float shared[32];
-  const int64_t r = blockIdx.x, W = kvl + rope;
-  const float* row = kv_a + r * W;
+  const int64_t r = blockIdx.x, W = kvl + rope, half = rope / 2;
   const int64_t pos = positions[r];
   const int64_t page = row_table[r * P + pos / page_tokens];
+  // This thread's first rope element e = threadIdx.x: its pair's rotation.
+  const int64_t first_pair = threadIdx.x / 2;
+  const bool rotates = cos && int64_t(threadIdx.x) < 2 * half;
+  const float first_cos = rotates ? cos[pos * half + first_pair] : 1.0f;
+  const float first_sin = rotates ? sin[pos * half + first_pair] : 0.0f;
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before kv_a is read or the page written
+  const float* row = kv_a + r * W;
   uint16_t* dst = pages + (page * page_tokens + pos % page_tokens) * W;
   float sum_squares = 0.0f;
   for (int64_t i = threadIdx.x; i < kvl; i += blockDim.x) sum_squares += row[i] * row[i];
   const float inverse_rms = rsqrtf(block_sum(sum_squares, shared) / float(kvl) + eps);
   for (int64_t i = threadIdx.x; i < kvl; i += blockDim.x)
     store_from_float(dst, i, row[i] * inverse_rms * norm_w[i]);
-  const int64_t half = rope / 2;
   for (int64_t e = threadIdx.x; e < rope; e += blockDim.x) {
     float value = row[kvl + e];
     if (cos && e < 2 * half) {
       const int64_t pair = e / 2;
       const float x0 = row[kvl + 2 * pair], x1 = row[kvl + 2 * pair + 1];
-      const float c = cos[pos * half + pair], s = sin[pos * half + pair];
+      const bool first = e == int64_t(threadIdx.x);
+      const float c = first ? first_cos : cos[pos * half + pair];
+      const float s = first ? first_sin : sin[pos * half + pair];
       value = (e % 2 == 0) ? x0 * c - x1 * s : x1 * c + x0 * s;
     }
     store_from_float(dst, kvl + e, value);

@@ -96,7 +96,6 @@ struct KdaFusedStepArgs {
   float* state = nullptr;
   const int32_t* slots = nullptr;
   uint16_t* out = nullptr;
-  bool prefetch = true;  // this tile's gate weight rows into L2 before the PDL wait
 };
 bool kda_decode_fused_applies(int64_t n, int64_t K, int64_t V, int conv_kernel);
 void decode_kda_fused_step(const KdaFusedStepArgs& a, int64_t n, DecodeStream stream = nullptr);

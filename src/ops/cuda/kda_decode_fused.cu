@@ -55,17 +55,21 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
 }
 
 // Σ_j W[row_p, j]·x[j] over kDim = 128 bf16 for kPasses rows row_p = w + p·stride (row-major
-// rows of 128): a half-warp per row, a 16-byte chunk per lane, every pass's load issued before
-// the first product, each sum reduced within the half-warp (every lane of the half gets it).
+// rows of 128): a half-warp per row, a 16-byte chunk per lane (wv, loaded by load_rows before
+// x exists), each sum reduced within the half-warp (every lane of the half gets it).
 template <int kPasses>
-__device__ __forceinline__ void half_warp_dots(const uint16_t* __restrict__ w, int64_t stride,
-                                               const uint16_t* __restrict__ x, int lane16,
-                                               float (&dots)[kPasses]) {
-  uint4 wv[kPasses];
+__device__ __forceinline__ void load_rows(const uint16_t* __restrict__ w, int64_t stride,
+                                          int lane16, uint4 (&wv)[kPasses]) {
 #pragma unroll
   for (int p = 0; p < kPasses; ++p)
     wv[p] = __ldg(reinterpret_cast<const uint4*>(w + p * stride) + lane16);
-  const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x) + lane16);
+}
+
+template <int kPasses>
+__device__ __forceinline__ void half_warp_dots(const uint4 (&wv)[kPasses],
+                                               const uint16_t* __restrict__ x, int lane16,
+                                               float (&dots)[kPasses]) {
+  const uint4 xv = *(reinterpret_cast<const uint4*>(x) + lane16);  // written by the last launch
   const uint32_t xa[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -82,37 +86,45 @@ __device__ __forceinline__ void half_warp_dots(const uint16_t* __restrict__ w, i
   }
 }
 
-// The conv + SiLU of channel c of one branch (decode_ops.cu conv_step_kernel's order), the old
-// tail values kept in `kept` for the caller's shift.
-__device__ __forceinline__ float conv_channel(const float* __restrict__ w, const uint16_t* tail,
-                                              int64_t C, uint16_t raw_bits, int Kc,
-                                              uint16_t (&kept)[kMaxTail]) {
+// One channel's short conv: its weights and the tail's old values (kept for the caller's shift),
+// loaded before the new raw value exists; the guarded unrolled loops keep them in registers.
+struct ConvChannel {
+  float w[kMaxTail], w_last;
+  uint16_t kept[kMaxTail];
+};
+
+__device__ __forceinline__ void load_conv_channel(const float* __restrict__ w, const uint16_t* tail,
+                                                  int64_t C, int Kc, ConvChannel& ch) {
+#pragma unroll
+  for (int j = 0; j < kMaxTail; ++j)
+    if (j < Kc - 1) {
+      ch.kept[j] = tail[int64_t(j) * C];
+      ch.w[j] = w[j];
+    }
+  ch.w_last = w[Kc - 1];
+}
+
+// The conv + SiLU of the channel (decode_ops.cu conv_step_kernel's order).
+__device__ __forceinline__ float conv_channel(const ConvChannel& ch, uint16_t raw_bits, int Kc) {
   float acc = 0.0f;
-  for (int j = 0; j < Kc - 1; ++j) {
-    kept[j] = tail[int64_t(j) * C];
-    acc += w[j] * bf16_bits_to_float(kept[j]);
-  }
-  acc += w[Kc - 1] * bf16_bits_to_float(raw_bits);
+#pragma unroll
+  for (int j = 0; j < kMaxTail; ++j)
+    if (j < Kc - 1) acc += ch.w[j] * bf16_bits_to_float(ch.kept[j]);
+  acc += ch.w_last * bf16_bits_to_float(raw_bits);
   return round_through_bf16(silu(acc));
 }
 
 __device__ __forceinline__ void shift_tail(uint16_t* tail, int64_t C, uint16_t raw_bits, int Kc,
-                                           const uint16_t (&kept)[kMaxTail]) {
+                                           const ConvChannel& ch) {
   if (Kc < 2) return;
-  for (int j = 1; j < Kc - 1; ++j) tail[int64_t(j - 1) * C] = kept[j];
+#pragma unroll
+  for (int j = 1; j < kMaxTail; ++j)
+    if (j < Kc - 1) tail[int64_t(j - 1) * C] = ch.kept[j];
   tail[int64_t(Kc - 2) * C] = raw_bits;
 }
 
 __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     kda_decode_fused_kernel(const KdaFusedStepArgs a) {
-  {  // this tile's 32 rows of W_f↑ and W_g↑ (8 KB each, contiguous) into L2 before the wait
-    const int64_t row0 = (int64_t(blockIdx.y) % a.H) * kDim + blockIdx.x * kTile;
-    if (a.prefetch && threadIdx.x == 0 && threadIdx.y == 0) {
-      prefetch_l2_bulk(a.f_up + row0 * kDim, kTile * kDim * 2);
-      if (a.g_up != nullptr) prefetch_l2_bulk(a.g_up + row0 * kDim, kTile * kDim * 2);
-    }
-  }
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float query[kDim], key[kDim], decay[kDim], partial[kRowLanes][kTile];
   __shared__ float gate_tile[kTile], value_tile[kTile], decay_tile[kTile];
   __shared__ float reduce_scratch[2][kThreads / 32];
@@ -121,55 +133,68 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kTile + tx;
   const int tile = int(cluster.block_rank());
   const int64_t H = a.H, C = H * kDim, bh = blockIdx.y, r = bh / H, h = bh % H;
-  const int64_t slot = a.slots[r];
   const int tail_rows = a.conv_kernel - 1;
-  // The state tile's loads first: their latency hides behind the conv and the gates.
   const int e = tile * kTile + tx;
+  const int branch = tid / kDim, channel = tid % kDim;  // q (threads 0–127), k (128–255)
+  const int64_t qk_c = h * kDim + channel, v_c = h * kDim + tile * kTile + tx;
+  // This tile's 32 of the head's 128 decay rows (the peers compute the others; exchanged through
+  // distributed shared memory after the barrier) and the output gate of its 32 columns: rows
+  // h·128 + tile·32 + half + p·16 of W_f↑ (W_g↑), a half-warp each.
+  constexpr int kHalves = kThreads / 16, kPasses = kTile / kHalves;
+  const int lane16 = tid & 15, half = tid >> 4;
+  const int64_t row0 = h * kDim + tile * kTile + half;  // this half-warp's first row
+
+  // Everything the step reads that the last launch (the projections' GEMV) does not write, loaded
+  // BEFORE the PDL wait (pdl.h's two-launches-back rule): the row's slot (prepare_rows, at the
+  // step's start), its state tile and conv tails (this layer's previous step), weights. The
+  // step's dependent chain then starts at the projections' outputs. (Loaded after the wait, the
+  // slot cost a round trip before the state's and the tails' loads could even be issued: 12.2
+  // against 9.7 us alone under Nsight Compute, though the 48B step measured the same, 2.382 /
+  // 2.399 ms against 2.387 / 2.389 at 1 x 32K, the old chain being hidden by its neighbours.)
+  const int64_t slot = a.slots[r];
   float* state = a.state + ((slot * H + h) * kDim) * kDim + e;  // row i at state[i·kDim]
   float s[kRows];
 #pragma unroll
   for (int j = 0; j < kRows; ++j) s[j] = state[int64_t(ty + kRowLanes * j) * kDim];
+  ConvChannel qk_conv, v_conv;
+  load_conv_channel(a.conv_weight[branch] + qk_c * a.conv_kernel,
+                    a.tail[branch] + slot * tail_rows * C + qk_c, C, a.conv_kernel, qk_conv);
+  if (ty == 0)
+    load_conv_channel(a.conv_weight[2] + v_c * a.conv_kernel,
+                      a.tail[2] + slot * tail_rows * C + v_c, C, a.conv_kernel, v_conv);
+  uint4 f_rows[kPasses], g_rows[kPasses];
+  load_rows<kPasses>(a.f_up + row0 * kDim, kHalves * kDim, lane16, f_rows);
+  if (a.g_up != nullptr) load_rows<kPasses>(a.g_up + row0 * kDim, kHalves * kDim, lane16, g_rows);
+  float dt_bias[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) dt_bias[p] = a.dt_bias[row0 + p * kHalves];
+  const float a_head = expf(a.A_log[h]), norm_weight = a.norm_weight[e];
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before reading the projections
 
-  // Conv of q (threads 0–127) and k (128–255) channel h·128 + (tid mod 128).
-  const int branch = tid / kDim, channel = tid % kDim;
-  const int64_t qk_c = h * kDim + channel;
-  uint16_t qk_kept[kMaxTail];
+  // Conv of q and k channel h·128 + channel; the tails of q and k are advanced after the
+  // cluster barrier (every tile reads them), this tile's v column's at once (no other block
+  // reads it).
   uint16_t* qk_tail = a.tail[branch] + slot * tail_rows * C + qk_c;
   const uint16_t qk_raw = a.raw[branch][r * C + qk_c];
-  const float qk = conv_channel(a.conv_weight[branch] + qk_c * a.conv_kernel, qk_tail, C, qk_raw,
-                                a.conv_kernel, qk_kept);
+  const float qk = conv_channel(qk_conv, qk_raw, a.conv_kernel);
   (branch == 0 ? query : key)[channel] = qk;
-  // This tile's v column (warp 0: column 32·tile + tx), its tail advanced at once (no other
-  // block reads it).
   if (ty == 0) {
-    const int64_t v_c = h * kDim + tile * kTile + tx;
-    uint16_t v_kept[kMaxTail];
     uint16_t* v_tail = a.tail[2] + slot * tail_rows * C + v_c;
     const uint16_t v_raw = a.raw[2][r * C + v_c];
-    value_tile[tx] = conv_channel(a.conv_weight[2] + v_c * a.conv_kernel, v_tail, C, v_raw,
-                                  a.conv_kernel, v_kept);
-    shift_tail(v_tail, C, v_raw, a.conv_kernel, v_kept);
+    value_tile[tx] = conv_channel(v_conv, v_raw, a.conv_kernel);
+    shift_tail(v_tail, C, v_raw, a.conv_kernel, v_conv);
   }
 
-  // This tile's 32 of the head's 128 decay rows (the peers compute the others; exchanged through
-  // distributed shared memory after the barrier) and the output gate of its 32 columns:
-  // f = W_f↑[h·128 + i, :]·low[r, :], rounded to bf16 as the unfused GEMV stores it.
-  constexpr int kHalves = kThreads / 16, kPasses = kTile / kHalves;
-  const int lane16 = tid & 15, half = tid >> 4;
-  const int64_t row0 = h * kDim + tile * kTile + half;  // this half-warp's first row
+  // f = W_f↑[row]·low[r, :], rounded to bf16 as the unfused GEMV stores it; the decay from it.
   float f_dots[kPasses], g_dots[kPasses];
-  half_warp_dots<kPasses>(a.f_up + row0 * kDim, kHalves * kDim, a.low + r * kDim, lane16, f_dots);
-  if (a.g_up != nullptr)
-    half_warp_dots<kPasses>(a.g_up + row0 * kDim, kHalves * kDim, a.low_gate + r * kDim, lane16,
-                            g_dots);
-  const float a_head = expf(a.A_log[h]);
+  half_warp_dots<kPasses>(f_rows, a.low + r * kDim, lane16, f_dots);
+  if (a.g_up != nullptr) half_warp_dots<kPasses>(g_rows, a.low_gate + r * kDim, lane16, g_dots);
   if (lane16 == 0) {
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int i = half + p * kHalves;
-      decay_tile[i] = expf(round_through_bf16(
-          kda_gate_value(a_head, round_through_bf16(f_dots[p]) + a.dt_bias[row0 + p * kHalves],
-                         a.safe_gate, a.lower_bound)));
+      decay_tile[i] = expf(round_through_bf16(kda_gate_value(
+          a_head, round_through_bf16(f_dots[p]) + dt_bias[p], a.safe_gate, a.lower_bound)));
       if (a.g_up != nullptr) gate_tile[i] = round_through_bf16(g_dots[p]);
     }
   }
@@ -178,7 +203,7 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
 
   // Every tile has read the q and k tails (tiles 0 and 1 advance them) and written its decays.
   cluster.sync();
-  if (tile == branch) shift_tail(qk_tail, C, qk_raw, a.conv_kernel, qk_kept);
+  if (tile == branch) shift_tail(qk_tail, C, qk_raw, a.conv_kernel, qk_conv);
   if (tid < kDim) decay[tid] = *cluster.map_shared_rank(&decay_tile[tid % kTile], tid / kTile);
 
   // The recurrent step (kda_recurrent.cu, T = 1): L2 norms of q and k, β.
@@ -227,7 +252,7 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     for (int rank = 0; rank < kTiles; ++rank)
       total += *cluster.map_shared_rank(&tile_sum_squares, unsigned(rank));
     const float inverse_rms = 1.0f / sqrtf(total / float(kDim) + a.eps);
-    const float y = o * inverse_rms * a.norm_weight[e] * sigmoid_f32(gate_tile[tx]);
+    const float y = o * inverse_rms * norm_weight * sigmoid_f32(gate_tile[tx]);
     store_from_float(a.out, r * C + h * kDim + e, y);
   }
   cluster.sync();  // the peers have read tile_sum_squares: this block may exit

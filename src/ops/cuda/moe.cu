@@ -42,6 +42,16 @@ __device__ __forceinline__ void warp_best(float& value, int& index) {
   }
 }
 
+// Order-preserving unsigned key of a float (−0 counted as +0, as float comparison does): a > b
+// ⇔ key(a) > key(b) for non-NaN a, b; route_key_value inverts it.
+__device__ __forceinline__ unsigned route_order_key(float v) {
+  const unsigned u = __float_as_uint(v + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float route_key_value(unsigned key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
 __device__ __forceinline__ float router_sigmoid(float x) {
   return x < -87.0f ? 0.0f : 1.0f / (1.0f + expf(-x));
 }
@@ -143,40 +153,67 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
       eligible |= ok ? 1u << slot : 0u;
     }
   }
-  float previous_value = INFINITY, cutoff_value = -INFINITY;
-  int previous_index = -1, count = 0;
-  for (int i = 0; i <= k; ++i) {
-    float best_value = -INFINITY, best_score = 0.0f;
-    int best_index = INT_MAX;
-    auto consider = [&](float v, int e, float score) {
-      if (comes_before(previous_value, previous_index, v, e) &&
-          comes_before(v, e, best_value, best_index)) {
-        best_value = v;
-        best_index = e;
-        best_score = score;
-      }
-    };
-    if (in_registers) {
+  float cutoff_value = -INFINITY;
+  int count = 0;
+  if (in_registers) {
+    // Each round: the lane's best eligible candidate (its slots ascend, so a tie keeps the lower
+    // expert), the warp's largest value by one redux over order-preserving keys, the lowest
+    // expert holding it by another: comes_before's order in two instructions where a shuffle
+    // tree took five rounds of paired shuffles. The pick leaves its lane's eligible set.
+    for (int i = 0; i <= k; ++i) {
+      int best_slot = -1;
+      float best_value = 0.0f, best_score = 0.0f;
 #pragma unroll
-      for (int slot = 0; slot < kRouteLaneSlots; ++slot)
-        if (eligible >> slot & 1u) consider(cached[slot], lane + 32 * slot, score_reg[slot]);
-    } else {
-      for (int e = lane; e < E; e += 32)
-        if (!grouped || group_kept[warp][e / group_size]) consider(biased(e), e, 0.0f);
+      for (int slot = 0; slot < kRouteLaneSlots; ++slot) {
+        const float v = cached[slot];
+        if ((eligible >> slot & 1u) && v == v && (best_slot < 0 || v > best_value)) {
+          best_slot = slot;
+          best_value = v;
+          best_score = score_reg[slot];
+        }
+      }
+      if (!__any_sync(0xffffffffu, best_slot >= 0)) break;
+      const unsigned key = best_slot >= 0 ? route_order_key(best_value) : 0u;
+      const unsigned top = __reduce_max_sync(0xffffffffu, key);
+      const unsigned mine =
+          best_slot >= 0 && key == top ? unsigned(lane + 32 * best_slot) : 0xffffffffu;
+      const int best_index = int(__reduce_min_sync(0xffffffffu, mine));
+      if (lane == best_index % 32) {
+        eligible &= ~(1u << (best_index / 32));
+        if (i < k) {
+          pick_expert[warp][i] = best_index;
+          pick_score[warp][i] = best_score;
+        }
+      }
+      if (i == k) cutoff_value = route_key_value(top);
+      ++count;
     }
-    const int lane_best = best_index;
-    warp_best(best_value, best_index);
-    if (best_index == INT_MAX) break;
-    if (i < k) {
-      if (lane == 0) pick_expert[warp][i] = best_index;
-      // The pick's own lane (indices are unique) has its score in registers.
-      if (in_registers && lane_best == best_index) pick_score[warp][i] = best_score;
-    } else {
-      cutoff_value = best_value;
+  } else {
+    float previous_value = INFINITY;
+    int previous_index = -1;
+    for (int i = 0; i <= k; ++i) {
+      float best_value = -INFINITY;
+      int best_index = INT_MAX;
+      for (int e = lane; e < E; e += 32) {
+        if (grouped && !group_kept[warp][e / group_size]) continue;
+        const float v = biased(e);
+        if (comes_before(previous_value, previous_index, v, e) &&
+            comes_before(v, e, best_value, best_index)) {
+          best_value = v;
+          best_index = e;
+        }
+      }
+      warp_best(best_value, best_index);
+      if (best_index == INT_MAX) break;
+      if (i < k) {
+        if (lane == 0) pick_expert[warp][i] = best_index;
+      } else {
+        cutoff_value = best_value;
+      }
+      ++count;
+      previous_value = best_value;
+      previous_index = best_index;
     }
-    ++count;
-    previous_value = best_value;
-    previous_index = best_index;
   }
   if (cutoff && lane == 0) cutoff[t] = count == k + 1 ? cutoff_value : -INFINITY;
   __syncwarp();
