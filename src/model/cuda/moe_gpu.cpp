@@ -173,6 +173,9 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     linear(run, xn, dw.bf16(w.router), N, d, E, logits, GemmOutType::F32);
   }
   const float* bias = w.router_bias ? dw.f32(w.router_bias) : nullptr;
+  // (At decode every gathered gate/up block selecting its own token's experts from the logits,
+  // without this launch, measured no faster at one row and 0.3 ms a step slower at four on the
+  // 48B shape: the route's ~5 us in the step's chain is its own work, not its launch.)
   moe_route(logits, bias, N, router_params(cfg), r.scores, r.idx, weight, r.cutoff, stream);
   MoeDispatchPlan local_plan;
   MoeDispatchPlan& plan = kept ? kept->plan : local_plan;
