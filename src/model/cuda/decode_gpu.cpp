@@ -40,6 +40,7 @@
 #include "model/residual.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/decode_ops.h"
+#include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
 #include "ops/cuda/kda_layer_ops.h"
 #include "ops/cuda/mla_layer_ops.h"
@@ -210,7 +211,7 @@ void GpuDecoder::init() {
              " F=", ew.F, "); use DM_DECODE_MOE=grouped");
   }
   pages_per_slot_ = (max_length_ + kPageTokens - 1) / kPageTokens;
-  num_sms_ = decode_device_multiprocessors();
+  num_sms_ = device_multiprocessors();
   stream_ = std::make_unique<OwnedStream>();
   const int64_t S = S_, P = pages_per_slot_;
 

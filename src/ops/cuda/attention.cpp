@@ -218,7 +218,7 @@ MlaDecodePlan mla_decode_plan(int S, int H, int max_pages, int num_sms, int max_
            " max_pages=", max_pages);
   DM_CHECK(max_splits >= 1 && max_splits <= 256, "mla_decode_plan: max_splits must be in [1, 256]",
            ", got ", max_splits);
-  if (num_sms <= 0) num_sms = attention_detail::current_device_multiprocessors();
+  if (num_sms <= 0) num_sms = device_multiprocessors();
   MlaDecodePlan plan;
   plan.max_pages = max_pages;
   if (S == 0 || H == 0 || max_pages == 0) return plan;

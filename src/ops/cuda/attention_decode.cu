@@ -310,13 +310,6 @@ void launch_decode_instance(const DecodeArgs& args, CUstream_st* stream) {
 
 }  // namespace
 
-int current_device_multiprocessors() {
-  int device = 0, count = 0;
-  DM_CUDA_CHECK(cudaGetDevice(&device));
-  DM_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
 void launch_attention_decode(const DecodeProblem& p, const uint16_t* q, const uint16_t* cache,
                              const int32_t* page_table, const int32_t* seq_len, uint16_t* out,
                              float* lse, float* partial_o, float* partial_lse,

@@ -59,8 +59,6 @@ constexpr int kDecodeMaxDk = 576, kDecodeMaxDv = 512;
 // Heads one decode CTA takes: two groups of 16 (one page tile in shared memory serving both)
 // when there are more than 16 heads, else one. The plan and the launch both use it.
 inline int decode_heads_per_cta(int64_t H) { return H > 16 ? 32 : 16; }
-// Multiprocessor count of the current device (for the decode plan).
-int current_device_multiprocessors();
 
 // Packed documents as a ragged batch (attention_cudnn.cpp): entry i is the doc_len[i] tokens of
 // row doc_row[i] from token doc_begin[i] (length 0 for padding entries). Moves the softmax

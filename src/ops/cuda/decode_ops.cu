@@ -142,13 +142,6 @@ __global__ void query_rope_kernel(const uint16_t* __restrict__ q, int64_t H, int
 }
 }  // namespace
 
-int decode_device_multiprocessors() {
-  int device = 0, count = 0;
-  DM_CUDA_CHECK(cudaGetDevice(&device));
-  DM_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
 void decode_prepare_rows(const int32_t* slots, int64_t n, int32_t* lengths,
                          const int32_t* page_table, int64_t P, int32_t* positions,
                          int32_t* seq_len, int32_t* row_table, DecodeStream stream) {

@@ -18,9 +18,6 @@ namespace dm::cuda {
 
 using DecodeStream = CUstream_st*;
 
-// Multiprocessors of the current device (for mla_decode_plan, read once by the decoder).
-int decode_device_multiprocessors();
-
 // Per-step row bookkeeping, one block per row r (slot = slots[r]):
 //   positions[r] = lengths[slot];  seq_len[r] = positions[r] + 1;  lengths[slot] += 1;
 //   row_table[r, :] = page_table[slot, :]            (page tables [·, P] int32)

@@ -6,6 +6,13 @@
 
 namespace dm::cuda {
 
+int device_multiprocessors() {
+  int device = 0, count = 0;
+  DM_CUDA_CHECK(cudaGetDevice(&device));
+  DM_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
 bool device_available() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

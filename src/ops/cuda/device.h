@@ -18,6 +18,8 @@ namespace dm::cuda {
 bool device_available();
 // "NVIDIA H200 (sm_90, 139.8 GiB)" or a reason why there is none.
 std::string device_description();
+// Multiprocessors of the current device (launch shapes, decode plans).
+int device_multiprocessors();
 
 // Throws dm::Error naming `what` and the CUDA error string when the last launch or call failed.
 void check_last_error(const char* what);
