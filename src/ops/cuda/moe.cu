@@ -57,7 +57,11 @@ __device__ __forceinline__ float router_sigmoid(float x) {
 }
 
 // One warp per token. The i-th pick is the best candidate strictly after pick i−1 in the
-// selection order, so no "taken" mask is needed: O((k+1)·E/32) per lane.
+// selection order, so no "taken" mask is needed: O((k+1)·E/32) per lane. One instantiation per
+// path (scores in registers or not, groups or not), so that a decode step's route kernel holds
+// only the code it runs: the single kernel with every path was 62 KB of instructions, fetched
+// cold by each of the step's 26 launches.
+template <bool kInRegisters, bool kGrouped>
 __global__ void moe_route_kernel(const RouteProblem p, const float* logits, const float* bias,
                                  float* scores, int32_t* idx, float* w, float* cutoff) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
@@ -76,7 +80,7 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   // Up to 32·kRouteLaneSlots experts a lane keeps its scores (and biases) in registers, loaded
   // together up front: at decode the kernel is a chain of dependent memory round trips (the
   // logits, the scores read back, the bias, the picks' scores), which is most of its time.
-  const bool in_registers = E <= 32 * kRouteLaneSlots;
+  constexpr bool in_registers = kInRegisters;  // E ≤ 32·kRouteLaneSlots
   float score_reg[kRouteLaneSlots], bias_reg[kRouteLaneSlots];
   if (in_registers) {
     float logit_reg[kRouteLaneSlots];
@@ -98,7 +102,7 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
   __syncwarp();
   auto biased = [&](int e) { return score_row[e] + (bias ? bias[e] : 0.0f); };
 
-  const bool grouped = p.n_group > 1 && p.topk_group < p.n_group;
+  constexpr bool grouped = kGrouped;  // p.n_group > 1 && p.topk_group < p.n_group
   const int group_size = E / p.n_group;
   if (grouped) {
     // A group scores the sum of its two best biased values (its single value if one expert).
@@ -596,8 +600,13 @@ int grid_for(int64_t n, int threads) {
 void launch_route(const RouteProblem& p, const float* logits, const float* bias, float* scores,
                   int32_t* idx, float* w, float* cutoff, CUstream_st* stream) {
   if (p.N == 0) return;
-  launch_pdl(moe_route_kernel, ceil_div(p.N, kRouteWarps), kRouteWarps * 32, 0, stream, p, logits,
-             bias, scores, idx, w, cutoff);
+  const bool in_registers = p.E <= 32 * kRouteLaneSlots;
+  const bool grouped = p.n_group > 1 && p.topk_group < p.n_group;
+  auto kernel = in_registers
+                    ? (grouped ? moe_route_kernel<true, true> : moe_route_kernel<true, false>)
+                    : (grouped ? moe_route_kernel<false, true> : moe_route_kernel<false, false>);
+  launch_pdl(kernel, ceil_div(p.N, kRouteWarps), kRouteWarps * 32, 0, stream, p, logits, bias,
+             scores, idx, w, cutoff);
   check_last_error("moe_route_kernel");
 }
 
