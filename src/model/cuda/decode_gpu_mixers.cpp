@@ -2,7 +2,6 @@
 // decode_gpu.cpp's header comment) and the scratch each carves.
 #include <cmath>
 
-#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/decode_gpu_internal.h"
 #include "model/cuda/layers.h"
@@ -11,7 +10,6 @@
 #include "ops/cuda/decode_ops.h"
 #include "ops/cuda/kda_layer_ops.h"
 #include "ops/cuda/mla_layer_ops.h"
-#include "ops/cuda/pdl.h"
 
 namespace dm::cuda {
 namespace decode_detail {
