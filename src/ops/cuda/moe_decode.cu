@@ -53,10 +53,22 @@ constexpr int kPairDownMaxWarps = 16;  // down + combine pair kernel: most warps
 // left a third of the warps a third pair: 6.27 -> 6.81 ms).
 struct PairPlan {
   int gate_up_steps, down_channels, down_warps;
+  int gate_up_warps = kWarps;  // warps a gate/up block
 };
+// Env overrides of the shape (read once), for the A/B of block sizes: DM_MOE_PAIR_GATE_UP =
+// auto | 8x2 | 8x1 | 4x1 | 4x2 (warps a block × row pairs a warp), DM_MOE_PAIR_DOWN = auto | 8 |
+// 4 (channels a down block).
 PairPlan pair_plan(int64_t pairs) {
-  if (pairs <= kPairDownMaxWarps) return {2, 8, int(pairs)};
-  return {1, 4, kWarps};
+  PairPlan plan = pairs <= kPairDownMaxWarps ? PairPlan{2, 8, int(pairs)} : PairPlan{1, 4, kWarps};
+  static const int gate_up = env_choice("DM_MOE_PAIR_GATE_UP", {"auto", "8x2", "8x1", "4x1", "4x2"});
+  static const int down = env_choice("DM_MOE_PAIR_DOWN", {"auto", "8", "4"});
+  constexpr int kGateUpShapes[][2] = {{0, 0}, {8, 2}, {8, 1}, {4, 1}, {4, 2}};
+  if (gate_up > 0) {
+    plan.gate_up_warps = kGateUpShapes[gate_up][0];
+    plan.gate_up_steps = kGateUpShapes[gate_up][1];
+  }
+  if (down > 0) plan.down_channels = down == 1 ? 8 : 4;
+  return plan;
 }
 struct Workspace {
   Plan plan;
@@ -384,14 +396,14 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- pair path (N·k ≤ kPairPathMaxPairs) ---------------------------------------------------
 
-// Gate/up: grid (ceil(F / (16·kSteps)), N·k + shared pairs), kThreads: block (bx, p) applies
-// expert idx[p]'s gate and up rows f0 = ((bx·8 + w)·kSteps + step)·2 … +1 (warp w; pair_plan()
-// picks kSteps) to token p / k, h[p, f] exactly as
+// Gate/up: grid (ceil(F / (2·kBlockWarps·kSteps)), N·k + shared pairs), 32·kBlockWarps threads:
+// block (bx, p) applies expert idx[p]'s gate and up rows f0 = ((bx·kBlockWarps + w)·kSteps +
+// step)·2 … +1 (warp w; pair_plan() picks the shape) to token p / k, h[p, f] exactly as
 // gate_up_pass<1> of the planned kernel computes it; pair N·k + t (with a shared expert) applies
 // the shared expert's rows to token t. A pair with an expert outside [0, E) is skipped (never
 // combined).
-template <int kSteps>
-__global__ void __launch_bounds__(kThreads)
+template <int kSteps, int kBlockWarps>
+__global__ void __launch_bounds__(kBlockWarps * 32)
     moe_decode_gate_up_pairs_kernel(const uint16_t* __restrict__ x,
                                     const uint16_t* __restrict__ gate_w,
                                     const uint16_t* __restrict__ up_w, int64_t Din, int64_t F,
@@ -407,7 +419,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 1
     for (int step = 0; step < kSteps; ++step) {
       const int64_t f0 =
-          ((int64_t(blockIdx.x) * kWarps + warp) * kSteps + step) * kGateUpRowsPerWarp;
+          ((int64_t(blockIdx.x) * kBlockWarps + warp) * kSteps + step) * kGateUpRowsPerWarp;
       for (int r = 0; r < kGateUpRowsPerWarp && f0 + r < F; ++r) {
         prefetch_l2_bulk(shared.gate + (f0 + r) * Din, uint32_t(Din * 2));
         prefetch_l2_bulk(shared.up + (f0 + r) * Din, uint32_t(Din * 2));
@@ -419,7 +431,7 @@ __global__ void __launch_bounds__(kThreads)
   if (expert < 0 || expert >= E) return;
 #pragma unroll 1
   for (int step = 0; step < kSteps; ++step) {
-    const int64_t f0 = ((int64_t(blockIdx.x) * kWarps + warp) * kSteps + step) * kGateUpRowsPerWarp;
+    const int64_t f0 = ((int64_t(blockIdx.x) * kBlockWarps + warp) * kSteps + step) * kGateUpRowsPerWarp;
     if (f0 >= F) return;  // warp-uniform; the kernel has no block barrier
     const int nf = int(min(int64_t(kGateUpRowsPerWarp), F - f0));
     const uint4* w[kWeightRows];
@@ -598,16 +610,18 @@ void moe_decode_experts_forward(const uint16_t* x, const int32_t* idx, const flo
     const int shared_pairs = shared ? int(N) : 0;
     const PairPlan shape = pair_plan(N * k + shared_pairs);
     const dim3 gate_up_grid(
-        unsigned(ceil_div(ew.F, kWarps * kGateUpRowsPerWarp * shape.gate_up_steps)),
+        unsigned(ceil_div(ew.F, shape.gate_up_warps * kGateUpRowsPerWarp * shape.gate_up_steps)),
         unsigned(N * k + shared_pairs));
     auto gate_up = [&](auto kernel) {
-      launch_pdl(kernel, gate_up_grid, kThreads, 0, stream, x, ew.gate, ew.up, ew.Din, ew.F, k, idx,
-                 E, int(N * k), folded, act, ws.h);
+      launch_pdl(kernel, gate_up_grid, 32 * shape.gate_up_warps, 0, stream, x, ew.gate, ew.up,
+                 ew.Din, ew.F, k, idx, E, int(N * k), folded, act, ws.h);
     };
-    if (shape.gate_up_steps == 2)
-      gate_up(moe_decode_gate_up_pairs_kernel<2>);
+    if (shape.gate_up_warps == 8)
+      gate_up(shape.gate_up_steps == 2 ? moe_decode_gate_up_pairs_kernel<2, 8>
+                                       : moe_decode_gate_up_pairs_kernel<1, 8>);
     else
-      gate_up(moe_decode_gate_up_pairs_kernel<1>);
+      gate_up(shape.gate_up_steps == 2 ? moe_decode_gate_up_pairs_kernel<2, 4>
+                                       : moe_decode_gate_up_pairs_kernel<1, 4>);
     check_last_error("moe_decode_gate_up_pairs_kernel");
     const unsigned down_blocks = unsigned(ceil_div(ew.Din, shape.down_channels));
     const unsigned down_threads = 32u * unsigned(shape.down_warps);
