@@ -50,10 +50,13 @@ constexpr int kPairDownMaxWarps = 16;  // down + combine pair kernel: most warps
 // warp per row pair or per 4 channels made 1.1-1.5 waves, and 9 pairs on 8 warps left warp 0
 // two): 1 x 32K 3.07/3.07 -> 2.94/2.94 ms a step on an H200. Beyond, 1 row pair a warp and
 // 4-channel blocks of 8 warps striding over the pairs (at 36 pairs, batch 4, the one-wave shape
-// left a third of the warps a third pair: 6.27 -> 6.81 ms).
+// left a third of the warps a third pair: 6.27 -> 6.81 ms). Gate/up blocks are 4 warps, not 8:
+// at 9 pairs the 288 blocks of 8 warps gave 24 of the 132 SMs a third block (1.37x the mean
+// load), 576 of 4 warps give 48 SMs a fifth (1.15x): 1 x 32K 2.304/2.344 vs 2.363/2.374 ms; at
+// 36 pairs 4 x 32K 5.889/5.891 vs 5.902/5.920 (twenty-third session, DM_MOE_PAIR_GATE_UP).
 struct PairPlan {
   int gate_up_steps, down_channels, down_warps;
-  int gate_up_warps = kWarps;  // warps a gate/up block
+  int gate_up_warps = 4;  // warps a gate/up block
 };
 // Env overrides of the shape (read once), for the A/B of block sizes: DM_MOE_PAIR_GATE_UP =
 // auto | 8x2 | 8x1 | 4x1 | 4x2 (warps a block × row pairs a warp), DM_MOE_PAIR_DOWN = auto | 8 |
