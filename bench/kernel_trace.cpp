@@ -1,7 +1,7 @@
 // Kernel timeline of any CUDA program, from the GPU's own timestamps (CUPTI activity records),
 // loaded by the CUDA driver as an injection library, so the program itself is not changed:
 //
-//   DM_KERNEL_TRACE=trace.csv CUDA_INJECTION64_PATH=build/lib/libdm_kernel_trace.so PROGRAM ...
+//   DM_KERNEL_TRACE=trace.csv CUDA_INJECTION64_PATH=build/bin/libdm_kernel_trace.so PROGRAM ...
 //   scripts/kernel-trace.py trace.csv --step-start prepare_rows_kernel
 //
 // One CSV row per kernel execution, graph nodes included: start and end (ns), stream, graph node,

@@ -16,7 +16,9 @@
 # / the chunked KDA operator (bf16, the gpu_1b and 96-head shapes) with that environment against
 # the default, two rounds each, at the end (e.g. --ab-kda DM_KDA_STATIC_DIMS=0).
 # --ncu: after the benchmarks, one batch-1 decode step of the 48B shape under Nsight Compute,
-# split per kernel by scripts/ncu-kernels.py (ncu.md; ~40 s).
+# split per kernel by scripts/ncu-kernels.py (ncu.md; ~40 s), then the same step's kernel
+# timeline inside the graphed, overlapped step (bench/kernel_trace.cpp, when the binaries
+# include libdm_kernel_trace.so; split by scripts/kernel-trace.py into timeline.md; ~15 s).
 #
 # The budget (default 560 s, so one call of the device tool keeps its transfers) is spent in
 # order of importance: build, tests, our benchmarks, then the peers. A step whose usual time
@@ -60,7 +62,7 @@ ship_logs() {
     echo "triton-cache.tgz: autotuning results only ($(tar -tzf "$LOG/triton-cache.tgz" | wc -l) files)"
   fi
   [ -n "${OUT:-}" ] || return 0
-  for f in summary.md tests.log ncu.md triton-cache.tgz; do [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"; done
+  for f in summary.md tests.log ncu.md timeline.md triton-cache.tgz; do [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"; done
   tar -czf "$OUT/logs.tgz" -C "$LOG" --exclude=triton-cache.tgz --exclude='*.safetensors' . 2>/dev/null
   echo "back in \$OUT: $(ls "$OUT" | paste -sd' ') (carry triton-cache.tgz as .triton-cache.tgz next time)"
 }
@@ -114,6 +116,8 @@ else
   cmake --build build-gpu -j"$JOBS" --target "${targets[@]}" >"$LOG/build.log" 2>&1 || {
     grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; }
   echo "built: ${targets[*]}"
+  # the kernel timeline library (needs CUPTI; skipped without it)
+  cmake --build build-gpu --target dm_kernel_trace >>"$LOG/build.log" 2>&1 || true
   B=build-gpu/bin
 fi
 
@@ -168,6 +172,17 @@ if [ "$NCU" = 1 ] && [ -x "$B/bench_cuda_decode" ] && command -v ncu >/dev/null 
     --print-summary per-kernel $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
     --cases 1x32768 --steps 1 --warmup 0 --graphs off >"$LOG/ncu_decode.log" 2>&1
   python3 scripts/ncu-kernels.py "$LOG/ncu_decode.log" --skip random_fill | tee "$LOG/ncu.md" | head -30
+fi
+cupti=$(find /usr/local/cuda*/ -name 'libcupti.so.*' 2>/dev/null | head -1)
+if [ "$NCU" = 1 ] && [ -x "$B/bench_cuda_decode" ] && [ -f "$B/libdm_kernel_trace.so" ] &&
+   [ -n "$cupti" ] && fits "decode timeline" 20; then
+  step "kernel timeline: batch-1 decode steps, 32K context, graphed"
+  DM_KERNEL_TRACE="$LOG/decode_trace.csv" CUDA_INJECTION64_PATH="$B/libdm_kernel_trace.so" \
+    LD_LIBRARY_PATH="$(dirname "$cupti")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 90 \
+    $B/bench_cuda_decode --config configs/kimi_linear_48b.json --cases 1x32768 --steps 6 \
+    --warmup 2 >"$LOG/decode_trace.log" 2>&1
+  python3 scripts/kernel-trace.py "$LOG/decode_trace.csv" --step-start prepare_rows_kernel \
+    --steps 3 | tee "$LOG/timeline.md" | head -24
 fi
 if [ "$PEERS" = 1 ]; then
   if ls .whl/*.whl >/dev/null 2>&1; then

@@ -31,7 +31,13 @@ for t in "${targets[@]}"; do
     status=1
   fi
 done
-tar -cf - -C .devbuild/bin "${targets[@]}" | xz -9e -T0 > .devbuild/prebuilt.tar.xz
+# The kernel timeline library (bench/kernel_trace.cpp) rides along when this CUDA has CUPTI.
+packed=("${targets[@]}")
+if cmake --build .devbuild --target dm_kernel_trace >/dev/null 2>&1; then
+  strip --strip-unneeded .devbuild/bin/libdm_kernel_trace.so
+  packed+=(libdm_kernel_trace.so)
+fi
+tar -cf - -C .devbuild/bin "${packed[@]}" | xz -9e -T0 > .devbuild/prebuilt.tar.xz
 du -ch "${targets[@]/#/.devbuild/bin/}" | tail -1
 du -h .devbuild/prebuilt.tar.xz
 exit $status
