@@ -64,13 +64,17 @@ struct PairPlan {
 PairPlan pair_plan(int64_t pairs) {
   PairPlan plan = pairs <= kPairDownMaxWarps ? PairPlan{2, 8, int(pairs)} : PairPlan{1, 4, kWarps};
   static const int gate_up = env_choice("DM_MOE_PAIR_GATE_UP", {"auto", "8x2", "8x1", "4x1", "4x2"});
-  static const int down = env_choice("DM_MOE_PAIR_DOWN", {"auto", "8", "4"});
+  static const int down = env_choice("DM_MOE_PAIR_DOWN", {"auto", "8", "4", "4h"});
   constexpr int kGateUpShapes[][2] = {{0, 0}, {8, 2}, {8, 1}, {4, 1}, {4, 2}};
   if (gate_up > 0) {
     plan.gate_up_warps = kGateUpShapes[gate_up][0];
     plan.gate_up_steps = kGateUpShapes[gate_up][1];
   }
   if (down > 0) plan.down_channels = down == 1 ? 8 : 4;
+  // 4h: 4 channels, a warp per two pairs (NOT RUN ON A GPU): at 9 pairs 576 blocks of 5 warps fit
+  // one wave (~63 registers: 6 blocks an SM) where 576 of 9 warps took 1.45 waves and 288 of 9
+  // leave 24 SMs a third block.
+  if (down == 3 && pairs <= kPairDownMaxWarps) plan.down_warps = int((pairs + 1) / 2);
   return plan;
 }
 struct Workspace {
