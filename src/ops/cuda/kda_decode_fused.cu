@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/decode_ops.h"
@@ -125,12 +126,16 @@ __device__ __forceinline__ void shift_tail(uint16_t* tail, int64_t C, uint16_t r
   tail[int64_t(Kc - 2) * C] = raw_bits;
 }
 
+// kPush: the tiles write their decays and Σ o² into every peer's shared memory before the
+// cluster barriers (each reads its own copy after them), instead of reading the peers' after
+// them: no remote read on the critical path and no third barrier guarding the peers' reads.
+template <bool kPush>
 __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     kda_decode_fused_kernel(const KdaFusedStepArgs a) {
   __shared__ float query[kDim], key[kDim], decay[kDim], partial[kRowLanes][kTile];
   __shared__ float gate_tile[kTile], value_tile[kTile], decay_tile[kTile];
   __shared__ float reduce_scratch[2][kThreads / 32];
-  __shared__ float tile_sum_squares;
+  __shared__ float tile_sum_squares, tile_sums[kTiles];
   cg::cluster_group cluster = cg::this_cluster();
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kTile + tx;
   const int tile = int(cluster.block_rank());
@@ -195,8 +200,15 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int i = half + p * kHalves;
-      decay_tile[i] = expf(round_through_bf16(kda_gate_value(
+      const float d = expf(round_through_bf16(kda_gate_value(
           a_head, round_through_bf16(f_dots[p]) + dt_bias[p], a.safe_gate, a.lower_bound)));
+      if constexpr (kPush) {
+#pragma unroll
+        for (int rank = 0; rank < kTiles; ++rank)
+          *cluster.map_shared_rank(&decay[tile * kTile + i], unsigned(rank)) = d;
+      } else {
+        decay_tile[i] = d;
+      }
       if (a.g_up != nullptr) gate_tile[i] = round_through_bf16(g_dots[p]);
     }
   }
@@ -206,7 +218,8 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
   // Every tile has read the q and k tails (tiles 0 and 1 advance them) and written its decays.
   cluster.sync();
   if (tile == branch) shift_tail(qk_tail, C, qk_raw, a.conv_kernel, qk_conv);
-  if (tid < kDim) decay[tid] = *cluster.map_shared_rank(&decay_tile[tid % kTile], tid / kTile);
+  if (!kPush && tid < kDim)
+    decay[tid] = *cluster.map_shared_rank(&decay_tile[tid % kTile], tid / kTile);
 
   // The recurrent step (kda_recurrent.cu, T = 1): L2 norms of q and k, β.
   float sum_q = tid < kDim ? qk * qk : 0.0f, sum_k = tid < kDim ? 0.0f : qk * qk;
@@ -246,18 +259,27 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     for (int lane = 0; lane < kRowLanes; ++lane) o += partial[lane][tx];
     o = round_through_bf16(o);
     const float squares = warp_sum(o * o);
-    if (tx == 0) tile_sum_squares = squares;
+    if (tx == 0) {
+      if constexpr (kPush) {
+#pragma unroll
+        for (int rank = 0; rank < kTiles; ++rank)
+          *cluster.map_shared_rank(&tile_sums[tile], unsigned(rank)) = squares;
+      } else {
+        tile_sum_squares = squares;
+      }
+    }
   }
   cluster.sync();  // every tile's Σ o² is written
   if (ty == 0) {
     float total = 0.0f;
     for (int rank = 0; rank < kTiles; ++rank)
-      total += *cluster.map_shared_rank(&tile_sum_squares, unsigned(rank));
+      total +=
+          kPush ? tile_sums[rank] : *cluster.map_shared_rank(&tile_sum_squares, unsigned(rank));
     const float inverse_rms = 1.0f / sqrtf(total / float(kDim) + a.eps);
     const float y = o * inverse_rms * norm_weight * sigmoid_f32(gate_tile[tx]);
     store_from_float(a.out, r * C + h * kDim + e, y);
   }
-  cluster.sync();  // the peers have read tile_sum_squares: this block may exit
+  if constexpr (!kPush) cluster.sync();  // the peers have read tile_sum_squares: may exit
 }
 
 }  // namespace
@@ -278,8 +300,10 @@ void decode_kda_fused_step(const KdaFusedStepArgs& a, int64_t n, DecodeStream st
   DM_CHECK(aligned16(a.low) && aligned16(a.f_up) && aligned16(a.low_gate) && aligned16(a.g_up),
            "decode_kda_fused_step: low, f_up, low_gate and g_up must be 16-byte aligned");
   if (n == 0) return;
-  launch_pdl(kda_decode_fused_kernel, dim3(kTiles, unsigned(n * a.H)), dim3(kTile, kRowLanes), 0,
-             stream, a);
+  // DM_KDA_DECODE_PUSH=1|0 (read once): the exchanges pushed or pulled (NOT RUN ON A GPU).
+  static const bool push = env_flag("DM_KDA_DECODE_PUSH", true);
+  launch_pdl(push ? kda_decode_fused_kernel<true> : kda_decode_fused_kernel<false>,
+             dim3(kTiles, unsigned(n * a.H)), dim3(kTile, kRowLanes), 0, stream, a);
   check_last_error("decode_kda_fused_step");
 }
 
