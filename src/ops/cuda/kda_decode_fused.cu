@@ -126,19 +126,23 @@ __device__ __forceinline__ void shift_tail(uint16_t* tail, int64_t C, uint16_t r
   tail[int64_t(Kc - 2) * C] = raw_bits;
 }
 
-// kPush: the tiles write their decays and Σ o² into every peer's shared memory before the
-// cluster barriers (each reads its own copy after them), instead of reading the peers' after
-// them: no remote read on the critical path and no third barrier guarding the peers' reads.
-template <bool kPush>
+// The tiles write their decays and Σ o² into every peer's shared memory before the cluster
+// barriers (each reads its own copy after them) rather than reading the peers' after them: no
+// remote read on the critical path and no third barrier guarding the peers' reads (twenty-fourth
+// session: 1 x 1M 4.198/4.175 vs 4.211/4.183 ms, 1 x 32K the same within 0.01).
 __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     kda_decode_fused_kernel(const KdaFusedStepArgs a) {
   __shared__ float query[kDim], key[kDim], decay[kDim], partial[kRowLanes][kTile];
-  __shared__ float gate_tile[kTile], value_tile[kTile], decay_tile[kTile];
+  __shared__ float gate_tile[kTile], value_tile[kTile];
   __shared__ float reduce_scratch[2][kThreads / 32];
-  __shared__ float tile_sum_squares, tile_sums[kTiles];
+  __shared__ float tile_sums[kTiles];
   cg::cluster_group cluster = cg::this_cluster();
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kTile + tx;
   const int tile = int(cluster.block_rank());
+  // A peer's shared memory may be written only once the peer has started (CUDA programming
+  // guide, distributed shared memory): arrive now, wait just before the first push. All blocks of
+  // a cluster are launched together, so the wait costs nothing by then.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   const int64_t H = a.H, C = H * kDim, bh = blockIdx.y, r = bh / H, h = bh % H;
   const int tail_rows = a.conv_kernel - 1;
   const int e = tile * kTile + tx;
@@ -196,19 +200,16 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
   float f_dots[kPasses], g_dots[kPasses];
   half_warp_dots<kPasses>(f_rows, a.low + r * kDim, lane16, f_dots);
   if (a.g_up != nullptr) half_warp_dots<kPasses>(g_rows, a.low_gate + r * kDim, lane16, g_dots);
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every peer has started
   if (lane16 == 0) {
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int i = half + p * kHalves;
       const float d = expf(round_through_bf16(kda_gate_value(
           a_head, round_through_bf16(f_dots[p]) + dt_bias[p], a.safe_gate, a.lower_bound)));
-      if constexpr (kPush) {
 #pragma unroll
-        for (int rank = 0; rank < kTiles; ++rank)
-          *cluster.map_shared_rank(&decay[tile * kTile + i], unsigned(rank)) = d;
-      } else {
-        decay_tile[i] = d;
-      }
+      for (int rank = 0; rank < kTiles; ++rank)
+        *cluster.map_shared_rank(&decay[tile * kTile + i], unsigned(rank)) = d;
       if (a.g_up != nullptr) gate_tile[i] = round_through_bf16(g_dots[p]);
     }
   }
@@ -218,8 +219,6 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
   // Every tile has read the q and k tails (tiles 0 and 1 advance them) and written its decays.
   cluster.sync();
   if (tile == branch) shift_tail(qk_tail, C, qk_raw, a.conv_kernel, qk_conv);
-  if (!kPush && tid < kDim)
-    decay[tid] = *cluster.map_shared_rank(&decay_tile[tid % kTile], tid / kTile);
 
   // The recurrent step (kda_recurrent.cu, T = 1): L2 norms of q and k, β.
   float sum_q = tid < kDim ? qk * qk : 0.0f, sum_k = tid < kDim ? 0.0f : qk * qk;
@@ -260,26 +259,19 @@ __global__ void __cluster_dims__(kTiles, 1, 1) __launch_bounds__(kThreads)
     o = round_through_bf16(o);
     const float squares = warp_sum(o * o);
     if (tx == 0) {
-      if constexpr (kPush) {
 #pragma unroll
-        for (int rank = 0; rank < kTiles; ++rank)
-          *cluster.map_shared_rank(&tile_sums[tile], unsigned(rank)) = squares;
-      } else {
-        tile_sum_squares = squares;
-      }
+      for (int rank = 0; rank < kTiles; ++rank)
+        *cluster.map_shared_rank(&tile_sums[tile], unsigned(rank)) = squares;
     }
   }
   cluster.sync();  // every tile's Σ o² is written
   if (ty == 0) {
     float total = 0.0f;
-    for (int rank = 0; rank < kTiles; ++rank)
-      total +=
-          kPush ? tile_sums[rank] : *cluster.map_shared_rank(&tile_sum_squares, unsigned(rank));
+    for (int rank = 0; rank < kTiles; ++rank) total += tile_sums[rank];
     const float inverse_rms = 1.0f / sqrtf(total / float(kDim) + a.eps);
     const float y = o * inverse_rms * norm_weight * sigmoid_f32(gate_tile[tx]);
     store_from_float(a.out, r * C + h * kDim + e, y);
   }
-  if constexpr (!kPush) cluster.sync();  // the peers have read tile_sum_squares: may exit
 }
 
 }  // namespace
@@ -300,10 +292,8 @@ void decode_kda_fused_step(const KdaFusedStepArgs& a, int64_t n, DecodeStream st
   DM_CHECK(aligned16(a.low) && aligned16(a.f_up) && aligned16(a.low_gate) && aligned16(a.g_up),
            "decode_kda_fused_step: low, f_up, low_gate and g_up must be 16-byte aligned");
   if (n == 0) return;
-  // DM_KDA_DECODE_PUSH=1|0 (read once): the exchanges pushed or pulled (NOT RUN ON A GPU).
-  static const bool push = env_flag("DM_KDA_DECODE_PUSH", true);
-  launch_pdl(push ? kda_decode_fused_kernel<true> : kda_decode_fused_kernel<false>,
-             dim3(kTiles, unsigned(n * a.H)), dim3(kTile, kRowLanes), 0, stream, a);
+  launch_pdl(kda_decode_fused_kernel, dim3(kTiles, unsigned(n * a.H)), dim3(kTile, kRowLanes), 0,
+             stream, a);
   check_last_error("decode_kda_fused_step");
 }
 

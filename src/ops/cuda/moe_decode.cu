@@ -45,8 +45,9 @@ constexpr int kPairPathMaxPairs = 32;
 constexpr int kPairDownMaxWarps = 16;  // down + combine pair kernel: most warps a block
 
 // Launch shapes of the pair kernels. Up to 16 pairs (batch 1 and 2 at k = 8, with the shared
-// expert): gate/up warps take 2 row pairs each and a down block 8 channels with a warp per pair,
-// so that each kernel is one wave on the 48B shape (at 64-70 registers 3-4 blocks fit an SM; a
+// expert): gate/up warps take 2 row pairs each and a down block 8 channels with a warp per pair
+// (now 4 channels with a warp per two pairs, below), so that each kernel is one wave on the 48B
+// shape (at 64-70 registers 3-4 blocks fit an SM; a
 // warp per row pair or per 4 channels made 1.1-1.5 waves, and 9 pairs on 8 warps left warp 0
 // two): 1 x 32K 3.07/3.07 -> 2.94/2.94 ms a step on an H200. Beyond, 1 row pair a warp and
 // 4-channel blocks of 8 warps striding over the pairs (at 36 pairs, batch 4, the one-wave shape
@@ -54,15 +55,20 @@ constexpr int kPairDownMaxWarps = 16;  // down + combine pair kernel: most warps
 // at 9 pairs the 288 blocks of 8 warps gave 24 of the 132 SMs a third block (1.37x the mean
 // load), 576 of 4 warps give 48 SMs a fifth (1.15x): 1 x 32K 2.304/2.344 vs 2.363/2.374 ms; at
 // 36 pairs 4 x 32K 5.889/5.891 vs 5.902/5.920 (twenty-third session, DM_MOE_PAIR_GATE_UP).
+// Down blocks up to 16 pairs: 4 channels with a warp per two pairs, 576 blocks of 5 warps at 9
+// pairs in one wave (~63 registers, 6 blocks an SM), where 288 blocks of 9 warps left 24 SMs a
+// third block: 1 x 32K 2.306/2.296 vs 2.322/2.299 ms, 1 x 1M 4.186/4.175 vs 4.198/4.175
+// (twenty-fourth session; DM_MOE_PAIR_DOWN=8 is the old shape).
 struct PairPlan {
   int gate_up_steps, down_channels, down_warps;
   int gate_up_warps = 4;  // warps a gate/up block
 };
 // Env overrides of the shape (read once), for the A/B of block sizes: DM_MOE_PAIR_GATE_UP =
 // auto | 8x2 | 8x1 | 4x1 | 4x2 (warps a block × row pairs a warp), DM_MOE_PAIR_DOWN = auto | 8 |
-// 4 (channels a down block).
+// 4 | 4h (channels a down block; 4h: a warp per two pairs, up to 16 pairs).
 PairPlan pair_plan(int64_t pairs) {
-  PairPlan plan = pairs <= kPairDownMaxWarps ? PairPlan{2, 8, int(pairs)} : PairPlan{1, 4, kWarps};
+  const bool few = pairs <= kPairDownMaxWarps;
+  PairPlan plan = few ? PairPlan{2, 4, int((pairs + 1) / 2)} : PairPlan{1, 4, kWarps};
   static const int gate_up = env_choice("DM_MOE_PAIR_GATE_UP", {"auto", "8x2", "8x1", "4x1", "4x2"});
   static const int down = env_choice("DM_MOE_PAIR_DOWN", {"auto", "8", "4", "4h"});
   constexpr int kGateUpShapes[][2] = {{0, 0}, {8, 2}, {8, 1}, {4, 1}, {4, 2}};
@@ -71,10 +77,7 @@ PairPlan pair_plan(int64_t pairs) {
     plan.gate_up_steps = kGateUpShapes[gate_up][1];
   }
   if (down > 0) plan.down_channels = down == 1 ? 8 : 4;
-  // 4h: 4 channels, a warp per two pairs (NOT RUN ON A GPU): at 9 pairs 576 blocks of 5 warps fit
-  // one wave (~63 registers: 6 blocks an SM) where 576 of 9 warps took 1.45 waves and 288 of 9
-  // leave 24 SMs a third block.
-  if (down == 3 && pairs <= kPairDownMaxWarps) plan.down_warps = int((pairs + 1) / 2);
+  if ((down == 1 || down == 2) && few) plan.down_warps = int(pairs);  // a warp per pair
   return plan;
 }
 struct Workspace {
