@@ -78,6 +78,16 @@ TEST(CudaOpsRmsnorm, ForwardBackwardF32MatchesCpu) {
     EXPECT_LE(rel_rms(dx, dx_ref), 1e-5) << "N=" << c.N << " D=" << c.D;
     EXPECT_LE(rel_rms(dw, dw_ref), 1e-5) << "N=" << c.N << " D=" << c.D;
 
+    // Stored dx (accumulate_dx = false): the gradient alone over whatever dx held; dw still
+    // accumulates.
+    std::vector<float> dx_alone(nd, 0.0f), dw_twice = dw_ref;
+    dm::rmsnorm_backward(x.data(), w.data(), dy.data(), dx_alone.data(), dw_twice.data(), c.N, c.D,
+                         eps);
+    cu::rmsnorm_backward(x_d, w_d, dy_d, dx_d, dw_d, c.N, c.D, eps, ws, nullptr,
+                         /*accumulate_dx=*/false);
+    EXPECT_LE(rel_rms(DeviceScratch::download(dx_d, nd), dx_alone), 1e-5) << "N=" << c.N;
+    EXPECT_LE(rel_rms(DeviceScratch::download(dw_d, size_t(c.D)), dw_twice), 1e-5) << "N=" << c.N;
+
     // In place (y aliases x).
     cu::rmsnorm_forward(x_d, w_d, x_d, c.N, c.D, eps);
     EXPECT_LE(rel_rms(DeviceScratch::download(x_d, nd), y_ref), 1e-5);
@@ -201,6 +211,28 @@ TEST(CudaOpsElementwise, AddInplaceAndBf16ConvertOnBothPaths) {
       EXPECT_EQ(DeviceScratch::download(a_d, size_t(n)), sum) << "n=" << n << " offset=" << offset;
       EXPECT_EQ(DeviceScratch::download(y_d, size_t(n)), to_bf16(sum))
           << "n=" << n << " offset=" << offset;
+    }
+}
+
+// add (dst = a + b) out of place and with dst aliasing b, on the float4 path and the scalar one
+// (odd n, or one pointer a float off 16 bytes): exact against the host.
+TEST(CudaOpsElementwise, AddOutOfPlaceAndAliased) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t(1000), int64_t(1001), int64_t(262144)})
+    for (size_t offset : {size_t(0), size_t(1)}) {
+      const std::vector<float> a = random_normal(size_t(n), 53), b = random_normal(size_t(n), 54);
+      DeviceScratch dev(size_t(n) * 16 + (1 << 16));
+      const float* a_d = dev.upload(a);
+      float* b_d = dev.upload(b);
+      float* out_d = dev.zeros<float>(size_t(n) + offset) + offset;
+      std::vector<float> sum(static_cast<size_t>(n));
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] = a[i] + b[i];
+      cu::add(out_d, a_d, b_d, n, nullptr);
+      EXPECT_EQ(DeviceScratch::download(out_d, size_t(n)), sum)
+          << "n=" << n << " offset=" << offset;
+      EXPECT_EQ(DeviceScratch::download(b_d, size_t(n)), b);  // inputs untouched
+      cu::add(b_d, a_d, b_d, n, nullptr);                     // dst = b
+      EXPECT_EQ(DeviceScratch::download(b_d, size_t(n)), sum) << "n=" << n;
     }
 }
 

@@ -176,11 +176,10 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   linear_backward(run, f.c, dw.bf16(w.kv_b), b.d_kv, N, kvl, H * (nope + dv), b.dc,
                   GemmOutType::F32, 0.0f, grads.at(w.kv_b));
   // c = RMSNorm(c_raw): the op wants contiguous rows, and c_raw sits in kv_a with leading dim
-  // kvl + rope; its dx accumulates, so dc_raw starts at zero.
+  // kvl + rope; dc_raw is stored.
   mla_copy_rows(f.kv_a, kvl + rope, b.c_raw, kvl, N, kvl, stream);
-  fill_zero_async(b.dc_raw, size_t(N * kvl) * sizeof(float), stream);
-  rmsnorm_backward(b.c_raw, dw.f32(w.kv_a_norm), b.dc, b.dc_raw, grads.at(w.kv_a_norm), N, kvl,
-                   eps, b.norm_workspace, stream);
+  rmsnorm_backward(b.c_raw, dw.f32(w.kv_a_norm), b.dc, b.dc_raw, grads.at(w.kv_a_norm), N, kvl, eps,
+                   b.norm_workspace, stream, /*accumulate_dx=*/false);
   mla_copy_rows(b.dc_raw, kvl, b.d_kv_a, kvl + rope, N, kvl, stream);  // → d_kv_a[:, :kvl]
   // [c_raw ; kr] = W_kva x.
   linear_backward(run, xn, dw.bf16(w.kv_a), b.d_kv_a, N, d, kvl + rope, dxn, GemmOutType::F32,
@@ -194,9 +193,8 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     // q = W_qb q_n, q_n = RMSNorm(q_a), q_a = W_qa x.
     linear_backward(run, f.q_a_normed, dw.bf16(w.q_b), b.dq, N, ql, H * dq, b.d_qa_normed,
                     GemmOutType::F32, 0.0f, grads.at(w.q_b));
-    fill_zero_async(b.d_qa, size_t(N * ql) * sizeof(float), stream);
-    rmsnorm_backward(f.q_a, dw.f32(w.q_a_norm), b.d_qa_normed, b.d_qa, grads.at(w.q_a_norm), N,
-                     ql, eps, b.norm_workspace, stream);
+    rmsnorm_backward(f.q_a, dw.f32(w.q_a_norm), b.d_qa_normed, b.d_qa, grads.at(w.q_a_norm), N, ql,
+                     eps, b.norm_workspace, stream, /*accumulate_dx=*/false);
     convert_f32_to_bf16(b.d_qa, b.d_qa_bf16, N * ql, stream);
     linear_backward(run, xn, dw.bf16(w.q_a), b.d_qa_bf16, N, d, ql, dxn, GemmOutType::F32,
                     dxn_beta(), grads.at(w.q_a));

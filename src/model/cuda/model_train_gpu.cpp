@@ -32,12 +32,14 @@ int64_t lm_head_rows(const ModelConfig& c, int64_t N) {
 }
 
 // Activation arena (see the carve in forward_backward): token ids, targets, doc_start; the
-// layer inputs p_in [L, N, d] and mixer outputs p_mid [L, N, d] (the stream after the mixer
-// sub-layer, so the backward rebuilds a layer's record without running its mixer or FFN);
-// blocks and their gradients [nb, N, d]; the running stream p, final_in, the current layer's
-// record (x, y, m fp32; xn, yn bf16), the stream
-// gradients dp, dx, dxn, dh; final_h bf16; one LM-head tile (fp32 logits + bf16 gradient) and
-// the per-tile cross-entropy results.
+// layer inputs p_in [L, N, d] (layer i writes its output straight into p_in[i + 1]; a sealed
+// AttnRes block is the p_in of the layer that sealed it, so blocks need no copies) and mixer
+// outputs p_mid [L, N, d] (the stream after the mixer sub-layer, so the backward rebuilds a
+// layer's record without running its mixer or FFN); the blocks' gradients [nb, N, d]; the last
+// layer's output p, final_in, the current layer's record (x, y, m fp32; xn, yn bf16; without
+// recompute the record is kept per layer in the kept arena instead), the stream gradients dp,
+// dx, dxn, dh; final_h bf16; one LM-head tile (fp32 logits + bf16 gradient) and the per-tile
+// cross-entropy results.
 size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
   const int64_t d = c.hidden, L = c.num_layers, V = c.vocab_size;
   const int64_t nb = std::max(1, residual_num_blocks(c));
@@ -45,7 +47,7 @@ size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
   const size_t row32 = round_up(size_t(N * d) * 4), row16 = round_up(size_t(N * d) * 2);
   size_t b = 2 * round_up(size_t(N) * 8) + round_up(size_t(N) * 4);
   b += 2 * size_t(L) * row32;                          // p_in, p_mid
-  b += 2 * round_up(size_t(nb * N * d) * 4);           // blocks, dblocks
+  b += round_up(size_t(nb * N * d) * 4);               // dblocks
   b += 2 * row32 + 3 * row32 + 2 * row16;              // p, final_in; x, y, m; xn, yn
   b += 4 * row32 + row16;                              // dp, dx, dxn, dh; final_h
   b += round_up(size_t(rows * V) * 4) + round_up(size_t(rows * V) * 2);
@@ -146,7 +148,16 @@ size_t moe_kept_stride(const ModelConfig& c, int64_t N) {
   return round_up(moe_layer_kept_gpu_bytes(c, N));
 }
 
-// The kept arena without recompute: every KDA and MoE layer's forward internals.
+// One layer's kept residual record without recompute: the normed rows xn, yn (bf16) and, with
+// AttnRes, the mixes x, y (fp32; with the plain residual x and y are p_in and p_mid).
+size_t record_kept_stride(const ModelConfig& c, int64_t N) {
+  const size_t rows = size_t(N * c.hidden);
+  return 2 * round_up(rows * 2) +
+         (c.residual == ResidualKind::AttnRes ? 2 * round_up(rows * 4) : 0);
+}
+
+// The kept arena without recompute: every KDA and MoE layer's forward internals and every
+// layer's residual record (so the backward rebuilds nothing).
 size_t train_kept_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   int kda_layers = 0, moe_layers = 0;
   for (int i = 0; i < c.num_layers; ++i) {
@@ -154,7 +165,8 @@ size_t train_kept_bytes(const ModelConfig& c, int64_t B, int64_t T) {
     moe_layers += c.ffns[size_t(i)] == FfnKind::MoE;
   }
   return size_t(kda_layers) * kda_kept_stride(c, B, T) +
-         size_t(moe_layers) * moe_kept_stride(c, B * T) + 256;
+         size_t(moe_layers) * moe_kept_stride(c, B * T) +
+         size_t(c.num_layers) * record_kept_stride(c, B * T) + 256;
 }
 
 size_t train_activation_plan_bytes(const ModelConfig& c, int64_t B, int64_t T, bool recompute) {
@@ -283,7 +295,6 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   for (auto& q : p_in) q = act.alloc<float>(nd);
   std::vector<float*> p_mids(static_cast<size_t>(L));
   for (auto& q : p_mids) q = act.alloc<float>(nd);
-  float* blocks = act.alloc<float>(nd * size_t(nb));
   float* dblocks = act.alloc<float>(nd * size_t(nb));
   float* p = act.alloc<float>(nd);
   float* final_in = act.alloc<float>(nd);
@@ -302,14 +313,38 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   uint16_t* dlogits = act.alloc<uint16_t>(size_t(lm_rows * V));
   auto* ce_results = act.alloc<CrossEntropyDeviceResult>(size_t(tiles));
 
+  // Each layer's record: the mixes x, y (fp32) and the normed rows xn, yn (bf16) its backward
+  // reads. With recompute the layers share one record, rebuilt in the backward; without, each
+  // layer keeps its own in the kept arena. x is p_in itself where there is nothing to mix (the
+  // plain residual, and AttnRes before the first seal), y likewise p_mid with the plain residual.
+  struct Record {
+    float *x, *y;
+    uint16_t *xn, *yn;
+  };
+  std::vector<Record> record(static_cast<size_t>(L), Record{x, y, xn, yn});
+  if (!recompute)
+    for (auto& r : record) {
+      r.xn = kept_->alloc<uint16_t>(nd);
+      r.yn = kept_->alloc<uint16_t>(nd);
+      if (attnres) {
+        r.x = kept_->alloc<float>(nd);
+        r.y = kept_->alloc<float>(nd);
+      }
+    }
+  for (int i = 0; i < L; ++i) {
+    if (!attnres || i == 0) record[size_t(i)].x = p_in[size_t(i)];
+    if (!attnres) record[size_t(i)].y = p_mids[size_t(i)];
+  }
+
   PhaseTimer timer;
   std::vector<int> sealed_in(static_cast<size_t>(L), 0);
   std::vector<char> p_empty_in(static_cast<size_t>(L), 0);
+  std::vector<const float*> blocks(static_cast<size_t>(nb), nullptr);  // sealed: p_in of a layer
   std::vector<const float*> srcs;
   std::vector<float*> dsrcs;
   auto sources_of = [&](int n_sealed, bool with_p, const float* pp) {
     srcs.clear();
-    for (int j = 0; j < n_sealed; ++j) srcs.push_back(blocks + size_t(j) * nd);
+    for (int j = 0; j < n_sealed; ++j) srcs.push_back(blocks[size_t(j)]);
     if (with_p) srcs.push_back(pp);
   };
   auto dsources_of = [&](int n_sealed, bool with_p) {
@@ -322,53 +357,51 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   };
   auto zero = [&](void* dst, size_t bytes) { fill_zero_async(dst, bytes, stream); };
 
-  // Runs layer i's forward from (pp = p_in[i], sealed_in[i], p_empty_in[i]) leaving the record
-  // (x, xn, p_mids[i], y, yn) and pp = the layer's output; returns the sealed count after it.
-  // `report`: hand the MoE routing to the sink (first pass only). `rebuild` (the backward):
-  // only the record, from the p_mids[i] the forward saved: neither the mixer (its backward
-  // recomputes what it needs) nor the FFN (its output is not part of the record) runs again,
-  // and pp is left as the stream after the mixer.
-  auto layer_forward = [&](int i, float* pp, bool report, bool rebuild) {
+  // Runs layer i's forward from p_in[i] (with sealed_in[i], p_empty_in[i]) leaving its record
+  // and p_mids[i], its output in `out`; returns the sealed count after it. `report`: hand the
+  // MoE routing to the sink (first pass only). `rebuild` (the backward, with recompute): only the
+  // record, from the p_mids[i] the forward saved: neither the mixer (its backward recomputes what
+  // it needs) nor the FFN (its output is not part of the record) runs again.
+  auto layer_forward = [&](int i, float* out, bool report, bool rebuild) {
     const LayerWeights& Lw = W.layers[size_t(i)];
+    const float* in = p_in[size_t(i)];
     float* p_mid = p_mids[size_t(i)];
+    const Record& rec = record[size_t(i)];
     int s = sealed_in[size_t(i)];
     bool empty = p_empty_in[size_t(i)];
-    // The residual-stream work around the sub-layers (AttnRes mixes, seals, norms, copies).
+    // The residual-stream work around the sub-layers (AttnRes mixes, seals, norms).
     const char* residual = rebuild ? "res_rebuild" : "res_fwd";
     timer(residual, stream, [&] {
       if (attnres && s > 0) {
-        sources_of(s, !empty, pp);
+        sources_of(s, !empty, in);
         attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.attn_site.query),
-                        dw_.f32(Lw.attn_site.norm), x, N, d, eps, stream);
-      } else {
-        copy(x, pp);
-      }
-      if (attnres && i % c.attn_res_block == 0) {  // seal: blocks[s] = p
-        copy(blocks + size_t(s) * nd, pp);
+                        dw_.f32(Lw.attn_site.norm), rec.x, N, d, eps, stream);
+      }  // else rec.x is `in` itself (layer 0: nothing sealed yet)
+      if (attnres && i % c.attn_res_block == 0) {  // seal: blocks[s] = in
+        blocks[size_t(s)] = in;
         ++s;
         empty = true;
       }
-      rmsnorm_to_bf16(x, dw_.f32(Lw.input_norm), xn, N, d, eps, stream);
+      rmsnorm_to_bf16(rec.x, dw_.f32(Lw.input_norm), rec.xn, N, d, eps, stream);
     });
     if (!rebuild) {
       if (c.mixers[size_t(i)] == MixerKind::KDA)
         timer("kda_fwd", stream, [&] {
-          kda_layer_forward_gpu(run, dw_, Lw.kda, xn, p_mid, B, T, doc_dev, nullptr, kda_kept[size_t(i)]);
+          kda_layer_forward_gpu(run, dw_, Lw.kda, rec.xn, p_mid, B, T, doc_dev, nullptr,
+                                kda_kept[size_t(i)]);
         });
       else
-        timer("mla_fwd", stream, [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, xn, p_mid, B, T, doc_dev); });
-      if (!empty) add_inplace(p_mid, pp, int64_t(nd), stream);
+        timer("mla_fwd", stream,
+              [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, rec.xn, p_mid, B, T, doc_dev); });
+      if (!empty) add_inplace(p_mid, in, int64_t(nd), stream);
     }
     timer(residual, stream, [&] {
-      copy(pp, p_mid);
       if (attnres) {
-        sources_of(s, true, pp);
+        sources_of(s, true, p_mid);
         attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.ffn_site.query),
-                        dw_.f32(Lw.ffn_site.norm), y, N, d, eps, stream);
-      } else {
-        copy(y, pp);
-      }
-      rmsnorm_to_bf16(y, dw_.f32(Lw.post_norm), yn, N, d, eps, stream);
+                        dw_.f32(Lw.ffn_site.norm), rec.y, N, d, eps, stream);
+      }  // else rec.y is p_mid itself
+      rmsnorm_to_bf16(rec.y, dw_.f32(Lw.post_norm), rec.yn, N, d, eps, stream);
     });
     if (rebuild) return s;
     if (c.ffns[size_t(i)] == FfnKind::MoE) {
@@ -382,7 +415,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         r.idx = run.scratch.alloc<int32_t>(size_t(N * k));
       }
       timer("moe_fwd", stream, [&] {
-        moe_layer_forward_gpu(run, dw_, Lw.moe, yn, m, N, want ? &r : nullptr,
+        moe_layer_forward_gpu(run, dw_, Lw.moe, rec.yn, m, N, want ? &r : nullptr,
                               MoeExpertsPath::Grouped, moe_kept[size_t(i)]);
       });
       double low = 0, high = 0;
@@ -401,21 +434,20 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
                          int(E), int(k));
       }
     } else {
-      timer("ffn_fwd", stream, [&] { dense_ffn_forward_gpu(run, dw_, Lw.dense, yn, m, N); });
+      timer("ffn_fwd", stream, [&] { dense_ffn_forward_gpu(run, dw_, Lw.dense, rec.yn, m, N); });
     }
-    add_inplace(pp, m, int64_t(nd), stream);
+    add(out, p_mid, m, int64_t(nd), stream);  // the layer's output: p_mid + FFN
     return s;
   };
 
   // ---- forward, recording each layer's input ----
-  embedding_gather(dw_.bf16(W.embed), tokens_dev, N, d, p, stream);
+  embedding_gather(dw_.bf16(W.embed), tokens_dev, N, d, p_in[0], stream);
   int sealed = 0;
   bool p_empty = false;
   for (int i = 0; i < L; ++i) {
-    copy(p_in[size_t(i)], p);
     sealed_in[size_t(i)] = sealed;
     p_empty_in[size_t(i)] = p_empty;
-    sealed = layer_forward(i, p, true, false);
+    sealed = layer_forward(i, i + 1 < L ? p_in[size_t(i) + 1] : p, true, false);
     p_empty = false;
   }
   if (attnres) {
@@ -446,13 +478,16 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   // ---- backward ----
   zero(dp, nd * 4);
   zero(dblocks, nd * size_t(nb) * 4);
-  zero(dx, nd * 4);
   auto norm_backward = [&](const float* in, const float* w, const float* dy_rows) {
-    // dx = ∂L/∂in of in → RMSNorm(in)·w given dy_rows; the norm weight's gradient accumulates.
+    // ∂L/∂in of in → RMSNorm(in)·w given dy_rows: stored in dx for the AttnRes mix's backward,
+    // added straight to dp with the plain residual (in is the stream there); the norm weight's
+    // gradient accumulates.
     DeviceArenaScope scope(run.scratch);
     void* ws = run.scratch.alloc_bytes(rmsnorm_backward_workspace_bytes(N, d));
-    zero(dx, nd * 4);
-    timer("norm_bwd", stream, [&] { rmsnorm_backward(in, dw_.f32(w), dy_rows, dx, grads_.at(w), N, d, eps, ws, stream); });
+    timer("norm_bwd", stream, [&] {
+      rmsnorm_backward(in, dw_.f32(w), dy_rows, attnres ? dx : dp, grads_.at(w), N, d, eps, ws,
+                       stream, /*accumulate_dx=*/!attnres);
+    });
   };
   auto mix_backward = [&](const AttnResSiteWeights& site) {
     // srcs / dsrcs set by the caller; dx is the gradient of the mix's output.
@@ -469,40 +504,40 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     sources_of(sealed, true, p);
     dsources_of(sealed, true);
     mix_backward(W.output_site);
-  } else {
-    add_inplace(dp, dx, int64_t(nd), stream);
-  }
+  }  // else norm_backward added to dp
   for (int i = int(L) - 1; i >= 0; --i) {
     const LayerWeights& Lw = W.layers[size_t(i)];
     const int s_in = sealed_in[size_t(i)];
-    copy(p, p_in[size_t(i)]);  // rebuild layer i's record from its input
-    layer_forward(i, p, false, true);
+    if (recompute) layer_forward(i, nullptr, false, true);  // rebuild layer i's record
+    const Record& rec = record[size_t(i)];
     const float* p_mid = p_mids[size_t(i)];
     const bool seals = attnres && i % c.attn_res_block == 0;
     const int s_mid = s_in + (seals ? 1 : 0);
     // FFN sub-layer: p_out = p_mid + FFN(norm(y)), y = mix(blocks[0..s_mid), p_mid).
     if (c.ffns[size_t(i)] == FfnKind::MoE)
       timer("moe_bwd", stream, [&] {
-        moe_layer_backward_gpu(run, dw_, grads_, Lw.moe, yn, dp, dxn, N, moe_kept[size_t(i)]);
+        moe_layer_backward_gpu(run, dw_, grads_, Lw.moe, rec.yn, dp, dxn, N, moe_kept[size_t(i)]);
       });
     else
-      timer("ffn_bwd", stream, [&] { dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, yn, dp, dxn, N); });
-    norm_backward(y, Lw.post_norm, dxn);
+      timer("ffn_bwd", stream,
+            [&] { dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, rec.yn, dp, dxn, N); });
+    norm_backward(rec.y, Lw.post_norm, dxn);
     if (attnres) {
       sources_of(s_mid, true, p_mid);
       dsources_of(s_mid, true);
       mix_backward(Lw.ffn_site);
-    } else {
-      add_inplace(dp, dx, int64_t(nd), stream);
-    }
+    }  // else norm_backward added to dp
     // Mixer sub-layer: p_mid = [p_in +] Mixer(norm(x)); dp is now ∂L/∂p_mid = ∂L/∂(mixer out).
     if (c.mixers[size_t(i)] == MixerKind::KDA)
       timer("kda_bwd", stream, [&] {
-        kda_layer_backward_gpu(run, dw_, grads_, Lw.kda, xn, dp, dxn, B, T, doc_dev, kda_kept[size_t(i)]);
+        kda_layer_backward_gpu(run, dw_, grads_, Lw.kda, rec.xn, dp, dxn, B, T, doc_dev,
+                               kda_kept[size_t(i)]);
       });
     else
-      timer("mla_bwd", stream, [&] { mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, xn, dp, dxn, B, T, doc_dev); });
-    norm_backward(x, Lw.input_norm, dxn);
+      timer("mla_bwd", stream, [&] {
+        mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, rec.xn, dp, dxn, B, T, doc_dev);
+      });
+    norm_backward(rec.x, Lw.input_norm, dxn);
     if (seals) {  // p restarted after sealing: p_in's gradient is what its sealed copy collected
       float* db = dblocks + size_t(s_in) * nd;
       copy(dp, db);
@@ -512,9 +547,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       sources_of(s_in, !p_empty_in[size_t(i)], p_in[size_t(i)]);
       dsources_of(s_in, !p_empty_in[size_t(i)]);
       mix_backward(Lw.attn_site);
-    } else {
+    } else if (attnres) {  // layer 0: x is p_in itself (after the seal's copy into dp)
       add_inplace(dp, dx, int64_t(nd), stream);
-    }
+    }  // plain residual: norm_backward added to dp
   }
   {  // deterministic: rows of one token summed in position order
     DeviceArenaScope scope(run.scratch);

@@ -1,10 +1,12 @@
 // The whole-model training step on one GPU (SPEC §2, §5): forward + backward of the summed
 // cross-entropy over one micro-batch, the twin of ModelT<float>::forward_backward (model/model.h)
 // with per-layer recompute: the forward keeps each layer's input and the stream after its mixer
-// (both fp32 [N, d]) and the sealed AttnRes block sums; the backward rebuilds one layer's record
-// from those (the AttnRes mixes and norms only: neither the mixer nor the FFN runs again there),
-// then back-propagates through its FFN and token mixer (layers.h *_backward_gpu, which recompute
-// their own internals from the normed rows). So each sub-layer's forward runs twice per step.
+// (both fp32 [N, d]; a sealed AttnRes block sum is the input of the layer that sealed it); the
+// backward rebuilds one layer's record from those (the AttnRes mixes and norms only: neither the
+// mixer nor the FFN runs again there), then back-propagates through its FFN and token mixer
+// (layers.h *_backward_gpu, which recompute their own internals from the normed rows). So each
+// sub-layer's forward runs twice per step. Without recompute every layer keeps its record (and
+// its KDA and MoE internals), and the backward rebuilds nothing.
 //
 // Precision: bf16 GEMM operands and activations inside the sub-layers, fp32 residual stream,
 // fp32 stream gradients, fp32 parameter gradients (DeviceGrads, accumulated across micro-batches
@@ -48,11 +50,13 @@ class GpuTrainModel {
   // of this micro-batch; gradients of Σ CE · loss_scale ACCUMULATE into grads(). `sink` receives
   // each MoE layer's routing (host copies: scores [N, E], cutoff [N], idx [N, k]) for Quantile
   // Balancing, or, when it asks for them (RoutingSink::routing_histogram_range), the layer's QB
-  // histogram and expert loads built on the device. Synchronises the stream before returning. recompute = false: each KDA layer's
-  // forward keeps its internals (q, k, v, g, β, the operator's chunk states, …: ~0.5 GB per
-  // layer at T = 4096, d = 2048) and each MoE layer its routing, dispatch plan and expert
-  // intermediates (~0.25 GB per layer there), so their backwards skip the recompute (and the
-  // MoE backward its stream synchronisation); MLA and dense FFN sub-layers recompute either way.
+  // histogram and expert loads built on the device. Synchronises the stream before returning.
+  // recompute = false: each KDA layer's forward keeps its internals (q, k, v, g, β, the operator's
+  // chunk states, …: ~0.5 GB per layer at T = 4096, d = 2048) and each MoE layer its routing,
+  // dispatch plan and expert intermediates (~0.25 GB per layer there), so their backwards skip the
+  // recompute (and the MoE backward its stream synchronisation), and every layer its residual
+  // record (its AttnRes mixes and normed rows, 0.1 GB per layer there), so the backward rebuilds
+  // none; MLA and dense FFN sub-layers recompute their internals either way.
   TrainStepResult forward_backward(const int64_t* tokens, const int64_t* targets,
                                    const int32_t* doc_start, int64_t B, int64_t T,
                                    double loss_scale, RoutingSink* sink = nullptr,
@@ -84,7 +88,7 @@ class GpuTrainModel {
   DeviceParamArena master_;
   std::unique_ptr<GpuRun> run_;
   std::unique_ptr<DeviceArena> act_;
-  std::unique_ptr<DeviceArena> kept_;  // KDA and MoE layers' forward internals (recompute = false)
+  std::unique_ptr<DeviceArena> kept_;  // KDA and MoE internals, layer records (recompute = false)
   std::vector<MoeKept> moe_kept_;      // per layer (views into kept_; host offsets)
   int64_t capacity_B_ = 0, capacity_T_ = 0;
   // Host staging of one MoE layer's routing for the sink.

@@ -211,11 +211,10 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
       linear_backward(run, up_in, dw.bf16(w.latent_up), dy_b, N, l, d, d_up_in, GemmOutType::F32,
                       0.0f, grads.at(w.latent_up));
       if (s.has_latent_norm) {
-        // rmsnorm_backward accumulates dx: start du from zero. dw (the norm weight) is summed
-        // in a fixed order into its gradient slot.
-        fill_zero_async(du_latent, size_t(N * l) * sizeof(float), stream);
-        rmsnorm_backward(u, dw.f32(w.latent_norm), d_up_in, du_latent, grads.at(w.latent_norm),
-                         N, l, double(cfg.rms_eps), norm_workspace, stream);
+        // du stored; dw (the norm weight) is summed in a fixed order into its gradient slot.
+        rmsnorm_backward(u, dw.f32(w.latent_norm), d_up_in, du_latent, grads.at(w.latent_norm), N,
+                         l, double(cfg.rms_eps), norm_workspace, stream,
+                         /*accumulate_dx=*/false);
       }
     }
     ExpertGradsF32 expert_grads;

@@ -49,11 +49,12 @@ __global__ void rmsnorm_forward_kernel(const Storage* x, const Storage* w, Stora
                      load_as_float(x, row_offset + i) * inverse_rms * load_as_float(w, i));
 }
 
-// One block per row: dx (accumulated) and r_n into inverse_rms_out [N].
-template <typename Storage>
-__global__ void rmsnorm_backward_rows_kernel(const Storage* x, const Storage* w,
-                                             const Storage* dy, Storage* dx,
-                                             float* inverse_rms_out, int64_t D, float eps) {
+// One block per row: dx (accumulated, or stored when !kAccumulate) and r_n into
+// inverse_rms_out [N].
+template <typename Storage, bool kAccumulate>
+__global__ void rmsnorm_backward_rows_kernel(const Storage* x, const Storage* w, const Storage* dy,
+                                             Storage* dx, float* inverse_rms_out, int64_t D,
+                                             float eps) {
   __shared__ float reduce_scratch[32];
   const int64_t row_offset = int64_t(blockIdx.x) * D;
   float sum_squares = 0.0f, weighted_dot = 0.0f;  // Σ x², Σ dy·w·x
@@ -71,7 +72,8 @@ __global__ void rmsnorm_backward_rows_kernel(const Storage* x, const Storage* w,
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     const float gradient = inverse_rms * load_as_float(w, i) * load_as_float(dy, row_offset + i) -
                            load_as_float(x, row_offset + i) * projection;
-    store_from_float(dx, row_offset + i, load_as_float(dx, row_offset + i) + gradient);
+    store_from_float(dx, row_offset + i,
+                     kAccumulate ? load_as_float(dx, row_offset + i) + gradient : gradient);
   }
 }
 
@@ -132,16 +134,17 @@ void rmsnorm_forward_launch(const Storage* x, const Storage* w, Storage* y, int6
 template <typename Storage>
 void rmsnorm_backward_launch(const Storage* x, const Storage* w, const Storage* dy, Storage* dx,
                              float* dw, int64_t N, int64_t D, double eps, void* workspace,
-                             Stream stream) {
+                             Stream stream, bool accumulate_dx) {
   rmsnorm_check(N, D, "cuda rmsnorm_backward");
   if (N == 0) return;
   DM_CHECK(workspace != nullptr, "cuda rmsnorm_backward: workspace is null (size it with "
                                  "rmsnorm_backward_workspace_bytes)");
   float* inverse_rms = static_cast<float*>(workspace);          // [N]
   float* partial = inverse_rms + ((N + 63) / 64) * 64;          // [splits, D]
-  rmsnorm_backward_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(x, w, dy, dx,
-                                                                        inverse_rms, D,
-                                                                        float(eps));
+  (accumulate_dx
+       ? rmsnorm_backward_rows_kernel<Storage, true>
+       : rmsnorm_backward_rows_kernel<Storage, false>)<<<unsigned(N), kRowThreads, 0, stream>>>(
+      x, w, dy, dx, inverse_rms, D, float(eps));
   check_last_error("cuda rmsnorm_backward (rows)");
   if (dw == nullptr) return;
   const int splits = rmsnorm_dw_splits(N);
@@ -620,13 +623,14 @@ size_t rmsnorm_backward_workspace_bytes(int64_t N, int64_t D) {
   return (size_t((N + 63) / 64 * 64) + size_t(rmsnorm_dw_splits(N)) * size_t(D)) * sizeof(float);
 }
 void rmsnorm_backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
-                      int64_t N, int64_t D, double eps, void* workspace, Stream stream) {
-  rmsnorm_backward_launch(x, w, dy, dx, dw, N, D, eps, workspace, stream);
+                      int64_t N, int64_t D, double eps, void* workspace, Stream stream,
+                      bool accumulate_dx) {
+  rmsnorm_backward_launch(x, w, dy, dx, dw, N, D, eps, workspace, stream, accumulate_dx);
 }
 void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const uint16_t* dy, uint16_t* dx,
-                      float* dw, int64_t N, int64_t D, double eps, void* workspace,
-                      Stream stream) {
-  rmsnorm_backward_launch(x, w, dy, dx, dw, N, D, eps, workspace, stream);
+                      float* dw, int64_t N, int64_t D, double eps, void* workspace, Stream stream,
+                      bool accumulate_dx) {
+  rmsnorm_backward_launch(x, w, dy, dx, dw, N, D, eps, workspace, stream, accumulate_dx);
 }
 
 void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluKernelParams& a,

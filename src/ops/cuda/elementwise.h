@@ -35,14 +35,15 @@ void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t 
 //   dw[i]   += Σ_n dy[n,i]·x[n,i]·r_n                                      (dw always fp32)
 // dw is summed in a fixed order (deterministic). `workspace` holds
 // rmsnorm_backward_workspace_bytes(N, D) bytes of device scratch (dead after the call's kernels).
-// dx must not alias x or dy; dx or dw may be nullptr (not wanted).
+// dx must not alias x or dy; dx or dw may be nullptr (not wanted). accumulate_dx = false STORES
+// dx (= the gradient alone: no zeroed buffer to write first, no read of it), dw still accumulates.
 size_t rmsnorm_backward_workspace_bytes(int64_t N, int64_t D);
 void rmsnorm_backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
-                      int64_t N, int64_t D, double eps, void* workspace,
-                      Stream stream = nullptr);
+                      int64_t N, int64_t D, double eps, void* workspace, Stream stream = nullptr,
+                      bool accumulate_dx = true);
 void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const uint16_t* dy, uint16_t* dx,
                       float* dw, int64_t N, int64_t D, double eps, void* workspace,
-                      Stream stream = nullptr);
+                      Stream stream = nullptr, bool accumulate_dx = true);
 
 // ---- GLU: h = act(g, u) (SwiGLU: SiLU(g)·u; SiTU: [β1 tanh(g/β1) σ(g)]·[β2 tanh(u/β2)]) ----
 //   g, u, h [n]; h may alias g or u. The GluActivation overloads (elementwise.cpp) check β and

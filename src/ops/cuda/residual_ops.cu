@@ -133,23 +133,19 @@ __global__ void __launch_bounds__(kRowThreads)
   rmsnorm_row_vec4(xv, wv, D, eps, y + int64_t(blockIdx.x) * D, reduce_scratch);
 }
 
-__global__ void add_inplace_kernel(float* dst, const float* src, int64_t n) {
+// dst = a + b; dst may alias a or b (each element is read, then written, by one thread).
+__global__ void add_kernel(float* dst, const float* a, const float* b, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] += src[i];
+    dst[i] = a[i] + b[i];
 }
 
-// n4 float4 elements (both pointers 16-byte aligned).
-__global__ void add_inplace_vec4_kernel(float4* dst, const float4* src, int64_t n4) {
+// n4 float4 elements (all three pointers 16-byte aligned).
+__global__ void add_vec4_kernel(float4* dst, const float4* a, const float4* b, int64_t n4) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
        i += int64_t(gridDim.x) * blockDim.x) {
-    float4 a = dst[i];
-    const float4 b = src[i];
-    a.x += b.x;
-    a.y += b.y;
-    a.z += b.z;
-    a.w += b.w;
-    dst[i] = a;
+    const float4 x = a[i], y = b[i];
+    dst[i] = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
   }
 }
 
@@ -391,22 +387,26 @@ void add_rmsnorm_to_f32(float* p, const float* out, const float* w, float* y, in
   add_rmsnorm_rows_launch(p, out, w, y, N, D, eps, stream, "add_rmsnorm_to_f32");
 }
 
-void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {
+void add(float* dst, const float* a, const float* b, int64_t n, CUstream_st* stream) {
   if (n == 0) return;
-  if (n % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+  const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (n % 4 == 0 && aligned(dst) && aligned(a) && aligned(b)) {
     const int64_t n4 = n / 4;
     const int blocks = int(n4 / 1024 + 1 < 4096 ? n4 / 1024 + 1 : 4096);
-    add_inplace_vec4_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float4*>(dst),
-                                                        reinterpret_cast<const float4*>(src), n4);
-    check_last_error("add_inplace");
+    add_vec4_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float4*>(dst),
+                                                reinterpret_cast<const float4*>(a),
+                                                reinterpret_cast<const float4*>(b), n4);
+    check_last_error("add");
     return;
   }
   const int blocks = int(n / 1024 + 1 < 4096 ? n / 1024 + 1 : 4096);
-  add_inplace_kernel<<<blocks, 256, 0, stream>>>(dst, src, n);
-  check_last_error("add_inplace");
+  add_kernel<<<blocks, 256, 0, stream>>>(dst, a, b, n);
+  check_last_error("add");
 }
 
+void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {
+  add(dst, dst, src, n, stream);
+}
 
 void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
                      float* out, int64_t N, int64_t D, float eps, CUstream_st* stream) {

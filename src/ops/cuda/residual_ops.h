@@ -22,6 +22,8 @@ void embedding_gather(const uint16_t* table, const int32_t* tokens, int64_t N, i
 void rmsnorm_to_bf16(const float* x, const float* w, uint16_t* y, int64_t N, int64_t D, float eps,
                      CUstream_st* stream = nullptr);
 
+// dst[i] = a[i] + b[i] (fp32); dst may be a (or b).
+void add(float* dst, const float* a, const float* b, int64_t n, CUstream_st* stream = nullptr);
 // dst[i] += src[i] (fp32).
 void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream = nullptr);
 
