@@ -10,17 +10,18 @@
 
 #if DELTAMOE_HAVE_CUDA
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "cuda_test_util.h"
 #include "ops/cpu/kda.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kda.h"
-#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace {
@@ -294,12 +295,14 @@ struct KdaGradientsF {
 };
 
 // nonzero_initial: gradient buffers start from random values (checks +=); off where gradients are
-// tiny (strong decay: dg ~ e^{−20}) and the float subtraction of the initial values would swamp them.
-// path: stage 4 of the bf16 backward (fp32 always runs the reference). Returns what was added.
+// tiny (strong decay: dg ~ e^{−20}) and the float subtraction of the initial values would swamp
+// them. path: stage 4 of the bf16 backward (fp32 always runs the reference). store (bf16): the op
+// stores dq, dk, dv, dg, dβ (accumulate = false) over buffers holding NaN, so an element it reads
+// or leaves unwritten shows. Returns what was added (or stored).
 KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& what,
                              bool nonzero_initial = true,
                              cu::KdaBackwardPath path = cu::KdaBackwardPath::Reference,
-                             bool reuse_forward = false) {
+                             bool reuse_forward = false, bool store = false) {
   const KdaShape& s = p.shape;
   const size_t n_qk = p.q.size(), n_v = p.v.size(), n_beta = p.beta.size(), n_state = p.s0.size();
   const std::vector<double> d_o = [&] {
@@ -319,8 +322,13 @@ KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& w
   auto initial = [&](size_t n, uint64_t seed) {
     return nonzero_initial ? dm::test::random_normal(n, seed) : std::vector<float>(n, 0.0f);
   };
-  const std::vector<float> dq0 = initial(n_qk, 81), dk0 = initial(n_qk, 82), dv0 = initial(n_v, 83);
-  const std::vector<float> dg0 = initial(n_qk, 84), dbeta0 = initial(n_beta, 85);
+  // Stored outputs: nothing to subtract afterwards (ds0 always accumulates).
+  auto initial_or_zero = [&](size_t n, uint64_t seed) {
+    return store ? std::vector<float>(n, 0.0f) : initial(n, seed);
+  };
+  const std::vector<float> dq0 = initial_or_zero(n_qk, 81), dk0 = initial_or_zero(n_qk, 82);
+  const std::vector<float> dv0 = initial_or_zero(n_v, 83), dg0 = initial_or_zero(n_qk, 84);
+  const std::vector<float> dbeta0 = initial_or_zero(n_beta, 85);
   const std::vector<float> ds00 = initial(n_state, 86);
 
   KdaGradients ref{std::vector<double>(n_qk), std::vector<double>(n_qk), std::vector<double>(n_v),
@@ -337,11 +345,14 @@ KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& w
                     ws_bytes + (1 << 20));
   const float* s0 = dev.upload(to_float(p.s0));
   const float* dsT_d = dev.upload(to_float(dsT));
-  float* dq = dev.upload(dq0);
-  float* dk = dev.upload(dk0);
-  float* dv = dev.upload(dv0);
-  float* dg = dev.upload(dg0);
-  float* dbeta = dev.upload(dbeta0);
+  auto contents = [&](const std::vector<float>& x) {
+    return store ? std::vector<float>(x.size(), std::numeric_limits<float>::quiet_NaN()) : x;
+  };
+  float* dq = dev.upload(contents(dq0));
+  float* dk = dev.upload(contents(dk0));
+  float* dv = dev.upload(contents(dv0));
+  float* dg = dev.upload(contents(dg0));
+  float* dbeta = dev.upload(contents(dbeta0));
   float* ds0 = dev.upload(ds00);
   const int32_t* doc = p.doc_start.empty() ? nullptr : dev.upload(p.doc_start);
   void* ws = ws_bytes ? dev.raw(ws_bytes) : nullptr;
@@ -354,8 +365,10 @@ KdaGradientsF check_backward(const KdaInputs& p, bool bf16, const std::string& w
       cu::kda_chunk_forward(q, k, v, g, beta, s0, o, nullptr, s, scale, ws, doc);
     }
     cu::kda_chunk_backward(q, k, v, g, beta, s0, up(d_o), dsT_d, dq, dk, dv, dg, dbeta, ds0, s,
-                           scale, ws, doc, nullptr, path, reuse_forward);
+                           scale, ws, doc, nullptr, path, reuse_forward, nullptr,
+                           /*accumulate=*/!store);
   } else {
+    EXPECT_FALSE(store) << "the fp32 overload always accumulates";
     auto up = [&](const std::vector<double>& x) { return dev.upload(to_float(x)); };
     cu::kda_chunk_backward(up(p.q), up(p.k), up(p.v), up(p.g), up(p.beta), s0, up(d_o), dsT_d, dq,
                            dk, dv, dg, dbeta, ds0, s, scale, ws, doc);
@@ -458,6 +471,26 @@ TEST(CudaKdaBackward, TensorCoreStrongDecayAndDocStartBf16) {
     check_backward(strong, true, "backward bf16 strong decay" + name, /*nonzero_initial=*/false,
                    path);
     check_backward(p, true, "backward bf16 doc_start" + name, true, path);
+  }
+}
+
+// accumulate = false: the split kernels store every element of dq, dk, dv, dg, dβ once (no
+// zeroed buffers needed: the training step's KDA backward); the fused kernel's path zeroes them
+// itself first. Partial chunks, documents, several heads and batches.
+TEST(CudaKdaBackward, StoresGradientsWhenAskedBf16) {
+  DM_SKIP_WITHOUT_GPU();
+  const KdaShape shapes[] = {{2, 150, 3, 64, 64}, {1, 300, 2, 128, 128}};
+  uint64_t seed = 700;
+  for (const KdaShape& s : shapes) {
+    KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
+    p.doc_start = make_doc_start(s, {5, 64, 100});
+    round_inputs_bf16(p);
+    ASSERT_TRUE(cu::kda_backward_split_supported(s));
+    for (const cu::KdaBackwardPath path :
+         {cu::KdaBackwardPath::TensorCoreSplit, cu::KdaBackwardPath::TensorCore})
+      for (const bool reuse : {false, true})
+        check_backward(p, true, describe(s, "stored") + (reuse ? " reusing" : ""), true, path,
+                       reuse, /*store=*/true);
   }
 }
 

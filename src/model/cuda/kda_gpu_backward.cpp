@@ -163,19 +163,17 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                     grads.at(w.g_a));
   }
 
-  // The operator (zero initial state, final state unused); its gradients accumulate, so zero
-  // them first. dg reuses d_normed, dead since the norm backward.
+  // The operator (zero initial state, final state unused) STORES its gradients (accumulate =
+  // false: no zeroing pass over the five buffers). dg reuses d_normed, dead since the norm
+  // backward.
   float* dg = b.d_normed_then_dg;
-  const size_t nhk_bytes = size_t(N * HK) * sizeof(float);
-  for (float* p : {b.dq, b.dk, b.dv, dg}) fill_zero_async(p, nhk_bytes, stream);
-  fill_zero_async(b.dbeta, size_t(N * H) * sizeof(float), stream);
   const float scale = 1.0f / std::sqrt(float(K));  // as the forward
   // forward_steps above ran kda_chunk_forward on these inputs into operator_workspace: the
   // operator's backward skips its own recompute of the prepare and state stages.
-  kda_chunk_backward(f.q, f.k, f.v, f.g, f.beta, /*s0=*/nullptr, b.d_o, /*dsT=*/nullptr, b.dq,
-                     b.dk, b.dv, dg, b.dbeta, /*ds0=*/nullptr, shape, scale,
-                     f.operator_workspace, doc_start, stream, kda_backward_default_path(),
-                     /*workspace_holds_forward=*/true, b.operator_own);
+  kda_chunk_backward(f.q, f.k, f.v, f.g, f.beta, /*s0=*/nullptr, b.d_o, /*dsT=*/nullptr, b.dq, b.dk,
+                     b.dv, dg, b.dbeta, /*ds0=*/nullptr, shape, scale, f.operator_workspace,
+                     doc_start, stream, kda_backward_default_path(),
+                     /*workspace_holds_forward=*/true, b.operator_own, /*accumulate=*/false);
 
   // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits.
   kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, b.dz_beta, N * H, stream);

@@ -96,6 +96,9 @@ void kda_chunk_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 // DM_KDA_BACKWARD=ref|tc|tc-split (read once) overrides the default. fp32 inputs always take the
 // reference path. The workspace size depends on the path (the split adds (4C + VP)·C floats per
 // chunk-head): size it with the path the call will use.
+// accumulate = false (bf16 overload): dq, dk, dv, dg and dβ are STORED, not added to (the split
+// kernels write each element once; the other paths zero them first), so callers that want the
+// gradients alone skip a zeroing pass; ds0 accumulates either way.
 // workspace_holds_forward (bf16, TensorCore paths only; ignored otherwise): `workspace` (sized by
 // kda_chunk_backward_workspace_bytes) was just filled by kda_chunk_forward on exactly these
 // inputs (q, k, v, g, beta, s0, doc_start, scale): the prepare and state stages are not run
@@ -118,14 +121,14 @@ void kda_chunk_backward(const float* q, const float* k, const float* v, const fl
                         float* dq, float* dk, float* dv, float* dg, float* dbeta, float* ds0,
                         const KdaShape& s, float scale, void* workspace,
                         const int32_t* doc_start = nullptr, KdaStream stream = nullptr);
-void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                        const uint16_t* g, const uint16_t* beta, const float* s0,
-                        const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
-                        float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
-                        void* workspace, const int32_t* doc_start = nullptr,
-                        KdaStream stream = nullptr,
+void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* g,
+                        const uint16_t* beta, const float* s0, const uint16_t* d_o,
+                        const float* dsT, float* dq, float* dk, float* dv, float* dg, float* dbeta,
+                        float* ds0, const KdaShape& s, float scale, void* workspace,
+                        const int32_t* doc_start = nullptr, KdaStream stream = nullptr,
                         KdaBackwardPath path = kda_backward_default_path(),
-                        bool workspace_holds_forward = false, void* backward_own = nullptr);
+                        bool workspace_holds_forward = false, void* backward_own = nullptr,
+                        bool accumulate = true);
 
 // ---- Diagnostics (bench_cuda_kda --phases). While enabled, thread 0 of one block of the
 // tensor-core stage 4 (the middle chunk of the first batch-head) stamps the SM clock at each of

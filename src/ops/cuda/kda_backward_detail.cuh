@@ -30,6 +30,9 @@ struct KdaSplitWorkspace {
   float* d_mix;        // [·, 2, C, C]  dM = −dR·V'ᵀ, one partial per V half (unmasked)
   float* d_beta;       // [·, 2, C]     dβ partials: rowdot(dR, X) + Σ_j L_ij·dM_ij per V half
   float* d_x;          // [·, C, VP]    dX = β·dR
+  // false: the key and value kernels STORE dq, dk, dv, dg, dβ (each element is written by one
+  // block exactly once) instead of adding to them, so the caller need not zero them first.
+  bool accumulate = true;
 };
 __host__ __device__ inline int64_t kda_split_workspace_floats(const KdaDims& d) {
   return d.B * d.H * d.num_chunks * (4 * kChunk * kChunk + 2 * kChunk + kChunk * d.VP);

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/device.h"
@@ -415,7 +416,8 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
                                float* dv, float* dg, float* dbeta, float* ds0, const KdaShape& s,
                                float scale, void* workspace, const int32_t* doc_start,
                                cudaStream_t stream, KdaBackwardPath path,
-                               bool workspace_holds_forward, void* backward_own) {
+                               bool workspace_holds_forward, void* backward_own,
+                               bool accumulate = true) {
   const KdaDims d = kda_make_dims(s, scale, "cuda kda_chunk_backward");
   if (d.B * d.H == 0) return;
   DM_CHECK(workspace != nullptr || kda_backward_workspace_carve(d, path, nullptr, nullptr, nullptr,
@@ -456,8 +458,18 @@ void kda_chunk_backward_launch(const Storage* q, const Storage* k, const Storage
   }
   if (d.num_chunks == 0) return;
 
+  const bool split_path = sizeof(Storage) == 2 && path == KdaBackwardPath::TensorCoreSplit &&
+                          split.d_x != nullptr && d.num_chunks > 0;
+  if (!accumulate && !split_path) {  // the other kernels add: start the outputs from zero
+    const size_t rows = size_t(d.B) * size_t(d.T) * size_t(d.H);
+    const std::pair<float*, int> outputs[] = {
+        {dq, d.K}, {dk, d.K}, {dg, d.K}, {dv, d.V}, {dbeta, 1}};
+    for (const auto& [out, width] : outputs)
+      DM_CUDA_CHECK(cudaMemsetAsync(out, 0, rows * size_t(width) * sizeof(float), stream));
+  }
+  split.accumulate = accumulate;
   if constexpr (sizeof(Storage) == 2) {
-    if (path == KdaBackwardPath::TensorCoreSplit && split.d_x != nullptr) {
+    if (split_path) {
       kda_chunk_grad_split(q, k, v, g, beta, d_o, doc_start, dq, dk, dv, dg, dbeta, d, ws, d_states,
                            split, stream);
       return;
@@ -527,15 +539,15 @@ void kda_chunk_backward(const float* q, const float* k, const float* v, const fl
                                         ds0, s, scale, workspace, doc_start, stream,
                                         KdaBackwardPath::Reference, false, nullptr);
 }
-void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                        const uint16_t* g, const uint16_t* beta, const float* s0,
-                        const uint16_t* d_o, const float* dsT, float* dq, float* dk, float* dv,
-                        float* dg, float* dbeta, float* ds0, const KdaShape& s, float scale,
-                        void* workspace, const int32_t* doc_start, KdaStream stream,
-                        KdaBackwardPath path, bool workspace_holds_forward, void* backward_own) {
-  kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta,
-                                        ds0, s, scale, workspace, doc_start, stream, path,
-                                        workspace_holds_forward, backward_own);
+void kda_chunk_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* g,
+                        const uint16_t* beta, const float* s0, const uint16_t* d_o,
+                        const float* dsT, float* dq, float* dk, float* dv, float* dg, float* dbeta,
+                        float* ds0, const KdaShape& s, float scale, void* workspace,
+                        const int32_t* doc_start, KdaStream stream, KdaBackwardPath path,
+                        bool workspace_holds_forward, void* backward_own, bool accumulate) {
+  kda_detail::kda_chunk_backward_launch(q, k, v, g, beta, s0, d_o, dsT, dq, dk, dv, dg, dbeta, ds0,
+                                        s, scale, workspace, doc_start, stream, path,
+                                        workspace_holds_forward, backward_own, accumulate);
 }
 
 }  // namespace dm::cuda

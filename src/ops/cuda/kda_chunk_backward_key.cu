@@ -230,7 +230,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   // dβ: the value kernel's two partials, once per chunk-head (rank 0), in a fixed order.
   if (half == 0 && tid < c_len) {
     const float* parts = split.d_beta + 2 * ch * kChunk;
-    dbeta[token_row(tid)] += parts[tid] + parts[kChunk + tid];
+    const float part = parts[tid] + parts[kChunk + tid];
+    float* out = dbeta + token_row(tid);
+    *out = split.accumulate ? *out + part : part;
   }
   // dγ = e^γ ⊙ rowsum(S ⊙ dS') for the block's channels (warp per state row, 16-byte loads).
 #pragma unroll 4
@@ -555,18 +557,20 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   __syncthreads();
   stamp(9);
 
-  // dg, dq, dk += those over the block's channels, row-coalesced by the whole block.
+  // dg, dq, dk += those (= with !split.accumulate) over the block's channels, row-coalesced by
+  // the whole block.
   const int width = d.K - c0 < KH ? d.K - c0 : KH;  // the block's channels inside K
   if (width <= 0) return;
-  auto add4 = [](float* dst, const float* src) {
-    float4 x = *reinterpret_cast<float4*>(dst);
-    const float4 y = *reinterpret_cast<const float4*>(src);
-    x.x += y.x;
-    x.y += y.y;
-    x.z += y.z;
-    x.w += y.w;
-    *reinterpret_cast<float4*>(dst) = x;
+  const bool accumulate = split.accumulate;
+  auto add4 = [accumulate](float* dst, const float* src) {
+    float4 y = *reinterpret_cast<const float4*>(src);
+    if (accumulate) {
+      const float4 x = *reinterpret_cast<const float4*>(dst);
+      y = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+    }
+    *reinterpret_cast<float4*>(dst) = y;
   };
+  auto add1 = [accumulate](float* dst, float y) { *dst = accumulate ? *dst + y : y; };
   if (d.K % 4 == 0 && ((reinterpret_cast<uintptr_t>(dg) | reinterpret_cast<uintptr_t>(dq) |
                         reinterpret_cast<uintptr_t>(dk)) &
                        15) == 0) {
@@ -583,9 +587,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     for (int idx = tid; idx < c_len * width; idx += kBlockThreads) {
       const int i = idx / width, col = idx % width;
       const int64_t at = token_row(i) * d.K + c0 + col;
-      dg[at] += d_gamma[i * ldg + col];
-      dq[at] += d_query_s[i * ldg + col];
-      dk[at] += d_key_s[i * ldg + col];
+      add1(dg + at, d_gamma[i * ldg + col]);
+      add1(dq + at, d_query_s[i * ldg + col]);
+      add1(dk + at, d_key_s[i * ldg + col]);
     }
   }
   stamp(10);

@@ -419,7 +419,10 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
     const int i = idx / VH, e = idx % VH;
     const float d_x_value = beta_s[i] * d_value[i * ldh + e];
     d_x[i * VP + e0 + e] = d_x_value;
-    if (i < c_len && e0 + e < d.V) dv[token_row(i) * d.V + e0 + e] += d_x_value;
+    if (i < c_len && e0 + e < d.V) {
+      float* out = dv + token_row(i) * d.V + e0 + e;
+      *out = split.accumulate ? *out + d_x_value : d_x_value;
+    }
   }
   stamp(6);
 }
