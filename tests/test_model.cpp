@@ -3,6 +3,7 @@
 // init → save → load round trips, and malformed checkpoints / inputs are
 // rejected with exit code 1 and a line naming the culprit (never a crash).
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -178,6 +179,40 @@ TEST(Model, InitSaveLoadRoundTrip) {
         ASSERT_TRUE(dt > 0.99e-3 && dt < 0.101) << e.name << " dt=" << dt;
       }
   }
+}
+
+// weights_init draws each 2^20-value chunk of a parameter from its own generator: the values are
+// the same with one thread or many, the element-wise init gives the small parameters exactly
+// those values (and no matrix), and the matrices have the SPEC σ.
+TEST(Model, InitIsThreadCountFreeAndMatchesTheElementwiseInit) {
+  ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  c.vocab_size = 40000;  // an embedding of several chunks (40000 × 64 values)
+  auto many = weights_allocate(c), one = weights_allocate(c), small = weights_allocate(c);
+  weights_init(*many, 13);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  weights_init(*one, 13);
+  omp_set_num_threads(std::max(2, threads));
+  weights_init_elementwise(*small, 13);
+  for (size_t j = 0; j < many->params.size(); ++j) {
+    const ParamEntry &a = many->params[j], &b = one->params[j], &e = small->params[j];
+    ASSERT_TRUE(std::equal(a.data, a.data + a.numel(), b.data)) << a.name;
+    if (!param_init_is_matrix(a.init)) {
+      ASSERT_TRUE(std::equal(a.data, a.data + a.numel(), e.data)) << a.name;
+      continue;
+    }
+    ASSERT_TRUE(std::all_of(e.data, e.data + e.numel(), [](float x) { return x == 0.0f; }))
+        << a.name << ": the element-wise init wrote a matrix";
+    double sum_squares = 0;
+    for (int64_t i = 0; i < a.numel(); ++i) sum_squares += double(a.data[i]) * a.data[i];
+    const double sigma = param_init_std(c, a.init, a.shape), got = std::sqrt(sum_squares / a.numel());
+    EXPECT_NEAR(got, sigma, sigma * (0.02 + 5.0 / std::sqrt(double(a.numel())))) << a.name;
+  }
+  // Chunks of one parameter are different streams, not one stream restarted.
+  const ParamEntry& embed = *std::find_if(many->params.begin(), many->params.end(),
+                                          [](const ParamEntry& e) { return e.name.find("embed_tokens") != std::string::npos; });
+  ASSERT_GT(embed.numel(), int64_t(2) << 20) << embed.name;
+  EXPECT_FALSE(std::equal(embed.data, embed.data + 64, embed.data + (int64_t(1) << 20)));
 }
 
 TEST(Model, KimiCheckpointResavedInK3NamesGivesSameLogits) {

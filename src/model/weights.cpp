@@ -290,9 +290,8 @@ float param_init_std(const ModelConfig& c, ParamInit init, const Shape& shape) {
 
 namespace {
 
-// One parameter's values by its rule (SPEC init), drawing from rng. The single definition behind
-// weights_init (one stream through every parameter) and weights_init_elementwise (a stream per
-// parameter). Draws are made in float so a double model starts from exactly the float values.
+// One parameter's values (or a chunk of them) by its rule (SPEC init), drawing from rng. Draws
+// are made in float so a double model starts from exactly the float values.
 template <typename Real>
 void init_param_values(Real* x, int64_t n, ParamInit init, float std, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> u01(0.0, 1.0);
@@ -319,30 +318,55 @@ void init_param_values(Real* x, int64_t n, ParamInit init, float std, std::mt199
   }
 }
 
+// Values come in chunks of kInitChunk, each drawn from its own generator seeded by (seed,
+// parameter index, chunk index): the same values whatever the thread count or the parameters
+// skipped, and a 1.4B-parameter model initialises on every core (one stream through all of it
+// took ~30 s, most of a GPU bench's start-up).
+constexpr int64_t kInitChunk = int64_t(1) << 20;
+
+uint64_t init_stream_seed(uint64_t seed, uint64_t param, uint64_t chunk) {  // splitmix64 rounds
+  uint64_t z = seed;
+  for (const uint64_t v : {param, chunk}) {
+    z ^= 0x9E3779B97F4A7C15ull * (v + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+  }
+  return z;
+}
+
+template <typename Real>
+void init_params(ModelWeightsT<Real>& w, uint64_t seed, bool matrices) {
+  struct Chunk {
+    size_t param;
+    int64_t index;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t j = 0; j < w.params.size(); ++j) {
+    const ParamEntryT<Real>& e = w.params[j];
+    if (!matrices && param_init_is_matrix(e.init)) continue;
+    for (int64_t c = 0; c * kInitChunk < e.numel(); ++c) chunks.push_back({j, c});
+  }
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t t = 0; t < int64_t(chunks.size()); ++t) {
+    ParamEntryT<Real>& e = w.params[chunks[size_t(t)].param];
+    const int64_t begin = chunks[size_t(t)].index * kInitChunk;
+    std::mt19937_64 rng(init_stream_seed(seed, chunks[size_t(t)].param, uint64_t(chunks[size_t(t)].index)));
+    init_param_values(e.data + begin, std::min(kInitChunk, e.numel() - begin), e.init,
+                      param_init_std(w.cfg, e.init, e.shape), rng);
+  }
+}
+
 }  // namespace
 
 template <typename Real>
 void weights_init(ModelWeightsT<Real>& w, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (ParamEntryT<Real>& e : w.params)
-    init_param_values(e.data, e.numel(), e.init, param_init_std(w.cfg, e.init, e.shape), rng);
+  init_params(w, seed, /*matrices=*/true);
 }
 
 template <typename Real>
 void weights_init_elementwise(ModelWeightsT<Real>& w, uint64_t seed) {
-  // weights_init's rules, but one stream per parameter so no matrix has to be drawn first.
-  auto stream_seed = [](uint64_t s, uint64_t index) {  // splitmix64 of (seed, index)
-    uint64_t z = s ^ (0x9E3779B97F4A7C15ull * (index + 1));
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  for (size_t j = 0; j < w.params.size(); ++j) {
-    ParamEntryT<Real>& e = w.params[j];
-    if (param_init_is_matrix(e.init)) continue;
-    std::mt19937_64 rng(stream_seed(seed, uint64_t(j)));
-    init_param_values(e.data, e.numel(), e.init, param_init_std(w.cfg, e.init, e.shape), rng);
-  }
+  init_params(w, seed, /*matrices=*/false);
 }
 
 ReservedWeights::ReservedWeights(const ModelConfig& cfg) : w_(std::make_unique<ModelWeightsT<float>>()) {

@@ -132,7 +132,8 @@ std::unique_ptr<ModelWeightsT<Real>> weights_allocate(const ModelConfig& cfg);
 // present with the right shape; unexpected model tensors are an error naming them.
 template <typename Real = float>
 std::unique_ptr<ModelWeightsT<Real>> weights_load(const std::string& dir);
-// Random initialisation per SPEC rules (deterministic for a seed; the same values for any Real).
+// Random initialisation per SPEC rules (deterministic for a seed; the same values for any Real
+// and any thread count; parallel over chunks of the parameters).
 template <typename Real>
 void weights_init(ModelWeightsT<Real>& w, uint64_t seed);
 // True for the N(0,σ)-initialised matrices (Normal, NormalOut, Router); false for the
@@ -143,12 +144,10 @@ inline bool param_init_is_matrix(ParamInit init) {
 // σ weights_init draws a Normal / NormalOut / Router / ConvNormal parameter of `shape` with
 // (0 for the other kinds): init_std, init_std/sqrt(2·L), router_init_std, 1/sqrt(kernel).
 float param_init_std(const ModelConfig& cfg, ParamInit init, const Shape& shape);
-// Initialises ONLY the element-wise parameters (!param_init_is_matrix) by weights_init's rules,
-// touching no matrix memory (for DeviceWeights' device-side random init of models larger than
-// the host). Ones / Zeros equal weights_init's exactly; ConvNormal, KdaALog and KdaDtBias come
-// from the same distributions but NOT the same values: weights_init draws everything from one
-// stream that passes through every matrix first, whereas here each parameter has its own stream
-// seeded from (seed, its index in params). Deterministic for a seed.
+// Initialises ONLY the element-wise parameters (!param_init_is_matrix), touching no matrix memory
+// (for DeviceWeights' device-side random init of models larger than the host): exactly the values
+// weights_init gives them (every chunk of 2^20 values of a parameter has its own generator,
+// seeded from (seed, parameter index, chunk)). Deterministic for a seed.
 template <typename Real>
 void weights_init_elementwise(ModelWeightsT<Real>& w, uint64_t seed);
 
