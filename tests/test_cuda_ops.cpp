@@ -347,7 +347,8 @@ void check_cross_entropy(int64_t N, int64_t V, uint64_t seed, bool bf16) {
   const dm::CrossEntropyResult ref = dm::cross_entropy_forward_backward(
       logits.data(), targets.data(), dlogits_ref.data(), N, V, scale);
 
-  DeviceScratch dev(size_t(N * V) * 8 + size_t(N) * 8 + cu::cross_entropy_workspace_bytes(N) + (1 << 16));
+  DeviceScratch dev(size_t(N * V) * 10 + size_t(N) * 8 + cu::cross_entropy_workspace_bytes(N) +
+                    (1 << 16));
   Storage* logits_d;
   if constexpr (sizeof(Storage) == 2) logits_d = dev.upload(to_bf16(logits));
   else logits_d = dev.upload(logits);
@@ -366,6 +367,14 @@ void check_cross_entropy(int64_t N, int64_t V, uint64_t seed, bool bf16) {
   EXPECT_NEAR(result.loss_sum, ref.loss_sum, 1e-5 * std::max(1.0, std::fabs(ref.loss_sum)));
   EXPECT_TRUE(all_finite(dlogits));
   EXPECT_LE(rel_rms(dlogits, dlogits_ref), bf16 ? 1e-2 : 1e-5) << "N=" << N << " V=" << V;
+
+  if constexpr (sizeof(Storage) == 4) {  // fp32 logits, bf16 gradient: the fp32 one rounded
+    uint16_t* dlogits_b = dev.zeros<uint16_t>(size_t(N * V));
+    cu::cross_entropy_forward_backward(logits_d, targets_d, dlogits_b, N, V, scale, result_d, ws);
+    EXPECT_EQ(DeviceScratch::download(dlogits_b, size_t(N * V)), to_bf16(dlogits))
+        << "N=" << N << " V=" << V;
+    EXPECT_EQ(DeviceScratch::download(result_d, 1)[0].loss_sum, result.loss_sum);
+  }
 }
 
 TEST(CudaOpsCrossEntropy, MatchesCpuF32) {

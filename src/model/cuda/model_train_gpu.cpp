@@ -466,9 +466,8 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t r0 = t * lm_rows, rows = std::min(lm_rows, N - r0);
       linear(run, final_h + r0 * d, dw_.bf16(W.lm_head), rows, d, V, logits, GemmOutType::F32);
-      cross_entropy_forward_backward(logits, targets_dev + r0, logits, rows, V, loss_scale,
-                                     ce_results + t, ce_ws, stream);
-      convert_f32_to_bf16(logits, dlogits, rows * V, stream);
+      cross_entropy_forward_backward(logits, targets_dev + r0, dlogits, rows, V, loss_scale,
+                                     ce_results + t, ce_ws, stream);  // bf16 gradient
       // dh rows = dlogits·W_lm (written), dW_lm += dlogitsᵀ·final_h.
       linear_backward(run, final_h + r0 * d, dw_.bf16(W.lm_head), dlogits, rows, d, V,
                       dh + r0 * d, GemmOutType::F32, 0.0f, grads_.at(W.lm_head));

@@ -9,12 +9,12 @@
 //   plain:   the experts read xn and u is the output itself
 //
 // then back-propagates dy [N,d] (fp32; rounded to bf16 once for the GEMMs that take it):
-//   dxn = 0
+//   dxn = 0 (plain only: with a latent the down-projection's GEMM writes it first)
 //   latent:  dW↑ [d,ℓ] += dyᵀ·up_in;  d(up_in) [N,ℓ] fp32 = dy·W↑;  RMSNorm backward (fp32,
 //            deterministic dw) → du [N,ℓ] fp32  (plain: du = dy)
 //   experts: dp [N,k] = <du_t, out_r>;  down / GLU / gate-up backward per expert (grads fp32,
 //            beta = 1);  dz [N,ℓ] fp32 = Σ_slots dz_r  (plain: accumulated into dxn)
-//   latent:  dW↓ [ℓ,d] += bf16(dz)ᵀ·xn;  dxn += bf16(dz)·W↓
+//   latent:  dW↓ [ℓ,d] += bf16(dz)ᵀ·xn;  dxn = bf16(dz)·W↓
 //   router:  dlogits [N,E] fp32 (selection fixed);  dW_r [E,d] += bf16(dlogits)ᵀ·xn;
 //            dxn += bf16(dlogits)·W_r
 //   shared:  the gated FFN backward at full width, dxn += its input gradient
@@ -127,8 +127,9 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   DeviceArenaScope scope(arena);
 
   // Every contribution below accumulates into dxn (the routed experts of plain MoE through a
-  // kernel, the rest through beta = 1 GEMMs).
-  fill_zero_async(dxn, size_t(N * d) * sizeof(float), stream);
+  // kernel, the rest through beta = 1 GEMMs) but the first: with a latent, the down-projection's
+  // GEMM writes it (beta = 0), so dxn needs no zeroing pass there.
+  if (!s.has_latent) fill_zero_async(dxn, size_t(N * d) * sizeof(float), stream);
   const uint16_t* dy_b = (s.has_latent || s.has_shared) ? dy_to_bf16(run, dy, N, d) : nullptr;
 
   // ---- The routing: kept by the forward, or recomputed exactly as the forward did it (same
@@ -234,12 +235,12 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                          moe_gemm_default_path());
   }
 
-  // ---- Latent down-projection z = xn·W↓ᵀ: dW↓ [ℓ,d] += dzᵀ·xn; dxn += dz·W↓.
+  // ---- Latent down-projection z = xn·W↓ᵀ: dW↓ [ℓ,d] += dzᵀ·xn; dxn = dz·W↓ (the first write).
   if (s.has_latent) {
     DeviceArenaScope down_scope(arena);
     uint16_t* dz_b = arena.alloc<uint16_t>(size_t(N * l));
     convert_f32_to_bf16(dz, dz_b, N * l, stream);
-    linear_backward(run, xn, dw.bf16(w.latent_down), dz_b, N, d, l, dxn, GemmOutType::F32, 1.0f,
+    linear_backward(run, xn, dw.bf16(w.latent_down), dz_b, N, d, l, dxn, GemmOutType::F32, 0.0f,
                     grads.at(w.latent_down));
   }
 

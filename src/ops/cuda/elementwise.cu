@@ -355,9 +355,9 @@ __device__ __forceinline__ SoftmaxPartial softmax_shuffle_down(SoftmaxPartial p,
 
 // One block per row. row_loss [N] (double, 0 for ignored rows), row_flags [N]: bit 0 counted,
 // bit 1 argmax == target.
-template <typename Storage>
+template <typename Storage, typename GradStorage>
 __global__ void cross_entropy_rows_kernel(const Storage* logits, const int64_t* targets,
-                                          Storage* dlogits, int64_t V, float scale,
+                                          GradStorage* dlogits, int64_t V, float scale,
                                           double* row_loss, int32_t* row_flags) {
   __shared__ SoftmaxPartial warp_partials[32];
   __shared__ float row_stats[2];  // logsumexp, z[target]
@@ -445,8 +445,8 @@ __global__ void cross_entropy_reduce_kernel(const double* row_loss, const int32_
   }
 }
 
-template <typename Storage>
-void cross_entropy_launch(const Storage* logits, const int64_t* targets, Storage* dlogits,
+template <typename Storage, typename GradStorage>
+void cross_entropy_launch(const Storage* logits, const int64_t* targets, GradStorage* dlogits,
                           int64_t N, int64_t V, double scale, CrossEntropyDeviceResult* result,
                           void* workspace, Stream stream) {
   DM_CHECK(N >= 0 && V > 0, "cuda cross_entropy: bad shape N=", N, " V=", V);
@@ -661,6 +661,12 @@ void cross_entropy_forward_backward(const float* logits, const int64_t* targets,
 }
 void cross_entropy_forward_backward(const uint16_t* logits, const int64_t* targets,
                                     uint16_t* dlogits, int64_t N, int64_t V, double scale,
+                                    CrossEntropyDeviceResult* result_device, void* workspace,
+                                    Stream stream) {
+  cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);
+}
+void cross_entropy_forward_backward(const float* logits, const int64_t* targets, uint16_t* dlogits,
+                                    int64_t N, int64_t V, double scale,
                                     CrossEntropyDeviceResult* result_device, void* workspace,
                                     Stream stream) {
   cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);

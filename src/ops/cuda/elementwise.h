@@ -94,6 +94,12 @@ void cross_entropy_forward_backward(const uint16_t* logits, const int64_t* targe
                                     uint16_t* dlogits, int64_t N, int64_t V, double scale,
                                     CrossEntropyDeviceResult* result_device, void* workspace,
                                     Stream stream = nullptr);
+// fp32 logits, bf16 gradient (the fp32 gradient rounded once, as a separate conversion would):
+// the training LM head's tile, whose gradient feeds bf16 GEMMs.
+void cross_entropy_forward_backward(const float* logits, const int64_t* targets, uint16_t* dlogits,
+                                    int64_t N, int64_t V, double scale,
+                                    CrossEntropyDeviceResult* result_device, void* workspace,
+                                    Stream stream = nullptr);
 
 // ---- AdamW on fp32 master weights (train/optimizer.h, Optimizer::adamw_update) -------------
 //   m ← β1 m + (1−β1) g;  v ← β2 v + (1−β2) g²;  p ← p − lr·(m/c1)/(sqrt(v/c2) + eps) − wd·p
