@@ -172,8 +172,8 @@ dm::cli::Registrar reg(
       train
           ->add_option(
               "--recompute", opt->recompute,
-              "on: keep only each layer's input for the backward; off: keep the KDA and MoE "
-              "internals (faster, more memory)")
+              "on: keep only each layer's input for the backward; off: keep the KDA, MLA and "
+              "MoE internals (faster, more memory)")
           ->default_val("on")
           ->check(CLI::IsMember({"on", "off"}));
       train

@@ -4,7 +4,9 @@
 //   - dxn and every MLA parameter gradient the config uses: finite, rel RMS error ≤ 1e-2;
 //   - dxn is WRITTEN (its buffer starts as NaN), gradients of everything outside the layer stay 0;
 //   - a second call accumulates: the gradients double (dxn stays the same);
-//   - mla_layer_backward_gpu_bytes is enough scratch and the scratch is released.
+//   - mla_layer_backward_gpu_bytes is enough scratch and the scratch is released;
+//   - with the forward's activations kept (training without recompute) the output and the
+//     gradients match the recomputing path and the CPU.
 // Cases: configs/test.json (q LoRA, NoPE shared key slot, output gate) and edited copies (no
 // q LoRA with RoPE and the gate; RoPE + YaRN without the gate; no q LoRA, NoPE, no gate),
 // B = 2, T = 200 (several 64-row attention tiles), with and without packed documents.
@@ -162,6 +164,44 @@ void run_case(const LayerCase& c, int64_t B, int64_t T, bool packed) {
     const std::vector<float> second = view(*grad2, *w, p);
     EXPECT_LE(test::rel_rms(second.data(), twice.data(), twice.size()), 1e-5)
         << tag << " " << t.name << ": a second call must add the same gradient again";
+  }
+
+  // Kept (training without recompute): the forward leaves its activations and the lse in the
+  // kept memory and the backward recomputes nothing. The output and the gradients must match
+  // the recomputing path (the attention may run cuDNN's kernel in one and ours in the other:
+  // rounding apart) and the CPU.
+  {
+    cuda::DeviceGrads kept_grads(*w);
+    cuda::DeviceArena kept(cuda::mla_layer_kept_gpu_bytes(cfg, B, T));
+    void* kept_memory = kept.alloc_bytes(kept.capacity());
+    test::DeviceScratch ys(2 * size_t(N * d) * sizeof(float) + 512);
+    const std::vector<float> nan(size_t(N * d), std::numeric_limits<float>::quiet_NaN());
+    float* y_plain = ys.upload(nan);
+    float* y_kept = ys.upload(nan);
+    cuda::mla_layer_forward_gpu(run, dw, mw, x_dev, y_plain, B, T, doc_dev);
+    cuda::mla_layer_forward_gpu(run, dw, mw, x_dev, y_kept, B, T, doc_dev, kept_memory);
+    const std::vector<float> yp = test::DeviceScratch::download(y_plain, size_t(N * d));
+    const std::vector<float> yk = test::DeviceScratch::download(y_kept, size_t(N * d));
+    ASSERT_TRUE(test::all_finite(yk)) << tag << ": kept forward output";
+    EXPECT_LE(test::rel_rms(yk.data(), yp.data(), yp.size()), 5e-3) << tag << ": kept forward";
+    EXPECT_LE(test::rel_rms(yk.data(), y_cpu.data(), y_cpu.size()), 1e-2) << tag;
+    cuda::mla_layer_backward_gpu(run, dw, kept_grads, mw, x_dev, dy_dev, dxn_dev, B, T, doc_dev,
+                                 kept_memory);
+    EXPECT_EQ(run.scratch.used(), 0u) << "scratch not released (kept)";
+    const std::vector<float> dxn_kept = test::DeviceScratch::download(dxn_dev, size_t(N * d));
+    auto grad_kept = weights_allocate<float>(cfg);
+    kept_grads.download(*grad_kept);
+    const std::string kept_tag = tag + " kept";
+    report("dxn (kept)", dxn_kept, dx_cpu);
+    EXPECT_LE(test::rel_rms(dxn_kept.data(), dxn1.data(), dxn1.size()), 5e-3) << kept_tag;
+    for (const MlaTensor& t : kMlaTensors) {
+      const float* p = mw.*t.member;
+      if (!p) continue;
+      const std::vector<float> g = view(*grad_kept, *w, p);
+      report(t.name, g, view(*grad_cpu, *w, p));
+      const std::vector<float> g1 = view(*grad1, *w, p);
+      EXPECT_LE(test::rel_rms(g.data(), g1.data(), g1.size()), 5e-3) << kept_tag << " " << t.name;
+    }
   }
 }
 

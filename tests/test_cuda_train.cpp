@@ -171,7 +171,7 @@ TEST(CudaTrain, GradientsMatchCpuWithPackedDocuments) {
   compare_gradients(test_config(), 1, 200, true, "test config, packed");
 }
 
-// Without recompute the KDA and MoE layers keep their forward internals for the backward: the
+// Without recompute the KDA, MLA and MoE layers keep their forward internals for the backward: the
 // same kernels on the same inputs, so the loss is identical and the gradients agree to the last
 // bits (the default split stage 4 has no atomics; the fused one, DM_KDA_BACKWARD=tc, sums dβ
 // with shared-memory atomics, whose order is not fixed). Packed
@@ -201,7 +201,8 @@ TEST(CudaTrain, KeptInternalsMatchRecompute) {
   EXPECT_EQ(loss[0], loss[1]);
   ASSERT_TRUE(test::all_finite(grads[1]));
   const double e = test::rel_rms(grads[1].data(), grads[0].data(), grads[0].size());
-  std::printf("[          ] kept KDA + MoE internals vs recompute: gradient rel RMS %.2e\n", e);
+  std::printf("[          ] kept KDA + MLA + MoE internals vs recompute: gradient rel RMS %.2e\n",
+              e);
   EXPECT_LE(e, 1e-6);
 }
 

@@ -59,11 +59,17 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
                            float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr,
                            const KdaCarry* carry = nullptr, void* kept = nullptr);
 
+// kept (training without the mixer recompute; nullable, bf16 only): mla_layer_kept_gpu_bytes
+// of device memory, 256-byte aligned, where the forward leaves its activations (q, the latent
+// path, k, v, the ungated attention output, the gate pre-activation) and the attention's lse
+// for mla_layer_backward_gpu with the same `kept`, which then skips its recompute.
 size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
                                    WeightPrecision precision = WeightPrecision::Bf16);
+size_t mla_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 template <typename A>
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const A* xn,
-                           float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr);
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr,
+                           void* kept = nullptr);
 
 size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N,
                                    WeightPrecision precision = WeightPrecision::Bf16);
@@ -151,10 +157,12 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                             int64_t B, int64_t T, const int32_t* doc_start = nullptr,
                             void* kept = nullptr);
 
+// kept: what mla_layer_forward_gpu kept (nullable: recompute).
 size_t mla_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const MlaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t B, int64_t T, const int32_t* doc_start = nullptr);
+                            int64_t B, int64_t T, const int32_t* doc_start = nullptr,
+                            const void* kept = nullptr);
 
 size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N);
 void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,

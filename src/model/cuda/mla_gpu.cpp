@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/error.h"
@@ -180,25 +181,67 @@ size_t mla_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
   return mla_detail::arena_bytes(mla_detail::MlaDims(c, B, T).forward_views(act_bytes));
 }
 
+size_t mla_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+  return mla_detail::MlaKeptViews::bytes(mla_detail::MlaDims(c, B, T));
+}
+
+namespace mla_detail {
+
+size_t MlaKeptViews::bytes(const MlaDims& s) {
+  std::vector<size_t> views = s.forward_views();
+  views.push_back(size_t(s.B * s.H * s.T) * sizeof(float));
+  return arena_bytes(views);
+}
+
+MlaKeptViews MlaKeptViews::carve(void* kept, const MlaDims& s) {
+  DeviceArena arena(kept, bytes(s));
+  MlaKeptViews v;
+  v.f = MlaForwardViews::carve(arena, s);
+  v.lse = arena.alloc<float>(size_t(s.B * s.H * s.T));
+  return v;
+}
+
+}  // namespace mla_detail
+
 template <typename A>
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const A* xn,
-                           float* y, int64_t B, int64_t T, const int32_t* doc_start) {
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start, void* kept) {
   using namespace mla_detail;
   const MlaDims s(dw.config(), B, T);
   check_dims(s, "mla_layer_forward_gpu");
   if (s.N == 0) return;
   DeviceArenaScope scope(run.scratch);
+  const int64_t hdv = s.N * s.H * s.dv;
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    if (kept) {
+      // Training without recompute: the activations and the lse stay in `kept`; W_o reads a
+      // gated copy so that the backward finds the ungated o.
+      const MlaKeptViews k = MlaKeptViews::carve(kept, s);
+      mla_forward_core<A>(run, dw, w, s, k.f, xn, doc_start, k.lse);
+      const uint16_t* o = k.f.o;
+      if (s.gate) {
+        uint16_t* gated = run.scratch.alloc<uint16_t>(size_t(hdv));
+        mla_gate_multiply_into(k.f.o, k.f.gate, gated, hdv, run.stream);
+        o = gated;
+      }
+      linear(run, o, dw.bf16(w.o_proj), s.N, s.H * s.dv, s.d, y, GemmOutType::F32);
+      return;
+    }
+  } else {
+    DM_CHECK(!kept, "mla_layer_forward_gpu: the fp32 mode keeps nothing");
+  }
   const MlaForwardViewsT<A> a = MlaForwardViewsT<A>::carve(run.scratch, s);
   mla_forward_core<A>(run, dw, w, s, a, xn, doc_start, /*lse=*/nullptr);
   // Inference gates o in place (nothing needs the ungated output afterwards).
-  if (s.gate) mla_gate_multiply(a.o, a.gate, s.N * s.H * s.dv, run.stream);
+  if (s.gate) mla_gate_multiply(a.o, a.gate, hdv, run.stream);
   linear(run, a.o, dw.operand<A>(w.o_proj), s.N, s.H * s.dv, s.d, y, GemmOutType::F32);
 }
 
 template void mla_layer_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const MlaWeights&,
                                               const uint16_t*, float*, int64_t, int64_t,
-                                              const int32_t*);
+                                              const int32_t*, void*);
 template void mla_layer_forward_gpu<float>(GpuRun&, const DeviceWeights&, const MlaWeights&,
-                                           const float*, float*, int64_t, int64_t, const int32_t*);
+                                           const float*, float*, int64_t, int64_t, const int32_t*,
+                                           void*);
 
 }  // namespace dm::cuda

@@ -1,7 +1,8 @@
 // Gated MLA layer backward on the GPU (layers.h), the twin of model/mla.cpp mla_layer_backward.
 // The forward internals are recomputed from xn by the forward's own code
-// (mla_detail::mla_forward_core, with the attention's lse this time), then the chain runs in
-// reverse (shapes: N = B·T, H heads, dq = nope + rope, dv = v_head, kvl = kv_lora, ql = q_lora):
+// (mla_detail::mla_forward_core, with the attention's lse this time) unless the forward kept
+// them (training without recompute: MlaKeptViews), then the chain runs in reverse (shapes: N = B·T,
+// H heads, dq = nope + rope, dv = v_head, kvl = kv_lora, ql = q_lora):
 //
 //   y = W_o o_g             dW_o += dyᵀ o_g;          d_out = dy W_o                 [N, H·dv]
 //   o_g = o ⊙ σ(g)          dg = d_out ⊙ o ⊙ σ(1−σ);  d_o = d_out ⊙ σ;  g = W_gate x
@@ -118,7 +119,7 @@ size_t mla_layer_backward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T) 
 
 void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const MlaWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t B, int64_t T, const int32_t* doc_start) {
+                            int64_t B, int64_t T, const int32_t* doc_start, const void* kept) {
   const ModelConfig& cfg = dw.config();
   const MlaDims s(cfg, B, T);
   check_dims(s, "mla_layer_backward_gpu");
@@ -130,13 +131,25 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   const int64_t nope = s.nope, rope = s.rope, hdv = H * dv;
   const double eps = cfg.mla.latent_norm_eps;
 
-  // Same carve order as mla_layer_backward_gpu_bytes: the forward's views, then ours.
-  const MlaForwardViews f = MlaForwardViews::carve(run.scratch, s);
+  // Same carve order as mla_layer_backward_gpu_bytes: the forward's views, then ours. With
+  // `kept` the forward left its views and the lse there (MlaKeptViews) and nothing is
+  // recomputed.
+  MlaForwardViews f;
+  float* lse = nullptr;
+  if (kept) {
+    const MlaKeptViews k = MlaKeptViews::carve(const_cast<void*>(kept), s);
+    f = k.f;
+    lse = k.lse;
+  } else {
+    f = MlaForwardViews::carve(run.scratch, s);
+  }
   Carver carver{&run.scratch, nullptr};
   const BackwardViews b = BackwardViews::layout(carver, s);
-
-  // Recompute: q, c, k, v, the ungated o with its lse, and the gate pre-activation.
-  mla_forward_core(run, dw, w, s, f, xn, doc_start, b.lse);
+  if (!kept) {
+    // Recompute: q, c, k, v, the ungated o with its lse, and the gate pre-activation.
+    lse = b.lse;
+    mla_forward_core(run, dw, w, s, f, xn, doc_start, lse);
+  }
 
   // dxn: the first projection backward writes it (beta 0), the later ones accumulate.
   bool dxn_written = false;
@@ -163,7 +176,7 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   }
 
   // Attention (writes dq, dk, dv; cuDNN's fused kernels when there are no packed documents).
-  cuda::attention_causal_backward(f.q, f.k, f.v, f.o, b.lse, b.d_o, b.dq, b.dk, b.dv,
+  cuda::attention_causal_backward(f.q, f.k, f.v, f.o, lse, b.d_o, b.dq, b.dk, b.dv,
                                   AttnShape{s.B, s.T, H, dq, dv}, mla_gpu_softmax_scale(cfg),
                                   b.attention_workspace, doc_start, stream);
 

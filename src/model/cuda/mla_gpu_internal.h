@@ -65,6 +65,16 @@ void mla_forward_core(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w,
                       const MlaForwardViewsT<A>& a, const A* xn, const int32_t* doc_start,
                       float* lse);
 
+// What a training forward keeps for its backward (layers.h mla_layer_kept_gpu_bytes): the
+// forward's views and the attention's lse [B, H, T] fp32, carved in this order from the kept
+// memory by both directions.
+struct MlaKeptViews {
+  MlaForwardViews f;
+  float* lse = nullptr;
+  static size_t bytes(const MlaDims& s);
+  static MlaKeptViews carve(void* kept, const MlaDims& s);
+};
+
 // The softmax scale both directions use (the CPU float engine's value, rounded to float).
 double mla_gpu_softmax_scale(const ModelConfig& c);
 

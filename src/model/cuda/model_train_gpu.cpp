@@ -143,6 +143,11 @@ size_t kda_kept_stride(const ModelConfig& c, int64_t B, int64_t T) {
   return round_up(kda_layer_kept_gpu_bytes(c, B, T));
 }
 
+// One MLA layer's kept forward activations and lse, rounded likewise.
+size_t mla_kept_stride(const ModelConfig& c, int64_t B, int64_t T) {
+  return round_up(mla_layer_kept_gpu_bytes(c, B, T));
+}
+
 // One MoE layer's kept forward internals, rounded likewise.
 size_t moe_kept_stride(const ModelConfig& c, int64_t N) {
   return round_up(moe_layer_kept_gpu_bytes(c, N));
@@ -156,15 +161,17 @@ size_t record_kept_stride(const ModelConfig& c, int64_t N) {
          (c.residual == ResidualKind::AttnRes ? 2 * round_up(rows * 4) : 0);
 }
 
-// The kept arena without recompute: every KDA and MoE layer's forward internals and every
+// The kept arena without recompute: every KDA, MLA and MoE layer's forward internals and every
 // layer's residual record (so the backward rebuilds nothing).
 size_t train_kept_bytes(const ModelConfig& c, int64_t B, int64_t T) {
-  int kda_layers = 0, moe_layers = 0;
+  int kda_layers = 0, mla_layers = 0, moe_layers = 0;
   for (int i = 0; i < c.num_layers; ++i) {
     kda_layers += c.mixers[size_t(i)] == MixerKind::KDA;
+    mla_layers += c.mixers[size_t(i)] == MixerKind::MLA;
     moe_layers += c.ffns[size_t(i)] == FfnKind::MoE;
   }
   return size_t(kda_layers) * kda_kept_stride(c, B, T) +
+         size_t(mla_layers) * mla_kept_stride(c, B, T) +
          size_t(moe_layers) * moe_kept_stride(c, B * T) +
          size_t(c.num_layers) * record_kept_stride(c, B * T) + 256;
 }
@@ -250,16 +257,18 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
            " exceeds the context limit ", c.max_context);
   check_token_ids(tokens, B * T, c.vocab_size, "tokens");
   ensure_capacity(B, T);
-  // Without recompute, each KDA and MoE layer's forward keeps its internals for its backward.
-  std::vector<void*> kda_kept(static_cast<size_t>(c.num_layers), nullptr);
+  // Without recompute, each KDA, MLA and MoE layer's forward keeps its internals for its
+  // backward (mixer_kept: the KDA or MLA layer's).
+  std::vector<void*> mixer_kept(static_cast<size_t>(c.num_layers), nullptr);
   moe_kept_.resize(size_t(c.num_layers));
   std::vector<MoeKept*> moe_kept(static_cast<size_t>(c.num_layers), nullptr);
   if (!recompute) {
     ensure_kept(B, T);
     kept_->reset();
     for (int i = 0; i < c.num_layers; ++i) {
-      if (c.mixers[size_t(i)] == MixerKind::KDA)
-        kda_kept[size_t(i)] = kept_->alloc_bytes(kda_kept_stride(c, B, T));
+      mixer_kept[size_t(i)] =
+          kept_->alloc_bytes(c.mixers[size_t(i)] == MixerKind::KDA ? kda_kept_stride(c, B, T)
+                                                                   : mla_kept_stride(c, B, T));
       if (c.ffns[size_t(i)] == FfnKind::MoE) {
         MoeKept& m = moe_kept_[size_t(i)];
         m.bytes = moe_kept_stride(c, B * T);
@@ -388,11 +397,13 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       if (c.mixers[size_t(i)] == MixerKind::KDA)
         timer("kda_fwd", stream, [&] {
           kda_layer_forward_gpu(run, dw_, Lw.kda, rec.xn, p_mid, B, T, doc_dev, nullptr,
-                                kda_kept[size_t(i)]);
+                                mixer_kept[size_t(i)]);
         });
       else
-        timer("mla_fwd", stream,
-              [&] { mla_layer_forward_gpu(run, dw_, Lw.mla, rec.xn, p_mid, B, T, doc_dev); });
+        timer("mla_fwd", stream, [&] {
+          mla_layer_forward_gpu(run, dw_, Lw.mla, rec.xn, p_mid, B, T, doc_dev,
+                                mixer_kept[size_t(i)]);
+        });
       if (!empty) add_inplace(p_mid, in, int64_t(nd), stream);
     }
     timer(residual, stream, [&] {
@@ -530,11 +541,12 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     if (c.mixers[size_t(i)] == MixerKind::KDA)
       timer("kda_bwd", stream, [&] {
         kda_layer_backward_gpu(run, dw_, grads_, Lw.kda, rec.xn, dp, dxn, B, T, doc_dev,
-                               kda_kept[size_t(i)]);
+                               mixer_kept[size_t(i)]);
       });
     else
       timer("mla_bwd", stream, [&] {
-        mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, rec.xn, dp, dxn, B, T, doc_dev);
+        mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, rec.xn, dp, dxn, B, T, doc_dev,
+                               mixer_kept[size_t(i)]);
       });
     norm_backward(rec.x, Lw.input_norm, dxn);
     if (seals) {  // p restarted after sealing: p_in's gradient is what its sealed copy collected

@@ -33,9 +33,9 @@ struct QbHistogramRange;  // train/balance.h
 namespace dm::cuda {
 
 // Device bytes a GpuTrainModel takes for steps of B × T tokens beyond the weights, gradients and
-// optimizer state: the activation arena, the step's scratch and, without recompute, every KDA and
-// MoE layer's kept forward internals (what activation_bytes() reports after such a step). Host
-// arithmetic: no device needed (`deltamoe plan`).
+// optimizer state: the activation arena, the step's scratch and, without recompute, every KDA,
+// MLA and MoE layer's kept forward internals (what activation_bytes() reports after such a step).
+// Host arithmetic: no device needed (`deltamoe plan`).
 size_t train_activation_plan_bytes(const ModelConfig& c, int64_t B, int64_t T, bool recompute);
 
 class GpuTrainModel {
@@ -88,7 +88,7 @@ class GpuTrainModel {
   DeviceParamArena master_;
   std::unique_ptr<GpuRun> run_;
   std::unique_ptr<DeviceArena> act_;
-  std::unique_ptr<DeviceArena> kept_;  // KDA and MoE internals, layer records (recompute = false)
+  std::unique_ptr<DeviceArena> kept_;  // KDA, MLA, MoE internals, layer records (no recompute)
   std::vector<MoeKept> moe_kept_;      // per layer (views into kept_; host offsets)
   int64_t capacity_B_ = 0, capacity_T_ = 0;
   // Host staging of one MoE layer's routing for the sink.
