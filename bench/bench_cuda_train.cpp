@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
                 config.c_str(), dm::cuda::device_description().c_str(),
                 dm::format_param_count(r.params).c_str(),
                 dm::format_param_count(r.active_params).c_str(), (long long)B, (long long)T,
-                (long long)accum, recompute ? "on" : "off (KDA internals kept)");
+                (long long)accum, recompute ? "on" : "off (mixer and MoE internals kept)");
     std::printf("forward+backward %.1f ms, optimizer (norm, clip, AdamW) %.1f ms\n",
                 r.forward_backward_s * 1e3, (t - r.forward_backward_s) * 1e3);
     std::printf(
