@@ -263,6 +263,21 @@ TEST(CudaDecode, LockstepMatchesCpuForwardWithRopeYarnVariant) {
   check_lockstep_all_modes(c, "rope/yarn variant");
 }
 
+// Kimi-Linear's layer shapes: the plain residual, routed experts on the full width with a shared
+// expert of their width, so a decode step's gathered MoE down kernel (the shared expert folded
+// in) and the W_o GEMVs run the residual add + norm in their last blocks (block_tail.cuh).
+TEST(CudaDecode, LockstepMatchesCpuForwardOnKimiLinearVariant) {
+  DM_SKIP_WITHOUT_GPU();
+  ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
+  c.residual = ResidualKind::Plain;
+  c.attn_res_block = 0;
+  c.moe.latent_dim = 0;
+  c.moe.latent_norm = false;
+  c.moe.shared_ffn = c.moe.expert_ffn;
+  validate_config(c, "kimi-linear variant");
+  check_lockstep_all_modes(c, "kimi-linear variant");
+}
+
 TEST(CudaDecode, GreedyGenerateMatchesCpu) {
   DM_SKIP_WITHOUT_GPU();
   const ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
