@@ -263,9 +263,9 @@ TEST(CudaDecode, LockstepMatchesCpuForwardWithRopeYarnVariant) {
   check_lockstep_all_modes(c, "rope/yarn variant");
 }
 
-// Kimi-Linear's layer shapes: the plain residual, routed experts on the full width with a shared
-// expert of their width, so a decode step's gathered MoE down kernel (the shared expert folded
-// in) and the W_o GEMVs run the residual add + norm in their last blocks (block_tail.cuh).
+// Kimi-Linear's layer shapes: the plain residual (the walk's fused add + norm) and routed experts
+// on the full width with a shared expert of their width, which the gathered MoE decode kernels
+// fold in as one more pair per token.
 TEST(CudaDecode, LockstepMatchesCpuForwardOnKimiLinearVariant) {
   DM_SKIP_WITHOUT_GPU();
   ModelConfig c = load_config(test::source_dir() + "/configs/test.json");
