@@ -172,5 +172,11 @@ void linear_many(GpuRun& run, const uint16_t* x, int64_t N, int64_t in, const Li
 void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
                      int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
                      float dx_beta, float* dW);
+// The same with dW = the gradient slot of the host matrix W_host in `grads`, STORED (beta 0)
+// when that slot is a pending store-first range (the matrix's first product since
+// zero_deferred: the step neither zeroes it nor reads it back), else accumulated.
+void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
+                     int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
+                     float dx_beta, const DeviceGrads& grads, const float* W_host);
 
 }  // namespace dm::cuda

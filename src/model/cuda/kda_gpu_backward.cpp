@@ -143,7 +143,7 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   // y = normed · o_projᵀ: d normed [N, H·K] fp32 (it feeds the norm's element-wise backward).
   convert_f32_to_bf16(dy, b.dy, N * d, stream);
   linear_backward(run, f.normed, dw.bf16(w.o_proj), b.dy, N, HK, d, b.d_normed_then_dg,
-                  GemmOutType::F32, 0.0f, grads.at(w.o_proj));
+                  GemmOutType::F32, 0.0f, grads, w.o_proj);
 
   // normed = RMSNorm(o)·o_norm ⊙ σ(out_gate), rows = N·H heads of K. d_o overwrites `normed`,
   // whose last reader (the d o_proj GEMM) is already queued.
@@ -154,13 +154,13 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
 
   // Output gate G x: the first contribution to dxn WRITES it (dx_beta = 0).
   if (c.kda.full_rank_output_gate) {
-    linear_backward(run, xn, dw.bf16(w.g_full), d_out_gate, N, d, HK, dxn, GemmOutType::F32,
-                    0.0f, grads.at(w.g_full));
+    linear_backward(run, xn, dw.bf16(w.g_full), d_out_gate, N, d, HK, dxn, GemmOutType::F32, 0.0f,
+                    grads, w.g_full);
   } else {
     linear_backward(run, f.out_gate_low, dw.bf16(w.g_b), d_out_gate, N, K, HK, b.d_low,
-                    GemmOutType::Bf16, 0.0f, grads.at(w.g_b));
-    linear_backward(run, xn, dw.bf16(w.g_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 0.0f,
-                    grads.at(w.g_a));
+                    GemmOutType::Bf16, 0.0f, grads, w.g_b);
+    linear_backward(run, xn, dw.bf16(w.g_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 0.0f, grads,
+                    w.g_a);
   }
 
   // The operator (zero initial state, final state unused) STORES its gradients (accumulate =
@@ -178,17 +178,17 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits.
   kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, b.dz_beta, N * H, stream);
   linear_backward(run, xn, dw.bf16(w.b_proj), b.dz_beta, N, d, H, dxn, GemmOutType::F32, 1.0f,
-                  grads.at(w.b_proj));
+                  grads, w.b_proj);
 
   // g = gate(f_b (f_a x)): df [N, H·K] bf16 into d_proj (d out_gate is dead).
   uint16_t* df = b.d_proj;
   kda_gate_backward(f.gate_raw, dw.f32(w.A_log), dw.f32(w.dt_bias), dg, df, grads.at(w.A_log),
                     grads.at(w.dt_bias), b.partial, N, H, K, c.kda.gate == KdaGateKind::Safe,
                     c.kda.gate_lower_bound, stream);
-  linear_backward(run, f.gate_low, dw.bf16(w.f_b), df, N, K, HK, b.d_low, GemmOutType::Bf16,
-                  0.0f, grads.at(w.f_b));
-  linear_backward(run, xn, dw.bf16(w.f_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 1.0f,
-                  grads.at(w.f_a));
+  linear_backward(run, f.gate_low, dw.bf16(w.f_b), df, N, K, HK, b.d_low, GemmOutType::Bf16, 0.0f,
+                  grads, w.f_b);
+  linear_backward(run, xn, dw.bf16(w.f_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 1.0f, grads,
+                  w.f_a);
 
   // q, k, v = SiLU(ShortConv(W x)): each branch's d raw [N, H·K] bf16 into d_proj (the previous
   // branch's GEMMs, already queued, are its last readers).
@@ -204,8 +204,8 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                            Branch{f.v_raw, w.v_conv, w.v_proj, b.dv}}) {
     kda_short_conv_silu_backward(br.raw, dw.f32(br.conv), br.d_act, d_raw, grads.at(br.conv),
                                  b.partial, B, T, HK, dims.Kc, doc_start, stream);
-    linear_backward(run, xn, dw.bf16(br.proj), d_raw, N, d, HK, dxn, GemmOutType::F32, 1.0f,
-                    grads.at(br.proj));
+    linear_backward(run, xn, dw.bf16(br.proj), d_raw, N, d, HK, dxn, GemmOutType::F32, 1.0f, grads,
+                    br.proj);
   }
 }
 

@@ -165,14 +165,14 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   if (s.gate) {
     mla_gate_multiply_into(f.o, f.gate, b.gated, N * hdv, stream);
     linear_backward(run, b.gated, dw.bf16(w.o_proj), b.dy, N, hdv, d, b.d_out, GemmOutType::F32,
-                    0.0f, grads.at(w.o_proj));
+                    0.0f, grads, w.o_proj);
     // o_g = o ⊙ σ(g), g = W_gate x.
     mla_gate_backward(b.d_out, f.o, f.gate, b.dg, b.d_o, N * hdv, stream);
     linear_backward(run, xn, dw.bf16(w.gate), b.dg, N, d, hdv, dxn, GemmOutType::F32, dxn_beta(),
-                    grads.at(w.gate));
+                    grads, w.gate);
   } else {
     linear_backward(run, f.o, dw.bf16(w.o_proj), b.dy, N, hdv, d, b.d_o, GemmOutType::Bf16, 0.0f,
-                    grads.at(w.o_proj));
+                    grads, w.o_proj);
   }
 
   // Attention (writes dq, dk, dv; cuDNN's fused kernels when there are no packed documents).
@@ -187,7 +187,7 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
 
   // [k_nope | v] = W_kvb c:  dW_kvb += d_kvᵀ c;  dc = d_kv W_kvb   [N, kvl] fp32.
   linear_backward(run, f.c, dw.bf16(w.kv_b), b.d_kv, N, kvl, H * (nope + dv), b.dc,
-                  GemmOutType::F32, 0.0f, grads.at(w.kv_b));
+                  GemmOutType::F32, 0.0f, grads, w.kv_b);
   // c = RMSNorm(c_raw): the op wants contiguous rows, and c_raw sits in kv_a with leading dim
   // kvl + rope; dc_raw is stored.
   mla_copy_rows(f.kv_a, kvl + rope, b.c_raw, kvl, N, kvl, stream);
@@ -196,7 +196,7 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   mla_copy_rows(b.dc_raw, kvl, b.d_kv_a, kvl + rope, N, kvl, stream);  // → d_kv_a[:, :kvl]
   // [c_raw ; kr] = W_kva x.
   linear_backward(run, xn, dw.bf16(w.kv_a), b.d_kv_a, N, d, kvl + rope, dxn, GemmOutType::F32,
-                  dxn_beta(), grads.at(w.kv_a));
+                  dxn_beta(), grads, w.kv_a);
 
   // q path: undo the rotation of q's rope slice, then the projections.
   if (s.rope_on)
@@ -205,15 +205,15 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   if (ql > 0) {
     // q = W_qb q_n, q_n = RMSNorm(q_a), q_a = W_qa x.
     linear_backward(run, f.q_a_normed, dw.bf16(w.q_b), b.dq, N, ql, H * dq, b.d_qa_normed,
-                    GemmOutType::F32, 0.0f, grads.at(w.q_b));
+                    GemmOutType::F32, 0.0f, grads, w.q_b);
     rmsnorm_backward(f.q_a, dw.f32(w.q_a_norm), b.d_qa_normed, b.d_qa, grads.at(w.q_a_norm), N, ql,
                      eps, b.norm_workspace, stream, /*accumulate_dx=*/false);
     convert_f32_to_bf16(b.d_qa, b.d_qa_bf16, N * ql, stream);
     linear_backward(run, xn, dw.bf16(w.q_a), b.d_qa_bf16, N, d, ql, dxn, GemmOutType::F32,
-                    dxn_beta(), grads.at(w.q_a));
+                    dxn_beta(), grads, w.q_a);
   } else {
     linear_backward(run, xn, dw.bf16(w.q_proj), b.dq, N, d, H * dq, dxn, GemmOutType::F32,
-                    dxn_beta(), grads.at(w.q_proj));
+                    dxn_beta(), grads, w.q_proj);
   }
 }
 

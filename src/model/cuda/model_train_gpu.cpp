@@ -118,18 +118,40 @@ class PhaseTimer {
 GpuTrainModel::GpuTrainModel(ModelWeights& host)
     : host_(host), dw_(host), grads_(host), master_(host) {
   master_.upload(host);
-  // The experts' stacked gradients are written whole by one grouped product each per
-  // micro-batch: the first one stores, so the step neither zeroes them nor reads them back
-  // (DeviceParamArena store-first ranges; moe_gpu_backward.cpp takes the marks).
+  // Gradients written whole by products the first of which can store (DeviceParamArena
+  // store-first ranges): the step neither zeroes them nor reads them back. The experts' stacked
+  // gradients (one grouped product each per micro-batch; moe_gpu_backward.cpp takes the marks)
+  // and every matrix whose gradient only linear_backward's grads overload writes (its first
+  // product this step stores; the LM head's row tiles then accumulate). The dense FFN's and the
+  // shared experts' products accumulate, and a tied LM head shares the embedding's scattered
+  // gradient: those stay zeroed.
   const ModelConfig& c = host.cfg;
   const MoeShape s = moe_shape(c);
+  std::map<const float*, int64_t> numel;
+  for (const auto& e : host.params) numel[e.data] = e.numel();
+  auto store_first = [&](const float* p) {
+    if (p) grads_.add_store_first(p, numel.at(p));
+  };
   for (int i = 0; i < c.num_layers; ++i) {
+    const LayerWeights& L = host.layers[size_t(i)];
+    if (c.mixers[size_t(i)] == MixerKind::KDA) {
+      const KdaWeights& k = L.kda;
+      for (const float* p :
+           {k.q_proj, k.k_proj, k.v_proj, k.f_a, k.f_b, k.b_proj, k.g_a, k.g_b, k.g_full, k.o_proj})
+        store_first(p);
+    } else {
+      const MlaWeights& m = L.mla;
+      for (const float* p : {m.q_a, m.q_b, m.q_proj, m.kv_a, m.kv_b, m.gate, m.o_proj})
+        store_first(p);
+    }
     if (c.ffns[size_t(i)] != FfnKind::MoE) continue;
-    const MoeWeights& w = host.layers[size_t(i)].moe;
+    const MoeWeights& w = L.moe;
     grads_.add_store_first(w.expert_gate, s.E * s.F * s.latent);
     grads_.add_store_first(w.expert_up, s.E * s.F * s.latent);
     grads_.add_store_first(w.expert_down, s.E * s.latent * s.F);
+    for (const float* p : {w.router, w.latent_down, w.latent_up}) store_first(p);
   }
+  if (host.lm_head != host.embed) store_first(host.lm_head);
 }
 GpuTrainModel::~GpuTrainModel() = default;
 
@@ -480,8 +502,8 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       cross_entropy_forward_backward(logits, targets_dev + r0, dlogits, rows, V, loss_scale,
                                      ce_results + t, ce_ws, stream);  // bf16 gradient
       // dh rows = dlogits·W_lm (written), dW_lm += dlogitsᵀ·final_h.
-      linear_backward(run, final_h + r0 * d, dw_.bf16(W.lm_head), dlogits, rows, d, V,
-                      dh + r0 * d, GemmOutType::F32, 0.0f, grads_.at(W.lm_head));
+      linear_backward(run, final_h + r0 * d, dw_.bf16(W.lm_head), dlogits, rows, d, V, dh + r0 * d,
+                      GemmOutType::F32, 0.0f, grads_, W.lm_head);
     }
   });
 

@@ -210,7 +210,7 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
       }
       // dW↑ [d,ℓ] += dyᵀ·up_in;  d(up_in) [N,ℓ] fp32 = dy·W↑.
       linear_backward(run, up_in, dw.bf16(w.latent_up), dy_b, N, l, d, d_up_in, GemmOutType::F32,
-                      0.0f, grads.at(w.latent_up));
+                      0.0f, grads, w.latent_up);
       if (s.has_latent_norm) {
         // du stored; dw (the norm weight) is summed in a fixed order into its gradient slot.
         rmsnorm_backward(u, dw.f32(w.latent_norm), d_up_in, du_latent, grads.at(w.latent_norm), N,
@@ -241,7 +241,7 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     uint16_t* dz_b = arena.alloc<uint16_t>(size_t(N * l));
     convert_f32_to_bf16(dz, dz_b, N * l, stream);
     linear_backward(run, xn, dw.bf16(w.latent_down), dz_b, N, d, l, dxn, GemmOutType::F32, 0.0f,
-                    grads.at(w.latent_down));
+                    grads, w.latent_down);
   }
 
   // ---- Router: the routing weights depend on logits = xn·W_rᵀ (selection held fixed). The
@@ -253,7 +253,7 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     moe_route_backward(scores, idx, dweight, N, router_params(cfg), dlogits, stream);
     convert_f32_to_bf16(dlogits, dlogits_b, N * E, stream);
     linear_backward(run, xn, dw.bf16(w.router), dlogits_b, N, d, E, dxn, GemmOutType::F32, 1.0f,
-                    grads.at(w.router));
+                    grads, w.router);
   }
 
   // ---- Shared experts at full width (the gated FFN backward), dxn += their input gradient.
