@@ -5,7 +5,8 @@
 // `bench/peers/deltamoe_torch.py train-bench --device cuda --dtype bfloat16`.
 //   bench_cuda_train --config configs/gpu_1b.json --batch 1 --seq 4096 --steps 5 [--recompute off]
 //                    [--accum 1]
-// --recompute off: the KDA layers keep their forward internals instead of recomputing them.
+// --recompute off: the KDA, MLA and MoE layers keep their forward internals instead of
+// recomputing them.
 // --accum K: K micro-batches of batch × seq per optimizer step (gradients accumulated), so the
 // optimizer's fixed cost (~14 ms for gpu_1b's 1.4B fp32 parameters) is paid once per K.
 // MFU counts the model FLOPs of the step (no recompute; model/plan.h train_flops_per_token:
