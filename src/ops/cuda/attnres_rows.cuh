@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/residual_ops.h"
 
 namespace dm::cuda::attnres_detail {
@@ -123,7 +124,7 @@ void launch_attnres_rows(Kernel kernel, int64_t blocks, int threads, size_t smem
   if (smem > 48 * 1024)
     DM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(blocks), threads, smem, stream>>>(args...);
+  launch_pdl(kernel, unsigned(blocks), threads, smem, stream, args...);  // kernels wait first
 }
 
 }  // namespace dm::cuda::attnres_detail

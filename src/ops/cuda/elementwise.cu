@@ -14,6 +14,7 @@
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -34,6 +35,7 @@ int element_blocks(int64_t n) {
 template <typename Storage>
 __global__ void rmsnorm_forward_kernel(const Storage* x, const Storage* w, Storage* y, int64_t D,
                                        float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   const int64_t row_offset = int64_t(blockIdx.x) * D;
   float sum_squares = 0.0f;
@@ -55,6 +57,7 @@ template <typename Storage, bool kAccumulate>
 __global__ void rmsnorm_backward_rows_kernel(const Storage* x, const Storage* w, const Storage* dy,
                                              Storage* dx, float* inverse_rms_out, int64_t D,
                                              float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   const int64_t row_offset = int64_t(blockIdx.x) * D;
   float sum_squares = 0.0f, weighted_dot = 0.0f;  // Σ x², Σ dy·w·x
@@ -84,6 +87,7 @@ template <typename Storage>
 __global__ void rmsnorm_backward_dw_partial_kernel(const Storage* x, const Storage* dy,
                                                    const float* inverse_rms, float* partial,
                                                    int64_t N, int64_t D, int64_t rows_per_split) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float lane_sums[kDwRowLanes][kDwColumns];
   const int64_t column = int64_t(blockIdx.x) * kDwColumns + threadIdx.x;
   const int64_t row_begin = int64_t(blockIdx.y) * rows_per_split;
@@ -105,6 +109,7 @@ __global__ void rmsnorm_backward_dw_partial_kernel(const Storage* x, const Stora
 // dw[i] += Σ_split partial[split, i], in split order.
 __global__ void rmsnorm_backward_dw_reduce_kernel(const float* partial, float* dw, int64_t D,
                                                   int num_splits) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t column = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (column >= D) return;
   float total = 0.0f;
@@ -127,7 +132,8 @@ void rmsnorm_forward_launch(const Storage* x, const Storage* w, Storage* y, int6
                             double eps, Stream stream) {
   rmsnorm_check(N, D, "cuda rmsnorm_forward");
   if (N == 0) return;
-  rmsnorm_forward_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(x, w, y, D, float(eps));
+  launch_pdl(rmsnorm_forward_kernel<Storage>, unsigned(N), kRowThreads, 0, stream, x, w, y, D,
+             float(eps));
   check_last_error("cuda rmsnorm_forward");
 }
 
@@ -141,19 +147,18 @@ void rmsnorm_backward_launch(const Storage* x, const Storage* w, const Storage* 
                                  "rmsnorm_backward_workspace_bytes)");
   float* inverse_rms = static_cast<float*>(workspace);          // [N]
   float* partial = inverse_rms + ((N + 63) / 64) * 64;          // [splits, D]
-  (accumulate_dx
-       ? rmsnorm_backward_rows_kernel<Storage, true>
-       : rmsnorm_backward_rows_kernel<Storage, false>)<<<unsigned(N), kRowThreads, 0, stream>>>(
-      x, w, dy, dx, inverse_rms, D, float(eps));
+  launch_pdl(accumulate_dx ? rmsnorm_backward_rows_kernel<Storage, true>
+                           : rmsnorm_backward_rows_kernel<Storage, false>,
+             unsigned(N), kRowThreads, 0, stream, x, w, dy, dx, inverse_rms, D, float(eps));
   check_last_error("cuda rmsnorm_backward (rows)");
   if (dw == nullptr) return;
   const int splits = rmsnorm_dw_splits(N);
   const int64_t rows_per_split = (N + splits - 1) / splits;
   const dim3 grid(unsigned(ceil_div(D, kDwColumns)), unsigned(splits));
-  rmsnorm_backward_dw_partial_kernel<<<grid, dim3(kDwColumns, kDwRowLanes), 0, stream>>>(
-      x, dy, inverse_rms, partial, N, D, rows_per_split);
-  rmsnorm_backward_dw_reduce_kernel<<<unsigned(ceil_div(D, 256)), 256, 0, stream>>>(partial, dw,
-                                                                                    D, splits);
+  launch_pdl(rmsnorm_backward_dw_partial_kernel<Storage>, grid, dim3(kDwColumns, kDwRowLanes), 0,
+             stream, x, dy, inverse_rms, partial, N, D, rows_per_split);
+  launch_pdl(rmsnorm_backward_dw_reduce_kernel, unsigned(ceil_div(D, 256)), 256, 0, stream, partial,
+             dw, D, splits);
   check_last_error("cuda rmsnorm_backward (dw)");
 }
 
@@ -207,6 +212,7 @@ __device__ __forceinline__ void glu_grads(float gate, float up, float d_h,
 template <typename Storage>
 __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* h, int64_t n,
                                    GluKernelParams p) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -216,6 +222,7 @@ __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* 
 template <typename Storage>
 __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const Storage* dh,
                                     Storage* dg, Storage* du, int64_t n, GluKernelParams p) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -251,6 +258,7 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 
 __global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4* h, int64_t n8,
                                           GluKernelParams p) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -265,6 +273,7 @@ __global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4*
 
 __global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const uint4* dh,
                                            uint4* dg, uint4* du, int64_t n8, GluKernelParams p) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -289,14 +298,15 @@ void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t 
   if (n == 0) return;
   if constexpr (std::is_same_v<Storage, uint16_t>) {
     if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(h)) {
-      glu_forward_bf16x8_kernel<<<element_blocks(n / 8), kElementThreads, 0, stream>>>(
-          reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
-          reinterpret_cast<uint4*>(h), n / 8, p);
+      launch_pdl(glu_forward_bf16x8_kernel, element_blocks(n / 8), kElementThreads, 0, stream,
+                 reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
+                 reinterpret_cast<uint4*>(h), n / 8, p);
       check_last_error("cuda glu_forward");
       return;
     }
   }
-  glu_forward_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(g, u, h, n, p);
+  launch_pdl(glu_forward_kernel<Storage>, element_blocks(n), kElementThreads, 0, stream, g, u, h, n,
+             p);
   check_last_error("cuda glu_forward");
 }
 
@@ -309,15 +319,16 @@ void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, 
   if constexpr (std::is_same_v<Storage, uint16_t>) {
     if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(dh) && aligned16(dg) &&
         aligned16(du)) {
-      glu_backward_bf16x8_kernel<<<element_blocks(n / 8), kElementThreads, 0, stream>>>(
-          reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
-          reinterpret_cast<const uint4*>(dh), reinterpret_cast<uint4*>(dg),
-          reinterpret_cast<uint4*>(du), n / 8, p);
+      launch_pdl(glu_backward_bf16x8_kernel, element_blocks(n / 8), kElementThreads, 0, stream,
+                 reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
+                 reinterpret_cast<const uint4*>(dh), reinterpret_cast<uint4*>(dg),
+                 reinterpret_cast<uint4*>(du), n / 8, p);
       check_last_error("cuda glu_backward");
       return;
     }
   }
-  glu_backward_kernel<<<element_blocks(n), kElementThreads, 0, stream>>>(g, u, dh, dg, du, n, p);
+  launch_pdl(glu_backward_kernel<Storage>, element_blocks(n), kElementThreads, 0, stream, g, u, dh,
+             dg, du, n, p);
   check_last_error("cuda glu_backward");
 }
 
@@ -359,6 +370,7 @@ template <typename Storage, typename GradStorage>
 __global__ void cross_entropy_rows_kernel(const Storage* logits, const int64_t* targets,
                                           GradStorage* dlogits, int64_t V, float scale,
                                           double* row_loss, int32_t* row_flags) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ SoftmaxPartial warp_partials[32];
   __shared__ float row_stats[2];  // logsumexp, z[target]
   const int64_t row = blockIdx.x;
@@ -417,6 +429,7 @@ __global__ void cross_entropy_rows_kernel(const Storage* logits, const int64_t* 
 constexpr int kCrossEntropyReduceThreads = 256;
 __global__ void cross_entropy_reduce_kernel(const double* row_loss, const int32_t* row_flags,
                                             int64_t N, CrossEntropyDeviceResult* result) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ double loss_sums[kCrossEntropyReduceThreads];
   __shared__ long long counts[kCrossEntropyReduceThreads], corrects[kCrossEntropyReduceThreads];
   double loss = 0.0;
@@ -458,12 +471,12 @@ void cross_entropy_launch(const Storage* logits, const int64_t* targets, GradSto
   double* row_loss = static_cast<double*>(workspace);                       // [N]
   int32_t* row_flags = reinterpret_cast<int32_t*>(row_loss + N);            // [N]
   if (N > 0) {
-    cross_entropy_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
-        logits, targets, dlogits, V, float(scale), row_loss, row_flags);
+    launch_pdl(cross_entropy_rows_kernel<Storage, GradStorage>, unsigned(N), kRowThreads, 0, stream,
+               logits, targets, dlogits, V, float(scale), row_loss, row_flags);
     check_last_error("cuda cross_entropy (rows)");
   }
-  cross_entropy_reduce_kernel<<<1, kCrossEntropyReduceThreads, 0, stream>>>(row_loss, row_flags,
-                                                                             N, result);
+  launch_pdl(cross_entropy_reduce_kernel, 1, kCrossEntropyReduceThreads, 0, stream, row_loss,
+             row_flags, N, result);
   check_last_error("cuda cross_entropy (reduce)");
 }
 

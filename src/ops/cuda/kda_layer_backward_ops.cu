@@ -21,6 +21,7 @@
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda_layer_backward_ops.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
@@ -68,6 +69,7 @@ __device__ __forceinline__ float softplus_f32(float z) { return z > 20.0f ? z : 
 __global__ void reduce_partials_kernel(const float* __restrict__ partial, int64_t R,
                                        int64_t row_stride, int64_t group,
                                        float* __restrict__ out) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float shared[32];
   const int64_t m = blockIdx.x, count = R * group;
   float acc = 0.0f;
@@ -83,8 +85,8 @@ void reduce_partials(const float* partial, int64_t R, int64_t row_stride, int64_
                      float* out, int64_t M, cudaStream_t stream, const char* what) {
   if (M == 0) return;
   DM_CHECK(M <= 0x7fffffff, what, ": too many parameter elements ", M);
-  reduce_partials_kernel<<<unsigned(M), kThreads, 0, stream>>>(partial, R, row_stride, group,
-                                                               out);
+  launch_pdl(reduce_partials_kernel, unsigned(M), kThreads, 0, stream, partial, R, row_stride,
+             group, out);
   check_last_error(what);
 }
 
@@ -97,6 +99,7 @@ __global__ void __launch_bounds__(kThreads)
                                   uint16_t* __restrict__ dx, uint16_t* __restrict__ dgate,
                                   float* __restrict__ partial, int64_t rows, int64_t D, float eps,
                                   int64_t range_rows) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float block_dw[kRowLanes][kKdaNormBackwardMaxD];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t r0 = int64_t(blockIdx.x) * range_rows;
@@ -164,6 +167,7 @@ __global__ void __launch_bounds__(kThreads)
                                        const float* __restrict__ dy, uint16_t* __restrict__ dx,
                                        uint16_t* __restrict__ dgate, float* __restrict__ partial,
                                        int64_t rows, float eps, int64_t range_rows) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr int D = 128 * M;
   __shared__ float block_dw[kRowLanes][D];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -240,6 +244,7 @@ __global__ void __launch_bounds__(kThreads)
                          uint16_t* __restrict__ df, float* __restrict__ partial, int64_t N,
                          int64_t HK, int64_t K, bool safe_gate, float lower_bound,
                          int64_t range_rows) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float sum_bias[kRowLanes][kLanes], sum_a_log[kRowLanes][kLanes];
   const int64_t c = int64_t(blockIdx.x) * kLanes + threadIdx.x;
   const int64_t R = gridDim.y, r0 = int64_t(blockIdx.y) * range_rows;
@@ -288,6 +293,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void beta_sigmoid_backward_kernel(const float* __restrict__ z,
                                              const float* __restrict__ dbeta,
                                              uint16_t* __restrict__ dz, int64_t n) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float s = sigmoid_f32(z[i]);
@@ -315,14 +321,14 @@ void kda_rmsnorm_gated_backward(const uint16_t* x, const float* w, const uint16_
                     aligned_to(dy, 16) && aligned_to(dx, 8) && aligned_to(dgate, 8) &&
                     aligned_to(w, 16);
   if (vec4 && D == 128)
-    rmsnorm_gated_backward_vec4_kernel<1><<<unsigned(R), kThreads, 0, stream>>>(
-        x, w, gate, dy, dx, dgate, partial, rows, eps, range_rows);
+    launch_pdl(rmsnorm_gated_backward_vec4_kernel<1>, unsigned(R), kThreads, 0, stream, x, w, gate,
+               dy, dx, dgate, partial, rows, eps, range_rows);
   else if (vec4)
-    rmsnorm_gated_backward_vec4_kernel<2><<<unsigned(R), kThreads, 0, stream>>>(
-        x, w, gate, dy, dx, dgate, partial, rows, eps, range_rows);
+    launch_pdl(rmsnorm_gated_backward_vec4_kernel<2>, unsigned(R), kThreads, 0, stream, x, w, gate,
+               dy, dx, dgate, partial, rows, eps, range_rows);
   else
-    rmsnorm_gated_backward_kernel<<<unsigned(R), kThreads, 0, stream>>>(
-        x, w, gate, dy, dx, dgate, partial, rows, D, eps, range_rows);
+    launch_pdl(rmsnorm_gated_backward_kernel, unsigned(R), kThreads, 0, stream, x, w, gate, dy, dx,
+               dgate, partial, rows, D, eps, range_rows);
   check_last_error("cuda kda_rmsnorm_gated_backward");
   reduce_partials(partial, R, D, 1, dw, D, stream, "cuda kda_rmsnorm_gated_backward (dw)");
 }
@@ -340,8 +346,8 @@ void kda_gate_backward(const uint16_t* f, const float* A_log, const float* dt_bi
   if (N == 0) return;
   const int64_t HK = H * K, R = row_ranges(N);
   const dim3 grid(unsigned(ceil_div(HK, kLanes)), unsigned(R));
-  gate_backward_kernel<<<grid, dim3(kLanes, kRowLanes), 0, stream>>>(
-      f, A_log, dt_bias, dg, df, partial, N, HK, K, safe_gate, lower_bound, rows_per_range(N));
+  launch_pdl(gate_backward_kernel, grid, dim3(kLanes, kRowLanes), 0, stream, f, A_log, dt_bias, dg,
+             df, partial, N, HK, K, safe_gate, lower_bound, rows_per_range(N));
   check_last_error("cuda kda_gate_backward");
   // ddt_bias[c]: the R partials of column c; dA_log[h]: those of the K columns of head h.
   reduce_partials(partial, R, HK, 1, ddt_bias, HK, stream, "cuda kda_gate_backward (dt_bias)");
@@ -353,7 +359,7 @@ void kda_beta_sigmoid_backward(const float* z, const float* dbeta, uint16_t* dz,
                                CUstream_st* stream) {
   DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_backward: bad size ", n);
   if (n == 0) return;
-  beta_sigmoid_backward_kernel<<<grid_blocks(n), kThreads, 0, stream>>>(z, dbeta, dz, n);
+  launch_pdl(beta_sigmoid_backward_kernel, grid_blocks(n), kThreads, 0, stream, z, dbeta, dz, n);
   check_last_error("cuda kda_beta_sigmoid_backward");
 }
 

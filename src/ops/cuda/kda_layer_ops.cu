@@ -40,6 +40,7 @@ template <typename Act>
 __global__ void kda_gate_kernel(const Act* f, const float* __restrict__ A_log,
                                 const float* __restrict__ dt_bias, Act* g, int64_t N, int64_t HK,
                                 int64_t K, bool safe_gate, float lower_bound) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= HK) return;
   const float a = expf(A_log[c / K]);
@@ -54,6 +55,7 @@ __global__ void kda_gate_kernel(const Act* f, const float* __restrict__ A_log,
 template <typename Out>
 __global__ void beta_sigmoid_kernel(const float* __restrict__ z, Out* __restrict__ beta,
                                     int64_t n) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     store_from_float(beta, i, sigmoid_f32(z[i]));
@@ -133,9 +135,8 @@ void gate_forward_launch(const Act* f, const float* A_log, const float* dt_bias,
   const int64_t channel_blocks = (HK + kThreads - 1) / kThreads;
   const int64_t row_groups =
       std::clamp<int64_t>(4096 / channel_blocks, 1, std::min<int64_t>(N, 65535));
-  kda_gate_kernel<Act>
-      <<<dim3(unsigned(channel_blocks), unsigned(row_groups)), kThreads, 0, stream>>>(
-          f, A_log, dt_bias, g, N, HK, K, safe_gate, lower_bound);
+  launch_pdl(kda_gate_kernel<Act>, dim3(unsigned(channel_blocks), unsigned(row_groups)), kThreads,
+             0, stream, f, A_log, dt_bias, g, N, HK, K, safe_gate, lower_bound);
   check_last_error("cuda kda_gate_forward");
 }
 
@@ -143,7 +144,7 @@ template <typename Out>
 void beta_sigmoid_launch(const float* z, Out* beta, int64_t n, KdaLayerStream stream) {
   DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_forward: bad size ", n);
   if (n == 0) return;
-  beta_sigmoid_kernel<Out><<<grid_blocks(n), kThreads, 0, stream>>>(z, beta, n);
+  launch_pdl(beta_sigmoid_kernel<Out>, grid_blocks(n), kThreads, 0, stream, z, beta, n);
   check_last_error("cuda kda_beta_sigmoid_forward");
 }
 

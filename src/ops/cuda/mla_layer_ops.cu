@@ -14,6 +14,7 @@
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/mla_layer_ops.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
@@ -36,6 +37,7 @@ __device__ __forceinline__ int64_t token_position(int64_t n, int64_t T, const in
 // cos, sin [T, half]: one thread per (t, i).
 __global__ void rope_table_kernel(MlaRopeFrequencies f, int64_t T, float* cos_out,
                                   float* sin_out) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = T * f.half;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -53,6 +55,7 @@ __global__ void rope_table_kernel(MlaRopeFrequencies f, int64_t T, float* cos_ou
 template <typename Out>
 __global__ void rmsnorm_rows_kernel(const float* x, int64_t ldx, const float* w, Out* y, int64_t D,
                                     float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   const float* x_row = x + int64_t(blockIdx.x) * ldx;
   Out* y_row = y + int64_t(blockIdx.x) * D;
@@ -70,6 +73,7 @@ template <typename Act>
 __global__ void rope_queries_kernel(Act* q, int64_t N, int64_t T, int64_t H, int64_t dq,
                                     int64_t nope, int64_t half, const float* cos, const float* sin,
                                     const int32_t* doc_start, float sin_sign) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = N * H * half;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -104,6 +108,7 @@ __global__ void assemble_kv_kernel(const Act* __restrict__ kv, const float* __re
                                    const float* __restrict__ sin,
                                    const int32_t* __restrict__ doc_start, Act* __restrict__ k,
                                    Act* __restrict__ v) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t dq_groups = (nope + rope) / G, nope_groups = nope / G, dv_groups = dv / G;
   const int64_t kv_width = nope + dv;
   const int64_t k_groups = N * H * dq_groups, total = k_groups + N * H * dv_groups;
@@ -144,6 +149,7 @@ __global__ void assemble_kv_kernel(const Act* __restrict__ kv, const float* __re
 // out[i] = o[i]·σ(g[i]); out may be o (the forward gates in place).
 template <typename Act, int G>
 __global__ void gate_multiply_kernel(const Act* o, const Act* __restrict__ g, Act* out, int64_t n) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
        idx += G * int64_t(gridDim.x) * blockDim.x) {
     float ov[G], gv[G];
@@ -163,6 +169,7 @@ __global__ void gate_backward_kernel(const float* __restrict__ d_out,
                                      const uint16_t* __restrict__ o, const uint16_t* __restrict__ g,
                                      uint16_t* __restrict__ dg, uint16_t* __restrict__ d_o,
                                      int64_t n) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t idx = G * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); idx < n;
        idx += G * int64_t(gridDim.x) * blockDim.x) {
     float up[G], ov[G], gv[G], dgv[G], dov[G];
@@ -221,6 +228,7 @@ __global__ void split_kv_grad_kernel(const uint16_t* __restrict__ dk,
                                      const float* __restrict__ sin,
                                      const int32_t* __restrict__ doc_start,
                                      uint16_t* __restrict__ d_kv, uint16_t* __restrict__ d_kv_a) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t dq = nope + rope, nope_groups = nope / G, width_groups = (nope + dv_dim) / G;
   const int64_t kv_groups = N * H * width_groups, total = kv_groups + N * rope;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
@@ -241,6 +249,7 @@ __global__ void split_kv_grad_kernel(const uint16_t* __restrict__ dk,
 template <typename Out>
 __global__ void copy_rows_kernel(const float* x, int64_t ldx, Out* y, int64_t ldy, int64_t N,
                                  int64_t D) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = N * D;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -255,7 +264,7 @@ void copy_rows_launch(const float* x, int64_t ldx, Out* y, int64_t ldy, int64_t 
   DM_CHECK(N >= 0 && D >= 0 && ldx >= D && ldy >= D, "mla_copy_rows: bad shape N=", N, " D=", D,
            " ldx=", ldx, " ldy=", ldy);
   if (N * D == 0) return;
-  copy_rows_kernel<Out><<<grid_for(N * D), kThreads, 0, stream>>>(x, ldx, y, ldy, N, D);
+  launch_pdl(copy_rows_kernel<Out>, grid_for(N * D), kThreads, 0, stream, x, ldx, y, ldy, N, D);
   check_last_error("mla_copy_rows");
 }
 
@@ -266,7 +275,8 @@ void rmsnorm_rows_launch(const float* x, int64_t ldx, const float* w, Out* y, in
   DM_CHECK(D > 0 && ldx >= D && N >= 0 && N <= int64_t(INT32_MAX),
            "mla_rmsnorm_rows: bad shape N=", N, " D=", D, " ldx=", ldx);
   if (N == 0) return;
-  rmsnorm_rows_kernel<Out><<<unsigned(N), kRowThreads, 0, stream>>>(x, ldx, w, y, D, float(eps));
+  launch_pdl(rmsnorm_rows_kernel<Out>, unsigned(N), kRowThreads, 0, stream, x, ldx, w, y, D,
+             float(eps));
   check_last_error("mla_rmsnorm_rows");
 }
 
@@ -278,8 +288,8 @@ void rope_queries_launch(Act* q, int64_t B, int64_t T, int64_t H, int64_t nope, 
            " must be even and positive, with tables");
   const int64_t N = B * T, total = N * H * (rope / 2);
   if (total == 0) return;
-  rope_queries_kernel<Act><<<grid_for(total), kThreads, 0, stream>>>(
-      q, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, 1.0f);
+  launch_pdl(rope_queries_kernel<Act>, grid_for(total), kThreads, 0, stream, q, N, T, H,
+             nope + rope, nope, rope / 2, cos, sin, doc_start, 1.0f);
   check_last_error("mla_rope_queries");
 }
 
@@ -295,11 +305,11 @@ void assemble_kv_launch(const Act* kv, const float* kv_a, int64_t B, int64_t T, 
   constexpr int G = 16 / int(sizeof(Act));  // 16-byte groups: 8 bf16 or 4 fp32
   if (nope % G == 0 && rope % G == 0 && dv % G == 0 && aligned_to(kv, 16) && aligned_to(k, 16) &&
       aligned_to(v, 16))
-    assemble_kv_kernel<Act, G><<<grid_for(total / G), kThreads, 0, stream>>>(
-        kv, kv_a, N, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
+    launch_pdl(assemble_kv_kernel<Act, G>, grid_for(total / G), kThreads, 0, stream, kv, kv_a, N, T,
+               H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
   else
-    assemble_kv_kernel<Act, 1><<<grid_for(total), kThreads, 0, stream>>>(
-        kv, kv_a, N, T, H, nope, rope, dv, kvl, cos, sin, doc_start, k, v);
+    launch_pdl(assemble_kv_kernel<Act, 1>, grid_for(total), kThreads, 0, stream, kv, kv_a, N, T, H,
+               nope, rope, dv, kvl, cos, sin, doc_start, k, v);
   check_last_error("mla_assemble_kv");
 }
 
@@ -307,9 +317,9 @@ template <typename Act>
 void gate_multiply_launch(Act* o, const Act* g, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
   if (vectors_fit(n, 4, {{o, sizeof(Act)}, {g, sizeof(Act)}}))
-    gate_multiply_kernel<Act, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, o, n);
+    launch_pdl(gate_multiply_kernel<Act, 4>, grid_for(n / 4), kThreads, 0, stream, o, g, o, n);
   else
-    gate_multiply_kernel<Act, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, o, n);
+    launch_pdl(gate_multiply_kernel<Act, 1>, grid_for(n), kThreads, 0, stream, o, g, o, n);
   check_last_error("mla_gate_multiply");
 }
 
@@ -320,7 +330,7 @@ void mla_rope_tables_device(const MlaRopeFrequencies& f, int64_t T, float* cos, 
   DM_CHECK(f.half > 0 && f.half <= kMlaMaxRopeHalf && T >= 0,
            "mla_rope_tables_device: bad rotary half dim ", f.half, " or T ", T);
   if (T == 0) return;
-  rope_table_kernel<<<grid_for(T * f.half), kThreads, 0, stream>>>(f, T, cos, sin);
+  launch_pdl(rope_table_kernel, grid_for(T * f.half), kThreads, 0, stream, f, T, cos, sin);
   check_last_error("mla_rope_tables_device");
 }
 
@@ -368,9 +378,10 @@ void mla_gate_multiply_into(const uint16_t* o, const uint16_t* g, uint16_t* out,
                             CUstream_st* stream) {
   if (n <= 0) return;
   if (vectors_fit(n, 4, {{o, 2}, {g, 2}, {out, 2}}))
-    gate_multiply_kernel<uint16_t, 4><<<grid_for(n / 4), kThreads, 0, stream>>>(o, g, out, n);
+    launch_pdl(gate_multiply_kernel<uint16_t, 4>, grid_for(n / 4), kThreads, 0, stream, o, g, out,
+               n);
   else
-    gate_multiply_kernel<uint16_t, 1><<<grid_for(n), kThreads, 0, stream>>>(o, g, out, n);
+    launch_pdl(gate_multiply_kernel<uint16_t, 1>, grid_for(n), kThreads, 0, stream, o, g, out, n);
   check_last_error("mla_gate_multiply_into");
 }
 
@@ -378,9 +389,10 @@ void mla_gate_backward(const float* d_out, const uint16_t* o, const uint16_t* g,
                        uint16_t* d_o, int64_t n, CUstream_st* stream) {
   if (n <= 0) return;
   if (vectors_fit(n, 4, {{d_out, 4}, {o, 2}, {g, 2}, {dg, 2}, {d_o, 2}}))
-    gate_backward_kernel<4><<<grid_for(n / 4), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
+    launch_pdl(gate_backward_kernel<4>, grid_for(n / 4), kThreads, 0, stream, d_out, o, g, dg, d_o,
+               n);
   else
-    gate_backward_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(d_out, o, g, dg, d_o, n);
+    launch_pdl(gate_backward_kernel<1>, grid_for(n), kThreads, 0, stream, d_out, o, g, dg, d_o, n);
   check_last_error("mla_gate_backward");
 }
 
@@ -391,8 +403,8 @@ void mla_rope_queries_backward(uint16_t* dq, int64_t B, int64_t T, int64_t H, in
            rope, " must be even and positive, with tables");
   const int64_t N = B * T, total = N * H * (rope / 2);
   if (total == 0) return;
-  rope_queries_kernel<uint16_t><<<grid_for(total), kThreads, 0, stream>>>(
-      dq, N, T, H, nope + rope, nope, rope / 2, cos, sin, doc_start, -1.0f);
+  launch_pdl(rope_queries_kernel<uint16_t>, grid_for(total), kThreads, 0, stream, dq, N, T, H,
+             nope + rope, nope, rope / 2, cos, sin, doc_start, -1.0f);
   check_last_error("mla_rope_queries_backward");
 }
 
@@ -408,12 +420,12 @@ void mla_split_kv_grad(const uint16_t* dk, const uint16_t* dv, int64_t B, int64_
   if (total == 0) return;
   if (nope % 8 == 0 && dv_dim % 8 == 0 && (nope + rope) % 8 == 0 && aligned_to(dk, 16) &&
       aligned_to(dv, 16) && aligned_to(d_kv, 16))
-    split_kv_grad_kernel<8>
-        <<<grid_for(N * H * (nope + dv_dim) / 8 + N * rope), kThreads, 0, stream>>>(
-            dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
+    launch_pdl(split_kv_grad_kernel<8>, grid_for(N * H * (nope + dv_dim) / 8 + N * rope), kThreads,
+               0, stream, dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv,
+               d_kv_a);
   else
-    split_kv_grad_kernel<1><<<grid_for(total), kThreads, 0, stream>>>(
-        dk, dv, N, T, H, nope, rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
+    launch_pdl(split_kv_grad_kernel<1>, grid_for(total), kThreads, 0, stream, dk, dv, N, T, H, nope,
+               rope, dv_dim, kvl, cos, sin, doc_start, d_kv, d_kv_a);
   check_last_error("mla_split_kv_grad");
 }
 

@@ -252,6 +252,7 @@ __global__ void moe_route_kernel(const RouteProblem p, const float* logits, cons
 __global__ void qb_histogram_kernel(const float* scores, const float* cutoff, int64_t N, int E,
                                     double low, double inverse_width, int bins,
                                     unsigned long long* counts) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = N * E;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -271,6 +272,7 @@ __global__ void qb_histogram_kernel(const float* scores, const float* cutoff, in
 // nonzero expert. Integer sums: the result does not depend on the order.
 __global__ void expert_loads_kernel(const int32_t* idx, int64_t pairs, int E,
                                     unsigned long long* loads) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   extern __shared__ unsigned int block_loads[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) block_loads[e] = 0;
   __syncthreads();
@@ -352,6 +354,7 @@ __device__ T block_exclusive_scan(T v, T* total) {
 // chunk_counts[c, e] = pairs of token chunk c routed to expert e.
 __global__ void dispatch_count_kernel(const int32_t* idx, int64_t N, int k, int E,
                                       int32_t* chunk_counts, int32_t* error_flag) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   extern __shared__ int expert_count[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) expert_count[e] = 0;
   __syncthreads();
@@ -372,6 +375,7 @@ __global__ void dispatch_count_kernel(const int32_t* idx, int64_t N, int k, int 
 // Per expert: chunk_counts[:, e] → exclusive prefix over chunks; offsets[e+1] = total of e.
 __global__ void dispatch_chunk_scan_kernel(int32_t* chunk_counts, int64_t chunks, int E,
                                            int64_t* offsets) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   int64_t running = 0;
@@ -385,6 +389,7 @@ __global__ void dispatch_chunk_scan_kernel(int32_t* chunk_counts, int64_t chunks
 
 // offsets[1..E] (totals) → inclusive prefix sums; offsets[0] = 0. One block.
 __global__ void dispatch_offsets_scan_kernel(int64_t* offsets, int E) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   int64_t carry = 0;
   for (int base = 0; base < E; base += blockDim.x) {
     const int e = base + threadIdx.x;
@@ -412,6 +417,7 @@ constexpr int kAssignGroups = 8;     // 32-pair groups per batch of loads and ma
 __global__ void dispatch_assign_kernel(const int32_t* idx, int64_t N, int k, int E,
                                        const int64_t* offsets, const int32_t* chunk_counts,
                                        int32_t* token, int32_t* slot, int32_t* row_of_pair) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   extern __shared__ int cursor[];
   const int64_t chunk = blockIdx.x;
   for (int e = threadIdx.x; e < E; e += blockDim.x)
@@ -472,6 +478,7 @@ __global__ void dispatch_assign_kernel(const int32_t* idx, int64_t N, int k, int
 template <typename Chunk>
 __global__ void permute_rows_kernel(const Chunk* x, const int32_t* token, int64_t rows,
                                     int64_t chunks_per_row, Chunk* sorted) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = rows * chunks_per_row;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -483,6 +490,7 @@ __global__ void permute_rows_kernel(const Chunk* x, const int32_t* token, int64_
 __global__ void unpermute_rows_kernel(const uint4* sorted, const int32_t* row_of_pair,
                                       const float* w, int64_t N, int k, int64_t chunks_per_row,
                                       void* y, bool y_f32) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = N * chunks_per_row;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -535,6 +543,7 @@ __device__ __forceinline__ void load_floats(const float* p, float (&v)[kVec]) {
 template <int kVec>
 __global__ void unpermute_rows_f32_kernel(const float* sorted, const int32_t* row_of_pair,
                                           const float* w, int64_t N, int k, int64_t D, float* y) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t chunks_per_row = D / kVec, total = N * chunks_per_row;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -613,9 +622,8 @@ void launch_route(const RouteProblem& p, const float* logits, const float* bias,
 void launch_qb_histogram(const float* scores, const float* cutoff, int64_t N, int E, double low,
                          double inverse_width, int bins, int64_t* counts, CUstream_st* stream) {
   if (N == 0) return;
-  qb_histogram_kernel<<<grid_for(N * E, 256), 256, 0, stream>>>(
-      scores, cutoff, N, E, low, inverse_width, bins,
-      reinterpret_cast<unsigned long long*>(counts));
+  launch_pdl(qb_histogram_kernel, grid_for(N * E, 256), 256, 0, stream, scores, cutoff, N, E, low,
+             inverse_width, bins, reinterpret_cast<unsigned long long*>(counts));
   check_last_error("qb_histogram_kernel");
 }
 
@@ -623,8 +631,8 @@ void launch_expert_loads(const int32_t* idx, int64_t pairs, int E, int64_t* load
                          CUstream_st* stream) {
   if (pairs == 0) return;
   const int blocks = int(std::min<int64_t>((pairs + 255) / 256, 512));
-  expert_loads_kernel<<<blocks, 256, size_t(E) * sizeof(unsigned int), stream>>>(
-      idx, pairs, E, reinterpret_cast<unsigned long long*>(loads));
+  launch_pdl(expert_loads_kernel, blocks, 256, size_t(E) * sizeof(unsigned int), stream, idx, pairs,
+             E, reinterpret_cast<unsigned long long*>(loads));
   check_last_error("expert_loads_kernel");
 }
 
@@ -647,20 +655,20 @@ void launch_dispatch_plan(const int32_t* idx, int64_t N, int k, int E, int64_t* 
   int32_t* chunk_counts = static_cast<int32_t*>(scratch);
   const size_t expert_smem = size_t(E) * sizeof(int);
   if (chunks > 0) {
-    dispatch_count_kernel<<<unsigned(chunks), 256, expert_smem, stream>>>(idx, N, k, E,
-                                                                          chunk_counts, error_flag);
+    launch_pdl(dispatch_count_kernel, unsigned(chunks), 256, expert_smem, stream, idx, N, k, E,
+               chunk_counts, error_flag);
     check_last_error("dispatch_count_kernel");
   } else {
     DM_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (size_t(E) + 1) * sizeof(int64_t), stream));
   }
-  dispatch_chunk_scan_kernel<<<ceil_div(E, 128), 128, 0, stream>>>(chunk_counts, chunks, E,
-                                                                   offsets);
+  launch_pdl(dispatch_chunk_scan_kernel, ceil_div(E, 128), 128, 0, stream, chunk_counts, chunks, E,
+             offsets);
   check_last_error("dispatch_chunk_scan_kernel");
-  dispatch_offsets_scan_kernel<<<1, kScanThreads, 0, stream>>>(offsets, E);
+  launch_pdl(dispatch_offsets_scan_kernel, 1, kScanThreads, 0, stream, offsets, E);
   check_last_error("dispatch_offsets_scan_kernel");
   if (chunks > 0) {
-    dispatch_assign_kernel<<<unsigned(chunks), kAssignThreads, expert_smem, stream>>>(
-        idx, N, k, E, offsets, chunk_counts, token, slot, row_of_pair);
+    launch_pdl(dispatch_assign_kernel, unsigned(chunks), kAssignThreads, expert_smem, stream, idx,
+               N, k, E, offsets, chunk_counts, token, slot, row_of_pair);
     check_last_error("dispatch_assign_kernel");
   }
 }
@@ -668,8 +676,9 @@ void launch_dispatch_plan(const int32_t* idx, int64_t N, int k, int E, int64_t* 
 void launch_permute_rows(const uint16_t* x, const int32_t* token, int64_t rows, int64_t D,
                          uint16_t* sorted, CUstream_st* stream) {
   if (rows == 0 || D == 0) return;
-  permute_rows_kernel<uint4><<<grid_for(rows * (D / 8), 256), 256, 0, stream>>>(
-      reinterpret_cast<const uint4*>(x), token, rows, D / 8, reinterpret_cast<uint4*>(sorted));
+  launch_pdl(permute_rows_kernel<uint4>, grid_for(rows * (D / 8), 256), 256, 0, stream,
+             reinterpret_cast<const uint4*>(x), token, rows, D / 8,
+             reinterpret_cast<uint4*>(sorted));
   check_last_error("permute_rows_kernel");
 }
 
@@ -677,8 +686,8 @@ void launch_unpermute_rows(const uint16_t* sorted, const int32_t* row_of_pair, c
                            int64_t N, int k, int64_t D, void* y, bool y_f32,
                            CUstream_st* stream) {
   if (N == 0 || D == 0) return;
-  unpermute_rows_kernel<<<grid_for(N * (D / 8), 256), 256, 0, stream>>>(
-      reinterpret_cast<const uint4*>(sorted), row_of_pair, w, N, k, D / 8, y, y_f32);
+  launch_pdl(unpermute_rows_kernel, grid_for(N * (D / 8), 256), 256, 0, stream,
+             reinterpret_cast<const uint4*>(sorted), row_of_pair, w, N, k, D / 8, y, y_f32);
   check_last_error("unpermute_rows_kernel");
 }
 
@@ -686,11 +695,12 @@ void launch_permute_rows(const float* x, const int32_t* token, int64_t rows, int
                          float* sorted, CUstream_st* stream) {
   if (rows == 0 || D == 0) return;
   if (D % 4 == 0 && aligned_16(x) && aligned_16(sorted))
-    permute_rows_kernel<uint4><<<grid_for(rows * (D / 4), 256), 256, 0, stream>>>(
-        reinterpret_cast<const uint4*>(x), token, rows, D / 4, reinterpret_cast<uint4*>(sorted));
+    launch_pdl(permute_rows_kernel<uint4>, grid_for(rows * (D / 4), 256), 256, 0, stream,
+               reinterpret_cast<const uint4*>(x), token, rows, D / 4,
+               reinterpret_cast<uint4*>(sorted));
   else
-    permute_rows_kernel<float>
-        <<<grid_for(rows * D, 256), 256, 0, stream>>>(x, token, rows, D, sorted);
+    launch_pdl(permute_rows_kernel<float>, grid_for(rows * D, 256), 256, 0, stream, x, token, rows,
+               D, sorted);
   check_last_error("permute_rows_kernel (fp32)");
 }
 
@@ -698,11 +708,11 @@ void launch_unpermute_rows(const float* sorted, const int32_t* row_of_pair, cons
                            int64_t N, int k, int64_t D, float* y, CUstream_st* stream) {
   if (N == 0 || D == 0) return;
   if (D % 4 == 0 && aligned_16(sorted) && aligned_16(y))
-    unpermute_rows_f32_kernel<4>
-        <<<grid_for(N * (D / 4), 256), 256, 0, stream>>>(sorted, row_of_pair, w, N, k, D, y);
+    launch_pdl(unpermute_rows_f32_kernel<4>, grid_for(N * (D / 4), 256), 256, 0, stream, sorted,
+               row_of_pair, w, N, k, D, y);
   else
-    unpermute_rows_f32_kernel<1>
-        <<<grid_for(N * D, 256), 256, 0, stream>>>(sorted, row_of_pair, w, N, k, D, y);
+    launch_pdl(unpermute_rows_f32_kernel<1>, grid_for(N * D, 256), 256, 0, stream, sorted,
+               row_of_pair, w, N, k, D, y);
   check_last_error("unpermute_rows_f32_kernel");
 }
 

@@ -12,6 +12,7 @@
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/moe_backward.h"
 #include "ops/cuda/moe_kernels.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda::moe_detail {
 
@@ -41,6 +42,7 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
 __global__ void route_backward_kernel(const float* scores, const int32_t* idx,
                                       const float* dweights, int64_t N, int E, int k,
                                       bool renormalize, float scaling, float* dlogits) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= N) return;  // uniform per warp; no block-wide barrier below
@@ -75,6 +77,7 @@ __global__ void route_backward_kernel(const float* scores, const int32_t* idx,
 __global__ void expert_weight_grads_kernel(const float* dy, const uint16_t* out,
                                            const int32_t* row_of_pair, int64_t N, int k,
                                            int64_t D, float* dweights) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t pair = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (pair >= N * k) return;
@@ -91,6 +94,7 @@ __global__ void expert_weight_grads_kernel(const float* dy, const uint16_t* out,
 __global__ void scale_permute_rows_kernel(const float4* dy, const int32_t* token,
                                           const int32_t* slot, const float* w, int64_t rows,
                                           int k, int64_t chunks, uint2* dout) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = rows * chunks;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -110,6 +114,7 @@ __global__ void scale_permute_rows_kernel(const float4* dy, const int32_t* token
 __global__ void unpermute_sum_rows_kernel(const float4* sorted, const int32_t* row_of_pair,
                                           int64_t N, int k, int64_t chunks, float4* dx,
                                           bool accumulate) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t total = N * chunks;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -221,8 +226,8 @@ void launch_route_backward(const float* scores, const int32_t* idx, const float*
                            float* dlogits, CUstream_st* stream) {
   if (N == 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  route_backward_kernel<<<unsigned(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-      scores, idx, dweights, N, E, k, renormalize, scaling, dlogits);
+  launch_pdl(route_backward_kernel, unsigned(blocks), kWarpsPerBlock * 32, 0, stream, scores, idx,
+             dweights, N, E, k, renormalize, scaling, dlogits);
   check_launch("route_backward_kernel");
 }
 
@@ -231,8 +236,8 @@ void launch_expert_weight_grads(const float* dy, const uint16_t* out, const int3
                                 CUstream_st* stream) {
   if (N == 0) return;
   const int64_t blocks = (N * k + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  expert_weight_grads_kernel<<<unsigned(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-      dy, out, row_of_pair, N, k, D, dweights);
+  launch_pdl(expert_weight_grads_kernel, unsigned(blocks), kWarpsPerBlock * 32, 0, stream, dy, out,
+             row_of_pair, N, k, D, dweights);
   check_launch("expert_weight_grads_kernel");
 }
 
@@ -241,9 +246,9 @@ void launch_scale_permute_rows(const float* dy, const int32_t* token, const int3
                                CUstream_st* stream) {
   if (rows == 0 || D == 0) return;
   const int64_t chunks = D / 4;
-  scale_permute_rows_kernel<<<grid_for(rows * chunks), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(dy), token, slot, w, rows, k, chunks,
-      reinterpret_cast<uint2*>(dout));
+  launch_pdl(scale_permute_rows_kernel, grid_for(rows * chunks), kThreads, 0, stream,
+             reinterpret_cast<const float4*>(dy), token, slot, w, rows, k, chunks,
+             reinterpret_cast<uint2*>(dout));
   check_launch("scale_permute_rows_kernel");
 }
 
@@ -251,9 +256,9 @@ void launch_unpermute_sum_rows(const float* sorted, const int32_t* row_of_pair, 
                                int64_t D, float* dx, bool accumulate, CUstream_st* stream) {
   if (N == 0 || D == 0) return;
   const int64_t chunks = D / 4;
-  unpermute_sum_rows_kernel<<<grid_for(N * chunks), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(sorted), row_of_pair, N, k, chunks,
-      reinterpret_cast<float4*>(dx), accumulate);
+  launch_pdl(unpermute_sum_rows_kernel, grid_for(N * chunks), kThreads, 0, stream,
+             reinterpret_cast<const float4*>(sorted), row_of_pair, N, k, chunks,
+             reinterpret_cast<float4*>(dx), accumulate);
   check_launch("unpermute_sum_rows_kernel");
 }
 

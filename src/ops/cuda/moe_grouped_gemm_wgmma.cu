@@ -30,6 +30,7 @@
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/wgmma.cuh"
 #include "ops/cuda/wgmma_pipeline.cuh"
 
@@ -94,6 +95,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                                       const __nv_bfloat16* __restrict__ W,
                                       const int64_t* __restrict__ offsets, int E, int64_t K,
                                       int64_t N, __nv_bfloat16* __restrict__ Y) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   GroupedRowTile tile;
   if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
   const int e = tile.expert, tile_rows = tile.rows;
@@ -232,10 +234,10 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
-  kernel<<<grouped_rows_grid(R, E, N), kThreads, kSmemBytes,
-           reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W), offsets,
-      E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
+  launch_pdl(kernel, grouped_rows_grid(R, E, N), kThreads, kSmemBytes,
+             reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const __nv_bfloat16*>(A),
+             reinterpret_cast<const __nv_bfloat16*>(W), offsets, E, K, N,
+             reinterpret_cast<__nv_bfloat16*>(Y));
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -29,6 +29,7 @@
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/wgmma.cuh"
 #include "ops/cuda/wgmma_pipeline.cuh"
 
@@ -104,6 +105,7 @@ static_assert(kTile * kStagedLd * 4 <= kStages * kStageBytes, "the staged tile f
 // t − 1's, then refill t − 1's stage (two barriers a step instead of one).
 template <Product kProduct, typename Out, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(const BackwardArgs a) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr bool kRows = kProduct == Product::Rows;
   int e = 0, tile_rows = 0, steps = 0, steps_per_product = 0;
   int64_t row0 = 0, m0 = 0, red_begin = 0, red_end = 0;
@@ -275,7 +277,7 @@ void launch(const BackwardArgs& a, dim3 grid, CUstream_st* stream) {
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
-  kernel<<<grid, kThreads, kSmem, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  launch_pdl(kernel, grid, kThreads, kSmem, reinterpret_cast<cudaStream_t>(stream), a);
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -7,6 +7,7 @@
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/moe_layer_ops.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda {
 namespace {
@@ -14,6 +15,7 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void convert_f32_to_bf16_kernel(const float* x, uint16_t* y, int64_t n) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     store_from_float(y, i, x[i]);
@@ -22,6 +24,7 @@ __global__ void convert_f32_to_bf16_kernel(const float* x, uint16_t* y, int64_t 
 // n % 4 == 0, x 16-byte and y 8-byte aligned: one float4 in, four bf16 (8 bytes) out per step
 // (the scalar kernel moved 6 bytes per thread and step: 1.3 TB/s at 8M elements on the H200).
 __global__ void convert_f32_to_bf16_vec4_kernel(const float4* x, uint2* y, int64_t n4) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride) {
     const float4 v = x[i];
@@ -46,13 +49,13 @@ void convert_f32_to_bf16(const float* x, uint16_t* y, int64_t n, CUstream_st* st
   if (n % 4 == 0 && aligned(x, 16) && aligned(y, 8)) {
     const int64_t n4 = n / 4;
     const int blocks = int(std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536));
-    convert_f32_to_bf16_vec4_kernel<<<blocks, kThreads, 0, stream>>>(
-        reinterpret_cast<const float4*>(x), reinterpret_cast<uint2*>(y), n4);
+    launch_pdl(convert_f32_to_bf16_vec4_kernel, blocks, kThreads, 0, stream,
+               reinterpret_cast<const float4*>(x), reinterpret_cast<uint2*>(y), n4);
     DM_CUDA_CHECK(cudaGetLastError());
     return;
   }
   const int blocks = int(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536));
-  convert_f32_to_bf16_kernel<<<blocks, kThreads, 0, stream>>>(x, y, n);
+  launch_pdl(convert_f32_to_bf16_kernel, blocks, kThreads, 0, stream, x, y, n);
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

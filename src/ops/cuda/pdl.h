@@ -5,7 +5,9 @@
 // than its bytes (Kimi-Linear-48B at 1 x 32K: 2.99 ms a step against a 1.56 ms HBM floor, ~3.7
 // us over the floor per kernel). With PDL the next kernel's blocks are resident while the last
 // wave of the previous one finishes, and a GEMV streams its weights (which no kernel of the step
-// writes) before it waits for its input vector.
+// writes) before it waits for its input vector. The training step's own element, norm, conv,
+// AttnRes, MoE dispatch and grouped-product kernels launch the same way (757 of the gpu_1b
+// step's 1782 kernel boundaries were ours→ours, 1.56 µs apart on average).
 //
 // The rules every kernel launched through launch_pdl keeps (pdl.cuh): every thread waits
 // (pdl_wait_then_launch_dependents) before it reads data another kernel writes or writes global

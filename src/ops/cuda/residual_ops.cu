@@ -135,6 +135,7 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // dst = a + b; dst may alias a or b (each element is read, then written, by one thread).
 __global__ void add_kernel(float* dst, const float* a, const float* b, int64_t n) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = a[i] + b[i];
@@ -142,6 +143,7 @@ __global__ void add_kernel(float* dst, const float* a, const float* b, int64_t n
 
 // n4 float4 elements (all three pointers 16-byte aligned).
 __global__ void add_vec4_kernel(float4* dst, const float4* a, const float4* b, int64_t n4) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float4 x = a[i], y = b[i];
@@ -158,6 +160,7 @@ constexpr int64_t kAttnResWarpRowsMinN = 1024;  // from here on the warp-per-row
 __global__ void attnres_forward_block_rows_kernel(AttnResSources sources, int S,
                                                   const float* query, const float* norm_w,
                                                   float* out, int64_t D, float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float reduce_scratch[32];
   __shared__ float weight[kAttnResCudaMaxSources];
   const int64_t row = int64_t(blockIdx.x) * D;
@@ -207,6 +210,7 @@ template <int kVec>
 __global__ void __launch_bounds__(kAttnResForwardWarps * 32, 3)
     attnres_forward_rows_kernel(AttnResSources sources, int S, const float* query,
                                 const float* norm_w, float* out, int64_t N, int D, float eps) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   using Chunk = AttnResChunk<kVec>;
   constexpr int K = kAttnResChunksPerLane;
   extern __shared__ float4 attnres_smem[];
@@ -393,14 +397,13 @@ void add(float* dst, const float* a, const float* b, int64_t n, CUstream_st* str
   if (n % 4 == 0 && aligned(dst) && aligned(a) && aligned(b)) {
     const int64_t n4 = n / 4;
     const int blocks = int(n4 / 1024 + 1 < 4096 ? n4 / 1024 + 1 : 4096);
-    add_vec4_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float4*>(dst),
-                                                reinterpret_cast<const float4*>(a),
-                                                reinterpret_cast<const float4*>(b), n4);
+    launch_pdl(add_vec4_kernel, blocks, 256, 0, stream, reinterpret_cast<float4*>(dst),
+               reinterpret_cast<const float4*>(a), reinterpret_cast<const float4*>(b), n4);
     check_last_error("add");
     return;
   }
   const int blocks = int(n / 1024 + 1 < 4096 ? n / 1024 + 1 : 4096);
-  add_kernel<<<blocks, 256, 0, stream>>>(dst, a, b, n);
+  launch_pdl(add_kernel, blocks, 256, 0, stream, dst, a, b, n);
   check_last_error("add");
 }
 
@@ -422,8 +425,8 @@ void attnres_forward(const float* const* src, int S, const float* query, const f
     vec4 = vec4 && aligned16(src[j]);
   }
   if (N < kAttnResWarpRowsMinN) {
-    attnres_forward_block_rows_kernel<<<unsigned(N), kRowThreads, 0, stream>>>(
-        sources, S, query, norm_w, out, D, eps);
+    launch_pdl(attnres_forward_block_rows_kernel, unsigned(N), kRowThreads, 0, stream, sources, S,
+               query, norm_w, out, D, eps);
     check_last_error("attnres_forward");
     return;
   }

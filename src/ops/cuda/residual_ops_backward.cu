@@ -2,13 +2,13 @@
 // warp per row, then a fixed-order sum of the parameter partials), the embedding backward (radix
 // sort by token, then one writer per row) and the deterministic sum of squares.
 #include <algorithm>
-#include <type_traits>
-
 #include <cub/device/device_radix_sort.cuh>
+#include <type_traits>
 
 #include "ops/cuda/attnres_rows.cuh"
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/device.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/residual_ops.h"
 
 namespace dm::cuda {
@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
                                  const float* query, const float* norm_w, const float* dout,
                                  double* partial, int64_t N, int D, float eps,
                                  int rows_per_warp) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   using Chunk = AttnResChunk<kVec>;
   constexpr int K = kAttnResChunksPerLane, kGroup = kAttnResElementGroup;
   static_assert(K % kGroup == 0, "element groups tile a tile");
@@ -214,6 +215,7 @@ constexpr int kAttnResParamGroups = 16;
 __global__ void __launch_bounds__(32 * kAttnResParamGroups)
     attnres_backward_params_kernel(const double* partial, int64_t blocks, const float* query,
                                    const float* norm_w, float* dquery, float* dnorm_w, int D) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ double group_sum[kAttnResParamGroups][32];
   const int x = threadIdx.x, y = threadIdx.y;
   const int d = blockIdx.x * 32 + x;
@@ -235,6 +237,7 @@ __global__ void __launch_bounds__(32 * kAttnResParamGroups)
 // and skipped) and values (the row index n).
 __global__ void embedding_backward_keys_kernel(const int64_t* tokens, int64_t N, int64_t V,
                                                uint32_t* keys, uint32_t* rows) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N;
        n += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = tokens[n];
@@ -249,6 +252,7 @@ __global__ void embedding_backward_keys_kernel(const int64_t* tokens, int64_t N,
 __global__ void embedding_backward_accumulate_kernel(const uint32_t* keys, const uint32_t* rows,
                                                      const float* dp, int64_t N, int64_t D,
                                                      int64_t V, float* dtable) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const uint32_t key = keys[i];
     if (int64_t(key) >= V || (i > 0 && keys[i - 1] == key)) continue;  // block-uniform branch
@@ -264,6 +268,7 @@ __global__ void embedding_backward_accumulate_kernel(const uint32_t* keys, const
 // Embedding backward, atomic variant: one block per row n (grid-stride), fp32 atomicAdd.
 __global__ void embedding_backward_atomic_kernel(const int64_t* tokens, const float* dp, int64_t N,
                                                  int64_t D, float* dtable) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     float* out = dtable + tokens[n] * D;
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(out + d, dp[n * D + d]);
@@ -343,9 +348,8 @@ void attnres_backward(const float* const* src, int S, const float* query, const 
                         grid.rows_per_warp);
   check_last_error("attnres_backward (rows)");
   if (!param_grads) return;
-  attnres_backward_params_kernel<<<unsigned((D + 31) / 32), dim3(32, kAttnResParamGroups), 0,
-                                   stream>>>(partial, grid.blocks, query, norm_w, dquery, dnorm_w,
-                                             int(D));
+  launch_pdl(attnres_backward_params_kernel, unsigned((D + 31) / 32), dim3(32, kAttnResParamGroups),
+             0, stream, partial, grid.blocks, query, norm_w, dquery, dnorm_w, int(D));
   check_last_error("attnres_backward (params)");
 }
 
@@ -391,14 +395,14 @@ void embedding_backward(const int64_t* tokens, const float* dp, int64_t N, int64
   uint32_t* rows_out = reinterpret_cast<uint32_t*>(base + 3 * slot);
   void* sort_temp = base + 4 * slot;
   size_t sort_temp_bytes = embedding_sort_temp_bytes(N, bits);
-  embedding_backward_keys_kernel<<<elementwise_blocks(N, 256), 256, 0, stream>>>(tokens, N, V,
-                                                                                 keys_in, rows_in);
+  launch_pdl(embedding_backward_keys_kernel, elementwise_blocks(N, 256), 256, 0, stream, tokens, N,
+             V, keys_in, rows_in);
   check_last_error("embedding_backward (keys)");
   // LSD radix sort is stable: equal tokens keep ascending n, so the per-token sum order is fixed.
   DM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_temp, sort_temp_bytes, keys_in, keys_out,
                                                 rows_in, rows_out, int(N), 0, bits, stream));
-  embedding_backward_accumulate_kernel<<<unsigned(std::min<int64_t>(N, 65536)), kRowThreads, 0,
-                                         stream>>>(keys_out, rows_out, dp, N, D, V, dtable);
+  launch_pdl(embedding_backward_accumulate_kernel, unsigned(std::min<int64_t>(N, 65536)),
+             kRowThreads, 0, stream, keys_out, rows_out, dp, N, D, V, dtable);
   check_last_error("embedding_backward (accumulate)");
 }
 
@@ -406,8 +410,8 @@ void embedding_backward(const int64_t* tokens, const float* dp, int64_t N, int64
                         float* dtable, CUstream_st* stream) {
   DM_CHECK(N >= 0 && D >= 0, "embedding_backward (CUDA): N=", N, " D=", D);
   if (N == 0 || D == 0) return;
-  embedding_backward_atomic_kernel<<<unsigned(std::min<int64_t>(N, 65536)), kRowThreads, 0,
-                                     stream>>>(tokens, dp, N, D, dtable);
+  launch_pdl(embedding_backward_atomic_kernel, unsigned(std::min<int64_t>(N, 65536)), kRowThreads,
+             0, stream, tokens, dp, N, D, dtable);
   check_last_error("embedding_backward (atomic)");
 }
 

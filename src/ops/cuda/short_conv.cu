@@ -40,6 +40,7 @@
 #include "ops/cuda/elementwise_storage.cuh"
 #include "ops/cuda/kda_layer_backward_ops.h"
 #include "ops/cuda/kda_layer_ops.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/vector_access.cuh"
 
 namespace dm::cuda {
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
     short_conv_silu_kernel(const Act* __restrict__ x, const float* __restrict__ w_all,
                            Act* __restrict__ y, ConvRuns<kConvRun> runs, int64_t C,
                            const int32_t* __restrict__ doc_start) {
+  pdl_wait_then_launch_dependents();        // PDL (pdl.h): before any input is read
   constexpr int kSpan = KC - 1 + kConvRun;  // positions t0−KC+1 … t0+kConvRun−1
   const int64_t c = (int64_t(blockIdx.x) * kConvLanes + threadIdx.x) * V;
   if (c >= C) return;  // no barrier in this kernel; C % V == 0
@@ -206,6 +208,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
                                     const float* __restrict__ dy, uint16_t* __restrict__ dx,
                                     float* __restrict__ partial, ConvRuns<RUN> runs, int64_t C,
                                     const int32_t* __restrict__ doc_start) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   // da is needed at tokens t0 … t1+KC−2 (the run and the KC−1 tokens whose conv reads its last
   // positions); their pre-activations read x at t0−KC+1 … t1+KC−2.
   constexpr int kTokens = RUN + KC - 1;
@@ -299,6 +302,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
 // dw[m] += Σ_{g<R} partial[g, m] in g order; one thread per m of C·Kc (reads coalesced over m).
 __global__ void conv_weight_grad_reduce_kernel(const float* __restrict__ partial, int64_t R,
                                                int64_t M, float* __restrict__ dw) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (m >= M) return;
   float sum = 0.0f;
@@ -347,13 +351,13 @@ void short_conv_silu_forward_launch(const Act* x, const float* w, Act* y, int64_
   with_taps(Kc, [&](auto taps) {
     constexpr int KC = decltype(taps)::value;
     if (wide)
-      short_conv_silu_kernel<KC, 4, Act>
-          <<<dim3(unsigned(ceil_div(C, 4 * kConvLanes)), run_blocks),
-             dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
+      launch_pdl(short_conv_silu_kernel<KC, 4, Act>,
+                 dim3(unsigned(ceil_div(C, 4 * kConvLanes)), run_blocks),
+                 dim3(kConvLanes, kConvRunsPerBlock), 0, stream, x, w, y, runs, C, doc_start);
     else
-      short_conv_silu_kernel<KC, 1, Act>
-          <<<dim3(unsigned(ceil_div(C, kConvLanes)), run_blocks),
-             dim3(kConvLanes, kConvRunsPerBlock), 0, stream>>>(x, w, y, runs, C, doc_start);
+      launch_pdl(short_conv_silu_kernel<KC, 1, Act>,
+                 dim3(unsigned(ceil_div(C, kConvLanes)), run_blocks),
+                 dim3(kConvLanes, kConvRunsPerBlock), 0, stream, x, w, y, runs, C, doc_start);
   });
   check_last_error("cuda kda_short_conv_silu_forward");
 }
@@ -391,17 +395,17 @@ void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float
   with_taps(Kc, [&](auto taps) {
     constexpr int KC = decltype(taps)::value;
     if (wide)
-      short_conv_silu_backward_kernel<KC, 2, kConvRunWide>
-          <<<dim3(unsigned(ceil_div(C, 2 * kConvLanes)), unsigned(R)), block, 0, stream>>>(
-              x, w, dy, dx, partial, ConvRuns<kConvRunWide>(B, T), C, doc_start);
+      launch_pdl(short_conv_silu_backward_kernel<KC, 2, kConvRunWide>,
+                 dim3(unsigned(ceil_div(C, 2 * kConvLanes)), unsigned(R)), block, 0, stream, x, w,
+                 dy, dx, partial, ConvRuns<kConvRunWide>(B, T), C, doc_start);
     else
-      short_conv_silu_backward_kernel<KC, 1, kConvRun>
-          <<<dim3(unsigned(ceil_div(C, kConvLanes)), unsigned(R)), block, 0, stream>>>(
-              x, w, dy, dx, partial, ConvRuns<kConvRun>(B, T), C, doc_start);
+      launch_pdl(short_conv_silu_backward_kernel<KC, 1, kConvRun>,
+                 dim3(unsigned(ceil_div(C, kConvLanes)), unsigned(R)), block, 0, stream, x, w, dy,
+                 dx, partial, ConvRuns<kConvRun>(B, T), C, doc_start);
   });
   check_last_error("cuda kda_short_conv_silu_backward");
-  conv_weight_grad_reduce_kernel<<<unsigned(ceil_div(M, 256)), 256, 0, stream>>>(partial, R, M,
-                                                                               dw);
+  launch_pdl(conv_weight_grad_reduce_kernel, unsigned(ceil_div(M, 256)), 256, 0, stream, partial, R,
+             M, dw);
   check_last_error("cuda kda_short_conv_silu_backward (dw)");
 }
 
