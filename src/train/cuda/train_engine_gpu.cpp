@@ -30,8 +30,8 @@ class GpuTrainEngine final : public TrainEngine {
                                    const int32_t* doc_start, int64_t B, int64_t T,
                                    double loss_scale, const TrainOptions& to,
                                    RoutingSink* sink) override {
-    // The GPU step runs the chunked KDA operator (C = 64); without recompute only the KDA
-    // mixers keep their internals (GpuTrainModel::forward_backward).
+    // The GPU step runs the chunked KDA operator (C = 64); without recompute the KDA, MLA and
+    // MoE layers keep their internals (GpuTrainModel::forward_backward).
     TrainStepResult r =
         gpu_.forward_backward(tokens, targets, doc_start, B, T, loss_scale, sink, to.recompute);
     peak_ = std::max(peak_, gpu_.activation_bytes());
