@@ -248,32 +248,18 @@ void DeviceWeights::upload_param(const float* host_view, int64_t n, CUstream_st*
   }
 }
 
-namespace {
-
-void linear_backward_into(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
-                          int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
-                          float dx_beta, float* dW, float dW_beta) {
-  // dx[N, in] = dy[N, out]·W[out, in];  dW[out, in] = dW_beta·dW + dy[N, out]ᵀ·x[N, in].
-  if (dx) run.gemm.gemm_bf16(false, false, N, in, out, 1.0f, dy, out, W, in, dx_beta, dx, dx_type,
-                             in, run.stream);
-  if (dW)
-    run.gemm.gemm_bf16(true, false, out, in, N, 1.0f, dy, out, x, in, dW_beta, dW, GemmOutType::F32,
-                       in, run.stream);
-}
-
-}  // namespace
-
-void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
-                     int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
-                     float dx_beta, float* dW) {
-  linear_backward_into(run, x, W, dy, N, in, out, dx, dx_type, dx_beta, dW, 1.0f);
-}
-
 void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
                      int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
                      float dx_beta, const DeviceGrads& grads, const float* W_host) {
+  // dx[N, in] = dy[N, out]·W[out, in];  dW[out, in] = beta·dW + dy[N, out]ᵀ·x[N, in], beta 0 on
+  // the slot's first product since zero_deferred (store-first), else 1.
+  if (dx)
+    run.gemm.gemm_bf16(false, false, N, in, out, 1.0f, dy, out, W, in, dx_beta, dx, dx_type, in,
+                       run.stream);
+  if (!W_host) return;
   const float dW_beta = grads.take_pending(W_host) ? 0.0f : 1.0f;
-  linear_backward_into(run, x, W, dy, N, in, out, dx, dx_type, dx_beta, grads.at(W_host), dW_beta);
+  run.gemm.gemm_bf16(true, false, out, in, N, 1.0f, dy, out, x, in, dW_beta, grads.at(W_host),
+                     GemmOutType::F32, in, run.stream);
 }
 
 void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in, int64_t out,

@@ -166,15 +166,11 @@ void linear_many(GpuRun& run, const uint16_t* x, int64_t N, int64_t in, const Li
                  int count);
 
 // Backward of y = x·Wᵀ given dy [N, out] bf16:
-//   dx [N, in] (x_type fp32 or bf16) = dy·W, ACCUMULATED when dx_beta = 1 (else written);
-//   dW [out, in] fp32 += dyᵀ·x (always accumulated; the DeviceGrads slot of W).
-// dx or dW may be nullptr (not wanted).
-void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
-                     int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
-                     float dx_beta, float* dW);
-// The same with dW = the gradient slot of the host matrix W_host in `grads`, STORED (beta 0)
-// when that slot is a pending store-first range (the matrix's first product since
-// zero_deferred: the step neither zeroes it nor reads it back), else accumulated.
+//   dx [N, in] (x_type fp32 or bf16) = dy·W, ACCUMULATED when dx_beta = 1 (else written; dx may
+//   be nullptr: not wanted);
+//   dW [out, in] fp32 = the gradient slot of the host matrix W_host in `grads` += dyᵀ·x, STORED
+//   (beta 0) instead when that slot is a pending store-first range (the matrix's first product
+//   since zero_deferred: the step neither zeroes it nor reads it back). W_host nullptr: no dW.
 void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const uint16_t* dy,
                      int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
                      float dx_beta, const DeviceGrads& grads, const float* W_host);

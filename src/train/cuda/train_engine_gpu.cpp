@@ -16,7 +16,8 @@ class GpuTrainEngine final : public TrainEngine {
  public:
   GpuTrainEngine(Model& model, const OptimizerConfig& oc)
       : gpu_(model.weights()), opt_(model.weights(), oc) {}
-  // The experts' gradients are left to their first product (DeviceParamArena::zero_deferred);
+  // The experts' and the matrices' gradients are left to their first product
+  // (DeviceParamArena::zero_deferred; GpuTrainModel registers the ranges);
   // settle() zeroes any a micro-batch did not reach before the norm or the optimizer reads them.
   // DM_STORE_FIRST_GRADS=0 (read once) zeroes the whole arena instead, to compare.
   void zero_grads() override {
