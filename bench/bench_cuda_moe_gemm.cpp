@@ -7,6 +7,9 @@
 //   bench_cuda_moe_gemm [--tokens 4096] [--top-k 6] [--experts 32] [--din 512] [--ffn 1024]
 //                       [--reps 20] [--only SUBSTRING]
 // --only: run only the products whose name contains SUBSTRING (e.g. dW, for a profiler).
+// A second table times the GLU's two places (moe.h moe_wgmma_fused_glu): the forward's gate and
+// up products + the element-wise GLU against the one kernel with the GLU in its epilogue, and the
+// backward's dh product + the GLU backward against the dh kernel that applies it (SiTU).
 // FLOP counted: rows products 2·R·K·N (dx has two), weight gradients 2·R·M·N.
 #include <algorithm>
 #include <cmath>
@@ -24,6 +27,7 @@
 #include "core/error.h"
 #include "cuda_bench_util.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_kernels.h"
@@ -239,6 +243,90 @@ int run(int argc, char** argv) {
     }
     cuda::moe_set_wgmma_overlap(false);
     row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");
+  }
+
+  // The GLU apart vs in the products' epilogues (SiTU, the gpu_1b activation). Outputs of the
+  // fused kernels checked against the separate passes' (relative RMS over h, and dg + du).
+  if (only.empty() || std::string("GLU").find(only) != std::string::npos) {
+    cuda::GluKernelParams act;
+    act.situ = true;
+    uint16_t* gate = arena.alloc<uint16_t>(size_t(R * F));
+    uint16_t* up = arena.alloc<uint16_t>(size_t(R * F));
+    uint16_t* h_separate = arena.alloc<uint16_t>(size_t(R * F));
+    uint16_t* h_fused = arena.alloc<uint16_t>(size_t(R * F));
+    auto forward_separate = [&] {
+      cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(x, w_gate, d_offsets, int(E), R, Din, F,
+                                                          gate, nullptr);
+      cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(x, w_up, d_offsets, int(E), R, Din, F, up,
+                                                          nullptr);
+      cuda::glu_forward(gate, up, h_separate, R * F, act);
+    };
+    auto forward_fused = [&] {  // g and u kept, as the training forward does
+      cuda::moe_detail::launch_grouped_gate_up_glu_wgmma(x, w_gate, w_up, d_offsets, int(E), R, Din,
+                                                         F, gate, up, h_fused, act, nullptr);
+    };
+    forward_separate();
+    forward_fused();
+    cuda_check(cudaDeviceSynchronize(), "GLU forward");
+    const double forward_err = rel_rms_device(h_fused, h_separate, size_t(R * F), true);
+    // Backward: from the (g, u) just computed; dh over a scratch, du over a copy of u.
+    uint16_t* up_copy = arena.alloc<uint16_t>(size_t(R * F));
+    uint16_t* dg_separate = arena.alloc<uint16_t>(size_t(R * F));
+    uint16_t* du_separate = arena.alloc<uint16_t>(size_t(R * F));
+    uint16_t* dg_fused = arena.alloc<uint16_t>(size_t(R * F));
+    auto backward_separate = [&] {
+      cuda::moe_detail::launch_grouped_rows_bf16_wgmma(dout, w_down, d_offsets, int(E), R, Din, F,
+                                                       dg_separate, nullptr);
+      cuda::glu_backward(gate, up, dg_separate, dg_separate, du_separate, R * F, act);
+    };
+    auto backward_fused = [&] {  // du over up_copy: refreshed before the check run only
+      cuda::moe_detail::launch_grouped_rows_glu_backward_wgmma(
+          dout, w_down, d_offsets, int(E), R, Din, F, gate, up_copy, dg_fused, act, nullptr);
+    };
+    cuda_check(cudaMemcpy(up_copy, up, size_t(R * F) * 2, cudaMemcpyDeviceToDevice), "copy");
+    backward_separate();
+    backward_fused();
+    cuda_check(cudaDeviceSynchronize(), "GLU backward");
+    const double dg_err = rel_rms_device(dg_fused, dg_separate, size_t(R * F), true);
+    const double du_err = rel_rms_device(up_copy, du_separate, size_t(R * F), true);
+    std::printf("\n| GLU | kernels | µs | rel RMS fused vs separate |\n|---|---|---:|---:|\n");
+    std::printf("| forward | gate, up products + GLU pass | %.1f | - |\n",
+                median_ms(forward_separate, reps) * 1e3);
+    std::printf("| forward | one product, GLU in its epilogue | %.1f | %.2e |\n",
+                median_ms(forward_fused, reps) * 1e3, forward_err);
+    // The parts of the separate forward: what the fused epilogue is measured against.
+    std::printf("| forward, part | gate, up products alone | %.1f | - |\n",
+                median_ms(
+                    [&] {
+                      cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(
+                          x, w_gate, d_offsets, int(E), R, Din, F, gate, nullptr);
+                      cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(
+                          x, w_up, d_offsets, int(E), R, Din, F, up, nullptr);
+                    },
+                    reps) *
+                    1e3);
+    std::printf(
+        "| forward, part | GLU pass alone | %.1f | - |\n",
+        median_ms([&] { cuda::glu_forward(gate, up, h_separate, R * F, act); }, reps) * 1e3);
+    std::printf("| backward | dh product + GLU backward pass | %.1f | - |\n",
+                median_ms(backward_separate, reps) * 1e3);
+    std::printf(
+        "| backward | dh product, GLU backward in its epilogue | %.1f | dg %.2e, du %.2e |\n",
+        median_ms(backward_fused, reps) * 1e3, dg_err, du_err);
+    std::printf("| backward, part | dh product alone | %.1f | - |\n",
+                median_ms(
+                    [&] {
+                      cuda::moe_detail::launch_grouped_rows_bf16_wgmma(
+                          dout, w_down, d_offsets, int(E), R, Din, F, dg_separate, nullptr);
+                    },
+                    reps) *
+                    1e3);
+    std::printf(
+        "| backward, part | GLU backward pass alone | %.1f | - |\n",
+        median_ms(
+            [&] { cuda::glu_backward(gate, up, dg_separate, dg_fused, du_separate, R * F, act); },
+            reps) *
+            1e3);
   }
   return 0;
 }

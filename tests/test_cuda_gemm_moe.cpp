@@ -10,6 +10,7 @@
 #if DELTAMOE_HAVE_CUDA
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -25,6 +26,7 @@
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/moe_backward.h"
 #include "test_util.h"
 #include "train/balance.h"
 
@@ -599,8 +601,11 @@ struct ExpertsCase {
   // y [N, Din] of moe_experts_forward on the GPU through `path`; host_offsets (optional) gets
   // the plan's offsets. GroupedOwn runs on a plan built without its host copy, as the layers
   // build it for that path.
+  // recompute: through moe_experts_recompute (the training forward: g and u kept beside h)
+  // instead of moe_experts_forward (h in place of g).
   std::vector<float> gpu(const GluActivation& act, cuda::MoeGemmPath path,
-                         std::vector<int64_t>* offsets_out = nullptr) const {
+                         std::vector<int64_t>* offsets_out = nullptr,
+                         bool recompute = false) const {
     cuda::GemmContext context;
     cuda::DeviceArena arena(size_t(64) << 20);
     std::vector<int64_t> host_offsets(static_cast<size_t>(E) + 1);
@@ -609,12 +614,18 @@ struct ExpertsCase {
     cuda::moe_dispatch_plan_build(upload(arena, idx), N, k, int(E), &plan, arena,
                                   host_plan ? host_offsets.data() : nullptr);
     if (!host_plan) host_offsets = download(plan.offsets, static_cast<size_t>(E) + 1);
-    cuda::ExpertWeightsBf16 ew{upload(arena, gate.bits), upload(arena, up.bits),
-                               upload(arena, down.bits), E, Din, F};
-    void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
+    cuda::ExpertWeightsBf16 ew{
+        upload(arena, gate.bits), upload(arena, up.bits), upload(arena, down.bits), E, Din, F};
     float* y = test::mla::alloc_poisoned<float>(arena, size_t(N * Din));
-    cuda::moe_experts_forward(context, upload(arena, x.bits), plan, upload(arena, w), ew, act, y,
-                              cuda::GemmOutType::F32, workspace, path);
+    if (recompute) {
+      void* workspace = arena.alloc_bytes(cuda::moe_experts_backward_workspace_bytes(N, k, ew));
+      cuda::moe_experts_recompute(context, upload(arena, x.bits), plan, upload(arena, w), ew, act,
+                                  y, workspace, path);
+    } else {
+      void* workspace = arena.alloc_bytes(cuda::moe_experts_forward_workspace_bytes(N, k, ew));
+      cuda::moe_experts_forward(context, upload(arena, x.bits), plan, upload(arena, w), ew, act, y,
+                                cuda::GemmOutType::F32, workspace, path);
+    }
     cuda::synchronize();
     if (offsets_out) *offsets_out = host_offsets;
     return download(y, size_t(N * Din));
@@ -674,8 +685,10 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
 }
 
 // Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default), its
-// overlapped schedule (DM_MOE_WGMMA_OVERLAP=1) and its output straight from the fragments
-// (DM_MOE_WGMMA_STAGED=0).
+// overlapped schedule (DM_MOE_WGMMA_OVERLAP=1), its output straight from the fragments
+// (DM_MOE_WGMMA_STAGED=0) and the gate and up products with the GLU apart (DM_MOE_GLU_FUSED=0;
+// fused, F = 136 is two 64-column tiles and a partial one of 8), each through the inference
+// forward (h over g) and the training one (g and u kept beside h).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
   const ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
@@ -685,22 +698,37 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   const std::vector<float> y_ref = c.reference(act);
   const bool wgmma_before = cuda::moe_grouped_wgmma(), overlap_before = cuda::moe_wgmma_overlap();
   const bool staged_before = cuda::moe_wgmma_staged_output();
-  for (int variant : {0, 1, 2, 3}) {  // mma.sync, wgmma, wgmma overlapped, wgmma unstaged
-    SCOPED_TRACE(str_cat("variant=", variant));
-    cuda::moe_set_grouped_wgmma(variant > 0);
-    cuda::moe_set_wgmma_overlap(variant == 2);
-    cuda::moe_set_wgmma_staged_output(variant != 3);
-    std::vector<int64_t> offsets;
-    const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets);
-    ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
-    ASSERT_EQ(offsets[8], offsets[6]);        // experts 6, 7 empty
-    ASSERT_TRUE(test::mla::all_finite(own));
-    EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
-    EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
-  }
+  const bool fused_before = cuda::moe_wgmma_fused_glu();
+  std::vector<float> fused, separate;
+  // mma.sync, wgmma (fused GLU), wgmma overlapped, wgmma unstaged, wgmma with the GLU apart
+  for (int variant : {0, 1, 2, 3, 4})
+    for (bool recompute : {false, true}) {
+      SCOPED_TRACE(str_cat("variant=", variant, " recompute=", recompute));
+      cuda::moe_set_grouped_wgmma(variant > 0);
+      cuda::moe_set_wgmma_overlap(variant == 2);
+      cuda::moe_set_wgmma_staged_output(variant != 3);
+      cuda::moe_set_wgmma_fused_glu(variant != 4);
+      std::vector<int64_t> offsets;
+      const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets, recompute);
+      ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
+      ASSERT_EQ(offsets[8], offsets[6]);        // experts 6, 7 empty
+      ASSERT_TRUE(test::mla::all_finite(own));
+      EXPECT_LE(test::rel_rms(own.data(), loop.data(), own.size()), 5e-3);
+      EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
+      if (variant == 1 && !recompute) fused = own;
+      if (variant == 4 && !recompute) separate = own;
+      // Keeping g and u changes what is stored, not what is computed.
+      if (variant == 1 && recompute) EXPECT_TRUE(own == fused) << "recompute vs forward";
+    }
+  // The fused epilogue rounds g and u to bf16 before the GLU as the separate pass reads them.
+  const double fused_vs_separate = test::rel_rms(fused.data(), separate.data(), fused.size());
+  std::printf("[CudaMoeExperts] fused GLU vs separate rel RMS %.3e (%s)\n", fused_vs_separate,
+              fused == separate ? "bitwise equal" : "not bitwise equal");
+  EXPECT_LE(fused_vs_separate, 1e-4);
   cuda::moe_set_grouped_wgmma(wgmma_before);
   cuda::moe_set_wgmma_overlap(overlap_before);
   cuda::moe_set_wgmma_staged_output(staged_before);
+  cuda::moe_set_wgmma_fused_glu(fused_before);
 }
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below

@@ -342,12 +342,16 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     // and with their row outputs stored straight from the fragments.
     const bool overlap_before = cuda::moe_wgmma_overlap();
     const bool staged_before = cuda::moe_wgmma_staged_output();
-    for (int variant : {0, 1, 2, 3})  // mma.sync, wgmma, wgmma overlapped, wgmma unstaged
+    const bool fused_before = cuda::moe_wgmma_fused_glu();
+    // mma.sync, wgmma (GroupedOwn's dh product with the GLU backward in its epilogue), wgmma
+    // overlapped, wgmma unstaged, wgmma with the GLU backward apart (DM_MOE_GLU_FUSED=0)
+    for (int variant : {0, 1, 2, 3, 4})
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
         SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " variant=", variant));
         cuda::moe_set_grouped_wgmma_backward(variant > 0);
         cuda::moe_set_wgmma_overlap(variant == 2);
         cuda::moe_set_wgmma_staged_output(variant != 3);
+        cuda::moe_set_wgmma_fused_glu(variant != 4);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;
@@ -438,6 +442,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     cuda::moe_set_grouped_wgmma_backward(rows_before);
     cuda::moe_set_wgmma_overlap(overlap_before);
     cuda::moe_set_wgmma_staged_output(staged_before);
+    cuda::moe_set_wgmma_fused_glu(fused_before);
   }
 }
 

@@ -14,6 +14,7 @@
 #include "ops/cuda/device.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/elementwise_storage.cuh"
+#include "ops/cuda/glu.cuh"
 #include "ops/cuda/pdl.cuh"
 
 namespace dm::cuda {
@@ -171,65 +172,29 @@ void glu_check(const GluKernelParams& p, const char* who) {
              ": SiTU-GLU needs beta1 > 0 and beta2 > 0, got ", p.beta1, ", ", p.beta2);
 }
 
-// One element of the GLU: h = a(g)·b(u) (SiTU: a = β1 tanh(g/β1) σ(g), b = β2 tanh(u/β2);
-// SwiGLU: a = g σ(g), b = u), and its gradients. Shared by the scalar and the 8-wide kernels so
-// both give the same bits.
-// The tanh arguments g/β1, u/β2 are taken as g·(1/β1), u·(1/β2) with the reciprocals formed once
-// per thread (glu_inverse_betas): an fp32 division per element and operand cost more issue
-// slots than the element's loads. (Exact for β1 = 4; within an ulp of the quotient otherwise.)
-struct GluInverseBetas {
-  float beta1, beta2;
-};
-__device__ __forceinline__ GluInverseBetas glu_inverse_betas(const GluKernelParams& p) {
-  return {1.0f / p.beta1, 1.0f / p.beta2};
-}
-
-__device__ __forceinline__ float glu_value(float gate, float up, const GluKernelParams& p,
-                                           const GluInverseBetas& inv) {
-  const float sig = sigmoid_f32(gate);
-  return p.situ ? (p.beta1 * tanhf(gate * inv.beta1) * sig) * (p.beta2 * tanhf(up * inv.beta2))
-                : gate * sig * up;
-}
-
-__device__ __forceinline__ void glu_grads(float gate, float up, float d_h,
-                                          const GluKernelParams& p, const GluInverseBetas& inv,
-                                          float& d_gate, float& d_up) {
-  const float sig = sigmoid_f32(gate);
-  const float sig_complement = sigmoid_f32(-gate);  // 1 − σ(g) without cancellation
-  if (p.situ) {
-    const float tanh_g = tanhf(gate * inv.beta1), tanh_u = tanhf(up * inv.beta2);
-    const float gate_half = p.beta1 * tanh_g * sig;
-    const float up_half = p.beta2 * tanh_u;
-    // a'(g) = (1 − tanh²(g/β1))σ(g) + β1 tanh(g/β1) σ(g)(1 − σ(g)); b'(u) = 1 − tanh²(u/β2)
-    d_gate = d_h * ((1.0f - tanh_g * tanh_g) * sig + gate_half * sig_complement) * up_half;
-    d_up = d_h * gate_half * (1.0f - tanh_u * tanh_u);
-  } else {
-    d_gate = d_h * up * sig * (1.0f + gate * sig_complement);  // SiLU'(g) = σ(1 + g(1 − σ))
-    d_up = d_h * gate * sig;
-  }
-}
-
 template <typename Storage>
 __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* h, int64_t n,
                                    GluKernelParams p) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  constexpr bool kBf16 = std::is_same_v<Storage, uint16_t>;  // glu.cuh's fast arithmetic
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(h, i, glu_value(load_as_float(g, i), load_as_float(u, i), p, inv));
+    store_from_float(h, i, glu_value<kBf16>(load_as_float(g, i), load_as_float(u, i), p, inv));
 }
 
 template <typename Storage>
 __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const Storage* dh,
                                     Storage* dg, Storage* du, int64_t n, GluKernelParams p) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  constexpr bool kBf16 = std::is_same_v<Storage, uint16_t>;  // glu.cuh's fast arithmetic
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     // Every input of element i is read before dg[i] / du[i] are written: aliasing is safe.
     float d_gate, d_up;
-    glu_grads(load_as_float(g, i), load_as_float(u, i), load_as_float(dh, i), p, inv, d_gate,
-              d_up);
+    glu_grads<kBf16>(load_as_float(g, i), load_as_float(u, i), load_as_float(dh, i), p, inv, d_gate,
+                     d_up);
     store_from_float(dg, i, d_gate);
     store_from_float(du, i, d_up);
   }
@@ -238,36 +203,13 @@ __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const St
 // bf16 with n % 8 == 0 and 16-byte aligned pointers: 8 elements per thread per step, one 16-byte
 // load per operand. The scalar kernels above issued a 2-byte load per operand and element and
 // ran at ~1.2 TB/s (114 µs forward, 147 µs backward for 4096 × 5632 on the H200).
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(words[i] << 16);
-    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint32_t words[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    words[i] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i]))) |
-               (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i + 1]))) << 16);
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
-
 __global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4* h, int64_t n8,
                                           GluKernelParams p) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
-    float gate[8], up[8], value[8];
-    unpack8(g[i], gate);
-    unpack8(u[i], up);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) value[e] = glu_value(gate[e], up[e], p, inv);
-    h[i] = pack8(value);
+    h[i] = glu_forward_bf16x8(g[i], u[i], p, inv);
   }
 }
 
@@ -277,14 +219,11 @@ __global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
-    float gate[8], up[8], d_h[8], d_gate[8], d_up[8];
-    unpack8(g[i], gate);
-    unpack8(u[i], up);
-    unpack8(dh[i], d_h);  // every input read before dg / du are written: aliasing is safe
-#pragma unroll
-    for (int e = 0; e < 8; ++e) glu_grads(gate[e], up[e], d_h[e], p, inv, d_gate[e], d_up[e]);
-    dg[i] = pack8(d_gate);
-    du[i] = pack8(d_up);
+    // every input of element group i is read before dg[i] / du[i] are written: aliasing is safe
+    uint4 d_gate, d_up;
+    glu_backward_bf16x8(g[i], u[i], dh[i], p, inv, d_gate, d_up);
+    dg[i] = d_gate;
+    du[i] = d_up;
   }
 }
 

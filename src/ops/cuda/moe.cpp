@@ -229,9 +229,19 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
       else
         launch_grouped_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
     };
-    product(b.x_sorted, b.gate_w, Din, F, b.gate_out);
-    product(b.x_sorted, b.up_w, Din, F, b.up_out);
-    glu_forward(b.gate_out, b.up_out, h, rows * F, act, stream);
+    // In place (h = gate_out: nothing keeps g and u), the fused kernel writes h alone.
+    const bool in_place = h == b.gate_out;
+    uint16_t* keep_gate = in_place ? nullptr : b.gate_out;
+    uint16_t* keep_up = in_place ? nullptr : b.up_out;
+    if (!few && moe_grouped_wgmma() && moe_wgmma_fused_glu() &&
+        grouped_gate_up_glu_applies(F, keep_gate, keep_up, h)) {
+      launch_grouped_gate_up_glu_wgmma(b.x_sorted, b.gate_w, b.up_w, plan.offsets, E, rows, Din, F,
+                                       keep_gate, keep_up, h, glu_kernel_params(act), stream);
+    } else {
+      product(b.x_sorted, b.gate_w, Din, F, b.gate_out);
+      product(b.x_sorted, b.up_w, Din, F, b.up_out);
+      glu_forward(b.gate_out, b.up_out, h, rows * F, act, stream);
+    }
     product(h, b.down_w, F, Din, b.expert_out);
     return;
   }
@@ -282,11 +292,20 @@ std::atomic<bool>& wgmma_overlap_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_OVERLAP", false)};
   return on;
 }
+std::atomic<bool>& wgmma_fused_glu_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_GLU_FUSED", false)};
+  return on;
+}
 std::atomic<bool>& wgmma_staged_output_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_STAGED", true)};
   return on;
 }
 }  // namespace
+
+bool moe_wgmma_fused_glu() { return wgmma_fused_glu_setting().load(std::memory_order_relaxed); }
+void moe_set_wgmma_fused_glu(bool on) {
+  wgmma_fused_glu_setting().store(on, std::memory_order_relaxed);
+}
 
 bool moe_wgmma_staged_output() {
   return wgmma_staged_output_setting().load(std::memory_order_relaxed);

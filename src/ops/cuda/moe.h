@@ -152,6 +152,17 @@ void moe_set_wgmma_overlap(bool on);
 // 92.8 to 73.4 us and down from 76.9 to 66.9 us.
 bool moe_wgmma_staged_output();
 void moe_set_wgmma_staged_output(bool on);
+// The GLU inside the wgmma expert products (off by default; env DM_MOE_GLU_FUSED=1 turns it on):
+// the forward's gate and up products as one kernel whose epilogue writes h = act(g, u), and the
+// backward's dh product whose epilogue applies the GLU backward (moe_kernels.h
+// launch_grouped_gate_up_glu_wgmma, launch_grouped_rows_glu_backward_wgmma), instead of the
+// separate element-wise GLU passes. Same values bitwise. Off because it did not pay on an H200
+// (gpu_1b layer, 24576 rows, 32 experts, bench_cuda_moe_gemm --only GLU): forward 186.2 -> 180.7
+// us, but backward 145.5 -> 159.4 us (the GLU epilogue does not overlap the MMAs at 2 CTAs/SM),
+// and the gpu_1b train step 88.3-88.9 ms separate vs 88.6-89.2 ms fused. Process-wide; the setter
+// is for tests and benchmarks.
+bool moe_wgmma_fused_glu();
+void moe_set_wgmma_fused_glu(bool on);
 // Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
 // C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
 // warpgroup, one tile; transposed: 0 = both operands K-major in shared memory, 1 = B MN-major,

@@ -195,6 +195,9 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   // grads.store: the gradients hold garbage and the first product stores. Our grouped kernels do
   // that themselves; the cuBLAS products (loop, or Grouped with cuBLAS dW) accumulate onto zeros.
   const bool store = grads.store && ours;
+  // GroupedOwn's dh product applies the GLU backward in its epilogue (moe_wgmma_fused_glu).
+  const bool fused_glu = own && moe_grouped_wgmma_backward() && moe_wgmma_fused_glu() &&
+                         moe_detail::grouped_rows_glu_backward_applies(F, buf.h, buf.gate, buf.up);
   if (grads.store && !ours)
     for (float* g : {grads.gate, grads.up, grads.down})
       if (g) fill_zero_async(g, size_t(ew.E * F * Din) * sizeof(float), stream);
@@ -202,8 +205,15 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
     if (grads.down)
       grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream,
                           store);
-    // dh [R, F] = dout_e [n_e, Din]·W_down_e [Din, F], written over h (queued after dW_down).
-    grouped_rows_bf16(dout, ew.down, plan.offsets, int(ew.E), rows, Din, F, buf.h, stream);
+    // dh [R, F] = dout_e [n_e, Din]·W_down_e [Din, F], written over h (queued after dW_down);
+    // with the fused GLU, its epilogue writes dg there and du over u.
+    if (fused_glu) {
+      moe_detail::launch_grouped_rows_glu_backward_wgmma(dout, ew.down, plan.offsets, int(ew.E),
+                                                         rows, Din, F, buf.gate, buf.up, buf.h,
+                                                         glu_kernel_params(act), stream);
+    } else {
+      grouped_rows_bf16(dout, ew.down, plan.offsets, int(ew.E), rows, Din, F, buf.h, stream);
+    }
   } else if (grouped) {
     // dW_down has an fp32 C, which cuBLAS' grouped GEMM does not take with bf16 A/B: every
     // expert's in one launch of our grouped kernel, queued before the dh GEMMs overwrite h; then
@@ -241,7 +251,7 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
     }
   }
   // (dg, du) = GLU backward at the recomputed (g, u): dg over dh, du over u.
-  glu_backward(buf.gate, buf.up, buf.h, buf.h, buf.up, rows * F, act, stream);
+  if (!fused_glu) glu_backward(buf.gate, buf.up, buf.h, buf.h, buf.up, rows * F, act, stream);
   const uint16_t* dg = buf.h;
   const uint16_t* du = buf.up;
 

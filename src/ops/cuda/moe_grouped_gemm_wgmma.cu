@@ -27,6 +27,7 @@
 
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/glu.cuh"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
@@ -47,11 +48,13 @@ constexpr int kStageBytes = 2 * kTileBytes;       // A rows, then W rows
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the ring to 1 KB
 static_assert(kTileN * kRowBytes == kTileBytes, "A and W tiles have the same shape");
 
-// Rows [row0, row_end) (≤ 128) of a row-major bf16 matrix with row length K, 64 k a step, into a
-// swizzled [128][64] tile: the thread owns 16-byte chunk c = tid % 8 of tile rows tid / 8 + 32i,
-// i < 4. Rows at or past row_end and k at or past K are zero-filled. (r + 32i) mod 8 = r mod 8,
-// so the swizzled chunk is the same for the thread's four rows.
+// Rows [row0, row_end) (≤ 32·kGroups) of a row-major bf16 matrix with row length K, 64 k a step,
+// into a swizzled [32·kGroups][64] tile: the thread owns 16-byte chunk c = tid % 8 of tile rows
+// tid / 8 + 32i, i < kGroups. Rows at or past row_end and k at or past K are zero-filled.
+// (r + 32i) mod 8 = r mod 8, so the swizzled chunk is the same for all of the thread's rows.
+template <int kGroups = 4>
 struct SwizzledRowsCopy {
+  static constexpr int kRows = 32 * kGroups;
   int64_t offset;     // elements from the matrix to this thread's first chunk of the next step
   int rows_left;      // rows from this thread's first row to row_end
   int k_left;         // K − this thread's first k of the next step
@@ -61,7 +64,7 @@ struct SwizzledRowsCopy {
     const int r = threadIdx.x / 8, c = threadIdx.x % 8;
     offset = (row0 + r) * K + c * 8;
     const int64_t rows = row_end - row0 - r;
-    rows_left = int(rows < kTileM ? rows : kTileM);
+    rows_left = int(rows < kRows ? rows : kRows);
     k_left = int(K < (int64_t(1) << 30) ? K : (int64_t(1) << 30)) - c * 8;
     smem_off = uint32_t(r * kRowBytes + ((c ^ (r & 7)) << 4));
   }
@@ -69,7 +72,7 @@ struct SwizzledRowsCopy {
     const __nv_bfloat16* src = M + offset;
     const bool k_ok = k_left > 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kGroups; ++i) {
       const bool valid = k_ok && i * 32 < rows_left;
       cp_async_16(tile + smem_off + i * 32 * kRowBytes, valid ? src : M, valid);
       src += 32 * K;
@@ -105,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));
   uint8_t* ring = wgmma_smem_raw + (((raw + 1023u) & ~1023u) - raw);
   const __nv_bfloat16* W_e = W + int64_t(e) * N * K;
-  SwizzledRowsCopy a_copy(K, row0, row0 + tile_rows);
-  SwizzledRowsCopy w_copy(K, n0, N);  // rows n0 … n0 + 127 of W_e; rows at or past N zero
+  SwizzledRowsCopy<> a_copy(K, row0, row0 + tile_rows);
+  SwizzledRowsCopy<> w_copy(K, n0, N);  // rows n0 … n0 + 127 of W_e; rows at or past N zero
   const int group = threadIdx.x / 128;
   float acc[64];
 #pragma unroll
@@ -164,6 +167,89 @@ __global__ void __launch_bounds__(kThreads, 2)
       *reinterpret_cast<__nv_bfloat162*>(Y + (row0 + r) * N + col) =
           __floats2bfloat162_rn(acc[j], acc[j + 1]);
     }
+  }
+}
+
+// The gate and up products with the GLU in their epilogue (launch_grouped_gate_up_glu_wgmma):
+// a CTA's B tile is 64 rows of W_gate_e (columns n0 … n0 + 63 of F) over 64 rows of W_up_e (the
+// same columns), so its 128 × 128 accumulator holds g (tile columns 0–63) and u (64–127) of the
+// same 64 columns. The tile goes through shared memory as bf16 (the rounding the separate
+// products store), and the store phase reads g and u of one 16-byte piece each, writes
+// h = act(g, u) (glu.cuh, the element-wise kernel's function) and, where the backward keeps
+// them, g and u. The separate GLU pass read g and u back from HBM and wrote h: 3 × R·F·2 bytes
+// and a launch per layer.
+constexpr int kGluCols = 64;  // columns of F a CTA covers (g and u: the 128 B rows)
+
+template <bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 2)
+    grouped_gate_up_glu_wgmma_kernel(const __nv_bfloat16* __restrict__ A,
+                                     const __nv_bfloat16* __restrict__ W_gate,
+                                     const __nv_bfloat16* __restrict__ W_up,
+                                     const int64_t* __restrict__ offsets, int E, int64_t K,
+                                     int64_t F, __nv_bfloat16* gate_out, __nv_bfloat16* up_out,
+                                     __nv_bfloat16* h, GluKernelParams act) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  GroupedRowTile tile;
+  if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
+  const int e = tile.expert, tile_rows = tile.rows;
+  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kGluCols;
+  extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));
+  uint8_t* ring = wgmma_smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const int64_t expert_offset = int64_t(e) * F * K;
+  SwizzledRowsCopy<> a_copy(K, row0, row0 + tile_rows);
+  SwizzledRowsCopy<2> gate_copy(K, n0, F), up_copy(K, n0, F);  // 64 rows each, past F zero
+  const int group = threadIdx.x / 128;
+  float acc[64];
+#pragma unroll
+  for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+
+  const int k_steps = int((K + kTileK - 1) / kTileK);
+  auto load = [&](int, int slot) {
+    uint8_t* stage = ring + slot * kStageBytes;
+    a_copy.issue(stage, A, K);
+    gate_copy.issue(stage + kTileBytes, W_gate + expert_offset, K);
+    up_copy.issue(stage + kTileBytes + kGluCols * kRowBytes, W_up + expert_offset, K);
+  };
+  auto multiply = [&](int slot) {
+    const uint8_t* stage = ring + slot * kStageBytes;
+    const uint8_t* a_rows = stage + group * 64 * kRowBytes;
+    const uint8_t* w_rows = stage + kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kTileK / 16; ++kk)
+      wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
+                                 wgmma::smem_desc_sw128(w_rows + kk * 32), true);
+  };
+  wgmma::ring_pipeline<kStages, kOverlap>(k_steps, load, multiply);
+
+  // The tile as bf16 into the ring (rows kStagedRowBytes apart, as grouped_rows_nk's epilogue).
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  __syncthreads();  // both warpgroups are done with the ring
+#pragma unroll
+  for (int j = 0; j < 64; j += 2) {
+    const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+    const int c = 8 * (j / 4) + 2 * (lane % 4);
+    *reinterpret_cast<__nv_bfloat162*>(ring + r * kStagedRowBytes + c * 2) =
+        __floats2bfloat162_rn(acc[j], acc[j + 1]);
+  }
+  __syncthreads();
+  // 8 pieces of 8 columns a row: thread t takes piece t % 8 of rows t / 8 + 32i; g at byte
+  // 16·piece of the staged row, u 128 bytes further.
+  const GluInverseBetas inv = glu_inverse_betas(act);
+  const int piece = threadIdx.x % 8;
+  const int64_t col = n0 + 8 * piece;
+  if (col >= F) return;
+#pragma unroll
+  for (int i = 0; i < kTileM / 32; ++i) {
+    const int r = threadIdx.x / 8 + 32 * i;
+    if (r >= tile_rows) break;
+    const uint8_t* staged = ring + r * kStagedRowBytes + piece * 16;
+    const uint4 g = *reinterpret_cast<const uint4*>(staged);
+    const uint4 u = *reinterpret_cast<const uint4*>(staged + kGluCols * 2);
+    const int64_t at = (row0 + r) * F + col;
+    if (gate_out != nullptr) *reinterpret_cast<uint4*>(gate_out + at) = g;
+    if (up_out != nullptr) *reinterpret_cast<uint4*>(up_out + at) = u;
+    *reinterpret_cast<uint4*>(h + at) = glu_forward_bf16x8(g, u, act, inv);
   }
 }
 
@@ -238,6 +324,38 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
              reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const __nv_bfloat16*>(A),
              reinterpret_cast<const __nv_bfloat16*>(W), offsets, E, K, N,
              reinterpret_cast<__nv_bfloat16*>(Y));
+  DM_CUDA_CHECK(cudaGetLastError());
+}
+
+bool grouped_gate_up_glu_applies(int64_t F, const void* gate_out, const void* up_out,
+                                 const void* h) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return F % 8 == 0 && aligned(gate_out) && aligned(up_out) && aligned(h);
+}
+
+void launch_grouped_gate_up_glu_wgmma(const uint16_t* A, const uint16_t* W_gate,
+                                      const uint16_t* W_up, const int64_t* offsets, int E,
+                                      int64_t R, int64_t K, int64_t F, uint16_t* gate_out,
+                                      uint16_t* up_out, uint16_t* h, const GluKernelParams& act,
+                                      CUstream_st* stream) {
+  DM_CHECK(grouped_gate_up_glu_applies(F, gate_out, up_out, h) && h != nullptr,
+           "launch_grouped_gate_up_glu_wgmma: F = ", F,
+           " (a multiple of 8) and 16-byte aligned outputs");
+  if (E <= 0 || R <= 0 || F <= 0) return;
+  auto kernel = moe_wgmma_overlap() ? grouped_gate_up_glu_wgmma_kernel<true>
+                                    : grouped_gate_up_glu_wgmma_kernel<false>;
+  DM_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared)));
+  const dim3 rows_grid = grouped_rows_grid(R, E, F);
+  const dim3 grid(unsigned((F + kGluCols - 1) / kGluCols), rows_grid.y);
+  launch_pdl(kernel, grid, kThreads, kSmemBytes, reinterpret_cast<cudaStream_t>(stream),
+             reinterpret_cast<const __nv_bfloat16*>(A),
+             reinterpret_cast<const __nv_bfloat16*>(W_gate),
+             reinterpret_cast<const __nv_bfloat16*>(W_up), offsets, E, K, F,
+             reinterpret_cast<__nv_bfloat16*>(gate_out), reinterpret_cast<__nv_bfloat16*>(up_out),
+             reinterpret_cast<__nv_bfloat16*>(h), act);
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -7,6 +7,10 @@
 
 struct CUstream_st;
 
+namespace dm::cuda {
+struct GluKernelParams;  // elementwise.h
+}
+
 namespace dm::cuda::moe_detail {
 
 struct RouteProblem {
@@ -98,6 +102,27 @@ void launch_grouped_rows_f32_wgmma(const uint16_t* A1, const uint16_t* B1, const
 void launch_grouped_rows_bf16_wgmma(const uint16_t* A, const uint16_t* B, const int64_t* offsets,
                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                     CUstream_st* stream);
+// The forward's gate and up products with the GLU in their epilogue (moe_grouped_gemm_wgmma.cu):
+// g = A·W_gate_eᵀ and u = A·W_up_eᵀ rounded to bf16 as launch_grouped_rows_nk_bf16_wgmma stores
+// them, h = act(g, u) (glu.cuh) [R, F] bf16; gate_out / up_out receive g and u where not nullptr
+// (the backward keeps them), h must not alias them. Needs grouped_gate_up_glu_applies (F a
+// multiple of 8, 16-byte aligned outputs); grid (ceil(F / 64), the row tiles).
+bool grouped_gate_up_glu_applies(int64_t F, const void* gate_out, const void* up_out,
+                                 const void* h);
+void launch_grouped_gate_up_glu_wgmma(const uint16_t* A, const uint16_t* W_gate,
+                                      const uint16_t* W_up, const int64_t* offsets, int E,
+                                      int64_t R, int64_t K, int64_t F, uint16_t* gate_out,
+                                      uint16_t* up_out, uint16_t* h, const GluKernelParams& act,
+                                      CUstream_st* stream);
+// The backward's dh product with the GLU backward in its epilogue: dh = A_e·B_e as
+// launch_grouped_rows_bf16_wgmma (rounded to bf16), then (dg, du) = glu_backward(g, u, dh):
+// dg [R, N] written to dg, du over up. Needs grouped_rows_glu_backward_applies.
+bool grouped_rows_glu_backward_applies(int64_t N, const void* Y, const void* gate, const void* up);
+void launch_grouped_rows_glu_backward_wgmma(const uint16_t* A, const uint16_t* B,
+                                            const int64_t* offsets, int E, int64_t R, int64_t K,
+                                            int64_t N, const uint16_t* gate, uint16_t* up,
+                                            uint16_t* dg, const GluKernelParams& act,
+                                            CUstream_st* stream);
 // store (weight gradient only): C_e = A_eᵀ·B_e instead of +=, C not read, and an expert without
 // rows gets C_e = 0: the first product into gradients the step has not zeroed (DeviceParamArena
 // store-first ranges).
