@@ -1,7 +1,8 @@
 // GPU benchmark of the grouped expert GEMMs of one MoE layer's training step (moe_kernels.h), at
 // the gpu_1b shape by default: 4096 tokens × top-6 over 32 experts (24576 rows, uneven like a
 // random router), Din 512, F 1024. One row per product and kernel: the mma.sync kernels, the
-// warpgroup-MMA ones in both schedules (moe.h moe_wgmma_overlap), and, as the ceiling, one
+// warpgroup-MMA ones in both schedules (moe.h moe_wgmma_overlap), the forward's 128 × 256-tile
+// versions (moe.h moe_wgmma_wide) in both, and, as the ceiling, one
 // dense cuBLASLt GEMM of the same total size. CUDA-event timing, median of --reps runs; each wgmma
 // result is also checked against the mma.sync one (relative RMS).
 //   bench_cuda_moe_gemm [--tokens 4096] [--top-k 6] [--experts 32] [--din 512] [--ffn 1024]
@@ -138,6 +139,7 @@ int run(int argc, char** argv) {
     size_t out_elems;
     std::function<void(bool wgmma, void* out)> run;
     std::function<void()> dense;  // the same FLOPs as one cuBLASLt GEMM
+    std::function<void(void* out)> wide = nullptr;  // the 128 × 256-tile wgmma kernel, if any
   };
   const double rows = double(R);
   std::vector<Product> products = {
@@ -150,6 +152,10 @@ int run(int argc, char** argv) {
        [&] {
          gemm.gemm_bf16(false, true, R, F, Din, 1.0f, x, Din, w_gate, Din, 0.0f, out_bf16,
                         cuda::GemmOutType::Bf16, F);
+       },
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(
+             x, w_gate, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), nullptr);
        }},
       {"fwd down (h·W_downᵀ)", 2 * rows * F * Din, true, size_t(R * Din),
        [&](bool w, void* o) {
@@ -160,6 +166,10 @@ int run(int argc, char** argv) {
        [&] {
          gemm.gemm_bf16(false, true, R, Din, F, 1.0f, h, F, w_down, F, 0.0f, out_bf16,
                         cuda::GemmOutType::Bf16, Din);
+       },
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(
+             h, w_down, d_offsets, int(E), R, F, Din, static_cast<uint16_t*>(o), nullptr);
        }},
       {"bwd dh (dout·W_down)", 2 * rows * Din * F, true, size_t(R * F),
        [&](bool w, void* o) {
@@ -240,6 +250,17 @@ int run(int argc, char** argv) {
       cuda::moe_set_wgmma_overlap(overlap == 1);
       row(overlap ? "wgmma, overlapped schedule" : "wgmma",
           median_ms([&] { p.run(true, out); }, reps), err[overlap]);
+    }
+    // The 128 × 256 tiles (moe.h moe_wgmma_wide), both schedules: checked, then timed.
+    for (int overlap = 0; p.wide && overlap < 2; ++overlap) {
+      cuda::moe_set_wgmma_overlap(overlap == 1);
+      p.wide(out);
+      cuda_check(cudaDeviceSynchronize(), "wgmma wide");
+      char wide_err[32];
+      std::snprintf(wide_err, sizeof(wide_err), "%.2e",
+                    rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+      row(overlap ? "wgmma 128 × 256, overlapped schedule" : "wgmma 128 × 256",
+          median_ms([&] { p.wide(out); }, reps), wide_err);
     }
     cuda::moe_set_wgmma_overlap(false);
     row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");

@@ -27,6 +27,7 @@
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_backward.h"
+#include "ops/cuda/moe_kernels.h"
 #include "test_util.h"
 #include "train/balance.h"
 
@@ -684,10 +685,66 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
   }
 }
 
+// The 128 × 256-tile forward product (launch_grouped_rows_nk_bf16_wgmma_wide, DM_MOE_WGMMA_WIDE)
+// against the 128 × 128 one and a double-precision reference: three column tiles of 256 with a
+// partial last one (N = 520), a K tail (200 = 3·64 + 8), experts of 150, 0, 270, 10 and 270 rows
+// (partial row tiles, an empty expert), both schedules. Each output element sums the same bf16
+// products in the same k16 order, so the two kernels should agree to the bit.
+TEST(CudaMoeExperts, WideTilesMatchNarrowTiles) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t R = 700, K = 200, N = 520;
+  const int E = 5;
+  const std::vector<int64_t> offsets = {0, 150, 150, 420, 430, 700};
+  const Bf16Host a = random_bf16(size_t(R * K), 401);
+  const Bf16Host w = random_bf16(size_t(E * N * K), 402, 1.0f / std::sqrt(float(K)));
+  std::vector<double> ref(size_t(R * N));
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = offsets[size_t(e)]; r < offsets[size_t(e) + 1]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        double sum = 0.0;
+        for (int64_t k = 0; k < K; ++k)
+          sum +=
+              double(a.values[size_t(r * K + k)]) * double(w.values[size_t((e * N + n) * K + k)]);
+        ref[size_t(r * N + n)] = sum;
+      }
+  cuda::DeviceArena arena(size_t(16) << 20);
+  const uint16_t* a_dev = upload(arena, a.bits);
+  const uint16_t* w_dev = upload(arena, w.bits);
+  const int64_t* offsets_dev = upload(arena, offsets);
+  const bool overlap_before = cuda::moe_wgmma_overlap();
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(str_cat("overlap=", overlap));
+    cuda::moe_set_wgmma_overlap(overlap);
+    uint16_t* narrow = test::mla::alloc_poisoned<uint16_t>(arena, size_t(R * N));
+    uint16_t* wide = test::mla::alloc_poisoned<uint16_t>(arena, size_t(R * N));
+    ASSERT_TRUE(cuda::moe_detail::grouped_rows_wide_applies(N, wide));
+    cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(a_dev, w_dev, offsets_dev, E, R, K, N,
+                                                        narrow, nullptr);
+    cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(a_dev, w_dev, offsets_dev, E, R, K, N,
+                                                             wide, nullptr);
+    cuda::synchronize();
+    const std::vector<uint16_t> narrow_bits = download(narrow, size_t(R * N));
+    const std::vector<uint16_t> wide_bits = download(wide, size_t(R * N));
+    std::vector<float> wide_values(wide_bits.size()), ref_values(ref.size());
+    for (size_t i = 0; i < wide_bits.size(); ++i) wide_values[i] = bf16_to_f32(wide_bits[i]);
+    for (size_t i = 0; i < ref.size(); ++i) ref_values[i] = float(ref[i]);
+    ASSERT_TRUE(test::mla::all_finite(wide_values));
+    EXPECT_LE(test::rel_rms(wide_values.data(), ref_values.data(), ref.size()), 5e-3);
+    size_t differing = 0;
+    for (size_t i = 0; i < wide_bits.size(); ++i) differing += wide_bits[i] != narrow_bits[i];
+    EXPECT_EQ(differing, 0u) << "of " << wide_bits.size() << " outputs";
+  }
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(
+                   a_dev, w_dev, offsets_dev, E, R, K, 518, nullptr, nullptr),
+               Error);
+  cuda::moe_set_wgmma_overlap(overlap_before);
+}
+
 // Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default), its
 // overlapped schedule (DM_MOE_WGMMA_OVERLAP=1), its output straight from the fragments
-// (DM_MOE_WGMMA_STAGED=0) and the gate and up products with the GLU apart (DM_MOE_GLU_FUSED=0;
-// fused, F = 136 is two 64-column tiles and a partial one of 8), each through the inference
+// (DM_MOE_WGMMA_STAGED=0), the gate and up products with the GLU apart (DM_MOE_GLU_FUSED=0;
+// fused, F = 136 is two 64-column tiles and a partial one of 8) and those on 128 × 256 tiles
+// (DM_MOE_WGMMA_WIDE=1), each through the inference
 // forward (h over g) and the training one (g and u kept beside h).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
@@ -700,14 +757,17 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   const bool staged_before = cuda::moe_wgmma_staged_output();
   const bool fused_before = cuda::moe_wgmma_fused_glu();
   std::vector<float> fused, separate;
-  // mma.sync, wgmma (fused GLU), wgmma overlapped, wgmma unstaged, wgmma with the GLU apart
-  for (int variant : {0, 1, 2, 3, 4})
+  const bool wide_before = cuda::moe_wgmma_wide();
+  // mma.sync, wgmma (fused GLU), wgmma overlapped, wgmma unstaged, wgmma with the GLU apart,
+  // wgmma with the GLU apart on 128 × 256 tiles
+  for (int variant : {0, 1, 2, 3, 4, 5})
     for (bool recompute : {false, true}) {
       SCOPED_TRACE(str_cat("variant=", variant, " recompute=", recompute));
       cuda::moe_set_grouped_wgmma(variant > 0);
       cuda::moe_set_wgmma_overlap(variant == 2);
       cuda::moe_set_wgmma_staged_output(variant != 3);
-      cuda::moe_set_wgmma_fused_glu(variant != 4);
+      cuda::moe_set_wgmma_fused_glu(variant < 4);
+      cuda::moe_set_wgmma_wide(variant == 5);
       std::vector<int64_t> offsets;
       const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets, recompute);
       ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
@@ -717,6 +777,7 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
       EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
       if (variant == 1 && !recompute) fused = own;
       if (variant == 4 && !recompute) separate = own;
+      if (variant == 5 && !recompute) EXPECT_TRUE(own == separate) << "wide vs narrow tiles";
       // Keeping g and u changes what is stored, not what is computed.
       if (variant == 1 && recompute) EXPECT_TRUE(own == fused) << "recompute vs forward";
     }
@@ -729,6 +790,7 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   cuda::moe_set_wgmma_overlap(overlap_before);
   cuda::moe_set_wgmma_staged_output(staged_before);
   cuda::moe_set_wgmma_fused_glu(fused_before);
+  cuda::moe_set_wgmma_wide(wide_before);
 }
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below

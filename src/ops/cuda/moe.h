@@ -152,6 +152,14 @@ void moe_set_wgmma_overlap(bool on);
 // 92.8 to 73.4 us and down from 76.9 to 66.9 us.
 bool moe_wgmma_staged_output();
 void moe_set_wgmma_staged_output(bool on);
+// The forward's wgmma expert products with 128 × 256 tiles at one CTA per SM
+// (launch_grouped_rows_nk_bf16_wgmma_wide) instead of 128 × 128 at two: 85 instead of 64 MMA
+// flops per operand byte loaded. Env DM_MOE_WGMMA_WIDE (0 / 1, default 0); same output bits
+// either way. Off: on an H200 (bench_cuda_moe_gemm, 24576 rows) it moved the gate product 73.4 ->
+// 70.7 us and down 66.2 -> 63.4 only with the overlapped schedule (78.9 / 74.2 without), and the
+// gpu_1b train step not at all (88.4-88.6 ms either way): the operand bytes are not the limit.
+bool moe_wgmma_wide();
+void moe_set_wgmma_wide(bool on);
 // The GLU inside the wgmma expert products (off by default; env DM_MOE_GLU_FUSED=1 turns it on):
 // the forward's gate and up products as one kernel whose epilogue writes h = act(g, u), and the
 // backward's dh product whose epilogue applies the GLU backward (moe_kernels.h

@@ -253,6 +253,85 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// The wide version of grouped_rows_nk_bf16_wgmma_kernel (moe_wgmma_wide, moe.h): a 128 × 256
+// output tile, each warpgroup 64 rows × 256 columns (m64n256k16, 128 fp32 accumulators a
+// thread), 4 stages of 48 KB (A [128][64], then W [256][64]), one CTA per SM. Why: the 128 × 128
+// tile loads 512 bytes of operands per k for 32 K flops (64 flop/byte), which at the ~5.4 TB/s
+// the L2 feeds the SMs caps it near 350 TFLOP/s (it measured 346–388 where cuBLASLt's bigger
+// tiles reach 469–513 on the same shapes); 128 × 256 loads 768 bytes for 64 K flops (85 flop/byte).
+// Same schedule (wgmma_pipeline.cuh), same zero-filled edges and output rounding; the staged
+// output is always used (N % 8 == 0, Y 16-byte aligned: grouped_rows_wide_applies).
+constexpr int kWideN = 256, kWideStages = 4;
+constexpr int kWideStageBytes = kTileBytes + 2 * kTileBytes;  // A rows, then 256 W rows
+constexpr int kWideSmemBytes = kWideStages * kWideStageBytes + 1024;
+constexpr int kWideStagedRowBytes = kWideN * 2 + 16;
+static_assert(kTileM * kWideStagedRowBytes <= kWideStages * kWideStageBytes, "tile fits the ring");
+
+template <bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_rows_nk_bf16_wgmma_wide_kernel(const __nv_bfloat16* __restrict__ A,
+                                           const __nv_bfloat16* __restrict__ W,
+                                           const int64_t* __restrict__ offsets, int E, int64_t K,
+                                           int64_t N, __nv_bfloat16* __restrict__ Y) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  GroupedRowTile tile;
+  if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
+  const int e = tile.expert, tile_rows = tile.rows;
+  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kWideN;
+  extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));
+  uint8_t* ring = wgmma_smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const __nv_bfloat16* W_e = W + int64_t(e) * N * K;
+  SwizzledRowsCopy<> a_copy(K, row0, row0 + tile_rows);
+  SwizzledRowsCopy<8> w_copy(K, n0, N);  // rows n0 … n0 + 255 of W_e; rows at or past N zero
+  const int group = threadIdx.x / 128;
+  float acc[128];
+#pragma unroll
+  for (int j = 0; j < 128; ++j) acc[j] = 0.0f;
+
+  const int k_steps = int((K + kTileK - 1) / kTileK);
+  auto load = [&](int, int slot) {
+    uint8_t* stage = ring + slot * kWideStageBytes;
+    a_copy.issue(stage, A, K);
+    w_copy.issue(stage + kTileBytes, W_e, K);
+  };
+  auto multiply = [&](int slot) {
+    const uint8_t* stage = ring + slot * kWideStageBytes;
+    const uint8_t* a_rows = stage + group * 64 * kRowBytes;
+    const uint8_t* w_rows = stage + kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kTileK / 16; ++kk)
+      wgmma::mma_m64n256k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
+                                 wgmma::smem_desc_sw128(w_rows + kk * 32), true);
+  };
+  wgmma::ring_pipeline<kWideStages, kOverlap>(k_steps, load, multiply);
+
+  // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
+  // + (j mod 2), as in the 128-wide kernel with 32 column blocks of 8.
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  __syncthreads();  // both warpgroups are done with the ring
+#pragma unroll
+  for (int j = 0; j < 128; j += 2) {
+    const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
+    const int c = 8 * (j / 4) + 2 * (lane % 4);
+    *reinterpret_cast<__nv_bfloat162*>(ring + r * kWideStagedRowBytes + c * 2) =
+        __floats2bfloat162_rn(acc[j], acc[j + 1]);
+  }
+  __syncthreads();
+  // 32 pieces of 16 bytes a row: thread t takes piece t % 32 of rows t / 32 + 8i (one warp writes
+  // one whole 512-byte row per instruction).
+  const int piece = threadIdx.x % 32;
+  const int64_t col = n0 + 8 * piece;
+  if (col >= N) return;
+#pragma unroll 4
+  for (int i = 0; i < kTileM / 8; ++i) {
+    const int r = threadIdx.x / 32 + 8 * i;
+    if (r >= tile_rows) break;
+    *reinterpret_cast<uint4*>(Y + (row0 + r) * N + col) =
+        *reinterpret_cast<const uint4*>(ring + r * kWideStagedRowBytes + piece * 16);
+  }
+}
+
 // One warpgroup, one 64 × 128 tile over K = 64, fp32 out: the descriptor, swizzle, fence and
 // fragment conventions alone, without the ring or the expert tiling (moe_wgmma_tile_check). A
 // and B go to shared memory K-major, or MN-major where kTransA / kTransB (wgmma.cuh's layouts;
@@ -324,6 +403,27 @@ void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
              reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const __nv_bfloat16*>(A),
              reinterpret_cast<const __nv_bfloat16*>(W), offsets, E, K, N,
              reinterpret_cast<__nv_bfloat16*>(Y));
+  DM_CUDA_CHECK(cudaGetLastError());
+}
+
+bool grouped_rows_wide_applies(int64_t N, const void* Y) {
+  return N % 8 == 0 && reinterpret_cast<uintptr_t>(Y) % 16 == 0;
+}
+
+void launch_grouped_rows_nk_bf16_wgmma_wide(const uint16_t* A, const uint16_t* W,
+                                            const int64_t* offsets, int E, int64_t R, int64_t K,
+                                            int64_t N, uint16_t* Y, CUstream_st* stream) {
+  if (E <= 0 || R <= 0 || N <= 0) return;
+  DM_CHECK(grouped_rows_wide_applies(N, Y), "launch_grouped_rows_nk_bf16_wgmma_wide: N = ", N,
+           " (needs N % 8 == 0 and a 16-byte aligned Y)");
+  auto kernel = moe_wgmma_overlap() ? grouped_rows_nk_bf16_wgmma_wide_kernel<true>
+                                    : grouped_rows_nk_bf16_wgmma_wide_kernel<false>;
+  DM_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWideSmemBytes));
+  const dim3 grid(unsigned((N + kWideN - 1) / kWideN), grouped_rows_grid(R, E, N).y);
+  launch_pdl(kernel, grid, kThreads, kWideSmemBytes, reinterpret_cast<cudaStream_t>(stream),
+             reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
+             offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -93,6 +93,13 @@ void launch_grouped_rows_nk_bf16(const uint16_t* A, const uint16_t* W, const int
 void launch_grouped_rows_nk_bf16_wgmma(const uint16_t* A, const uint16_t* W,
                                        const int64_t* offsets, int E, int64_t R, int64_t K,
                                        int64_t N, uint16_t* Y, CUstream_st* stream);
+// The same product with 128 × 256 tiles, one CTA per SM (moe_wgmma_wide(), moe.h): same
+// contract and output bits; needs grouped_rows_wide_applies (N % 8 == 0, Y 16-byte aligned);
+// grid (ceil(N / 256), the row tiles).
+bool grouped_rows_wide_applies(int64_t N, const void* Y);
+void launch_grouped_rows_nk_bf16_wgmma_wide(const uint16_t* A, const uint16_t* W,
+                                            const int64_t* offsets, int E, int64_t R, int64_t K,
+                                            int64_t N, uint16_t* Y, CUstream_st* stream);
 // The backward's products on warpgroup MMA (moe_grouped_gemm_wgmma_backward.cu): the same
 // contracts, grids and outputs as launch_grouped_rows_f32, launch_grouped_rows_bf16 and
 // launch_grouped_weight_grad.
