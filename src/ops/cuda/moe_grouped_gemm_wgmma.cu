@@ -89,49 +89,72 @@ struct SwizzledRowsCopy {
 constexpr int kStagedRowBytes = kTileN * 2 + 16;
 static_assert(kTileM * kStagedRowBytes <= kStages * kStageBytes, "the tile fits the ring");
 
+// The wide tiles (moe_wgmma_wide, moe.h; kWidth = 256): each warpgroup 64 rows × 256 columns
+// (m64n256k16, 128 fp32 accumulators a thread), 4 stages of 48 KB (A [128][64], then W
+// [256][64]), one CTA per SM, always staged. Why tried: the 128 × 128 tile loads 512 bytes of
+// operands per k for 32 K flops (64 flop/byte), 128 × 256 loads 768 for 64 K (85); measured it
+// barely helped (moe.h), so the operand bytes are not the limit.
+template <int kWidth>
+struct RowsTile {
+  static_assert(kWidth == kTileN || kWidth == 2 * kTileN, "128 or 256 columns");
+  static constexpr int kStages = kWidth == kTileN ? 3 : 4;
+  static constexpr int kStageBytes = kTileBytes + kWidth * kRowBytes;  // A rows, then W rows
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;      // + slack: 1 KB alignment
+  static constexpr int kStagedRowBytes = kWidth * 2 + 16;
+  static constexpr int kCtasPerSm = kWidth == kTileN ? 2 : 1;
+  static_assert(kTileM * kStagedRowBytes <= kStages * kStageBytes, "the tile fits the ring");
+};
+
 // kOverlap (moe_wgmma_overlap(), moe.h): issue step t's wgmma batch before waiting for step
 // t − 1's, then refill t − 1's stage (two barriers a step instead of one). kStaged: the output
 // through shared memory (needs N % 8 == 0: 16-byte row pieces), else straight from the fragments.
-template <bool kOverlap, bool kStaged>
-__global__ void __launch_bounds__(kThreads, 2)
+// kWidth: the tile's columns (RowsTile).
+template <bool kOverlap, bool kStaged, int kWidth = kTileN>
+__global__ void __launch_bounds__(kThreads, RowsTile<kWidth>::kCtasPerSm)
     grouped_rows_nk_bf16_wgmma_kernel(const __nv_bfloat16* __restrict__ A,
                                       const __nv_bfloat16* __restrict__ W,
                                       const int64_t* __restrict__ offsets, int E, int64_t K,
                                       int64_t N, __nv_bfloat16* __restrict__ Y) {
+  using Tile = RowsTile<kWidth>;
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   GroupedRowTile tile;
   if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
   const int e = tile.expert, tile_rows = tile.rows;
-  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kTileN;
+  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kWidth;
   extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
   // The ring starts at the first 1024-byte boundary of the shared window (swizzle atoms).
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));
   uint8_t* ring = wgmma_smem_raw + (((raw + 1023u) & ~1023u) - raw);
   const __nv_bfloat16* W_e = W + int64_t(e) * N * K;
   SwizzledRowsCopy<> a_copy(K, row0, row0 + tile_rows);
-  SwizzledRowsCopy<> w_copy(K, n0, N);  // rows n0 … n0 + 127 of W_e; rows at or past N zero
+  SwizzledRowsCopy<kWidth / 32> w_copy(K, n0, N);  // rows n0 … n0 + kWidth − 1; past N zero
   const int group = threadIdx.x / 128;
-  float acc[64];
+  float acc[kWidth / 2];
 #pragma unroll
-  for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+  for (int j = 0; j < kWidth / 2; ++j) acc[j] = 0.0f;
 
   const int k_steps = int((K + kTileK - 1) / kTileK);
   // The copies are stateful (each issue advances k): they go out in step order, as the ring asks.
   auto load = [&](int, int slot) {
-    uint8_t* stage = ring + slot * kStageBytes;
+    uint8_t* stage = ring + slot * Tile::kStageBytes;
     a_copy.issue(stage, A, K);
     w_copy.issue(stage + kTileBytes, W_e, K);
   };
   auto multiply = [&](int slot) {
-    const uint8_t* stage = ring + slot * kStageBytes;
+    const uint8_t* stage = ring + slot * Tile::kStageBytes;
     const uint8_t* a_rows = stage + group * 64 * kRowBytes;
     const uint8_t* w_rows = stage + kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < kTileK / 16; ++kk)
-      wgmma::mma_m64n128k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
-                                 wgmma::smem_desc_sw128(w_rows + kk * 32), true);
+    for (int kk = 0; kk < kTileK / 16; ++kk) {
+      const uint64_t desc_a = wgmma::smem_desc_sw128(a_rows + kk * 32);
+      const uint64_t desc_w = wgmma::smem_desc_sw128(w_rows + kk * 32);
+      if constexpr (kWidth == kTileN)
+        wgmma::mma_m64n128k16_bf16(acc, desc_a, desc_w, true);
+      else
+        wgmma::mma_m64n256k16_bf16(acc, desc_a, desc_w, true);
+    }
   };
-  wgmma::ring_pipeline<kStages, kOverlap>(k_steps, load, multiply);
+  wgmma::ring_pipeline<Tile::kStages, kOverlap>(k_steps, load, multiply);
 
   // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
   // + (j mod 2) of the tile; adjacent columns go out as one bf16 pair.
@@ -139,28 +162,30 @@ __global__ void __launch_bounds__(kThreads, 2)
   if constexpr (kStaged) {
     __syncthreads();  // both warpgroups are done with the ring
 #pragma unroll
-    for (int j = 0; j < 64; j += 2) {
+    for (int j = 0; j < kWidth / 2; j += 2) {
       const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
       const int c = 8 * (j / 4) + 2 * (lane % 4);
-      *reinterpret_cast<__nv_bfloat162*>(ring + r * kStagedRowBytes + c * 2) =
+      *reinterpret_cast<__nv_bfloat162*>(ring + r * Tile::kStagedRowBytes + c * 2) =
           __floats2bfloat162_rn(acc[j], acc[j + 1]);
     }
     __syncthreads();
-    // 16 pieces of 16 bytes a row: thread t takes piece t % 16 of rows t / 16 + 16i.
-    const int piece = threadIdx.x % 16;
+    // kPieces pieces of 16 bytes a row: thread t takes piece t % kPieces of rows t / kPieces +
+    // (256 / kPieces)·i (a warp writes 512 contiguous bytes per instruction).
+    constexpr int kPieces = kWidth / 8, kRowsApart = kThreads / kPieces;
+    const int piece = threadIdx.x % kPieces;
     const int64_t col = n0 + 8 * piece;
     if (col < N) {
 #pragma unroll
-      for (int i = 0; i < kTileM / 16; ++i) {
-        const int r = threadIdx.x / 16 + 16 * i;
+      for (int i = 0; i < kTileM / kRowsApart; ++i) {
+        const int r = threadIdx.x / kPieces + kRowsApart * i;
         if (r >= tile_rows) break;
         *reinterpret_cast<uint4*>(Y + (row0 + r) * N + col) =
-            *reinterpret_cast<const uint4*>(ring + r * kStagedRowBytes + piece * 16);
+            *reinterpret_cast<const uint4*>(ring + r * Tile::kStagedRowBytes + piece * 16);
       }
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < 64; j += 2) {
+    for (int j = 0; j < kWidth / 2; j += 2) {
       const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
       const int64_t col = n0 + 8 * (j / 4) + 2 * (lane % 4);
       if (r >= tile_rows || col >= N) continue;
@@ -253,85 +278,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// The wide version of grouped_rows_nk_bf16_wgmma_kernel (moe_wgmma_wide, moe.h): a 128 × 256
-// output tile, each warpgroup 64 rows × 256 columns (m64n256k16, 128 fp32 accumulators a
-// thread), 4 stages of 48 KB (A [128][64], then W [256][64]), one CTA per SM. Why: the 128 × 128
-// tile loads 512 bytes of operands per k for 32 K flops (64 flop/byte), which at the ~5.4 TB/s
-// the L2 feeds the SMs caps it near 350 TFLOP/s (it measured 346–388 where cuBLASLt's bigger
-// tiles reach 469–513 on the same shapes); 128 × 256 loads 768 bytes for 64 K flops (85 flop/byte).
-// Same schedule (wgmma_pipeline.cuh), same zero-filled edges and output rounding; the staged
-// output is always used (N % 8 == 0, Y 16-byte aligned: grouped_rows_wide_applies).
-constexpr int kWideN = 256, kWideStages = 4;
-constexpr int kWideStageBytes = kTileBytes + 2 * kTileBytes;  // A rows, then 256 W rows
-constexpr int kWideSmemBytes = kWideStages * kWideStageBytes + 1024;
-constexpr int kWideStagedRowBytes = kWideN * 2 + 16;
-static_assert(kTileM * kWideStagedRowBytes <= kWideStages * kWideStageBytes, "tile fits the ring");
-
-template <bool kOverlap>
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_rows_nk_bf16_wgmma_wide_kernel(const __nv_bfloat16* __restrict__ A,
-                                           const __nv_bfloat16* __restrict__ W,
-                                           const int64_t* __restrict__ offsets, int E, int64_t K,
-                                           int64_t N, __nv_bfloat16* __restrict__ Y) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
-  GroupedRowTile tile;
-  if (!find_row_tile(offsets, E, blockIdx.y, &tile)) return;
-  const int e = tile.expert, tile_rows = tile.rows;
-  const int64_t row0 = tile.row0, n0 = int64_t(blockIdx.x) * kWideN;
-  extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem_raw));
-  uint8_t* ring = wgmma_smem_raw + (((raw + 1023u) & ~1023u) - raw);
-  const __nv_bfloat16* W_e = W + int64_t(e) * N * K;
-  SwizzledRowsCopy<> a_copy(K, row0, row0 + tile_rows);
-  SwizzledRowsCopy<8> w_copy(K, n0, N);  // rows n0 … n0 + 255 of W_e; rows at or past N zero
-  const int group = threadIdx.x / 128;
-  float acc[128];
-#pragma unroll
-  for (int j = 0; j < 128; ++j) acc[j] = 0.0f;
-
-  const int k_steps = int((K + kTileK - 1) / kTileK);
-  auto load = [&](int, int slot) {
-    uint8_t* stage = ring + slot * kWideStageBytes;
-    a_copy.issue(stage, A, K);
-    w_copy.issue(stage + kTileBytes, W_e, K);
-  };
-  auto multiply = [&](int slot) {
-    const uint8_t* stage = ring + slot * kWideStageBytes;
-    const uint8_t* a_rows = stage + group * 64 * kRowBytes;
-    const uint8_t* w_rows = stage + kTileBytes;
-#pragma unroll
-    for (int kk = 0; kk < kTileK / 16; ++kk)
-      wgmma::mma_m64n256k16_bf16(acc, wgmma::smem_desc_sw128(a_rows + kk * 32),
-                                 wgmma::smem_desc_sw128(w_rows + kk * 32), true);
-  };
-  wgmma::ring_pipeline<kWideStages, kOverlap>(k_steps, load, multiply);
-
-  // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
-  // + (j mod 2), as in the 128-wide kernel with 32 column blocks of 8.
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  __syncthreads();  // both warpgroups are done with the ring
-#pragma unroll
-  for (int j = 0; j < 128; j += 2) {
-    const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
-    const int c = 8 * (j / 4) + 2 * (lane % 4);
-    *reinterpret_cast<__nv_bfloat162*>(ring + r * kWideStagedRowBytes + c * 2) =
-        __floats2bfloat162_rn(acc[j], acc[j + 1]);
-  }
-  __syncthreads();
-  // 32 pieces of 16 bytes a row: thread t takes piece t % 32 of rows t / 32 + 8i (one warp writes
-  // one whole 512-byte row per instruction).
-  const int piece = threadIdx.x % 32;
-  const int64_t col = n0 + 8 * piece;
-  if (col >= N) return;
-#pragma unroll 4
-  for (int i = 0; i < kTileM / 8; ++i) {
-    const int r = threadIdx.x / 32 + 8 * i;
-    if (r >= tile_rows) break;
-    *reinterpret_cast<uint4*>(Y + (row0 + r) * N + col) =
-        *reinterpret_cast<const uint4*>(ring + r * kWideStagedRowBytes + piece * 16);
-  }
-}
-
 // One warpgroup, one 64 × 128 tile over K = 64, fp32 out: the descriptor, swizzle, fence and
 // fragment conventions alone, without the ring or the expert tiling (moe_wgmma_tile_check). A
 // and B go to shared memory K-major, or MN-major where kTransA / kTransB (wgmma.cuh's layouts;
@@ -416,12 +362,14 @@ void launch_grouped_rows_nk_bf16_wgmma_wide(const uint16_t* A, const uint16_t* W
   if (E <= 0 || R <= 0 || N <= 0) return;
   DM_CHECK(grouped_rows_wide_applies(N, Y), "launch_grouped_rows_nk_bf16_wgmma_wide: N = ", N,
            " (needs N % 8 == 0 and a 16-byte aligned Y)");
-  auto kernel = moe_wgmma_overlap() ? grouped_rows_nk_bf16_wgmma_wide_kernel<true>
-                                    : grouped_rows_nk_bf16_wgmma_wide_kernel<false>;
+  constexpr int kWide = 2 * kTileN;
+  using Tile = RowsTile<kWide>;
+  auto kernel = moe_wgmma_overlap() ? grouped_rows_nk_bf16_wgmma_kernel<true, true, kWide>
+                                    : grouped_rows_nk_bf16_wgmma_kernel<false, true, kWide>;
   DM_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWideSmemBytes));
-  const dim3 grid(unsigned((N + kWideN - 1) / kWideN), grouped_rows_grid(R, E, N).y);
-  launch_pdl(kernel, grid, kThreads, kWideSmemBytes, reinterpret_cast<cudaStream_t>(stream),
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
+  const dim3 grid(unsigned((N + kWide - 1) / kWide), grouped_rows_grid(R, E, N).y);
+  launch_pdl(kernel, grid, kThreads, Tile::kSmemBytes, reinterpret_cast<cudaStream_t>(stream),
              reinterpret_cast<const __nv_bfloat16*>(A), reinterpret_cast<const __nv_bfloat16*>(W),
              offsets, E, K, N, reinterpret_cast<__nv_bfloat16*>(Y));
   DM_CUDA_CHECK(cudaGetLastError());
