@@ -2,7 +2,8 @@
 // the gpu_1b shape by default: 4096 tokens × top-6 over 32 experts (24576 rows, uneven like a
 // random router), Din 512, F 1024. One row per product and kernel: the mma.sync kernels, the
 // warpgroup-MMA ones in both schedules (moe.h moe_wgmma_overlap), the forward's 128 × 256-tile
-// versions (moe.h moe_wgmma_wide) in both, and, as the ceiling, one
+// versions (moe.h moe_wgmma_wide) in both, the TMA-fed forward kernels (moe.h moe_wgmma_tma) at
+// both widths, and, as the ceiling, one
 // dense cuBLASLt GEMM of the same total size. CUDA-event timing, median of --reps runs; each wgmma
 // result is also checked against the mma.sync one (relative RMS).
 //   bench_cuda_moe_gemm [--tokens 4096] [--top-k 6] [--experts 32] [--din 512] [--ffn 1024]
@@ -140,6 +141,7 @@ int run(int argc, char** argv) {
     std::function<void(bool wgmma, void* out)> run;
     std::function<void()> dense;  // the same FLOPs as one cuBLASLt GEMM
     std::function<void(void* out)> wide = nullptr;  // the 128 × 256-tile wgmma kernel, if any
+    std::function<void(bool wide, void* out)> tma = nullptr;  // the TMA-fed kernel, if any
   };
   const double rows = double(R);
   std::vector<Product> products = {
@@ -156,6 +158,10 @@ int run(int argc, char** argv) {
        [&](void* o) {
          cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(
              x, w_gate, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), nullptr);
+       },
+       [&](bool wide, void* o) {
+         cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(
+             x, w_gate, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), wide, nullptr);
        }},
       {"fwd down (h·W_downᵀ)", 2 * rows * F * Din, true, size_t(R * Din),
        [&](bool w, void* o) {
@@ -170,6 +176,10 @@ int run(int argc, char** argv) {
        [&](void* o) {
          cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(
              h, w_down, d_offsets, int(E), R, F, Din, static_cast<uint16_t*>(o), nullptr);
+       },
+       [&](bool wide, void* o) {
+         cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(
+             h, w_down, d_offsets, int(E), R, F, Din, static_cast<uint16_t*>(o), wide, nullptr);
        }},
       {"bwd dh (dout·W_down)", 2 * rows * Din * F, true, size_t(R * F),
        [&](bool w, void* o) {
@@ -194,8 +204,8 @@ int run(int argc, char** argv) {
       {"bwd dW_gate (dgᵀ·x)", 2 * rows * F * Din, false, size_t(E * F * Din),
        [&](bool w, void* o) {
          if (w)  // accumulating (store = false), as the mma.sync kernel
-           cuda::moe_detail::launch_grouped_weight_grad_wgmma(dg, F, x, Din, d_offsets, int(E), F,
-                                                              Din, static_cast<float*>(o), nullptr);
+           cuda::moe_detail::launch_grouped_weight_grad_wgmma(
+               dg, F, x, Din, d_offsets, int(E), R, F, Din, static_cast<float*>(o), nullptr);
          else
            cuda::moe_detail::launch_grouped_weight_grad(dg, F, x, Din, d_offsets, int(E), F, Din,
                                                         static_cast<float*>(o), nullptr);
@@ -208,7 +218,7 @@ int run(int argc, char** argv) {
        [&](bool w, void* o) {
          if (w)  // accumulating (store = false), as the mma.sync kernel
            cuda::moe_detail::launch_grouped_weight_grad_wgmma(
-               dout, Din, h, F, d_offsets, int(E), Din, F, static_cast<float*>(o), nullptr);
+               dout, Din, h, F, d_offsets, int(E), R, Din, F, static_cast<float*>(o), nullptr);
          else
            cuda::moe_detail::launch_grouped_weight_grad(dout, Din, h, F, d_offsets, int(E), Din, F,
                                                         static_cast<float*>(o), nullptr);
@@ -219,6 +229,9 @@ int run(int argc, char** argv) {
        }},
   };
 
+  // The cp.async-fed kernels unless a row says TMA (moe.h moe_wgmma_tma, which is restored).
+  const bool tma_before = cuda::moe_wgmma_tma();
+  cuda::moe_set_wgmma_tma(false);
   std::printf(
       "\n| product | kernel | µs | TFLOP/s | rel RMS vs mma.sync |\n|---|---|---:|---:|---:|\n");
   for (const Product& p : products) {
@@ -235,16 +248,21 @@ int run(int argc, char** argv) {
     zero(ref);
     p.run(false, ref);
     cuda_check(cudaDeviceSynchronize(), "mma.sync");
-    // wgmma in both schedules (moe.h moe_wgmma_overlap): checked first, then timed.
-    char err[2][32];
-    for (int overlap = 0; overlap < 2; ++overlap) {
-      cuda::moe_set_wgmma_overlap(overlap == 1);
+    // wgmma in both schedules (moe.h moe_wgmma_overlap), fed by cp.async, and (the backward's
+    // products) fed by the TMA: checked first, then timed.
+    char err[3][32];
+    for (int variant = 0; variant < 3; ++variant) {
+      const int overlap = variant == 1;
+      cuda::moe_set_wgmma_overlap(overlap);
+      cuda::moe_set_wgmma_tma(variant == 2);
+      if (variant == 2 && p.tma) break;
       zero(out);
       p.run(true, out);
       cuda_check(cudaDeviceSynchronize(), "wgmma");
-      std::snprintf(err[overlap], sizeof(err[overlap]), "%.2e",
+      std::snprintf(err[variant], sizeof(err[variant]), "%.2e",
                     rel_rms_device(out, ref, p.out_elems, p.bf16_out));
     }
+    cuda::moe_set_wgmma_tma(false);
     row("mma.sync", median_ms([&] { p.run(false, ref); }, reps), "-");
     for (int overlap = 0; overlap < 2; ++overlap) {
       cuda::moe_set_wgmma_overlap(overlap == 1);
@@ -263,8 +281,27 @@ int run(int argc, char** argv) {
           median_ms([&] { p.wide(out); }, reps), wide_err);
     }
     cuda::moe_set_wgmma_overlap(false);
+    // The TMA-fed kernels (moe.h moe_wgmma_tma): the forward's at 128 × 128 and 128 × 256
+    // (their own launcher), the backward's through the same launchers with the switch on (its
+    // check ran with the others', before ref was accumulated into by the timing).
+    if (!p.tma) {
+      cuda::moe_set_wgmma_tma(true);
+      row("TMA-fed", median_ms([&] { p.run(true, out); }, reps), err[2]);
+      cuda::moe_set_wgmma_tma(false);
+    }
+    for (int wide = 0; p.tma && wide < 2; ++wide) {
+      p.tma(wide == 1, out);
+      cuda_check(cudaDeviceSynchronize(), "tma");
+      char tma_err[32];
+      std::snprintf(tma_err, sizeof(tma_err), "%.2e",
+                    rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+      row(wide ? "TMA-fed 128 × 256" : "TMA-fed 128 × 128",
+          median_ms([&] { p.tma(wide == 1, out); }, reps), tma_err);
+    }
     row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");
   }
+
+  cuda::moe_set_wgmma_tma(tma_before);
 
   // The GLU apart vs in the products' epilogues (SiTU, the gpu_1b activation). Outputs of the
   // fused kernels checked against the separate passes' (relative RMS over h, and dg + du).

@@ -686,6 +686,7 @@ TEST(CudaMoeExperts, WgmmaTileMatchesCpu) {
 }
 
 // The 128 × 256-tile forward product (launch_grouped_rows_nk_bf16_wgmma_wide, DM_MOE_WGMMA_WIDE)
+// and the TMA-fed ones (launch_grouped_rows_nk_bf16_tma, DM_MOE_TMA, both widths)
 // against the 128 × 128 one and a double-precision reference: three column tiles of 256 with a
 // partial last one (N = 520), a K tail (200 = 3·64 + 8), experts of 150, 0, 270, 10 and 270 rows
 // (partial row tiles, an empty expert), both schedules. Each output element sums the same bf16
@@ -716,26 +717,44 @@ TEST(CudaMoeExperts, WideTilesMatchNarrowTiles) {
     SCOPED_TRACE(str_cat("overlap=", overlap));
     cuda::moe_set_wgmma_overlap(overlap);
     uint16_t* narrow = test::mla::alloc_poisoned<uint16_t>(arena, size_t(R * N));
-    uint16_t* wide = test::mla::alloc_poisoned<uint16_t>(arena, size_t(R * N));
-    ASSERT_TRUE(cuda::moe_detail::grouped_rows_wide_applies(N, wide));
     cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(a_dev, w_dev, offsets_dev, E, R, K, N,
                                                         narrow, nullptr);
-    cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(a_dev, w_dev, offsets_dev, E, R, K, N,
-                                                             wide, nullptr);
     cuda::synchronize();
     const std::vector<uint16_t> narrow_bits = download(narrow, size_t(R * N));
-    const std::vector<uint16_t> wide_bits = download(wide, size_t(R * N));
-    std::vector<float> wide_values(wide_bits.size()), ref_values(ref.size());
-    for (size_t i = 0; i < wide_bits.size(); ++i) wide_values[i] = bf16_to_f32(wide_bits[i]);
-    for (size_t i = 0; i < ref.size(); ++i) ref_values[i] = float(ref[i]);
-    ASSERT_TRUE(test::mla::all_finite(wide_values));
-    EXPECT_LE(test::rel_rms(wide_values.data(), ref_values.data(), ref.size()), 5e-3);
-    size_t differing = 0;
-    for (size_t i = 0; i < wide_bits.size(); ++i) differing += wide_bits[i] != narrow_bits[i];
-    EXPECT_EQ(differing, 0u) << "of " << wide_bits.size() << " outputs";
+    // The 128 × 256 cp.async kernel, then the TMA-fed ones (moe_grouped_gemm_tma.cu) on 128 × 128
+    // and 128 × 256 tiles (the schedule flag does not apply to them).
+    for (int kernel : {0, 1, 2}) {
+      SCOPED_TRACE(str_cat("kernel=", kernel));
+      uint16_t* other = test::mla::alloc_poisoned<uint16_t>(arena, size_t(R * N));
+      if (kernel == 0) {
+        ASSERT_TRUE(cuda::moe_detail::grouped_rows_wide_applies(N, other));
+        cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(a_dev, w_dev, offsets_dev, E, R, K,
+                                                                 N, other, nullptr);
+      } else {
+        ASSERT_TRUE(cuda::moe_detail::grouped_rows_tma_applies(a_dev, w_dev, K, N, other));
+        cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(a_dev, w_dev, offsets_dev, E, R, K, N,
+                                                          other, kernel == 2, nullptr);
+      }
+      cuda::synchronize();
+      const std::vector<uint16_t> other_bits = download(other, size_t(R * N));
+      std::vector<float> other_values(other_bits.size()), ref_values(ref.size());
+      for (size_t i = 0; i < other_bits.size(); ++i) other_values[i] = bf16_to_f32(other_bits[i]);
+      for (size_t i = 0; i < ref.size(); ++i) ref_values[i] = float(ref[i]);
+      ASSERT_TRUE(test::mla::all_finite(other_values));
+      EXPECT_LE(test::rel_rms(other_values.data(), ref_values.data(), ref.size()), 5e-3);
+      size_t differing = 0;
+      for (size_t i = 0; i < other_bits.size(); ++i) differing += other_bits[i] != narrow_bits[i];
+      EXPECT_EQ(differing, 0u) << "of " << other_bits.size() << " outputs";
+    }
   }
   EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(
                    a_dev, w_dev, offsets_dev, E, R, K, 518, nullptr, nullptr),
+               Error);
+  // The TMA wants 16-byte row strides: K = 198 is refused, as is a misaligned A.
+  EXPECT_FALSE(cuda::moe_detail::grouped_rows_tma_applies(a_dev, w_dev, 198, N, a_dev));
+  EXPECT_FALSE(cuda::moe_detail::grouped_rows_tma_applies(a_dev + 1, w_dev, K, N, a_dev));
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(a_dev, w_dev, offsets_dev, E, R,
+                                                                 198, N, nullptr, false, nullptr),
                Error);
   cuda::moe_set_wgmma_overlap(overlap_before);
 }
@@ -758,16 +777,18 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   const bool fused_before = cuda::moe_wgmma_fused_glu();
   std::vector<float> fused, separate;
   const bool wide_before = cuda::moe_wgmma_wide();
+  const bool tma_before = cuda::moe_wgmma_tma();
   // mma.sync, wgmma (fused GLU), wgmma overlapped, wgmma unstaged, wgmma with the GLU apart,
-  // wgmma with the GLU apart on 128 × 256 tiles
-  for (int variant : {0, 1, 2, 3, 4, 5})
+  // wgmma with the GLU apart on 128 × 256 tiles, TMA-fed on 128 × 128 and on 128 × 256 tiles
+  for (int variant : {0, 1, 2, 3, 4, 5, 6, 7})
     for (bool recompute : {false, true}) {
       SCOPED_TRACE(str_cat("variant=", variant, " recompute=", recompute));
       cuda::moe_set_grouped_wgmma(variant > 0);
       cuda::moe_set_wgmma_overlap(variant == 2);
       cuda::moe_set_wgmma_staged_output(variant != 3);
       cuda::moe_set_wgmma_fused_glu(variant < 4);
-      cuda::moe_set_wgmma_wide(variant == 5);
+      cuda::moe_set_wgmma_wide(variant == 5 || variant == 7);
+      cuda::moe_set_wgmma_tma(variant >= 6);
       std::vector<int64_t> offsets;
       const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets, recompute);
       ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
@@ -777,7 +798,7 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
       EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
       if (variant == 1 && !recompute) fused = own;
       if (variant == 4 && !recompute) separate = own;
-      if (variant == 5 && !recompute) EXPECT_TRUE(own == separate) << "wide vs narrow tiles";
+      if (variant >= 5 && !recompute) EXPECT_TRUE(own == separate) << "vs wgmma 128 x 128";
       // Keeping g and u changes what is stored, not what is computed.
       if (variant == 1 && recompute) EXPECT_TRUE(own == fused) << "recompute vs forward";
     }
@@ -791,6 +812,7 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   cuda::moe_set_wgmma_staged_output(staged_before);
   cuda::moe_set_wgmma_fused_glu(fused_before);
   cuda::moe_set_wgmma_wide(wide_before);
+  cuda::moe_set_wgmma_tma(tma_before);
 }
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below

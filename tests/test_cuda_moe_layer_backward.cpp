@@ -343,15 +343,18 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     const bool overlap_before = cuda::moe_wgmma_overlap();
     const bool staged_before = cuda::moe_wgmma_staged_output();
     const bool fused_before = cuda::moe_wgmma_fused_glu();
+    const bool tma_before = cuda::moe_wgmma_tma();
     // mma.sync, wgmma (GroupedOwn's dh product with the GLU backward in its epilogue), wgmma
-    // overlapped, wgmma unstaged, wgmma with the GLU backward apart (DM_MOE_GLU_FUSED=0)
-    for (int variant : {0, 1, 2, 3, 4})
+    // overlapped, wgmma unstaged, wgmma with the GLU backward apart (DM_MOE_GLU_FUSED=0), and
+    // the TMA-fed kernels (DM_MOE_TMA=1) with the GLU backward fused and apart
+    for (int variant : {0, 1, 2, 3, 4, 5, 6})
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
         SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " variant=", variant));
         cuda::moe_set_grouped_wgmma_backward(variant > 0);
         cuda::moe_set_wgmma_overlap(variant == 2);
         cuda::moe_set_wgmma_staged_output(variant != 3);
-        cuda::moe_set_wgmma_fused_glu(variant != 4);
+        cuda::moe_set_wgmma_fused_glu(variant != 4 && variant != 6);
+        cuda::moe_set_wgmma_tma(variant >= 5);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;
@@ -443,6 +446,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     cuda::moe_set_wgmma_overlap(overlap_before);
     cuda::moe_set_wgmma_staged_output(staged_before);
     cuda::moe_set_wgmma_fused_glu(fused_before);
+    cuda::moe_set_wgmma_tma(tma_before);
   }
 }
 

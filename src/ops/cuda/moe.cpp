@@ -224,6 +224,9 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
     auto product = [&](const uint16_t* A, const uint16_t* W, int64_t K, int64_t N, uint16_t* Y) {
       if (few)
         launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
+      else if (moe_grouped_wgmma() && moe_wgmma_tma() && grouped_rows_tma_applies(A, W, K, N, Y))
+        launch_grouped_rows_nk_bf16_tma(A, W, plan.offsets, E, rows, K, N, Y, moe_wgmma_wide(),
+                                        stream);
       else if (moe_grouped_wgmma() && moe_wgmma_wide() && grouped_rows_wide_applies(N, Y))
         launch_grouped_rows_nk_bf16_wgmma_wide(A, W, plan.offsets, E, rows, K, N, Y, stream);
       else if (moe_grouped_wgmma())
@@ -302,12 +305,18 @@ std::atomic<bool>& wgmma_wide_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_WIDE", false)};
   return on;
 }
+std::atomic<bool>& wgmma_tma_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_TMA", true)};
+  return on;
+}
 std::atomic<bool>& wgmma_staged_output_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_STAGED", true)};
   return on;
 }
 }  // namespace
 
+bool moe_wgmma_tma() { return wgmma_tma_setting().load(std::memory_order_relaxed); }
+void moe_set_wgmma_tma(bool on) { wgmma_tma_setting().store(on, std::memory_order_relaxed); }
 bool moe_wgmma_wide() { return wgmma_wide_setting().load(std::memory_order_relaxed); }
 void moe_set_wgmma_wide(bool on) { wgmma_wide_setting().store(on, std::memory_order_relaxed); }
 bool moe_wgmma_fused_glu() { return wgmma_fused_glu_setting().load(std::memory_order_relaxed); }

@@ -160,6 +160,17 @@ void moe_set_wgmma_staged_output(bool on);
 // gpu_1b train step not at all (88.4-88.6 ms either way): the operand bytes are not the limit.
 bool moe_wgmma_wide();
 void moe_set_wgmma_wide(bool on);
+// The wgmma expert products warp-specialized on the TMA: a producer thread feeds the
+// shared-memory ring through tensor maps and mbarriers and the two warpgroups only multiply,
+// instead of every thread copying with cp.async (the forward's products:
+// launch_grouped_rows_nk_bf16_tma, 128 × 256 tiles where moe_wgmma_wide(); the backward's dh,
+// dx and weight gradients: the same launchers, moe_grouped_gemm_wgmma_backward.cu). Env
+// DM_MOE_TMA (0 / 1, default 1); same output bits either way. On an H200 (bench_cuda_moe_gemm,
+// 24576 rows, 32 experts, Din 512, F 1024; µs cp.async → TMA): gate 73.9 → 72.3, down 65.7 →
+// 66.4, dh 82.7 → 74.4, dx 132.3 → 123.6, dW_gate 93.3 → 85.3, dW_down 94.6 → 86.8; gpu_1b
+// train step (B 1, T 4096, recompute off) 88.2-88.7 → 87.6 / 87.6 ms.
+bool moe_wgmma_tma();
+void moe_set_wgmma_tma(bool on);
 // The GLU inside the wgmma expert products (off by default; env DM_MOE_GLU_FUSED=1 turns it on):
 // the forward's gate and up products as one kernel whose epilogue writes h = act(g, u), and the
 // backward's dh product whose epilogue applies the GLU backward (moe_kernels.h

@@ -86,10 +86,10 @@ ExpertBuffers carve(void* workspace, int64_t rows, const ExpertWeightsBf16& ew) 
 // moe_grouped_wgmma_backward()); the same contracts (moe_kernels.h). store: C = the product
 // (the wgmma kernel writes it without reading C; the mma.sync one accumulates onto zeros).
 void grouped_weight_grad(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                         const int64_t* offsets, int E, int64_t M, int64_t N, float* C,
+                         const int64_t* offsets, int E, int64_t R, int64_t M, int64_t N, float* C,
                          CUstream_st* stream, bool store) {
   if (moe_grouped_wgmma_backward()) {
-    moe_detail::launch_grouped_weight_grad_wgmma(A, lda, B, ldb, offsets, E, M, N, C, stream,
+    moe_detail::launch_grouped_weight_grad_wgmma(A, lda, B, ldb, offsets, E, R, M, N, C, stream,
                                                  store);
     return;
   }
@@ -203,8 +203,8 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
       if (g) fill_zero_async(g, size_t(ew.E * F * Din) * sizeof(float), stream);
   if (own) {
     if (grads.down)
-      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream,
-                          store);
+      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), rows, Din, F, grads.down,
+                          stream, store);
     // dh [R, F] = dout_e [n_e, Din]·W_down_e [Din, F], written over h (queued after dW_down);
     // with the fused GLU, its epilogue writes dg there and du over u.
     if (fused_glu) {
@@ -220,8 +220,8 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
     // every expert's dh in one grouped call. The recompute's pointer arrays are dead by now
     // (stream order), so the dh arrays reuse the first 3E entries of the same region.
     if (grads.down && ours)
-      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), Din, F, grads.down, stream,
-                          store);
+      grouped_weight_grad(dout, Din, buf.h, F, plan.offsets, int(ew.E), rows, Din, F, grads.down,
+                          stream, store);
     if (grads.down && !ours)
       for (int64_t e = 0; e < ew.E; ++e) {
         const int64_t begin = plan.host_offsets[e], n = plan.host_offsets[e + 1] - begin;
@@ -262,10 +262,10 @@ void moe_experts_backward(GemmContext& gemm, const MoeDispatchPlan& plan, const 
   // (the reference).
   if (ours) {
     if (grads.gate)
-      grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F, Din, grads.gate,
-                          stream, store);
+      grouped_weight_grad(dg, F, buf.x_sorted, Din, plan.offsets, int(ew.E), rows, F, Din,
+                          grads.gate, stream, store);
     if (grads.up)
-      grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), F, Din, grads.up,
+      grouped_weight_grad(du, F, buf.x_sorted, Din, plan.offsets, int(ew.E), rows, F, Din, grads.up,
                           stream, store);
     if (dx)
       grouped_rows_f32(dg, ew.gate, du, ew.up, plan.offsets, int(ew.E), rows, F, Din, buf.dx_sorted,

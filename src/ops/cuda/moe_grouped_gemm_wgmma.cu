@@ -34,6 +34,7 @@
 #include "ops/cuda/pdl.cuh"
 #include "ops/cuda/wgmma.cuh"
 #include "ops/cuda/wgmma_pipeline.cuh"
+#include "ops/cuda/wgmma_rows_epilogue.cuh"
 
 namespace dm::cuda::moe_detail {
 namespace {
@@ -82,11 +83,9 @@ struct SwizzledRowsCopy {
   }
 };
 
-// The output tile through shared memory (the ring, free once the K loop returns): the fragments
-// go in as bf16 pairs (rows 272 bytes apart, so the 8 rows a store instruction touches fall in
-// distinct banks), then each warp writes two whole 256-byte tile rows per instruction, 16 bytes a
-// lane. Stored straight from the fragments, each instruction wrote 16-byte pieces of 8 rows.
-constexpr int kStagedRowBytes = kTileN * 2 + 16;
+// The output tile through shared memory (the ring, free once the K loop returns;
+// wgmma_rows_epilogue.cuh).
+constexpr int kStagedRowBytes = staged_row_bytes<kTileN>();
 static_assert(kTileM * kStagedRowBytes <= kStages * kStageBytes, "the tile fits the ring");
 
 // The wide tiles (moe_wgmma_wide, moe.h; kWidth = 256): each warpgroup 64 rows × 256 columns
@@ -100,9 +99,9 @@ struct RowsTile {
   static constexpr int kStages = kWidth == kTileN ? 3 : 4;
   static constexpr int kStageBytes = kTileBytes + kWidth * kRowBytes;  // A rows, then W rows
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;      // + slack: 1 KB alignment
-  static constexpr int kStagedRowBytes = kWidth * 2 + 16;
   static constexpr int kCtasPerSm = kWidth == kTileN ? 2 : 1;
-  static_assert(kTileM * kStagedRowBytes <= kStages * kStageBytes, "the tile fits the ring");
+  static_assert(kTileM * staged_row_bytes<kWidth>() <= kStages * kStageBytes,
+                "the tile fits the ring");
 };
 
 // kOverlap (moe_wgmma_overlap(), moe.h): issue step t's wgmma batch before waiting for step
@@ -156,34 +155,13 @@ __global__ void __launch_bounds__(kThreads, RowsTile<kWidth>::kCtasPerSm)
   };
   wgmma::ring_pipeline<Tile::kStages, kOverlap>(k_steps, load, multiply);
 
-  // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
-  // + (j mod 2) of the tile; adjacent columns go out as one bf16 pair.
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   if constexpr (kStaged) {
     __syncthreads();  // both warpgroups are done with the ring
-#pragma unroll
-    for (int j = 0; j < kWidth / 2; j += 2) {
-      const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
-      const int c = 8 * (j / 4) + 2 * (lane % 4);
-      *reinterpret_cast<__nv_bfloat162*>(ring + r * Tile::kStagedRowBytes + c * 2) =
-          __floats2bfloat162_rn(acc[j], acc[j + 1]);
-    }
-    __syncthreads();
-    // kPieces pieces of 16 bytes a row: thread t takes piece t % kPieces of rows t / kPieces +
-    // (256 / kPieces)·i (a warp writes 512 contiguous bytes per instruction).
-    constexpr int kPieces = kWidth / 8, kRowsApart = kThreads / kPieces;
-    const int piece = threadIdx.x % kPieces;
-    const int64_t col = n0 + 8 * piece;
-    if (col < N) {
-#pragma unroll
-      for (int i = 0; i < kTileM / kRowsApart; ++i) {
-        const int r = threadIdx.x / kPieces + kRowsApart * i;
-        if (r >= tile_rows) break;
-        *reinterpret_cast<uint4*>(Y + (row0 + r) * N + col) =
-            *reinterpret_cast<const uint4*>(ring + r * Tile::kStagedRowBytes + piece * 16);
-      }
-    }
+    store_rows_tile_staged<kWidth>(acc, ring, Y, row0, tile_rows, n0, N, [] { __syncthreads(); });
   } else {
+    // acc[j]: row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) + 2·(lane mod 4)
+    // + (j mod 2) of the tile; adjacent columns go out as one bf16 pair.
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < kWidth / 2; j += 2) {
       const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);

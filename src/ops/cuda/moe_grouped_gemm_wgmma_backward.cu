@@ -31,6 +31,9 @@
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
 #include "ops/cuda/pdl.cuh"
+#include "ops/cuda/tma.cuh"
+#include "ops/cuda/tma_map.h"
+#include "ops/cuda/tma_pipeline.cuh"
 #include "ops/cuda/wgmma.cuh"
 #include "ops/cuda/wgmma_pipeline.cuh"
 
@@ -108,10 +111,31 @@ struct BackwardArgs {
 constexpr int kStages = 3;
 static_assert(kTile * kStagedLd * 4 <= kStages * kStageBytes, "the staged tile fits the ring");
 
+// The TMA-fed variant (kTma; moe_wgmma_tma(), moe.h): the operands' tensor maps (tma_map.h).
+// Rows: A1 / A2 [R, K] in 128-row × 64-k boxes (K-major lines), B1 / B2 as [E·K, N] in 64 × 64
+// boxes (one MN-major atom each, two a step). Weight gradient: A1 [R, M] (row stride lda) and
+// B1 [R, N] (ldb) in 64 × 64 boxes. One producer warp joins the two consumer warpgroups.
+struct TmaMaps {
+  CUtensorMap a1, b1, a2, b2;
+};
+constexpr int kTmaThreads = kThreads + 32;
+
 // kOverlap (moe_wgmma_overlap(), moe.h): issue step t's wgmma batch before waiting for step
 // t − 1's, then refill t − 1's stage (two barriers a step instead of one).
-template <Product kProduct, typename Out, bool kOverlap>
-__global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(const BackwardArgs a) {
+// kTma: the operands arrive through the TMA from a producer warp (threads 256 … 287) instead of
+// every thread's cp.async (TmaMaps; kOverlap does not apply). Where the weight gradient's last
+// step reaches past the expert's rows, the TMA brings the next expert's rows (or zeros past R):
+// the consumers zero those k lines of A before multiplying, as the cp.async copies zero-fill.
+// Rows products: A's k past K arrive as zeros and B's as the next expert's (finite) weights, so
+// their products are 0 as with the zero-filled copies.
+template <Product kProduct, typename Out, bool kOverlap, bool kTma = false>
+__global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 2)
+    grouped_wgmma_backward_kernel(const BackwardArgs a, const __grid_constant__ TmaMaps maps) {
+  __shared__ tma::RingBarriers<kStages> barriers;
+  if constexpr (kTma) {
+    if (threadIdx.x == kThreads) barriers.init(kThreads / 32);
+    __syncthreads();  // before any thread may leave
+  }
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr bool kRows = kProduct == Product::Rows;
   int e = 0, tile_rows = 0, steps = 0, steps_per_product = 0;
@@ -131,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
     red_begin = a.offsets[e];
     red_end = a.offsets[e + 1];
     if (red_end <= red_begin) {  // no rows: C_e stays as it is, or (store) becomes 0
-      if (a.store_c) {
+      if (a.store_c && threadIdx.x < kThreads) {
         float* C = static_cast<float*>(a.out) + int64_t(e) * a.M * a.N;
         for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
           const int64_t m = m0 + i / kTile, n = n0 + i % kTile;
@@ -162,6 +186,38 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
     }
   };
 
+  if constexpr (kTma) {
+    if (threadIdx.x >= kThreads) {  // the producer warp: its lane 0 issues
+      if (threadIdx.x == kThreads)
+        tma::produce_ring(barriers, steps, kStageBytes, [&](int step, int slot, uint64_t* full) {
+          uint8_t* a_tile = ring + slot * kStageBytes;
+          uint8_t* b_tile = a_tile + kOperandBytes;
+          if constexpr (kRows) {
+            const bool second = step >= steps_per_product;
+            const int32_t k0 = (second ? step - steps_per_product : step) * kStepK;
+            const CUtensorMap* b_map = second ? &maps.b2 : &maps.b1;
+            const int32_t b_row = int32_t(e * a.K + k0);
+            tma::load_2d(a_tile, second ? &maps.a2 : &maps.a1, full, k0, int32_t(row0));
+            tma::load_2d(b_tile, b_map, full, int32_t(n0), b_row);
+            tma::load_2d(b_tile + kAtomBytes, b_map, full, int32_t(n0 + 64), b_row);
+          } else {
+            const int32_t r0 = int32_t(red_begin + int64_t(step) * kStepK);
+            tma::load_2d(a_tile, &maps.a1, full, int32_t(m0), r0);
+            tma::load_2d(a_tile + kAtomBytes, &maps.a1, full, int32_t(m0 + 64), r0);
+            tma::load_2d(b_tile, &maps.b1, full, int32_t(n0), r0);
+            tma::load_2d(b_tile + kAtomBytes, &maps.b1, full, int32_t(n0 + 64), r0);
+          }
+        });
+      return;
+    }
+  }
+  // The epilogues' barrier over the two warpgroups (the producer warp has left).
+  auto sync = [] {
+    if constexpr (kTma)
+      tma::named_barrier_sync(1, kThreads);
+    else
+      __syncthreads();
+  };
   const int group = threadIdx.x / 128;
   float acc[64];
 #pragma unroll
@@ -199,7 +255,27 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
       }
     }
   }
-  wgmma::ring_pipeline<kStages, kOverlap>(steps, load, multiply);
+  if constexpr (kTma) {
+    // Weight gradient, last step: k lines at or past the expert's end zeroed in both A atoms.
+    auto landed = [&](int step, int slot) {
+      if constexpr (!kRows) {
+        const int valid = int(red_end - red_begin - int64_t(step) * kStepK);
+        if (valid >= kStepK) return;
+        uint8_t* a_tile = ring + slot * kStageBytes;
+        const int chunks = (kStepK - valid) * (kLineBytes / 16);  // per atom
+        for (int i = threadIdx.x; i < 2 * chunks; i += kThreads) {
+          const int atom = i / chunks, rest = i % chunks;
+          *reinterpret_cast<uint4*>(a_tile + atom * kAtomBytes + (valid + rest / 8) * kLineBytes +
+                                    (rest % 8) * 16) = make_uint4(0, 0, 0, 0);
+        }
+        wgmma::fence_proxy_async();
+        sync();
+      }
+    };
+    tma::consume_ring(barriers, steps, landed, multiply);
+  } else {
+    wgmma::ring_pipeline<kStages, kOverlap>(steps, load, multiply);
+  }
 
   // acc[j]: tile row 64·group + 16·warp + lane/4 + 8·((j/2) mod 2), column 8·(j/4) +
   // 2·(lane mod 4) + (j mod 2); adjacent columns go out as one pair.
@@ -213,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
       // bytes (bf16: two rows) per instruction instead of 8- or 4-byte pieces of 8 rows.
       constexpr int kRowBytes = kTile * int(sizeof(Out)) + 16, kPieces = kTile * sizeof(Out) / 16;
       static_assert(kTile * kRowBytes <= kStages * kStageBytes, "the staged tile fits the ring");
-      __syncthreads();  // both warpgroups' last batches have read the ring
+      sync();  // both warpgroups' last batches have read the ring
 #pragma unroll
       for (int j = 0; j < 64; j += 2) {
         const int r = 64 * group + 16 * warp + lane / 4 + 8 * ((j / 2) % 2);
@@ -224,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
         else
           *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(acc[j], acc[j + 1]);
       }
-      __syncthreads();
+      sync();
       // Thread t: piece t % kPieces of rows t / kPieces + (kThreads / kPieces)·i.
       const int piece = threadIdx.x % kPieces;
       const int64_t col = n0 + piece * (16 / int(sizeof(Out)));
@@ -289,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
     // each warp instruction would read 8 rows × 32 bytes of C, and the kernel measured 238 µs
     // against 70 µs with a plain store. Staged, a warp reads and writes 512 contiguous bytes of
     // one row, 8 rows a thread in flight.
-    __syncthreads();  // both warpgroups' last batches have read the ring
+    sync();  // both warpgroups' last batches have read the ring
     float* staged = reinterpret_cast<float*>(ring);  // [128][kStagedLd] fp32
 #pragma unroll
     for (int j = 0; j < 64; j += 2) {
@@ -297,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
       const int col = 8 * (j / 4) + 2 * (lane % 4);
       *reinterpret_cast<float2*>(staged + r * kStagedLd + col) = make_float2(acc[j], acc[j + 1]);
     }
-    __syncthreads();
+    sync();
     float* C = static_cast<float*>(a.out) + int64_t(e) * a.M * a.N;
     const int row_warp = threadIdx.x / 32;  // rows row_warp + 8i
     const int64_t col = n0 + 4 * lane;
@@ -325,16 +401,38 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgmma_backward_kernel(con
   }
 }
 
+// maps: the TMA-fed kernel with these tensor maps; nullptr: the cp.async one.
 template <Product kProduct, typename Out>
-void launch(const BackwardArgs& a, dim3 grid, CUstream_st* stream) {
+void launch(const BackwardArgs& a, const TmaMaps* maps, dim3 grid, CUstream_st* stream) {
   constexpr int kSmem = kStages * kStageBytes + 1024;  // + slack to align the ring to 1 KB
-  auto kernel = moe_wgmma_overlap() ? grouped_wgmma_backward_kernel<kProduct, Out, true>
-                                    : grouped_wgmma_backward_kernel<kProduct, Out, false>;
+  auto kernel = maps != nullptr       ? grouped_wgmma_backward_kernel<kProduct, Out, false, true>
+                : moe_wgmma_overlap() ? grouped_wgmma_backward_kernel<kProduct, Out, true>
+                                      : grouped_wgmma_backward_kernel<kProduct, Out, false>;
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
-  launch_pdl(kernel, grid, kThreads, kSmem, reinterpret_cast<cudaStream_t>(stream), a);
+  launch_pdl(kernel, grid, maps != nullptr ? kTmaThreads : kThreads, kSmem,
+             reinterpret_cast<cudaStream_t>(stream), a, maps != nullptr ? *maps : TmaMaps{});
   DM_CUDA_CHECK(cudaGetLastError());
+}
+
+// The rows products' tensor maps where moe_wgmma_tma() and the shapes allow (K, N multiples of
+// 8, 16-byte aligned operands, 32-bit coordinates); false: the cp.async kernel runs.
+bool rows_tma_maps(const BackwardArgs& a, int64_t R, TmaMaps* maps) {
+  if (!moe_wgmma_tma() || R >= (int64_t(1) << 31) || int64_t(a.E) * a.K >= (int64_t(1) << 31))
+    return false;
+  const bool two = a.A2 != nullptr;
+  const void* A2 = two ? a.A2 : a.A1;
+  const void* B2 = two ? a.B2 : a.B1;
+  if (!tma_map_bf16_applies(a.A1, uint64_t(a.K)) || !tma_map_bf16_applies(A2, uint64_t(a.K)) ||
+      !tma_map_bf16_applies(a.B1, uint64_t(a.N)) || !tma_map_bf16_applies(B2, uint64_t(a.N)))
+    return false;
+  const uint64_t b_rows = uint64_t(a.E) * uint64_t(a.K), K = uint64_t(a.K), N = uint64_t(a.N);
+  maps->a1 = tma_map_bf16_rows(a.A1, uint64_t(R), K, K, kTile, kStepK);
+  maps->b1 = tma_map_bf16_rows(a.B1, b_rows, N, N, kStepK, kStepK);
+  maps->a2 = two ? tma_map_bf16_rows(a.A2, uint64_t(R), K, K, kTile, kStepK) : maps->a1;
+  maps->b2 = two ? tma_map_bf16_rows(a.B2, b_rows, N, N, kStepK, kStepK) : maps->b1;
+  return true;
 }
 
 template <typename Out>
@@ -354,7 +452,9 @@ void launch_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2, con
   a.out = Y;
   a.staged_rows = moe_wgmma_staged_output() && (N * int64_t(sizeof(Out))) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(Y) % 16 == 0;
-  launch<Product::Rows, Out>(a, grouped_rows_grid(R, E, N), stream);
+  TmaMaps maps;
+  launch<Product::Rows, Out>(a, rows_tma_maps(a, R, &maps) ? &maps : nullptr,
+                             grouped_rows_grid(R, E, N), stream);
 }
 
 }  // namespace
@@ -398,12 +498,15 @@ void launch_grouped_rows_glu_backward_wgmma(const uint16_t* A, const uint16_t* B
   a.glu_gate = reinterpret_cast<const __nv_bfloat16*>(gate);
   a.glu_up = reinterpret_cast<__nv_bfloat16*>(up);
   a.glu = act;
-  launch<Product::Rows, __nv_bfloat16>(a, grouped_rows_grid(R, E, N), stream);
+  TmaMaps maps;
+  launch<Product::Rows, __nv_bfloat16>(a, rows_tma_maps(a, R, &maps) ? &maps : nullptr,
+                                       grouped_rows_grid(R, E, N), stream);
 }
 
 void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint16_t* B,
-                                      int64_t ldb, const int64_t* offsets, int E, int64_t M,
-                                      int64_t N, float* C, CUstream_st* stream, bool store) {
+                                      int64_t ldb, const int64_t* offsets, int E, int64_t R,
+                                      int64_t M, int64_t N, float* C, CUstream_st* stream,
+                                      bool store) {
   if (E <= 0 || M <= 0 || N <= 0) return;
   BackwardArgs a{};
   a.A1 = reinterpret_cast<const __nv_bfloat16*>(A);
@@ -418,7 +521,19 @@ void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint
   a.store_c = store;
   const dim3 grid(unsigned((N + kTile - 1) / kTile), unsigned((M + kTile - 1) / kTile),
                   unsigned(E));
-  launch<Product::WeightGrad, float>(a, grid, stream);
+  // The TMA-fed kernel where moe_wgmma_tma() and the shapes allow; its maps end at row R (the
+  // last step of the last expert reads zeros past it).
+  TmaMaps maps;
+  const bool tma = moe_wgmma_tma() && R > 0 && R < (int64_t(1) << 31) &&
+                   tma_map_bf16_applies(A, uint64_t(lda)) &&
+                   tma_map_bf16_applies(B, uint64_t(ldb)) && lda >= M && ldb >= N;
+  if (tma) {
+    maps.a1 = tma_map_bf16_rows(A, uint64_t(R), uint64_t(M), uint64_t(lda), kStepK, kStepK);
+    maps.b1 = tma_map_bf16_rows(B, uint64_t(R), uint64_t(N), uint64_t(ldb), kStepK, kStepK);
+    maps.a2 = maps.a1;
+    maps.b2 = maps.b1;
+  }
+  launch<Product::WeightGrad, float>(a, tma ? &maps : nullptr, grid, stream);
 }
 
 }  // namespace dm::cuda::moe_detail

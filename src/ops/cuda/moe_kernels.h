@@ -100,6 +100,15 @@ bool grouped_rows_wide_applies(int64_t N, const void* Y);
 void launch_grouped_rows_nk_bf16_wgmma_wide(const uint16_t* A, const uint16_t* W,
                                             const int64_t* offsets, int E, int64_t R, int64_t K,
                                             int64_t N, uint16_t* Y, CUstream_st* stream);
+// The same product warp-specialized on the TMA (moe_grouped_gemm_tma.cu; moe_wgmma_tma(),
+// moe.h): a producer thread streams A's and W_e's tiles into the shared-memory ring, two
+// warpgroups multiply. Same contract and output bits as launch_grouped_rows_nk_bf16_wgmma;
+// wide: 128 × 256 tiles (one CTA per SM) instead of 128 × 128 (two). Needs
+// grouped_rows_tma_applies (K and N multiples of 8, A, W and Y 16-byte aligned).
+bool grouped_rows_tma_applies(const void* A, const void* W, int64_t K, int64_t N, const void* Y);
+void launch_grouped_rows_nk_bf16_tma(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
+                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y, bool wide,
+                                     CUstream_st* stream);
 // The backward's products on warpgroup MMA (moe_grouped_gemm_wgmma_backward.cu): the same
 // contracts, grids and outputs as launch_grouped_rows_f32, launch_grouped_rows_bf16 and
 // launch_grouped_weight_grad.
@@ -133,9 +142,11 @@ void launch_grouped_rows_glu_backward_wgmma(const uint16_t* A, const uint16_t* B
 // store (weight gradient only): C_e = A_eᵀ·B_e instead of +=, C not read, and an expert without
 // rows gets C_e = 0: the first product into gradients the step has not zeroed (DeviceParamArena
 // store-first ranges).
+// R: the rows of A and B (offsets[E]; the TMA-fed kernel's tensor maps end there).
 void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint16_t* B,
-                                      int64_t ldb, const int64_t* offsets, int E, int64_t M,
-                                      int64_t N, float* C, CUstream_st* stream, bool store = false);
+                                      int64_t ldb, const int64_t* offsets, int E, int64_t R,
+                                      int64_t M, int64_t N, float* C, CUstream_st* stream,
+                                      bool store = false);
 // The same product for few rows per expert (moe_grouped_few_rows.cu): weights as the MMA's
 // M operand, tokens as its N, each expert's W streamed once into registers; one CTA per
 // (128 weight rows, expert), grid (ceil(N / 128), E). R = offsets[E] (the host's N·k) sets the

@@ -1,0 +1,23 @@
+// Host side of the TMA (tma.cuh): tensor maps of row-major bf16 matrices, encoded through the
+// driver's cuTensorMapEncodeTiled (reached with cudaGetDriverEntryPointByVersion, so nothing links
+// libcuda directly).
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace dm::cuda {
+
+// A [rows][cols] row-major bf16 matrix at `base` with rows row_stride elements apart
+// (≥ cols; base 16-byte aligned and row_stride a multiple of 8: the TMA wants 16-byte row
+// strides), read in boxes of box_rows × box_cols (box_cols · 2 ≤ 128 bytes, box_rows ≤ 256)
+// laid out in shared memory with the 128-byte swizzle of wgmma.cuh's tiles (a box of 64 columns
+// is one K-major row per line, or one MN-major atom of box_rows k lines). Elements past rows or
+// cols read as zeros. Throws dm::Error on a bad shape or a driver failure.
+CUtensorMap tma_map_bf16_rows(const void* base, uint64_t rows, uint64_t cols, uint64_t row_stride,
+                              uint32_t box_rows, uint32_t box_cols);
+
+// Whether tma_map_bf16_rows accepts a matrix at `base` with rows `row_stride` elements apart.
+bool tma_map_bf16_applies(const void* base, uint64_t row_stride);
+
+}  // namespace dm::cuda
