@@ -18,22 +18,39 @@ struct GroupedRowTile {
   int rows = 0;
 };
 
-// Row tile `tile` of the grouped problem (false: past the last tile). E is small (≤ 8192), so
-// every CTA walks the offsets (L2 hits) instead of reading a host-built table.
+// Row tile `tile` of the grouped problem (false: past the last tile). Called by every thread of
+// whole warps (all 32 lanes active, the same arguments): each warp walks the offsets 32 experts at
+// a time, a lane per expert, with a scan of the tile counts across the lanes and a ballot for the
+// one whose tiles hold `tile`. A thread walking all E experts alone took one dependent load and
+// compare per expert (~1 µs at E = 32) before its CTA could issue its first copy.
 __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int E, int64_t tile,
                                               GroupedRowTile* out) {
-  int64_t before = 0;
-  for (int e = 0; e < E; ++e) {
-    const int64_t begin = offsets[e], end = offsets[e + 1];
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x % 32;
+  int64_t before = 0;  // tiles of the experts before this group of 32
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    const int64_t begin = e < E ? offsets[e] : 0, end = e < E ? offsets[e + 1] : 0;
     const int64_t tiles = (end - begin + kGroupedTileRows - 1) / kGroupedTileRows;
-    if (tile < before + tiles) {
-      out->expert = e;
-      out->row0 = begin + (tile - before) * kGroupedTileRows;
-      const int64_t left = end - out->row0;
+    int64_t inclusive = tiles;  // Σ tiles of lanes 0 … lane
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t lower = __shfl_up_sync(kAll, inclusive, o);
+      if (lane >= o) inclusive += lower;
+    }
+    const int64_t first = before + inclusive - tiles;
+    const unsigned hit = __ballot_sync(kAll, tile >= first && tile < first + tiles);
+    if (hit != 0) {
+      const int src = __ffs(hit) - 1;
+      const int64_t row0 =
+          __shfl_sync(kAll, begin, src) + (tile - __shfl_sync(kAll, first, src)) * kGroupedTileRows;
+      const int64_t left = __shfl_sync(kAll, end, src) - row0;
+      out->expert = e0 + src;
+      out->row0 = row0;
       out->rows = int(left < kGroupedTileRows ? left : kGroupedTileRows);
       return true;
     }
-    before += tiles;
+    before += __shfl_sync(kAll, inclusive, 31);
   }
   return false;
 }
