@@ -25,6 +25,13 @@
 //                       fixed order, then the R block rows by a second kernel in a fixed order)
 //   dx[s]             = Σ_j w_j·da[s+Kc−1−j]             (finalised once da[s+Kc−1] is known)
 // Deterministic: every sum has a fixed order that depends only on the shape.
+//
+// σ(a) of the SiLU: for bf16 activations (the forward's bf16 instance and the backward, whose x is
+// bf16) from one ex2.approx and one rcp.approx (silu_sigmoid<true>, ~2e-7 relative, far below
+// the 2^-9 rounding of a bf16 output); the fp32 forward keeps the libm expf and the correctly
+// rounded reciprocal (sigmoid_f32), so the fp32 GPU mode still matches the CPU to ~1e-6. ncu
+// had the kernels issue-bound on that arithmetic (sixteenth session: 12.2M warp instructions for
+// the forward, DRAM 9% busy).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -52,6 +59,15 @@ constexpr int kConvLanes = 32;       // channels per block (one warp row)
 constexpr int kConvRunsPerBlock = 8; // runs per block (block = 32 × 8 = 256 threads)
 constexpr int kConvMaxTaps = 8;
 constexpr int64_t kConvMaxRunGroups = 256;  // backward: bound on the dw partial rows
+
+// σ(a): the fast form for bf16 activations, the accurate one for fp32 (file comment).
+template <bool kFast>
+__device__ __forceinline__ float silu_sigmoid(float a) {
+  if constexpr (kFast)
+    return __fdividef(1.0f, 1.0f + __expf(-a));  // e = ∞ below a ≈ −88: σ = 0
+  else
+    return sigmoid_f32(a);
+}
 
 // Runs of RUN tokens of a [B, T] token grid: ceil(T / RUN) per row, so a run never crosses rows.
 template <int RUN>
@@ -187,7 +203,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock)
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           const float a = conv_taps<kChecked>(w[v], xs, v, i, t0 + i, firsts[i]);
-          values[v] = a * sigmoid_f32(a);
+          values[v] = a * silu_sigmoid<std::is_same_v<Act, uint16_t>>(a);
         }
         store_vector_from_float<V>(out, int64_t(i) * C, values);
       }
@@ -247,7 +263,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
         for (int v = 0; v < V; ++v) {
           if (kChecked && t >= T) continue;  // da = 0 there: dy loaded as 0 past T
           const float a = conv_taps<kChecked>(w[v], xs, v, i, t, firsts[i]);
-          const float sig = sigmoid_f32(a);
+          const float sig = silu_sigmoid<true>(a);                            // x is bf16
           const float d_a = da.at(i, v) * (sig * (1.0f + a * (1.0f - sig)));  // dy·SiLU'(a)
           da.set(i, v, d_a);
           if (kChecked ? t < t1 : i < RUN) {
