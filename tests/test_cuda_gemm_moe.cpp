@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -592,6 +593,16 @@ struct ExpertsCase {
     std::uniform_real_distribution<float> uniform(0.1f, 1.0f);
     for (auto& value : w) value = uniform(rng);
   }
+  // Expert e's weights become NaN (an expert without rows: no kernel may read them for another
+  // expert's rows, e.g. through a tile reaching past N into the next expert's matrix).
+  void poison_expert(int64_t e) {
+    for (Bf16Host* m : {&gate, &up, &down}) {
+      const size_t begin = size_t(e * F * Din), end = size_t((e + 1) * F * Din);
+      std::fill(m->bits.begin() + begin, m->bits.begin() + end, uint16_t(0x7FC0));
+      std::fill(m->values.begin() + begin, m->values.begin() + end,
+                std::numeric_limits<float>::quiet_NaN());
+    }
+  }
   // y [N, Din] of the CPU reference.
   std::vector<float> reference(const GluActivation& act) const {
     std::vector<float> y(size_t(N * Din));
@@ -767,7 +778,9 @@ TEST(CudaMoeExperts, WideTilesMatchNarrowTiles) {
 // forward (h over g) and the training one (g and u kept beside h).
 TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
-  const ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
+  ExpertsCase c(300, 8, 200, 136, 4, /*used=*/6, 91);  // experts 6, 7 get no token
+  c.poison_expert(6);  // expert 5's last column tile (F = 136) reaches into expert 6's rows
+  c.poison_expert(7);
   GluActivation act;
   act.kind = Activation::SiTU;
   const std::vector<float> loop = c.gpu(act, cuda::MoeGemmPath::Loop);

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -330,9 +331,16 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     std::vector<float> w(size_t(N * k));
     for (float& v : w) v = uniform(rng);
     const std::vector<float> x = test::random_normal(size_t(N * Din), 92);
-    const std::vector<float> gate = test::random_normal(size_t(E * F * Din), 93, 0.125f);
-    const std::vector<float> up = test::random_normal(size_t(E * F * Din), 94, 0.125f);
-    const std::vector<float> down = test::random_normal(size_t(E * Din * F), 95, 0.14f);
+    std::vector<float> gate = test::random_normal(size_t(E * F * Din), 93, 0.125f);
+    std::vector<float> up = test::random_normal(size_t(E * F * Din), 94, 0.125f);
+    std::vector<float> down = test::random_normal(size_t(E * Din * F), 95, 0.14f);
+    // The empty experts' weights are NaN: no kernel may read an expert's weights for another's
+    // rows (a tile past K or N reaching into the next expert's matrix must see zeros or never be
+    // stored), so every result below stays finite.
+    for (int e : empty)
+      for (std::vector<float>* wv : {&gate, &up, &down})
+        std::fill(wv->begin() + e * F * Din, wv->begin() + (e + 1) * F * Din,
+                  std::numeric_limits<float>::quiet_NaN());
     const std::vector<float> dy = test::random_normal(size_t(N * Din), 96);
     // Non-zero starting gradients: the weight-gradient GEMMs accumulate (beta = 1).
     const std::vector<float> grad0 = test::random_normal(size_t(E * F * Din), 97, 0.01f);

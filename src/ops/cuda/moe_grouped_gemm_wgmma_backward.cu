@@ -112,8 +112,9 @@ constexpr int kStages = 3;
 static_assert(kTile * kStagedLd * 4 <= kStages * kStageBytes, "the staged tile fits the ring");
 
 // The TMA-fed variant (kTma; moe_wgmma_tma(), moe.h): the operands' tensor maps (tma_map.h).
-// Rows: A1 / A2 [R, K] in 128-row × 64-k boxes (K-major lines), B1 / B2 as [E·K, N] in 64 × 64
-// boxes (one MN-major atom each, two a step). Weight gradient: A1 [R, M] (row stride lda) and
+// Rows: A1 / A2 [R, K] in 128-row × 64-k boxes (K-major lines), B1 / B2 as E matrices [K, N]
+// (3-D maps, so k past K reads zeros, not the next expert's rows) in 64 × 64 boxes (one MN-major
+// atom each, two a step). Weight gradient: A1 [R, M] (row stride lda) and
 // B1 [R, N] (ldb) in 64 × 64 boxes. One producer warp joins the two consumer warpgroups.
 struct TmaMaps {
   CUtensorMap a1, b1, a2, b2;
@@ -126,8 +127,7 @@ constexpr int kTmaThreads = kThreads + 32;
 // every thread's cp.async (TmaMaps; kOverlap does not apply). Where the weight gradient's last
 // step reaches past the expert's rows, the TMA brings the next expert's rows (or zeros past R):
 // the consumers zero those k lines of A before multiplying, as the cp.async copies zero-fill.
-// Rows products: A's k past K arrive as zeros and B's as the next expert's (finite) weights, so
-// their products are 0 as with the zero-filled copies.
+// Rows products: k past K arrives as zeros in both operands, as the copies zero-fill.
 template <Product kProduct, typename Out, bool kOverlap, bool kTma = false>
 __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 2)
     grouped_wgmma_backward_kernel(const BackwardArgs a, const __grid_constant__ TmaMaps maps) {
@@ -196,10 +196,9 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 2)
             const bool second = step >= steps_per_product;
             const int32_t k0 = (second ? step - steps_per_product : step) * kStepK;
             const CUtensorMap* b_map = second ? &maps.b2 : &maps.b1;
-            const int32_t b_row = int32_t(e * a.K + k0);
             tma::load_2d(a_tile, second ? &maps.a2 : &maps.a1, full, k0, int32_t(row0));
-            tma::load_2d(b_tile, b_map, full, int32_t(n0), b_row);
-            tma::load_2d(b_tile + kAtomBytes, b_map, full, int32_t(n0 + 64), b_row);
+            tma::load_3d(b_tile, b_map, full, int32_t(n0), k0, e);
+            tma::load_3d(b_tile + kAtomBytes, b_map, full, int32_t(n0 + 64), k0, e);
           } else {
             const int32_t r0 = int32_t(red_begin + int64_t(step) * kStepK);
             tma::load_2d(a_tile, &maps.a1, full, int32_t(m0), r0);
@@ -419,19 +418,18 @@ void launch(const BackwardArgs& a, const TmaMaps* maps, dim3 grid, CUstream_st* 
 // The rows products' tensor maps where moe_wgmma_tma() and the shapes allow (K, N multiples of
 // 8, 16-byte aligned operands, 32-bit coordinates); false: the cp.async kernel runs.
 bool rows_tma_maps(const BackwardArgs& a, int64_t R, TmaMaps* maps) {
-  if (!moe_wgmma_tma() || R >= (int64_t(1) << 31) || int64_t(a.E) * a.K >= (int64_t(1) << 31))
-    return false;
+  if (!moe_wgmma_tma() || R >= (int64_t(1) << 31)) return false;
   const bool two = a.A2 != nullptr;
   const void* A2 = two ? a.A2 : a.A1;
   const void* B2 = two ? a.B2 : a.B1;
   if (!tma_map_bf16_applies(a.A1, uint64_t(a.K)) || !tma_map_bf16_applies(A2, uint64_t(a.K)) ||
       !tma_map_bf16_applies(a.B1, uint64_t(a.N)) || !tma_map_bf16_applies(B2, uint64_t(a.N)))
     return false;
-  const uint64_t b_rows = uint64_t(a.E) * uint64_t(a.K), K = uint64_t(a.K), N = uint64_t(a.N);
+  const uint64_t E = uint64_t(a.E), K = uint64_t(a.K), N = uint64_t(a.N);
   maps->a1 = tma_map_bf16_rows(a.A1, uint64_t(R), K, K, kTile, kStepK);
-  maps->b1 = tma_map_bf16_rows(a.B1, b_rows, N, N, kStepK, kStepK);
+  maps->b1 = tma_map_bf16_batched(a.B1, E, K, N, kStepK, kStepK);
   maps->a2 = two ? tma_map_bf16_rows(a.A2, uint64_t(R), K, K, kTile, kStepK) : maps->a1;
-  maps->b2 = two ? tma_map_bf16_rows(a.B2, b_rows, N, N, kStepK, kStepK) : maps->b1;
+  maps->b2 = two ? tma_map_bf16_batched(a.B2, E, K, N, kStepK, kStepK) : maps->b1;
   return true;
 }
 

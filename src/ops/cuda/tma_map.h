@@ -17,6 +17,13 @@ namespace dm::cuda {
 CUtensorMap tma_map_bf16_rows(const void* base, uint64_t rows, uint64_t cols, uint64_t row_stride,
                               uint32_t box_rows, uint32_t box_cols);
 
+// `batches` such matrices [rows][cols] one after another (each rows·cols elements, cols a
+// multiple of 8), as a 3-D map (x = column, y = row, z = matrix): a box never reads into the next
+// matrix; rows past `rows` and columns past `cols` read as zeros. The expert weights [E][K][N]
+// whose k rows a product steps through.
+CUtensorMap tma_map_bf16_batched(const void* base, uint64_t batches, uint64_t rows, uint64_t cols,
+                                 uint32_t box_rows, uint32_t box_cols);
+
 // Whether tma_map_bf16_rows accepts a matrix at `base` with rows `row_stride` elements apart.
 bool tma_map_bf16_applies(const void* base, uint64_t row_stride);
 
