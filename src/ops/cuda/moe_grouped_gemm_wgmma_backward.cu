@@ -376,20 +376,22 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 2)
     float* C = static_cast<float*>(a.out) + int64_t(e) * a.M * a.N;
     const int row_warp = threadIdx.x / 32;  // rows row_warp + 8i
     const int64_t col = n0 + 4 * lane;
-    // Two passes of 8 rows a thread (16 would spill at the 128-register cap).
+    // Passes of kRowsPerPass rows a thread: two of 8 (16 would spill at the 128-register cap), four
+    // of 4 in the TMA variant (96 registers).
+    constexpr int kPasses = kTma ? 4 : 2, kRowsPerPass = kTile / 8 / kPasses;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float4 old[kTile / 16];
+    for (int half = 0; half < kPasses; ++half) {
+      float4 old[kRowsPerPass];
 #pragma unroll
-      for (int i = 0; i < kTile / 16; ++i) {
-        const int64_t m = m0 + row_warp + 8 * (i + half * kTile / 16);
+      for (int i = 0; i < kRowsPerPass; ++i) {
+        const int64_t m = m0 + row_warp + 8 * (i + half * kRowsPerPass);
         old[i] = !a.store_c && m < a.M && col < a.N
                      ? *reinterpret_cast<const float4*>(C + m * a.N + col)
                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
-      for (int i = 0; i < kTile / 16; ++i) {
-        const int r = row_warp + 8 * (i + half * kTile / 16);
+      for (int i = 0; i < kRowsPerPass; ++i) {
+        const int r = row_warp + 8 * (i + half * kRowsPerPass);
         const int64_t m = m0 + r;
         if (m >= a.M || col >= a.N) continue;
         const float4 add = *reinterpret_cast<const float4*>(staged + r * kStagedLd + 4 * lane);
