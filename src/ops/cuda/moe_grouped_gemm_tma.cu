@@ -11,13 +11,14 @@
 // address arithmetic and no CTA-wide barrier in their loop.
 //
 // CTA: 288 threads = consumer warpgroups 0 and 1 (tile rows 64g … 64g + 63, all kWidth columns)
-// + one producer warp (lane 0 issues). kWidth 128: 3 stages of 32 KB, 2 CTAs per SM (≤ 112
-// registers a thread), so one CTA's epilogue overlaps the other's main loop; kWidth 256: 4
-// stages of 48 KB, one CTA per SM.
+// + one producer warp (lane 0 issues). kWidth 128: 3 stages of 32 KB, 2 CTAs per SM (≤ 96
+// registers a thread: 18 warps over the SM's 4 schedulers), so one CTA's epilogue overlaps the
+// other's main loop; kWidth 256: 4 stages of 48 KB, one CTA per SM.
 //
 // Measured on an H200 (bench_cuda_moe_gemm, 24576 rows over 32 experts, Din 512, F 1024; µs,
 // cp.async kernel → this one): gate 73.9 → 72.3 (128 × 256: 74.2), down 65.7 → 66.4 (66.1);
-// cuBLASLt, one dense GEMM of the same size: 51.4 and 47.7. The TMA took the copy work off the
+// 64.4 and 62.0 once the tiles were found by a warp scan (moe_grouped_tiles.cuh); cuBLASLt, one
+// dense GEMM of the same size: 51.4 and 47.7. The TMA took the copy work off the
 // consumers but not the rest of the gap: each CTA still fills its pipeline and drains its
 // epilogue unoverlapped except by the other CTA on the SM (K is 8 or 16 steps here).
 //
