@@ -142,6 +142,7 @@ int run(int argc, char** argv) {
     std::function<void()> dense;  // the same FLOPs as one cuBLASLt GEMM
     std::function<void(void* out)> wide = nullptr;  // the 128 × 256-tile wgmma kernel, if any
     std::function<void(bool wide, void* out)> tma = nullptr;  // the TMA-fed kernel, if any
+    std::function<void(void* out)> pingpong = nullptr;  // the persistent pingpong kernel, if any
   };
   const double rows = double(R);
   std::vector<Product> products = {
@@ -162,6 +163,10 @@ int run(int argc, char** argv) {
        [&](bool wide, void* o) {
          cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(
              x, w_gate, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), wide, nullptr);
+       },
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(
+             x, w_gate, d_offsets, int(E), R, Din, F, static_cast<uint16_t*>(o), nullptr);
        }},
       {"fwd down (h·W_downᵀ)", 2 * rows * F * Din, true, size_t(R * Din),
        [&](bool w, void* o) {
@@ -180,6 +185,10 @@ int run(int argc, char** argv) {
        [&](bool wide, void* o) {
          cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(
              h, w_down, d_offsets, int(E), R, F, Din, static_cast<uint16_t*>(o), wide, nullptr);
+       },
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(
+             h, w_down, d_offsets, int(E), R, F, Din, static_cast<uint16_t*>(o), nullptr);
        }},
       {"bwd dh (dout·W_down)", 2 * rows * Din * F, true, size_t(R * F),
        [&](bool w, void* o) {
@@ -298,6 +307,14 @@ int run(int argc, char** argv) {
       row(wide ? "TMA-fed 128 × 256" : "TMA-fed 128 × 128",
           median_ms([&] { p.tma(wide == 1, out); }, reps), tma_err);
     }
+    if (p.pingpong) {
+      p.pingpong(out);
+      cuda_check(cudaDeviceSynchronize(), "pingpong");
+      char pingpong_err[32];
+      std::snprintf(pingpong_err, sizeof(pingpong_err), "%.2e",
+                    rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+      row("pingpong, persistent", median_ms([&] { p.pingpong(out); }, reps), pingpong_err);
+    }
     row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");
   }
 
@@ -323,7 +340,21 @@ int run(int argc, char** argv) {
       cuda::moe_detail::launch_grouped_gate_up_glu_wgmma(x, w_gate, w_up, d_offsets, int(E), R, Din,
                                                          F, gate, up, h_fused, act, nullptr);
     };
+    auto forward_pingpong = [&] {  // the persistent kernel, g and u kept
+      cuda::moe_detail::launch_grouped_gate_up_glu_pingpong(
+          x, w_gate, w_up, d_offsets, int(E), R, Din, F, gate, up, h_fused, act, nullptr);
+    };
+    auto forward_pingpong_separate = [&] {
+      cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(x, w_gate, d_offsets, int(E), R, Din,
+                                                             F, gate, nullptr);
+      cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(x, w_up, d_offsets, int(E), R, Din, F,
+                                                             up, nullptr);
+      cuda::glu_forward(gate, up, h_separate, R * F, act);
+    };
     forward_separate();
+    forward_pingpong();
+    cuda_check(cudaDeviceSynchronize(), "GLU forward, pingpong");
+    const double pingpong_err = rel_rms_device(h_fused, h_separate, size_t(R * F), true);
     forward_fused();
     cuda_check(cudaDeviceSynchronize(), "GLU forward");
     const double forward_err = rel_rms_device(h_fused, h_separate, size_t(R * F), true);
@@ -352,6 +383,10 @@ int run(int argc, char** argv) {
                 median_ms(forward_separate, reps) * 1e3);
     std::printf("| forward | one product, GLU in its epilogue | %.1f | %.2e |\n",
                 median_ms(forward_fused, reps) * 1e3, forward_err);
+    std::printf("| forward | pingpong: gate, up products + GLU pass | %.1f | - |\n",
+                median_ms(forward_pingpong_separate, reps) * 1e3);
+    std::printf("| forward | pingpong: one product, GLU in its epilogue | %.1f | %.2e |\n",
+                median_ms(forward_pingpong, reps) * 1e3, pingpong_err);
     // The parts of the separate forward: what the fused epilogue is measured against.
     std::printf("| forward, part | gate, up products alone | %.1f | - |\n",
                 median_ms(

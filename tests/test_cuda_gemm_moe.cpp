@@ -24,6 +24,7 @@
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
@@ -734,13 +735,17 @@ TEST(CudaMoeExperts, WideTilesMatchNarrowTiles) {
     const std::vector<uint16_t> narrow_bits = download(narrow, size_t(R * N));
     // The 128 × 256 cp.async kernel, then the TMA-fed ones (moe_grouped_gemm_tma.cu) on 128 × 128
     // and 128 × 256 tiles (the schedule flag does not apply to them).
-    for (int kernel : {0, 1, 2}) {
+    // Then the persistent pingpong kernel (moe_grouped_gemm_pingpong.cu).
+    for (int kernel : {0, 1, 2, 3}) {
       SCOPED_TRACE(str_cat("kernel=", kernel));
       uint16_t* other = test::mla::alloc_poisoned<uint16_t>(arena, size_t(R * N));
       if (kernel == 0) {
         ASSERT_TRUE(cuda::moe_detail::grouped_rows_wide_applies(N, other));
         cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma_wide(a_dev, w_dev, offsets_dev, E, R, K,
                                                                  N, other, nullptr);
+      } else if (kernel == 3) {
+        cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(a_dev, w_dev, offsets_dev, E, R, K,
+                                                               N, other, nullptr);
       } else {
         ASSERT_TRUE(cuda::moe_detail::grouped_rows_tma_applies(a_dev, w_dev, K, N, other));
         cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(a_dev, w_dev, offsets_dev, E, R, K, N,
@@ -767,7 +772,71 @@ TEST(CudaMoeExperts, WideTilesMatchNarrowTiles) {
   EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_nk_bf16_tma(a_dev, w_dev, offsets_dev, E, R,
                                                                  198, N, nullptr, false, nullptr),
                Error);
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(a_dev, w_dev, offsets_dev, E,
+                                                                      R, 198, N, nullptr, nullptr),
+               Error);
   cuda::moe_set_wgmma_overlap(overlap_before);
+}
+
+// The persistent pingpong kernels where each CTA walks many tiles (more than two per SM, so both
+// consumer warpgroups take several and the ring wraps across tiles): bitwise against the
+// cp.async wgmma kernels, the plain product and the gate/up products with the GLU epilogue (g, u
+// kept and not), over 7 uneven experts (one empty, partial row tiles), K = 520 (a k tail of 8),
+// N = F = 264 (a partial column tile of 8, reaching into the next expert's weight rows, which are
+// NaN for an expert with no rows: a tile that read them into a stored column would fail).
+TEST(CudaMoeExperts, PingpongMatchesAcrossManyTiles) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t R = 20000, K = 520, N = 264;
+  const int E = 7;
+  const std::vector<int64_t> offsets = {0, 3001, 3001, 9000, 9130, 15000, 15001, 20000};
+  const Bf16Host a = random_bf16(size_t(R * K), 411);
+  Bf16Host w = random_bf16(size_t(E * N * K), 412, 1.0f / std::sqrt(float(K)));
+  Bf16Host w_up = random_bf16(size_t(E * N * K), 413, 1.0f / std::sqrt(float(K)));
+  for (int64_t i = N * K; i < 2 * N * K; ++i)  // expert 1 (no rows) follows expert 0
+    w.bits[size_t(i)] = w_up.bits[size_t(i)] = 0x7fc0;
+  cuda::DeviceArena arena(size_t(256) << 20);
+  const uint16_t* a_dev = upload(arena, a.bits);
+  const uint16_t* w_dev = upload(arena, w.bits);
+  const uint16_t* w_up_dev = upload(arena, w_up.bits);
+  const int64_t* offsets_dev = upload(arena, offsets);
+  const size_t out = size_t(R * N);
+  std::vector<uint16_t*> y(8);
+  for (uint16_t*& p : y) p = test::mla::alloc_poisoned<uint16_t>(arena, out);
+  cuda::moe_detail::launch_grouped_rows_nk_bf16_wgmma(a_dev, w_dev, offsets_dev, E, R, K, N, y[0],
+                                                      nullptr);
+  cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(a_dev, w_dev, offsets_dev, E, R, K, N,
+                                                         y[1], nullptr);
+  cuda::GluKernelParams act;
+  act.situ = true;
+  // GLU: cp.async kernel (g, u, h) into y[2..4], pingpong into y[5..7].
+  ASSERT_TRUE(cuda::moe_detail::grouped_gate_up_glu_pingpong_applies(a_dev, w_dev, w_up_dev, K, N,
+                                                                     y[5], y[6], y[7]));
+  cuda::moe_detail::launch_grouped_gate_up_glu_wgmma(a_dev, w_dev, w_up_dev, offsets_dev, E, R, K,
+                                                     N, y[2], y[3], y[4], act, nullptr);
+  cuda::moe_detail::launch_grouped_gate_up_glu_pingpong(a_dev, w_dev, w_up_dev, offsets_dev, E, R,
+                                                        K, N, y[5], y[6], y[7], act, nullptr);
+  uint16_t* h_alone = test::mla::alloc_poisoned<uint16_t>(arena, out);  // g and u not kept
+  cuda::moe_detail::launch_grouped_gate_up_glu_pingpong(
+      a_dev, w_dev, w_up_dev, offsets_dev, E, R, K, N, nullptr, nullptr, h_alone, act, nullptr);
+  cuda::synchronize();
+  std::vector<std::vector<uint16_t>> bits;
+  for (uint16_t* p : y) bits.push_back(download(p, out));
+  const std::vector<uint16_t> h_alone_bits = download(h_alone, out);
+  auto differing = [&](const std::vector<uint16_t>& x, const std::vector<uint16_t>& ref) {
+    size_t n = 0;
+    for (size_t i = 0; i < out; ++i) n += x[i] != ref[i];
+    return n;
+  };
+  std::vector<float> values(out);
+  for (size_t i = 0; i < out; ++i) values[i] = bf16_to_f32(bits[1][i]);
+  ASSERT_TRUE(test::mla::all_finite(values));
+  EXPECT_EQ(differing(bits[1], bits[0]), 0u) << "plain product";
+  EXPECT_EQ(differing(bits[5], bits[2]), 0u) << "g";
+  EXPECT_EQ(differing(bits[6], bits[3]), 0u) << "u";
+  EXPECT_EQ(differing(bits[7], bits[4]), 0u) << "h";
+  EXPECT_EQ(differing(h_alone_bits, bits[4]), 0u) << "h without g, u";
+  // The g the GLU kernels keep is the plain product with W_gate.
+  EXPECT_EQ(differing(bits[5], bits[0]), 0u) << "g vs the plain product";
 }
 
 // Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default), its
@@ -792,8 +861,11 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   const bool wide_before = cuda::moe_wgmma_wide();
   const bool tma_before = cuda::moe_wgmma_tma();
   // mma.sync, wgmma (fused GLU), wgmma overlapped, wgmma unstaged, wgmma with the GLU apart,
-  // wgmma with the GLU apart on 128 × 256 tiles, TMA-fed on 128 × 128 and on 128 × 256 tiles
-  for (int variant : {0, 1, 2, 3, 4, 5, 6, 7})
+  // wgmma with the GLU apart on 128 × 256 tiles, TMA-fed on 128 × 128 and on 128 × 256 tiles,
+  // the pingpong kernel with the GLU apart and in its epilogue
+  const bool pingpong_before = cuda::moe_wgmma_pingpong();
+  const bool pingpong_glu_before = cuda::moe_wgmma_pingpong_glu();
+  for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9})
     for (bool recompute : {false, true}) {
       SCOPED_TRACE(str_cat("variant=", variant, " recompute=", recompute));
       cuda::moe_set_grouped_wgmma(variant > 0);
@@ -802,6 +874,8 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
       cuda::moe_set_wgmma_fused_glu(variant < 4);
       cuda::moe_set_wgmma_wide(variant == 5 || variant == 7);
       cuda::moe_set_wgmma_tma(variant >= 6);
+      cuda::moe_set_wgmma_pingpong(variant >= 8);
+      cuda::moe_set_wgmma_pingpong_glu(variant == 9);
       std::vector<int64_t> offsets;
       const std::vector<float> own = c.gpu(act, cuda::MoeGemmPath::GroupedOwn, &offsets, recompute);
       ASSERT_GT(offsets[1] - offsets[0], 128);  // more than one row tile per expert
@@ -811,7 +885,9 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
       EXPECT_LE(test::rel_rms(own.data(), y_ref.data(), y_ref.size()), 1e-2);
       if (variant == 1 && !recompute) fused = own;
       if (variant == 4 && !recompute) separate = own;
-      if (variant >= 5 && !recompute) EXPECT_TRUE(own == separate) << "vs wgmma 128 x 128";
+      if (variant >= 5 && variant != 9 && !recompute)
+        EXPECT_TRUE(own == separate) << "vs wgmma 128 x 128";
+      if (variant == 9 && !recompute) EXPECT_TRUE(own == fused) << "vs the wgmma fused GLU";
       // Keeping g and u changes what is stored, not what is computed.
       if (variant == 1 && recompute) EXPECT_TRUE(own == fused) << "recompute vs forward";
     }
@@ -826,6 +902,8 @@ TEST(CudaMoeExperts, GroupedOwnMatchesLoopAcrossTiles) {
   cuda::moe_set_wgmma_fused_glu(fused_before);
   cuda::moe_set_wgmma_wide(wide_before);
   cuda::moe_set_wgmma_tma(tma_before);
+  cuda::moe_set_wgmma_pingpong(pingpong_before);
+  cuda::moe_set_wgmma_pingpong_glu(pingpong_glu_before);
 }
 
 // The few-rows kernel (launch_grouped_few_rows_nk_bf16), which GroupedOwn takes below

@@ -221,9 +221,12 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
     const int E = b.E;
     // Few rows per expert (decode batches): weight-streaming kernel; else 128-row tiles.
     const bool few = rows < kMoeFewRowsPerExpert * E;
+    const bool pingpong = moe_grouped_wgmma() && moe_wgmma_pingpong();
     auto product = [&](const uint16_t* A, const uint16_t* W, int64_t K, int64_t N, uint16_t* Y) {
       if (few)
         launch_grouped_few_rows_nk_bf16(A, W, plan.offsets, E, rows, K, N, Y, stream);
+      else if (pingpong && grouped_rows_tma_applies(A, W, K, N, Y))
+        launch_grouped_rows_nk_bf16_pingpong(A, W, plan.offsets, E, rows, K, N, Y, stream);
       else if (moe_grouped_wgmma() && moe_wgmma_tma() && grouped_rows_tma_applies(A, W, K, N, Y))
         launch_grouped_rows_nk_bf16_tma(A, W, plan.offsets, E, rows, K, N, Y, moe_wgmma_wide(),
                                         stream);
@@ -238,8 +241,13 @@ void run_expert_chain(GemmContext& gemm, ExpertGemmBuffers b, const MoeDispatchP
     const bool in_place = h == b.gate_out;
     uint16_t* keep_gate = in_place ? nullptr : b.gate_out;
     uint16_t* keep_up = in_place ? nullptr : b.up_out;
-    if (!few && moe_grouped_wgmma() && moe_wgmma_fused_glu() &&
-        grouped_gate_up_glu_applies(F, keep_gate, keep_up, h)) {
+    if (!few && pingpong && moe_wgmma_pingpong_glu() &&
+        grouped_gate_up_glu_pingpong_applies(b.x_sorted, b.gate_w, b.up_w, Din, F, keep_gate,
+                                             keep_up, h)) {
+      launch_grouped_gate_up_glu_pingpong(b.x_sorted, b.gate_w, b.up_w, plan.offsets, E, rows, Din,
+                                          F, keep_gate, keep_up, h, glu_kernel_params(act), stream);
+    } else if (!few && moe_grouped_wgmma() && moe_wgmma_fused_glu() &&
+               grouped_gate_up_glu_applies(F, keep_gate, keep_up, h)) {
       launch_grouped_gate_up_glu_wgmma(b.x_sorted, b.gate_w, b.up_w, plan.offsets, E, rows, Din, F,
                                        keep_gate, keep_up, h, glu_kernel_params(act), stream);
     } else {
@@ -309,12 +317,30 @@ std::atomic<bool>& wgmma_tma_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_TMA", true)};
   return on;
 }
+std::atomic<bool>& wgmma_pingpong_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_PINGPONG", true)};
+  return on;
+}
+std::atomic<bool>& wgmma_pingpong_glu_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_PINGPONG_GLU", true)};
+  return on;
+}
 std::atomic<bool>& wgmma_staged_output_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_STAGED", true)};
   return on;
 }
 }  // namespace
 
+bool moe_wgmma_pingpong() { return wgmma_pingpong_setting().load(std::memory_order_relaxed); }
+void moe_set_wgmma_pingpong(bool on) {
+  wgmma_pingpong_setting().store(on, std::memory_order_relaxed);
+}
+bool moe_wgmma_pingpong_glu() {
+  return wgmma_pingpong_glu_setting().load(std::memory_order_relaxed);
+}
+void moe_set_wgmma_pingpong_glu(bool on) {
+  wgmma_pingpong_glu_setting().store(on, std::memory_order_relaxed);
+}
 bool moe_wgmma_tma() { return wgmma_tma_setting().load(std::memory_order_relaxed); }
 void moe_set_wgmma_tma(bool on) { wgmma_tma_setting().store(on, std::memory_order_relaxed); }
 bool moe_wgmma_wide() { return wgmma_wide_setting().load(std::memory_order_relaxed); }

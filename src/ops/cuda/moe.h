@@ -182,6 +182,19 @@ void moe_set_wgmma_tma(bool on);
 // is for tests and benchmarks.
 bool moe_wgmma_fused_glu();
 void moe_set_wgmma_fused_glu(bool on);
+// The forward's expert products on the persistent pingpong kernel (moe_kernels.h
+// launch_grouped_rows_nk_bf16_pingpong) where the TMA path applies: env DM_MOE_PINGPONG (0 / 1,
+// default 1). With DM_MOE_PINGPONG_GLU (0 / 1, default 1) as well, the gate and up products and
+// the GLU run as one such kernel (launch_grouped_gate_up_glu_pingpong), whose GLU epilogue one
+// consumer runs while the other multiplies. Same output bits either way. On an H200
+// (bench_cuda_moe_gemm, 24576 rows, 32 experts, Din 512, F 1024; µs, TMA-fed → pingpong): gate
+// 66.0 → 65.5, down 64.1 → 60.6, gate + up + GLU 169.8 (products and the GLU pass) → 146.2 (one
+// kernel); the gpu_1b train step 85.9-86.1 ms → 85.8-86.1 (no change beyond the noise).
+// Process-wide; the setters are for tests and benchmarks.
+bool moe_wgmma_pingpong();
+void moe_set_wgmma_pingpong(bool on);
+bool moe_wgmma_pingpong_glu();
+void moe_set_wgmma_pingpong_glu(bool on);
 // Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
 // C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
 // warpgroup, one tile; transposed: 0 = both operands K-major in shared memory, 1 = B MN-major,

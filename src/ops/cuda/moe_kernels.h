@@ -109,6 +109,27 @@ bool grouped_rows_tma_applies(const void* A, const void* W, int64_t K, int64_t N
 void launch_grouped_rows_nk_bf16_tma(const uint16_t* A, const uint16_t* W, const int64_t* offsets,
                                      int E, int64_t R, int64_t K, int64_t N, uint16_t* Y, bool wide,
                                      CUstream_st* stream);
+// The same product as a persistent, warp-specialized "pingpong" kernel
+// (moe_grouped_gemm_pingpong.cu; moe_wgmma_pingpong(), moe.h): one CTA per SM walks the 128 × 128
+// tiles, a producer warpgroup streams every tile's k steps through one TMA ring and two consumer
+// warpgroups take the tiles in turn, so one stores its tile while the other multiplies. Same
+// contract, preconditions (grouped_rows_tma_applies) and output bits as
+// launch_grouped_rows_nk_bf16_wgmma.
+void launch_grouped_rows_nk_bf16_pingpong(const uint16_t* A, const uint16_t* W,
+                                          const int64_t* offsets, int E, int64_t R, int64_t K,
+                                          int64_t N, uint16_t* Y, CUstream_st* stream);
+// The gate and up products with the GLU in the epilogue on that kernel: the contract and bits of
+// launch_grouped_gate_up_glu_wgmma (64 columns of F a tile, g and u side by side); also needs the
+// TMA's alignment of A, W_gate, W_up (K a multiple of 8, 16-byte aligned): all of it is
+// grouped_gate_up_glu_pingpong_applies.
+bool grouped_gate_up_glu_pingpong_applies(const void* A, const void* W_gate, const void* W_up,
+                                          int64_t K, int64_t F, const void* gate_out,
+                                          const void* up_out, const void* h);
+void launch_grouped_gate_up_glu_pingpong(const uint16_t* A, const uint16_t* W_gate,
+                                         const uint16_t* W_up, const int64_t* offsets, int E,
+                                         int64_t R, int64_t K, int64_t F, uint16_t* gate_out,
+                                         uint16_t* up_out, uint16_t* h, const GluKernelParams& act,
+                                         CUstream_st* stream);
 // The backward's products on warpgroup MMA (moe_grouped_gemm_wgmma_backward.cu): the same
 // contracts, grids and outputs as launch_grouped_rows_f32, launch_grouped_rows_bf16 and
 // launch_grouped_weight_grad.
