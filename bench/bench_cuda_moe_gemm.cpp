@@ -222,6 +222,11 @@ int run(int argc, char** argv) {
        [&] {
          gemm.gemm_bf16(true, false, F, Din, R, 1.0f, dg, F, x, Din, 0.0f, out_f32,
                         cuda::GemmOutType::F32, Din);
+       },
+       nullptr, nullptr,
+       [&](void* o) {  // accumulating, as the others
+         cuda::moe_detail::launch_grouped_weight_grad_pingpong(
+             dg, F, x, Din, d_offsets, int(E), R, F, Din, static_cast<float*>(o), nullptr);
        }},
       {"bwd dW_down (doutᵀ·h)", 2 * rows * Din * F, false, size_t(E * Din * F),
        [&](bool w, void* o) {
@@ -235,12 +240,20 @@ int run(int argc, char** argv) {
        [&] {
          gemm.gemm_bf16(true, false, Din, F, R, 1.0f, dout, Din, h, F, 0.0f, out_f32,
                         cuda::GemmOutType::F32, F);
+       },
+       nullptr, nullptr,
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_weight_grad_pingpong(
+             dout, Din, h, F, d_offsets, int(E), R, Din, F, static_cast<float*>(o), nullptr);
        }},
   };
 
   // The cp.async-fed kernels unless a row says TMA (moe.h moe_wgmma_tma, which is restored).
   const bool tma_before = cuda::moe_wgmma_tma();
   cuda::moe_set_wgmma_tma(false);
+  // The launchers' own dispatch to the pingpong kernels off: it has its own rows below.
+  const bool pingpong_before = cuda::moe_wgmma_pingpong();
+  cuda::moe_set_wgmma_pingpong(false);
   std::printf(
       "\n| product | kernel | µs | TFLOP/s | rel RMS vs mma.sync |\n|---|---|---:|---:|---:|\n");
   for (const Product& p : products) {
@@ -272,6 +285,15 @@ int run(int argc, char** argv) {
                     rel_rms_device(out, ref, p.out_elems, p.bf16_out));
     }
     cuda::moe_set_wgmma_tma(false);
+    // The pingpong kernel, checked here too (before the timing accumulates into ref).
+    char pingpong_err[32] = "-";
+    if (p.pingpong) {
+      zero(out);
+      p.pingpong(out);
+      cuda_check(cudaDeviceSynchronize(), "pingpong");
+      std::snprintf(pingpong_err, sizeof(pingpong_err), "%.2e",
+                    rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+    }
     row("mma.sync", median_ms([&] { p.run(false, ref); }, reps), "-");
     for (int overlap = 0; overlap < 2; ++overlap) {
       cuda::moe_set_wgmma_overlap(overlap == 1);
@@ -307,18 +329,13 @@ int run(int argc, char** argv) {
       row(wide ? "TMA-fed 128 × 256" : "TMA-fed 128 × 128",
           median_ms([&] { p.tma(wide == 1, out); }, reps), tma_err);
     }
-    if (p.pingpong) {
-      p.pingpong(out);
-      cuda_check(cudaDeviceSynchronize(), "pingpong");
-      char pingpong_err[32];
-      std::snprintf(pingpong_err, sizeof(pingpong_err), "%.2e",
-                    rel_rms_device(out, ref, p.out_elems, p.bf16_out));
+    if (p.pingpong)
       row("pingpong, persistent", median_ms([&] { p.pingpong(out); }, reps), pingpong_err);
-    }
     row("cuBLASLt, one dense GEMM of the same size", median_ms(p.dense, reps), "-");
   }
 
   cuda::moe_set_wgmma_tma(tma_before);
+  cuda::moe_set_wgmma_pingpong(pingpong_before);
 
   // The GLU apart vs in the products' epilogues (SiTU, the gpu_1b activation). Outputs of the
   // fused kernels checked against the separate passes' (relative RMS over h, and dg + du).

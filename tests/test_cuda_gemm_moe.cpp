@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "core/gemm.h"
 #include "cuda_mla_test_util.h"
+#include "cuda_test_util.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
@@ -837,6 +838,64 @@ TEST(CudaMoeExperts, PingpongMatchesAcrossManyTiles) {
   EXPECT_EQ(differing(h_alone_bits, bits[4]), 0u) << "h without g, u";
   // The g the GLU kernels keep is the plain product with W_gate.
   EXPECT_EQ(differing(bits[5], bits[0]), 0u) << "g vs the plain product";
+}
+
+// The pingpong weight gradient (launch_grouped_weight_grad_pingpong) bitwise against the TMA-fed
+// kernel, storing (C from NaN) and accumulating (C from random values), where each CTA walks
+// more than two tiles: 7 experts of 3001, 0, 5999, 130, 5870, 1 and 4999 rows (an empty expert,
+// last steps of 1 … 63 rows, which read the next expert's rows into k lines that must be zeroed),
+// M = 1032 and N = 520 (partial tiles at both edges; 315 tiles).
+TEST(CudaMoeExperts, PingpongWeightGradMatchesTmaAcrossManyTiles) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t R = 20000, M = 1032, N = 520;
+  const int E = 7;
+  const std::vector<int64_t> offsets = {0, 3001, 3001, 9000, 9130, 15000, 15001, 20000};
+  const Bf16Host a = random_bf16(size_t(R * M), 421);
+  const Bf16Host b = random_bf16(size_t(R * N), 422);
+  cuda::DeviceArena arena(size_t(256) << 20);
+  const uint16_t* a_dev = upload(arena, a.bits);
+  const uint16_t* b_dev = upload(arena, b.bits);
+  const int64_t* offsets_dev = upload(arena, offsets);
+  const size_t out = size_t(E * M * N);
+  const std::vector<float> start = test::random_normal(out, 423);
+  const bool tma_before = cuda::moe_wgmma_tma(), pingpong_before = cuda::moe_wgmma_pingpong();
+  cuda::moe_set_wgmma_tma(true);
+  cuda::moe_set_wgmma_pingpong(false);  // launch_grouped_weight_grad_wgmma: the TMA-fed kernel
+  for (bool store : {true, false}) {
+    SCOPED_TRACE(str_cat("store=", store));
+    std::vector<std::vector<float>> c(2);
+    for (int kernel = 0; kernel < 2; ++kernel) {
+      float* c_dev = test::mla::alloc_poisoned<float>(arena, out);
+      if (!store) cuda::copy_to_device(c_dev, start.data(), out * sizeof(float));
+      ASSERT_TRUE(cuda::moe_detail::grouped_weight_grad_pingpong_applies(a_dev, M, b_dev, N, R, M,
+                                                                         N, c_dev));
+      if (kernel == 0)
+        cuda::moe_detail::launch_grouped_weight_grad_wgmma(a_dev, M, b_dev, N, offsets_dev, E, R, M,
+                                                           N, c_dev, nullptr, store);
+      else
+        cuda::moe_detail::launch_grouped_weight_grad_pingpong(a_dev, M, b_dev, N, offsets_dev, E, R,
+                                                              M, N, c_dev, nullptr, store);
+      cuda::synchronize();
+      c[size_t(kernel)] = download(c_dev, out);
+    }
+    ASSERT_TRUE(test::mla::all_finite(c[1]));
+    size_t differing = 0;
+    for (size_t i = 0; i < out; ++i) differing += c[1][i] != c[0][i];
+    EXPECT_EQ(differing, 0u) << "of " << out << " gradients";
+    // The empty expert's block: zeros (store) or untouched.
+    for (int64_t i = M * N; i < 2 * M * N; ++i)
+      ASSERT_EQ(c[1][size_t(i)], store ? 0.0f : start[size_t(i)]);
+    // Spot checks against a double-precision sum: expert 3's (130 rows) corners.
+    for (int64_t m : {int64_t(0), M - 1})
+      for (int64_t n : {int64_t(0), N - 1}) {
+        double sum = store ? 0.0 : double(start[size_t((3 * M + m) * N + n)]);
+        for (int64_t r = offsets[3]; r < offsets[4]; ++r)
+          sum += double(a.values[size_t(r * M + m)]) * double(b.values[size_t(r * N + n)]);
+        EXPECT_NEAR(c[1][size_t((3 * M + m) * N + n)], sum, 1e-3 * (1.0 + std::fabs(sum)));
+      }
+  }
+  cuda::moe_set_wgmma_tma(tma_before);
+  cuda::moe_set_wgmma_pingpong(pingpong_before);
 }
 
 // Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default), its

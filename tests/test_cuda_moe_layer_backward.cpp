@@ -352,10 +352,12 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     const bool staged_before = cuda::moe_wgmma_staged_output();
     const bool fused_before = cuda::moe_wgmma_fused_glu();
     const bool tma_before = cuda::moe_wgmma_tma();
+    const bool pingpong_before = cuda::moe_wgmma_pingpong();
     // mma.sync, wgmma (GroupedOwn's dh product with the GLU backward in its epilogue), wgmma
-    // overlapped, wgmma unstaged, wgmma with the GLU backward apart (DM_MOE_GLU_FUSED=0), and
-    // the TMA-fed kernels (DM_MOE_TMA=1) with the GLU backward fused and apart
-    for (int variant : {0, 1, 2, 3, 4, 5, 6})
+    // overlapped, wgmma unstaged, wgmma with the GLU backward apart (DM_MOE_GLU_FUSED=0), the
+    // TMA-fed kernels (DM_MOE_TMA=1) with the GLU backward fused and apart, and the weight
+    // gradients on the pingpong kernel (DM_MOE_PINGPONG=1)
+    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7})
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
         SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " variant=", variant));
         cuda::moe_set_grouped_wgmma_backward(variant > 0);
@@ -363,6 +365,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
         cuda::moe_set_wgmma_staged_output(variant != 3);
         cuda::moe_set_wgmma_fused_glu(variant != 4 && variant != 6);
         cuda::moe_set_wgmma_tma(variant >= 5);
+        cuda::moe_set_wgmma_pingpong(variant == 7);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;
@@ -455,6 +458,7 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     cuda::moe_set_wgmma_staged_output(staged_before);
     cuda::moe_set_wgmma_fused_glu(fused_before);
     cuda::moe_set_wgmma_tma(tma_before);
+    cuda::moe_set_wgmma_pingpong(pingpong_before);
   }
 }
 

@@ -325,6 +325,10 @@ std::atomic<bool>& wgmma_pingpong_glu_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_PINGPONG_GLU", true)};
   return on;
 }
+std::atomic<bool>& wgmma_pingpong_weight_grad_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_PINGPONG_WEIGHT_GRAD", true)};
+  return on;
+}
 std::atomic<bool>& wgmma_staged_output_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_STAGED", true)};
   return on;
@@ -340,6 +344,12 @@ bool moe_wgmma_pingpong_glu() {
 }
 void moe_set_wgmma_pingpong_glu(bool on) {
   wgmma_pingpong_glu_setting().store(on, std::memory_order_relaxed);
+}
+bool moe_wgmma_pingpong_weight_grad() {
+  return wgmma_pingpong_weight_grad_setting().load(std::memory_order_relaxed);
+}
+void moe_set_wgmma_pingpong_weight_grad(bool on) {
+  wgmma_pingpong_weight_grad_setting().store(on, std::memory_order_relaxed);
 }
 bool moe_wgmma_tma() { return wgmma_tma_setting().load(std::memory_order_relaxed); }
 void moe_set_wgmma_tma(bool on) { wgmma_tma_setting().store(on, std::memory_order_relaxed); }

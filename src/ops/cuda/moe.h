@@ -195,6 +195,14 @@ bool moe_wgmma_pingpong();
 void moe_set_wgmma_pingpong(bool on);
 bool moe_wgmma_pingpong_glu();
 void moe_set_wgmma_pingpong_glu(bool on);
+// The backward's expert weight gradients on the pingpong kernel (moe_kernels.h
+// launch_grouped_weight_grad_pingpong) where it applies, under moe_wgmma_pingpong(): env
+// DM_MOE_PINGPONG_WEIGHT_GRAD (0 / 1, default 1). Same output bits either way. On an H200
+// (bench_cuda_moe_gemm, accumulating; µs, TMA-fed → pingpong): dW_gate 85.5 → 78.3, dW_down
+// 83.9 → 76.3; gpu_1b train step 85.8-85.9 ms with it off, 85.7 / 85.7 on (85.7-86.5 with no
+// pingpong kernel at all).
+bool moe_wgmma_pingpong_weight_grad();
+void moe_set_wgmma_pingpong_weight_grad(bool on);
 // Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
 // C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
 // warpgroup, one tile; transposed: 0 = both operands K-major in shared memory, 1 = B MN-major,

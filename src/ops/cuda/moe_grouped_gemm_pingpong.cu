@@ -36,39 +36,30 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/device.h"
 #include "ops/cuda/glu.cuh"
 #include "ops/cuda/moe_grouped_tiles.cuh"
 #include "ops/cuda/moe_kernels.h"
 #include "ops/cuda/pdl.cuh"
+#include "ops/cuda/pingpong.cuh"
 #include "ops/cuda/tma.cuh"
 #include "ops/cuda/tma_map.h"
-#include "ops/cuda/tma_pipeline.cuh"
 #include "ops/cuda/wgmma.cuh"
 
 namespace dm::cuda::moe_detail {
 namespace {
 
 constexpr int kTileM = kGroupedTileRows, kTileN = 128, kTileK = 64;
-constexpr int kStages = 4;
-constexpr int kRowBytes = kTileK * 2;        // one swizzled line: 64 bf16
-constexpr int kABytes = kTileM * kRowBytes;  // 16 KB
-constexpr int kStageBytes = kABytes + kTileN * kRowBytes;
+constexpr int kRowBytes = kTileK * 2;             // one swizzled line: 64 bf16
+constexpr int kABytes = kTileM * kRowBytes;       // 16 KB
 constexpr int kStagedRowBytes = kTileN * 2 + 16;  // bf16 rows 16 bytes apart from conflicts
-constexpr int kStagingBytes = kTileM * kStagedRowBytes;
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStagingBytes;  // 1 KB: alignment
-constexpr int kThreads = 384;  // producer warpgroup, two consumer warpgroups
-constexpr int kGluCols = 64;   // GLU tiles: 64 columns of F, g and u side by side
-constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;  // 128·40 + 256·232 ≤ 64K
-
-__device__ __forceinline__ void registers_release() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
-}
-__device__ __forceinline__ void registers_claim() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
-}
+constexpr int kGluCols = 64;  // GLU tiles: 64 columns of F, g and u side by side
+static_assert(kABytes + kTileN * kRowBytes == pingpong::kStageBytes, "A and W rows fill a stage");
+static_assert(kTileM * kStagedRowBytes == pingpong::kStagingBytes, "the staged tile fits");
 
 struct PingpongArgs {
   const int64_t* offsets;  // DEVICE [E + 1]
@@ -84,31 +75,21 @@ struct PingpongArgs {
 };
 
 // kGlu: B rows are 64 of W_gate_e over 64 of W_up_e (w_map and w2_map, 64-row boxes); else
-// 128 rows of W_e (w_map, 128-row boxes).
+// 128 rows of W_e (w_map, 128-row boxes). The skeleton is pingpong.cuh's.
 template <bool kGlu>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(pingpong::kThreads, 1)
     grouped_rows_pingpong_kernel(const __grid_constant__ CUtensorMap a_map,
                                  const __grid_constant__ CUtensorMap w_map,
                                  const __grid_constant__ CUtensorMap w2_map, const PingpongArgs p) {
-  __shared__ tma::RingBarriers<kStages> barriers;
-  // mainloop_done[c]: one phase per tile of consumer c whose full-barrier waits are all behind it
-  // (its 4 warps arrive). Consumer c waits for the other's phase of tile j − 1 before its tile
-  // j's first wait: a stage's full barrier tells phases apart only by parity, so a consumer that
-  // waited for ring position p while position p − kStages had not yet been waited for could take
-  // an older phase's completion for p's.
-  __shared__ uint64_t mainloop_done[2];
+  __shared__ pingpong::Barriers barriers;
   extern __shared__ __align__(1024) uint8_t pingpong_smem_raw[];
-  const uint32_t raw = tma::shared_address(pingpong_smem_raw);
-  uint8_t* ring = pingpong_smem_raw + (((raw + 1023u) & ~1023u) - raw);  // swizzle atoms: 1 KB
-  uint8_t* staging = ring + kStages * kStageBytes;
+  const pingpong::Smem smem = pingpong::carve(pingpong_smem_raw);
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     tma::prefetch_map(&a_map);
     tma::prefetch_map(&w_map);
     if constexpr (kGlu) tma::prefetch_map(&w2_map);
-    tma::barrier_init(&mainloop_done[0], 4);
-    tma::barrier_init(&mainloop_done[1], 4);
-    barriers.init(4);  // a stage is consumed by one warpgroup: its 4 warps release it
+    barriers.init();
   }
   __syncthreads();
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
@@ -116,37 +97,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t cols = kGlu ? kGluCols : kTileN;
 
   if (warpgroup == 0) {  // the producer: warp 0 walks the tiles, its lane 0 issues
-    registers_release();
+    pingpong::producer_registers();
     if (threadIdx.x >= 32) return;
-    int slot = 0, round = 0;
+    pingpong::Cursor at;
     for (int64_t L = blockIdx.x; L < p.tiles; L += gridDim.x) {
       GroupedRowTile tile;
       if (!find_row_tile(p.offsets, p.E, L / p.nx, &tile)) break;  // later tiles lie further
       const int64_t n0 = (L % p.nx) * cols;
       if (threadIdx.x == 0) {
         const int32_t a_row = int32_t(tile.row0), w_row = int32_t(int64_t(tile.expert) * p.N + n0);
-        for (int t = 0; t < k_steps; ++t) {
-          tma::barrier_wait(&barriers.empty[slot], (round & 1) ^ 1);
-          tma::barrier_arrive_expect_bytes(&barriers.full[slot], kStageBytes);
-          uint8_t* stage = ring + slot * kStageBytes;
-          tma::load_2d(stage, &a_map, &barriers.full[slot], t * kTileK, a_row);
-          tma::load_2d(stage + kABytes, &w_map, &barriers.full[slot], t * kTileK, w_row);
-          if constexpr (kGlu)
-            tma::load_2d(stage + kABytes + kGluCols * kRowBytes, &w2_map, &barriers.full[slot],
-                         t * kTileK, w_row);
-          if (++slot == kStages) slot = 0, ++round;
-        }
+        for (int t = 0; t < k_steps; ++t)
+          pingpong::produce(barriers, smem.ring, at, [&](uint8_t* stage, uint64_t* full) {
+            tma::load_2d(stage, &a_map, full, t * kTileK, a_row);
+            tma::load_2d(stage + kABytes, &w_map, full, t * kTileK, w_row);
+            if constexpr (kGlu)
+              tma::load_2d(stage + kABytes + kGluCols * kRowBytes, &w2_map, full, t * kTileK,
+                           w_row);
+          });
       }
       __syncwarp();
     }
     return;
   }
 
-  registers_claim();
+  pingpong::consumer_registers();
   const int consumer = warpgroup - 1;  // takes the CTA's tiles j ≡ consumer (mod 2)
   const int wg_thread = threadIdx.x % 128, warp = wg_thread / 32, lane = threadIdx.x % 32;
-  uint8_t* staged = staging + consumer * kStagingBytes;
-  auto consumer_sync = [consumer] { tma::named_barrier_sync(1 + consumer, 128); };
+  uint8_t* staged = smem.staging(consumer);
   int64_t j = consumer;
   for (int64_t L = blockIdx.x + j * gridDim.x; L < p.tiles; j += 2, L += 2 * int64_t(gridDim.x)) {
     GroupedRowTile tile;
@@ -157,40 +134,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-    // Tile j − 1 (the other consumer's ((j − 1) / 2)-th) has been through its waits: the ring
-    // positions before this tile's have all been waited for.
-    if (j > 0) tma::barrier_wait(&mainloop_done[1 - consumer], uint32_t((j - 1) / 2) & 1u);
     // This tile's steps are ring positions j·k_steps … (the producer's order).
-    const int64_t first = j * k_steps;
-    int slot = int(first % kStages), round = int(first / kStages), previous = 0;
-    for (int t = 0; t < k_steps; ++t) {
-      tma::barrier_wait(&barriers.full[slot], round & 1);
-      const uint8_t* stage = ring + slot * kStageBytes;
-      const uint64_t desc_a = wgmma::smem_desc_sw128(stage);
-      const uint64_t desc_w = wgmma::smem_desc_sw128(stage + kABytes);
-      wgmma::wgmma_fence();
+    pingpong::consume_tile(
+        barriers, smem.ring, consumer, j, j * k_steps, k_steps, [](int, uint8_t*) {},
+        [&](const uint8_t* stage) {
+          const uint64_t desc_a = wgmma::smem_desc_sw128(stage);
+          const uint64_t desc_w = wgmma::smem_desc_sw128(stage + kABytes);
 #pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {  // 16-deep slices: 32 bytes further along k
+          for (int kk = 0; kk < kTileK / 16; ++kk)  // 16-deep slices: 32 bytes further along k
 #pragma unroll
-        for (int h = 0; h < 2; ++h)  // rows 64h … 64h + 63: 8 KB further
-          wgmma::mma_m64n128k16_bf16(acc[h],
-                                     wgmma::desc_advance(desc_a, 64 * kRowBytes * h + 32 * kk),
-                                     wgmma::desc_advance(desc_w, 32 * kk), true);
-      }
-      wgmma::wgmma_commit();
-      wgmma::wgmma_wait<1>();  // step t − 1's batch has read its stage
-      if (t > 0 && lane == 0) tma::barrier_arrive(&barriers.empty[previous]);
-      previous = slot;
-      if (++slot == kStages) slot = 0, ++round;
-    }
-    __syncwarp();
-    if (lane == 0) tma::barrier_arrive(&mainloop_done[consumer]);  // the other may start its tile
-    wgmma::wgmma_wait<0>();
-    if (lane == 0) tma::barrier_arrive(&barriers.empty[previous]);
+            for (int h = 0; h < 2; ++h)  // rows 64h … 64h + 63: 8 KB further
+              wgmma::mma_m64n128k16_bf16(acc[h],
+                                         wgmma::desc_advance(desc_a, 64 * kRowBytes * h + 32 * kk),
+                                         wgmma::desc_advance(desc_w, 32 * kk), true);
+        });
 
     // Epilogue: the tile as bf16 into this consumer's staging (after every thread of it has read
     // the previous tile's), then whole rows out, 16 bytes a lane.
-    consumer_sync();
+    pingpong::consumer_sync(consumer);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -200,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         *reinterpret_cast<__nv_bfloat162*>(staged + r * kStagedRowBytes + c * 2) =
             __floats2bfloat162_rn(acc[h][i], acc[h][i + 1]);
       }
-    consumer_sync();
+    pingpong::consumer_sync(consumer);
     if constexpr (kGlu) {
       // 8 pieces of 8 columns a row (g at byte 16·piece, u 128 bytes further): thread t takes
       // piece t % 8 of rows t / 8 + 16i.
@@ -238,22 +199,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-int multiprocessors() {
-  int device = 0, count = 0;
-  DM_CUDA_CHECK(cudaGetDevice(&device));
-  DM_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
 template <bool kGlu>
 void launch(const CUtensorMap& a_map, const CUtensorMap& w_map, const CUtensorMap& w2_map,
             PingpongArgs p, int64_t R, cudaStream_t stream) {
   p.tiles = int64_t(grouped_rows_grid(R, p.E, 1).y) * p.nx;
-  const int64_t ctas = p.tiles < multiprocessors() ? p.tiles : multiprocessors();
+  const int64_t ctas = std::min<int64_t>(p.tiles, device_multiprocessors());
   auto kernel = grouped_rows_pingpong_kernel<kGlu>;
-  DM_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  launch_pdl(kernel, dim3(unsigned(ctas)), kThreads, kSmemBytes, stream, a_map, w_map, w2_map, p);
+  DM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     pingpong::kSmemBytes));
+  launch_pdl(kernel, dim3(unsigned(ctas)), pingpong::kThreads, pingpong::kSmemBytes, stream, a_map,
+             w_map, w2_map, p);
   DM_CUDA_CHECK(cudaGetLastError());
 }
 

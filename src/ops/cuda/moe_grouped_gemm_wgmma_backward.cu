@@ -508,6 +508,11 @@ void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint
                                       int64_t M, int64_t N, float* C, CUstream_st* stream,
                                       bool store) {
   if (E <= 0 || M <= 0 || N <= 0) return;
+  if (moe_wgmma_pingpong() && moe_wgmma_pingpong_weight_grad() &&
+      grouped_weight_grad_pingpong_applies(A, lda, B, ldb, R, M, N, C)) {
+    launch_grouped_weight_grad_pingpong(A, lda, B, ldb, offsets, E, R, M, N, C, stream, store);
+    return;
+  }
   BackwardArgs a{};
   a.A1 = reinterpret_cast<const __nv_bfloat16*>(A);
   a.B1 = reinterpret_cast<const __nv_bfloat16*>(B);

@@ -168,6 +168,18 @@ void launch_grouped_weight_grad_wgmma(const uint16_t* A, int64_t lda, const uint
                                       int64_t ldb, const int64_t* offsets, int E, int64_t R,
                                       int64_t M, int64_t N, float* C, CUstream_st* stream,
                                       bool store = false);
+// The same weight gradients as a persistent pingpong kernel (moe_grouped_weight_grad_pingpong.cu;
+// moe_wgmma_pingpong_weight_grad(), moe.h): one CTA per SM walks the (expert, 128 × 128) tiles,
+// a TMA producer warpgroup feeds two consumer warpgroups that take tiles in turn, so one's fp32
+// epilogue runs under the other's MMAs. Same contract and output bits as
+// launch_grouped_weight_grad_wgmma; needs grouped_weight_grad_pingpong_applies (row strides
+// multiples of 8 with lda ≥ M, ldb ≥ N, N % 4 == 0, 16-byte aligned A, B, C; R < 2^31).
+bool grouped_weight_grad_pingpong_applies(const void* A, int64_t lda, const void* B, int64_t ldb,
+                                          int64_t R, int64_t M, int64_t N, const void* C);
+void launch_grouped_weight_grad_pingpong(const uint16_t* A, int64_t lda, const uint16_t* B,
+                                         int64_t ldb, const int64_t* offsets, int E, int64_t R,
+                                         int64_t M, int64_t N, float* C, CUstream_st* stream,
+                                         bool store = false);
 // The same product for few rows per expert (moe_grouped_few_rows.cu): weights as the MMA's
 // M operand, tokens as its N, each expert's W streamed once into registers; one CTA per
 // (128 weight rows, expert), grid (ceil(N / 128), E). R = offsets[E] (the host's N·k) sets the
