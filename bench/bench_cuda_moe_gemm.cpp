@@ -199,6 +199,12 @@ int run(int argc, char** argv) {
        [&] {
          gemm.gemm_bf16(false, false, R, F, Din, 1.0f, dout, Din, w_down, F, 0.0f, out_bf16,
                         cuda::GemmOutType::Bf16, F);
+       },
+       nullptr, nullptr,
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_rows_backward_pingpong(
+             dout, w_down, nullptr, nullptr, d_offsets, int(E), R, Din, F, o, false, nullptr,
+             nullptr, nullptr, nullptr);
        }},
       {"bwd dx (dg·W_gate + du·W_up)", 4 * rows * F * Din, false, size_t(R * Din),
        [&](bool w, void* o) {
@@ -209,6 +215,12 @@ int run(int argc, char** argv) {
        [&] {
          gemm.gemm_bf16(false, false, R, Din, 2 * F, 1.0f, dg, 2 * F, w_gate, Din, 0.0f, out_f32,
                         cuda::GemmOutType::F32, Din);
+       },
+       nullptr, nullptr,
+       [&](void* o) {
+         cuda::moe_detail::launch_grouped_rows_backward_pingpong(
+             dg, w_gate, du, w_up, d_offsets, int(E), R, F, Din, o, true, nullptr, nullptr, nullptr,
+             nullptr);
        }},
       {"bwd dW_gate (dgᵀ·x)", 2 * rows * F * Din, false, size_t(E * F * Din),
        [&](bool w, void* o) {
@@ -389,8 +401,21 @@ int run(int argc, char** argv) {
       cuda::moe_detail::launch_grouped_rows_glu_backward_wgmma(
           dout, w_down, d_offsets, int(E), R, Din, F, gate, up_copy, dg_fused, act, nullptr);
     };
+    auto backward_pingpong = [&] {  // du over up_copy, as backward_fused
+      cuda::moe_detail::launch_grouped_rows_backward_pingpong(
+          dout, w_down, nullptr, nullptr, d_offsets, int(E), R, Din, F, dg_fused, false, gate,
+          up_copy, &act, nullptr);
+    };
+    // The wgmma launchers' own dispatch to the pingpong kernel off: it has its own row.
+    const bool pingpong_glu_before = cuda::moe_wgmma_pingpong();
+    cuda::moe_set_wgmma_pingpong(false);
     cuda_check(cudaMemcpy(up_copy, up, size_t(R * F) * 2, cudaMemcpyDeviceToDevice), "copy");
     backward_separate();
+    backward_pingpong();
+    cuda_check(cudaDeviceSynchronize(), "GLU backward, pingpong");
+    const double dg_pingpong_err = rel_rms_device(dg_fused, dg_separate, size_t(R * F), true);
+    const double du_pingpong_err = rel_rms_device(up_copy, du_separate, size_t(R * F), true);
+    cuda_check(cudaMemcpy(up_copy, up, size_t(R * F) * 2, cudaMemcpyDeviceToDevice), "copy");
     backward_fused();
     cuda_check(cudaDeviceSynchronize(), "GLU backward");
     const double dg_err = rel_rms_device(dg_fused, dg_separate, size_t(R * F), true);
@@ -423,6 +448,10 @@ int run(int argc, char** argv) {
     std::printf(
         "| backward | dh product, GLU backward in its epilogue | %.1f | dg %.2e, du %.2e |\n",
         median_ms(backward_fused, reps) * 1e3, dg_err, du_err);
+    std::printf(
+        "| backward | pingpong: dh product, GLU backward in its epilogue | %.1f | dg %.2e, du "
+        "%.2e |\n",
+        median_ms(backward_pingpong, reps) * 1e3, dg_pingpong_err, du_pingpong_err);
     std::printf("| backward, part | dh product alone | %.1f | - |\n",
                 median_ms(
                     [&] {
@@ -437,6 +466,7 @@ int run(int argc, char** argv) {
             [&] { cuda::glu_backward(gate, up, dg_separate, dg_fused, du_separate, R * F, act); },
             reps) *
             1e3);
+    cuda::moe_set_wgmma_pingpong(pingpong_glu_before);
   }
   return 0;
 }

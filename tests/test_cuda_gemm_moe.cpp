@@ -898,6 +898,86 @@ TEST(CudaMoeExperts, PingpongWeightGradMatchesTmaAcrossManyTiles) {
   cuda::moe_set_wgmma_pingpong(pingpong_before);
 }
 
+// The backward's row products on the pingpong kernel (launch_grouped_rows_backward_pingpong)
+// bitwise against the TMA-fed kernels where each CTA walks several tiles: dx (two products, fp32),
+// dh (bf16) and dh with the GLU backward (dg, du), over the experts of the weight-gradient test
+// above (the empty one's matrices NaN: the 3-D maps never read past an expert's own), K = 520
+// (a k tail of 8), N = 264 (a partial column tile).
+TEST(CudaMoeExperts, PingpongRowsBackwardMatchesTmaAcrossManyTiles) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  const int64_t R = 20000, K = 520, N = 264;
+  const int E = 7;
+  const std::vector<int64_t> offsets = {0, 3001, 3001, 9000, 9130, 15000, 15001, 20000};
+  const Bf16Host a1 = random_bf16(size_t(R * K), 431), a2 = random_bf16(size_t(R * K), 432);
+  Bf16Host b1 = random_bf16(size_t(E * K * N), 433, 1.0f / std::sqrt(float(K)));
+  Bf16Host b2 = random_bf16(size_t(E * K * N), 434, 1.0f / std::sqrt(float(K)));
+  for (int64_t i = K * N; i < 2 * K * N; ++i) b1.bits[size_t(i)] = b2.bits[size_t(i)] = 0x7fc0;
+  const Bf16Host g = random_bf16(size_t(R * N), 435), u = random_bf16(size_t(R * N), 436);
+  cuda::DeviceArena arena(size_t(256) << 20);
+  const uint16_t* a1_dev = upload(arena, a1.bits);
+  const uint16_t* a2_dev = upload(arena, a2.bits);
+  const uint16_t* b1_dev = upload(arena, b1.bits);
+  const uint16_t* b2_dev = upload(arena, b2.bits);
+  const uint16_t* g_dev = upload(arena, g.bits);
+  const int64_t* offsets_dev = upload(arena, offsets);
+  const size_t out = size_t(R * N);
+  cuda::GluKernelParams act;
+  act.situ = true;
+  const bool tma_before = cuda::moe_wgmma_tma(), pingpong_before = cuda::moe_wgmma_pingpong();
+  cuda::moe_set_wgmma_tma(true);
+  cuda::moe_set_wgmma_pingpong(false);  // the wgmma launchers: the TMA-fed kernel
+  auto differing = [&](const auto& x, const auto& ref) {
+    size_t n = 0;
+    for (size_t i = 0; i < out; ++i) n += x[i] != ref[i];
+    return n;
+  };
+  // dx
+  float* dx_tma = test::mla::alloc_poisoned<float>(arena, out);
+  float* dx_pp = test::mla::alloc_poisoned<float>(arena, out);
+  ASSERT_TRUE(cuda::moe_detail::grouped_rows_backward_pingpong_applies(a1_dev, b1_dev, a2_dev,
+                                                                       b2_dev, R, K, N, dx_pp));
+  cuda::moe_detail::launch_grouped_rows_f32_wgmma(a1_dev, b1_dev, a2_dev, b2_dev, offsets_dev, E, R,
+                                                  K, N, dx_tma, nullptr);
+  cuda::moe_detail::launch_grouped_rows_backward_pingpong(a1_dev, b1_dev, a2_dev, b2_dev,
+                                                          offsets_dev, E, R, K, N, dx_pp, true,
+                                                          nullptr, nullptr, nullptr, nullptr);
+  // dh, and dh with the GLU backward (du over a copy of u each)
+  uint16_t* dh_tma = test::mla::alloc_poisoned<uint16_t>(arena, out);
+  uint16_t* dh_pp = test::mla::alloc_poisoned<uint16_t>(arena, out);
+  cuda::moe_detail::launch_grouped_rows_bf16_wgmma(a1_dev, b1_dev, offsets_dev, E, R, K, N, dh_tma,
+                                                   nullptr);
+  cuda::moe_detail::launch_grouped_rows_backward_pingpong(a1_dev, b1_dev, nullptr, nullptr,
+                                                          offsets_dev, E, R, K, N, dh_pp, false,
+                                                          nullptr, nullptr, nullptr, nullptr);
+  uint16_t* dg_tma = test::mla::alloc_poisoned<uint16_t>(arena, out);
+  uint16_t* dg_pp = test::mla::alloc_poisoned<uint16_t>(arena, out);
+  uint16_t* du_tma = upload(arena, u.bits);
+  uint16_t* du_pp = upload(arena, u.bits);
+  cuda::moe_detail::launch_grouped_rows_glu_backward_wgmma(a1_dev, b1_dev, offsets_dev, E, R, K, N,
+                                                           g_dev, du_tma, dg_tma, act, nullptr);
+  cuda::moe_detail::launch_grouped_rows_backward_pingpong(a1_dev, b1_dev, nullptr, nullptr,
+                                                          offsets_dev, E, R, K, N, dg_pp, false,
+                                                          g_dev, du_pp, &act, nullptr);
+  cuda::synchronize();
+  const std::vector<float> dx_ref = download(dx_tma, out), dx = download(dx_pp, out);
+  ASSERT_TRUE(test::mla::all_finite(dx));
+  EXPECT_EQ(differing(dx, dx_ref), 0u) << "dx";
+  EXPECT_EQ(differing(download(dh_pp, out), download(dh_tma, out)), 0u) << "dh";
+  EXPECT_EQ(differing(download(dg_pp, out), download(dg_tma, out)), 0u) << "dg";
+  EXPECT_EQ(differing(download(du_pp, out), download(du_tma, out)), 0u) << "du";
+  // A spot check of dx against a double-precision sum: expert 3's last row, last column.
+  {
+    const int64_t r = offsets[4] - 1, n = N - 1;
+    double sum = 0.0;
+    for (int64_t k = 0; k < K; ++k)
+      sum += double(a1.values[size_t(r * K + k)]) * double(b1.values[size_t((3 * K + k) * N + n)]) +
+             double(a2.values[size_t(r * K + k)]) * double(b2.values[size_t((3 * K + k) * N + n)]);
+    EXPECT_NEAR(dx[size_t(r * N + n)], sum, 1e-3 * (1.0 + std::fabs(sum)));
+  }
+  cuda::moe_set_wgmma_tma(tma_before);
+  cuda::moe_set_wgmma_pingpong(pingpong_before);
+}
+
 // Every version of the kernel: mma.sync (DM_MOE_WGMMA=0), warpgroup MMA (the default), its
 // overlapped schedule (DM_MOE_WGMMA_OVERLAP=1), its output straight from the fragments
 // (DM_MOE_WGMMA_STAGED=0), the gate and up products with the GLU apart (DM_MOE_GLU_FUSED=0;

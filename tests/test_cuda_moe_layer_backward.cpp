@@ -356,16 +356,17 @@ TEST(CudaMoeExpertsBackward, GroupedMatchesLoop) {
     // mma.sync, wgmma (GroupedOwn's dh product with the GLU backward in its epilogue), wgmma
     // overlapped, wgmma unstaged, wgmma with the GLU backward apart (DM_MOE_GLU_FUSED=0), the
     // TMA-fed kernels (DM_MOE_TMA=1) with the GLU backward fused and apart, and the weight
-    // gradients on the pingpong kernel (DM_MOE_PINGPONG=1)
-    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7})
+    // gradients and rows on the pingpong kernels (DM_MOE_PINGPONG=1) with the GLU backward fused
+    // (the wgmma kernel's epilogue) and apart
+    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8})
       for (auto kind : {Activation::SwiGLU, Activation::SiTU}) {
         SCOPED_TRACE(str_cat("situ=", kind == Activation::SiTU, " variant=", variant));
         cuda::moe_set_grouped_wgmma_backward(variant > 0);
         cuda::moe_set_wgmma_overlap(variant == 2);
         cuda::moe_set_wgmma_staged_output(variant != 3);
-        cuda::moe_set_wgmma_fused_glu(variant != 4 && variant != 6);
+        cuda::moe_set_wgmma_fused_glu(variant != 4 && variant != 6 && variant != 8);
         cuda::moe_set_wgmma_tma(variant >= 5);
-        cuda::moe_set_wgmma_pingpong(variant == 7);
+        cuda::moe_set_wgmma_pingpong(variant >= 7);
         GluActivation act;
         act.kind = kind;
         cuda::GemmContext context;

@@ -52,6 +52,23 @@ __global__ void rmsnorm_forward_kernel(const Storage* x, const Storage* w, Stora
                      load_as_float(x, row_offset + i) * inverse_rms * load_as_float(w, i));
 }
 
+// What both rows kernels below do with a row's partial sums Σ x², Σ dy·w·x: the block's sums,
+// r_n = 1/rms stored to inverse_rms_out[row], and the projection (Σ dy·w·x / D)·r_n³ of
+// dx = r_n·w·dy − x·projection.
+struct RmsBackwardRow {
+  float inverse_rms, projection;
+};
+__device__ __forceinline__ RmsBackwardRow rmsnorm_backward_row(float sum_squares,
+                                                               float weighted_dot, int64_t D,
+                                                               float eps, float* inverse_rms_out,
+                                                               float* reduce_scratch) {
+  sum_squares = block_sum(sum_squares, reduce_scratch);
+  weighted_dot = block_sum(weighted_dot, reduce_scratch);
+  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
+  if (threadIdx.x == 0) inverse_rms_out[blockIdx.x] = inverse_rms;
+  return {inverse_rms, weighted_dot / float(D) * inverse_rms * inverse_rms * inverse_rms};
+}
+
 // One block per row: dx (accumulated, or stored when !kAccumulate) and r_n into
 // inverse_rms_out [N].
 template <typename Storage, bool kAccumulate>
@@ -67,12 +84,10 @@ __global__ void rmsnorm_backward_rows_kernel(const Storage* x, const Storage* w,
     sum_squares += value * value;
     weighted_dot += load_as_float(dy, row_offset + i) * load_as_float(w, i) * value;
   }
-  sum_squares = block_sum(sum_squares, reduce_scratch);
-  weighted_dot = block_sum(weighted_dot, reduce_scratch);
-  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
-  if (threadIdx.x == 0) inverse_rms_out[blockIdx.x] = inverse_rms;
+  const RmsBackwardRow row =
+      rmsnorm_backward_row(sum_squares, weighted_dot, D, eps, inverse_rms_out, reduce_scratch);
   if (dx == nullptr) return;
-  const float projection = weighted_dot / float(D) * inverse_rms * inverse_rms * inverse_rms;
+  const float inverse_rms = row.inverse_rms, projection = row.projection;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     const float gradient = inverse_rms * load_as_float(w, i) * load_as_float(dy, row_offset + i) -
                            load_as_float(x, row_offset + i) * projection;
@@ -102,12 +117,10 @@ __global__ void rmsnorm_backward_rows_vec4_kernel(const float* x, const float* w
     sum_squares += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
     weighted_dot += g.x * v.x * a.x + g.y * v.y * a.y + g.z * v.z * a.z + g.w * v.w * a.w;
   }
-  sum_squares = block_sum(sum_squares, reduce_scratch);
-  weighted_dot = block_sum(weighted_dot, reduce_scratch);
-  const float inverse_rms = 1.0f / sqrtf(sum_squares / float(D) + eps);
-  if (threadIdx.x == 0) inverse_rms_out[blockIdx.x] = inverse_rms;
+  const RmsBackwardRow row =
+      rmsnorm_backward_row(sum_squares, weighted_dot, D, eps, inverse_rms_out, reduce_scratch);
   if (dx == nullptr) return;
-  const float projection = weighted_dot / float(D) * inverse_rms * inverse_rms * inverse_rms;
+  const float inverse_rms = row.inverse_rms, projection = row.projection;
   float4* dx4 = reinterpret_cast<float4*>(dx + row_offset);
   for (int64_t i = threadIdx.x; i < quads; i += blockDim.x) {
     const float4 a = x4[i], g = dy4[i], v = w4[i];

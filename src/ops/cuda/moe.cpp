@@ -329,6 +329,10 @@ std::atomic<bool>& wgmma_pingpong_weight_grad_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_PINGPONG_WEIGHT_GRAD", true)};
   return on;
 }
+std::atomic<bool>& wgmma_pingpong_rows_backward_setting() {
+  static std::atomic<bool> on{env_flag("DM_MOE_PINGPONG_ROWS_BACKWARD", true)};
+  return on;
+}
 std::atomic<bool>& wgmma_staged_output_setting() {
   static std::atomic<bool> on{env_flag("DM_MOE_WGMMA_STAGED", true)};
   return on;
@@ -350,6 +354,13 @@ bool moe_wgmma_pingpong_weight_grad() {
 }
 void moe_set_wgmma_pingpong_weight_grad(bool on) {
   wgmma_pingpong_weight_grad_setting().store(on, std::memory_order_relaxed);
+}
+bool moe_wgmma_pingpong_rows_backward() {
+  return moe_wgmma_pingpong() &&
+         wgmma_pingpong_rows_backward_setting().load(std::memory_order_relaxed);
+}
+void moe_set_wgmma_pingpong_rows_backward(bool on) {
+  wgmma_pingpong_rows_backward_setting().store(on, std::memory_order_relaxed);
 }
 bool moe_wgmma_tma() { return wgmma_tma_setting().load(std::memory_order_relaxed); }
 void moe_set_wgmma_tma(bool on) { wgmma_tma_setting().store(on, std::memory_order_relaxed); }

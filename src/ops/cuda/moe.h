@@ -203,6 +203,16 @@ void moe_set_wgmma_pingpong_glu(bool on);
 // pingpong kernel at all).
 bool moe_wgmma_pingpong_weight_grad();
 void moe_set_wgmma_pingpong_weight_grad(bool on);
+// The backward's row products dh and dx on the pingpong kernel (moe_kernels.h
+// launch_grouped_rows_backward_pingpong) where it applies, under moe_wgmma_pingpong(): env
+// DM_MOE_PINGPONG_ROWS_BACKWARD (0 / 1, default 1). Same output bits. On an H200
+// (bench_cuda_moe_gemm; µs, TMA-fed → pingpong): dx 120.4 → 111.2, dh 65.6 → 64.7. Its GLU
+// backward epilogue (dh, then dg and du from the kept g and u) is not used: 162.3 µs against
+// 129.3 for the dh product and the separate GLU pass, 138.8 for the wgmma kernel's fused
+// epilogue (DM_MOE_GLU_FUSED=1): reading g and u back takes longer than the other consumer's
+// K loop, so it is not hidden, and one CTA an SM keeps too few of those loads in flight.
+bool moe_wgmma_pingpong_rows_backward();
+void moe_set_wgmma_pingpong_rows_backward(bool on);
 // Test of the wgmma conventions alone (wgmma.cuh: descriptors, swizzle, accumulator layout):
 // C [64][128] fp32 = A·Bᵀ for A [64][64] and B [128][64] bf16 row-major (device pointers), one
 // warpgroup, one tile; transposed: 0 = both operands K-major in shared memory, 1 = B MN-major,

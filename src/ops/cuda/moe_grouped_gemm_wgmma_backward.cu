@@ -440,6 +440,12 @@ void launch_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2, con
                  const int64_t* offsets, int E, int64_t R, int64_t K, int64_t N, Out* Y,
                  CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
+  if (moe_wgmma_pingpong_rows_backward() &&
+      grouped_rows_backward_pingpong_applies(A1, B1, A2, B2, R, K, N, Y)) {
+    launch_grouped_rows_backward_pingpong(A1, B1, A2, B2, offsets, E, R, K, N, Y, sizeof(Out) == 4,
+                                          nullptr, nullptr, nullptr, stream);
+    return;
+  }
   BackwardArgs a{};
   a.A1 = reinterpret_cast<const __nv_bfloat16*>(A1);
   a.B1 = reinterpret_cast<const __nv_bfloat16*>(B1);
@@ -486,6 +492,8 @@ void launch_grouped_rows_glu_backward_wgmma(const uint16_t* A, const uint16_t* B
            "launch_grouped_rows_glu_backward_wgmma: N = ", N,
            " (a multiple of 8) and 16-byte aligned g, u and dg");
   if (E <= 0 || R <= 0 || N <= 0) return;
+  // Not the pingpong kernel's GLU epilogue: it measured slower than this kernel's on an H200
+  // (moe.h moe_wgmma_pingpong_rows_backward).
   BackwardArgs a{};
   a.A1 = reinterpret_cast<const __nv_bfloat16*>(A);
   a.B1 = reinterpret_cast<const __nv_bfloat16*>(B);

@@ -139,6 +139,21 @@ void launch_grouped_rows_f32_wgmma(const uint16_t* A1, const uint16_t* B1, const
 void launch_grouped_rows_bf16_wgmma(const uint16_t* A, const uint16_t* B, const int64_t* offsets,
                                     int E, int64_t R, int64_t K, int64_t N, uint16_t* Y,
                                     CUstream_st* stream);
+// The backward's row products (dx: two products, fp32 out; dh: one, bf16 out, with the GLU
+// backward in the epilogue where gate != nullptr: Y = dg, up overwritten by du) as a persistent
+// pingpong kernel (moe_grouped_rows_backward_pingpong.cu; moe_wgmma_pingpong_rows_backward(),
+// moe.h). Same contracts and output bits as launch_grouped_rows_f32_wgmma,
+// launch_grouped_rows_bf16_wgmma and launch_grouped_rows_glu_backward_wgmma; needs
+// grouped_rows_backward_pingpong_applies (K, N multiples of 8, 16-byte aligned operands and Y).
+bool grouped_rows_backward_pingpong_applies(const void* A1, const void* B1, const void* A2,
+                                            const void* B2, int64_t R, int64_t K, int64_t N,
+                                            const void* Y);
+void launch_grouped_rows_backward_pingpong(const uint16_t* A1, const uint16_t* B1,
+                                           const uint16_t* A2, const uint16_t* B2,
+                                           const int64_t* offsets, int E, int64_t R, int64_t K,
+                                           int64_t N, void* Y, bool y_f32, const uint16_t* gate,
+                                           uint16_t* up, const GluKernelParams* glu,
+                                           CUstream_st* stream);
 // The forward's gate and up products with the GLU in their epilogue (moe_grouped_gemm_wgmma.cu):
 // g = A·W_gate_eᵀ and u = A·W_up_eᵀ rounded to bf16 as launch_grouped_rows_nk_bf16_wgmma stores
 // them, h = act(g, u) (glu.cuh) [R, F] bf16; gate_out / up_out receive g and u where not nullptr
