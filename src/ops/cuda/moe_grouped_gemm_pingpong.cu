@@ -56,7 +56,7 @@ namespace {
 constexpr int kTileM = kGroupedTileRows, kTileN = 128, kTileK = 64;
 constexpr int kRowBytes = kTileK * 2;             // one swizzled line: 64 bf16
 constexpr int kABytes = kTileM * kRowBytes;       // 16 KB
-constexpr int kStagedRowBytes = kTileN * 2 + 16;  // bf16 rows 16 bytes apart from conflicts
+constexpr int kStagedRowBytes = pingpong::kStagedBf16RowBytes;
 constexpr int kGluCols = 64;  // GLU tiles: 64 columns of F, g and u side by side
 static_assert(kABytes + kTileN * kRowBytes == pingpong::kStageBytes, "A and W rows fill a stage");
 static_assert(kTileM * kStagedRowBytes == pingpong::kStagingBytes, "the staged tile fits");
@@ -100,103 +100,79 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
     pingpong::producer_registers();
     if (threadIdx.x >= 32) return;
     pingpong::Cursor at;
-    for (int64_t L = blockIdx.x; L < p.tiles; L += gridDim.x) {
-      GroupedRowTile tile;
-      if (!find_row_tile(p.offsets, p.E, L / p.nx, &tile)) break;  // later tiles lie further
-      const int64_t n0 = (L % p.nx) * cols;
-      if (threadIdx.x == 0) {
-        const int32_t a_row = int32_t(tile.row0), w_row = int32_t(int64_t(tile.expert) * p.N + n0);
-        for (int t = 0; t < k_steps; ++t)
-          pingpong::produce(barriers, smem.ring, at, [&](uint8_t* stage, uint64_t* full) {
-            tma::load_2d(stage, &a_map, full, t * kTileK, a_row);
-            tma::load_2d(stage + kABytes, &w_map, full, t * kTileK, w_row);
-            if constexpr (kGlu)
-              tma::load_2d(stage + kABytes + kGluCols * kRowBytes, &w2_map, full, t * kTileK,
-                           w_row);
-          });
-      }
-      __syncwarp();
-    }
+    for_each_cta_row_tile(
+        p.offsets, p.E, p.nx, p.tiles, 0, 1,
+        [&](int64_t, const GroupedRowTile& tile, int64_t column_tile) {
+          const int64_t n0 = column_tile * cols;
+          if (threadIdx.x == 0) {
+            const int32_t a_row = int32_t(tile.row0),
+                          w_row = int32_t(int64_t(tile.expert) * p.N + n0);
+            for (int t = 0; t < k_steps; ++t)
+              pingpong::produce(barriers, smem.ring, at, [&](uint8_t* stage, uint64_t* full) {
+                tma::load_2d(stage, &a_map, full, t * kTileK, a_row);
+                tma::load_2d(stage + kABytes, &w_map, full, t * kTileK, w_row);
+                if constexpr (kGlu)
+                  tma::load_2d(stage + kABytes + kGluCols * kRowBytes, &w2_map, full, t * kTileK,
+                               w_row);
+              });
+          }
+          __syncwarp();
+        });
     return;
   }
 
   pingpong::consumer_registers();
   const int consumer = warpgroup - 1;  // takes the CTA's tiles j ≡ consumer (mod 2)
-  const int wg_thread = threadIdx.x % 128, warp = wg_thread / 32, lane = threadIdx.x % 32;
+  const int wg_thread = threadIdx.x % 128;
   uint8_t* staged = smem.staging(consumer);
-  int64_t j = consumer;
-  for (int64_t L = blockIdx.x + j * gridDim.x; L < p.tiles; j += 2, L += 2 * int64_t(gridDim.x)) {
-    GroupedRowTile tile;
-    if (!find_row_tile(p.offsets, p.E, L / p.nx, &tile)) break;
-    const int64_t n0 = (L % p.nx) * cols;
-    float acc[2][64];
+  for_each_cta_row_tile(
+      p.offsets, p.E, p.nx, p.tiles, consumer, 2,
+      [&](int64_t j, const GroupedRowTile& tile, int64_t column_tile) {
+        const int64_t n0 = column_tile * cols;
+        float acc[2][64];
+        pingpong::zero_tile(acc);
+        // This tile's steps are ring positions j·k_steps … (the producer's order).
+        pingpong::consume_tile(
+            barriers, smem.ring, consumer, j, j * k_steps, k_steps, [](int, uint8_t*) {},
+            [&](const uint8_t* stage) {
+              const uint64_t desc_a = wgmma::smem_desc_sw128(stage);
+              const uint64_t desc_w = wgmma::smem_desc_sw128(stage + kABytes);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+              for (int kk = 0; kk < kTileK / 16; ++kk)  // 16-deep slices: 32 bytes further along k
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-    // This tile's steps are ring positions j·k_steps … (the producer's order).
-    pingpong::consume_tile(
-        barriers, smem.ring, consumer, j, j * k_steps, k_steps, [](int, uint8_t*) {},
-        [&](const uint8_t* stage) {
-          const uint64_t desc_a = wgmma::smem_desc_sw128(stage);
-          const uint64_t desc_w = wgmma::smem_desc_sw128(stage + kABytes);
-#pragma unroll
-          for (int kk = 0; kk < kTileK / 16; ++kk)  // 16-deep slices: 32 bytes further along k
-#pragma unroll
-            for (int h = 0; h < 2; ++h)  // rows 64h … 64h + 63: 8 KB further
-              wgmma::mma_m64n128k16_bf16(acc[h],
-                                         wgmma::desc_advance(desc_a, 64 * kRowBytes * h + 32 * kk),
-                                         wgmma::desc_advance(desc_w, 32 * kk), true);
-        });
+                for (int h = 0; h < 2; ++h)  // rows 64h … 64h + 63: 8 KB further
+                  wgmma::mma_m64n128k16_bf16(
+                      acc[h], wgmma::desc_advance(desc_a, 64 * kRowBytes * h + 32 * kk),
+                      wgmma::desc_advance(desc_w, 32 * kk), true);
+            });
 
-    // Epilogue: the tile as bf16 into this consumer's staging (after every thread of it has read
-    // the previous tile's), then whole rows out, 16 bytes a lane.
-    pingpong::consumer_sync(consumer);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const int r = 64 * h + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
-        const int c = 8 * (i / 4) + 2 * (lane % 4);
-        *reinterpret_cast<__nv_bfloat162*>(staged + r * kStagedRowBytes + c * 2) =
-            __floats2bfloat162_rn(acc[h][i], acc[h][i + 1]);
-      }
-    pingpong::consumer_sync(consumer);
-    if constexpr (kGlu) {
-      // 8 pieces of 8 columns a row (g at byte 16·piece, u 128 bytes further): thread t takes
-      // piece t % 8 of rows t / 8 + 16i.
-      const GluInverseBetas inv = glu_inverse_betas(p.act);
-      const int piece = wg_thread % 8;
-      const int64_t col = n0 + 8 * piece;
-      if (col < p.N) {
+        // Epilogue: the tile as bf16 into this consumer's staging (after every thread of it has
+        // read the previous tile's), then whole rows out, 16 bytes a lane.
+        pingpong::stage_tile_bf16(acc, staged, consumer);
+        if constexpr (kGlu) {
+          // 8 pieces of 8 columns a row (g at byte 16·piece, u 128 bytes further): thread t takes
+          // piece t % 8 of rows t / 8 + 16i.
+          const GluInverseBetas inv = glu_inverse_betas(p.act);
+          const int piece = wg_thread % 8;
+          const int64_t col = n0 + 8 * piece;
+          if (col < p.N) {
 #pragma unroll 4
-        for (int i = 0; i < kTileM / 16; ++i) {
-          const int r = wg_thread / 8 + 16 * i;
-          if (r >= tile.rows) break;
-          const uint8_t* at_staged = staged + r * kStagedRowBytes + piece * 16;
-          const uint4 g = *reinterpret_cast<const uint4*>(at_staged);
-          const uint4 u = *reinterpret_cast<const uint4*>(at_staged + kGluCols * 2);
-          const int64_t at = (tile.row0 + r) * p.N + col;
-          if (p.gate_out != nullptr) *reinterpret_cast<uint4*>(p.gate_out + at) = g;
-          if (p.up_out != nullptr) *reinterpret_cast<uint4*>(p.up_out + at) = u;
-          *reinterpret_cast<uint4*>(p.Y + at) = glu_forward_bf16x8(g, u, p.act, inv);
+            for (int i = 0; i < kTileM / 16; ++i) {
+              const int r = wg_thread / 8 + 16 * i;
+              if (r >= tile.rows) break;
+              const uint8_t* at_staged = staged + r * kStagedRowBytes + piece * 16;
+              const uint4 g = *reinterpret_cast<const uint4*>(at_staged);
+              const uint4 u = *reinterpret_cast<const uint4*>(at_staged + kGluCols * 2);
+              const int64_t at = (tile.row0 + r) * p.N + col;
+              if (p.gate_out != nullptr) *reinterpret_cast<uint4*>(p.gate_out + at) = g;
+              if (p.up_out != nullptr) *reinterpret_cast<uint4*>(p.up_out + at) = u;
+              *reinterpret_cast<uint4*>(p.Y + at) = glu_forward_bf16x8(g, u, p.act, inv);
+            }
+          }
+        } else {
+          pingpong::store_staged_rows_bf16(staged, p.Y, tile.row0, tile.rows, n0, p.N);
         }
-      }
-    } else {
-      // 16 pieces of 8 columns a row: thread t takes piece t % 16 of rows t / 16 + 8i.
-      const int piece = wg_thread % 16;
-      const int64_t col = n0 + 8 * piece;
-      if (col < p.N) {
-#pragma unroll 4
-        for (int i = 0; i < kTileM / 8; ++i) {
-          const int r = wg_thread / 16 + 8 * i;
-          if (r >= tile.rows) break;
-          *reinterpret_cast<uint4*>(p.Y + (tile.row0 + r) * p.N + col) =
-              *reinterpret_cast<const uint4*>(staged + r * kStagedRowBytes + piece * 16);
-        }
-      }
-    }
-  }
+      });
 }
 
 template <bool kGlu>

@@ -46,11 +46,10 @@ constexpr int kTile = 128, kStepK = 64;
 constexpr int kLineBytes = 128;                  // one swizzled line: 64 bf16
 constexpr int kABytes = kTile * kLineBytes;      // 16 KB: 128 K-major rows
 constexpr int kAtomBytes = kStepK * kLineBytes;  // 8 KB: one 64-wide MN atom, 64 k deep
-constexpr int kStagedRowBytes = kTile * 2 + 16;  // bf16 staging rows
-constexpr int kStagedLd = kTile + 8;             // fp32 staging rows (64 at a time)
+constexpr int kStagedRowBytes = pingpong::kStagedBf16RowBytes;
+constexpr int kStagedLd = pingpong::kStagedF32Ld;
 static_assert(kABytes + 2 * kAtomBytes == pingpong::kStageBytes, "A rows and B atoms fill a stage");
 static_assert(kTile * kStagedRowBytes <= pingpong::kStagingBytes, "the bf16 tile fits");
-static_assert(64 * kStagedLd * 4 <= pingpong::kStagingBytes, "64 fp32 rows fit");
 
 struct RowsBackwardArgs {
   const int64_t* offsets;  // DEVICE [E + 1]
@@ -89,24 +88,24 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
     pingpong::producer_registers();
     if (threadIdx.x >= 32) return;
     pingpong::Cursor at;
-    for (int64_t L = blockIdx.x; L < p.tiles; L += gridDim.x) {
-      GroupedRowTile tile;
-      if (!find_row_tile(p.offsets, p.E, L / p.nx, &tile)) break;  // later tiles lie further
-      const int32_t n0 = int32_t((L % p.nx) * kTile), row0 = int32_t(tile.row0);
-      if (threadIdx.x == 0)
-        for (int t = 0; t < k_steps; ++t) {
-          const bool second = t >= per_product;
-          const int32_t k0 = (second ? t - per_product : t) * kStepK;
-          const CUtensorMap* a_map = second ? &a2_map : &a1_map;
-          const CUtensorMap* b_map = second ? &b2_map : &b1_map;
-          pingpong::produce(barriers, smem.ring, at, [&](uint8_t* stage, uint64_t* full) {
-            tma::load_2d(stage, a_map, full, k0, row0);
-            tma::load_3d(stage + kABytes, b_map, full, n0, k0, tile.expert);
-            tma::load_3d(stage + kABytes + kAtomBytes, b_map, full, n0 + 64, k0, tile.expert);
-          });
-        }
-      __syncwarp();
-    }
+    for_each_cta_row_tile(
+        p.offsets, p.E, p.nx, p.tiles, 0, 1,
+        [&](int64_t, const GroupedRowTile& tile, int64_t column_tile) {
+          const int32_t n0 = int32_t(column_tile * kTile), row0 = int32_t(tile.row0);
+          if (threadIdx.x == 0)
+            for (int t = 0; t < k_steps; ++t) {
+              const bool second = t >= per_product;
+              const int32_t k0 = (second ? t - per_product : t) * kStepK;
+              const CUtensorMap* a_map = second ? &a2_map : &a1_map;
+              const CUtensorMap* b_map = second ? &b2_map : &b1_map;
+              pingpong::produce(barriers, smem.ring, at, [&](uint8_t* stage, uint64_t* full) {
+                tma::load_2d(stage, a_map, full, k0, row0);
+                tma::load_3d(stage + kABytes, b_map, full, n0, k0, tile.expert);
+                tma::load_3d(stage + kABytes + kAtomBytes, b_map, full, n0 + 64, k0, tile.expert);
+              });
+            }
+          __syncwarp();
+        });
     return;
   }
 
@@ -114,117 +113,89 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
   const int consumer = warpgroup - 1;  // takes the CTA's tiles j ≡ consumer (mod 2)
   const int wg_thread = threadIdx.x % 128, warp = wg_thread / 32, lane = threadIdx.x % 32;
   uint8_t* staging = smem.staging(consumer);
-  int64_t j = consumer;
-  for (int64_t L = blockIdx.x + j * gridDim.x; L < p.tiles; j += 2, L += 2 * int64_t(gridDim.x)) {
-    GroupedRowTile tile;
-    if (!find_row_tile(p.offsets, p.E, L / p.nx, &tile)) break;
-    const int64_t n0 = (L % p.nx) * kTile;
-    float acc[2][64];
+  for_each_cta_row_tile(
+      p.offsets, p.E, p.nx, p.tiles, consumer, 2,
+      [&](int64_t j, const GroupedRowTile& tile, int64_t column_tile) {
+        const int64_t n0 = column_tile * kTile;
+        float acc[2][64];
+        pingpong::zero_tile(acc);
+        pingpong::consume_tile(
+            barriers, smem.ring, consumer, j, j * k_steps, k_steps, [](int, uint8_t*) {},
+            [&](const uint8_t* stage) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+              for (int kk = 0; kk < kStepK / 16; ++kk) {
+                const uint64_t desc_b =
+                    wgmma::smem_desc_sw128_mn(stage + kABytes + kk * 16 * kLineBytes, kAtomBytes);
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-    pingpong::consume_tile(
-        barriers, smem.ring, consumer, j, j * k_steps, k_steps, [](int, uint8_t*) {},
-        [&](const uint8_t* stage) {
-#pragma unroll
-          for (int kk = 0; kk < kStepK / 16; ++kk) {
-            const uint64_t desc_b =
-                wgmma::smem_desc_sw128_mn(stage + kABytes + kk * 16 * kLineBytes, kAtomBytes);
-#pragma unroll
-            for (int h = 0; h < 2; ++h)  // rows 64h …: K-major lines 64h …, 8 KB further
-              wgmma::mma_m64n128k16_bf16<0, 1>(
-                  acc[h], wgmma::smem_desc_sw128(stage + h * 64 * kLineBytes + kk * 32), desc_b,
-                  true);
-          }
-        });
-
-    if constexpr (kF32) {
-      // 64 rows at a time: fragments in as float2, then warp w writes rows w + 4q, 16 bytes a
-      // lane.
-      float* staged = reinterpret_cast<float*>(staging);
-      float* Y = static_cast<float*>(p.Y);
-      const int64_t col = n0 + 4 * lane;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        pingpong::consumer_sync(consumer);  // the staging is free
-#pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-          const int r = 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
-          const int c = 8 * (i / 4) + 2 * (lane % 4);
-          *reinterpret_cast<float2*>(staged + r * kStagedLd + c) =
-              make_float2(acc[h][i], acc[h][i + 1]);
-        }
-        pingpong::consumer_sync(consumer);
-        if (col < p.N) {
-#pragma unroll 4
-          for (int q = 0; q < 16; ++q) {
-            const int r = warp + 4 * q;
-            if (64 * h + r >= tile.rows) break;
-            *reinterpret_cast<float4*>(Y + (tile.row0 + 64 * h + r) * p.N + col) =
-                *reinterpret_cast<const float4*>(staged + r * kStagedLd + 4 * lane);
-          }
-        }
-      }
-    } else {
-      pingpong::consumer_sync(consumer);  // the staging is free
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-          const int r = 64 * h + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
-          const int c = 8 * (i / 4) + 2 * (lane % 4);
-          *reinterpret_cast<__nv_bfloat162*>(staging + r * kStagedRowBytes + c * 2) =
-              __floats2bfloat162_rn(acc[h][i], acc[h][i + 1]);
-        }
-      pingpong::consumer_sync(consumer);
-      // 16 pieces of 8 columns a row: thread t takes piece t % 16 of rows t / 16 + 8i.
-      __nv_bfloat16* Y = static_cast<__nv_bfloat16*>(p.Y);
-      const int piece = wg_thread % 16;
-      const int64_t col = n0 + 8 * piece;
-      if (col < p.N) {
-        if (p.glu_gate != nullptr) {
-          // The bf16 dh piece with g and u of the same 8 elements: dg over Y, du over u. Four
-          // rows' g and u loads in flight before their stores (which may alias them as far as
-          // the compiler knows).
-          const GluInverseBetas inv = glu_inverse_betas(p.glu);
-#pragma unroll 1
-          for (int i0 = 0; i0 < kTile / 8; i0 += 4) {
-            uint4 g[4], u[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = wg_thread / 16 + 8 * (i0 + i);
-              if (r < tile.rows) {
-                const int64_t at = (tile.row0 + r) * p.N + col;
-                g[i] = *reinterpret_cast<const uint4*>(p.glu_gate + at);
-                u[i] = *reinterpret_cast<const uint4*>(p.glu_up + at);
+                for (int h = 0; h < 2; ++h)  // rows 64h …: K-major lines 64h …, 8 KB further
+                  wgmma::mma_m64n128k16_bf16<0, 1>(
+                      acc[h], wgmma::smem_desc_sw128(stage + h * 64 * kLineBytes + kk * 32), desc_b,
+                      true);
               }
-            }
+            });
+
+        if constexpr (kF32) {
+          // 64 rows at a time: fragments in as float2, then warp w writes rows w + 4q, 16 bytes a
+          // lane.
+          float* staged = reinterpret_cast<float*>(staging);
+          float* Y = static_cast<float*>(p.Y);
+          const int64_t col = n0 + 4 * lane;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = wg_thread / 16 + 8 * (i0 + i);
-              if (r >= tile.rows) break;
-              const int64_t at = (tile.row0 + r) * p.N + col;
-              const uint4 dh =
-                  *reinterpret_cast<const uint4*>(staging + r * kStagedRowBytes + piece * 16);
-              uint4 dg, du;
-              glu_backward_bf16x8(g[i], u[i], dh, p.glu, inv, dg, du);
-              *reinterpret_cast<uint4*>(Y + at) = dg;
-              *reinterpret_cast<uint4*>(p.glu_up + at) = du;
+          for (int h = 0; h < 2; ++h) {
+            pingpong::stage_half_f32(acc[h], staged, consumer);
+            if (col < p.N) {
+#pragma unroll 4
+              for (int q = 0; q < 16; ++q) {
+                const int r = warp + 4 * q;
+                if (64 * h + r >= tile.rows) break;
+                *reinterpret_cast<float4*>(Y + (tile.row0 + 64 * h + r) * p.N + col) =
+                    *reinterpret_cast<const float4*>(staged + r * kStagedLd + 4 * lane);
+              }
             }
           }
         } else {
-#pragma unroll 4
-          for (int i = 0; i < kTile / 8; ++i) {
-            const int r = wg_thread / 16 + 8 * i;
-            if (r >= tile.rows) break;
-            *reinterpret_cast<uint4*>(Y + (tile.row0 + r) * p.N + col) =
-                *reinterpret_cast<const uint4*>(staging + r * kStagedRowBytes + piece * 16);
+          pingpong::stage_tile_bf16(acc, staging, consumer);
+          // 16 pieces of 8 columns a row: thread t takes piece t % 16 of rows t / 16 + 8i.
+          __nv_bfloat16* Y = static_cast<__nv_bfloat16*>(p.Y);
+          const int piece = wg_thread % 16;
+          const int64_t col = n0 + 8 * piece;
+          if (col < p.N) {
+            if (p.glu_gate != nullptr) {
+              // The bf16 dh piece with g and u of the same 8 elements: dg over Y, du over u. Four
+              // rows' g and u loads in flight before their stores (which may alias them as far as
+              // the compiler knows).
+              const GluInverseBetas inv = glu_inverse_betas(p.glu);
+#pragma unroll 1
+              for (int i0 = 0; i0 < kTile / 8; i0 += 4) {
+                uint4 g[4], u[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int r = wg_thread / 16 + 8 * (i0 + i);
+                  if (r < tile.rows) {
+                    const int64_t at = (tile.row0 + r) * p.N + col;
+                    g[i] = *reinterpret_cast<const uint4*>(p.glu_gate + at);
+                    u[i] = *reinterpret_cast<const uint4*>(p.glu_up + at);
+                  }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int r = wg_thread / 16 + 8 * (i0 + i);
+                  if (r >= tile.rows) break;
+                  const int64_t at = (tile.row0 + r) * p.N + col;
+                  const uint4 dh =
+                      *reinterpret_cast<const uint4*>(staging + r * kStagedRowBytes + piece * 16);
+                  uint4 dg, du;
+                  glu_backward_bf16x8(g[i], u[i], dh, p.glu, inv, dg, du);
+                  *reinterpret_cast<uint4*>(Y + at) = dg;
+                  *reinterpret_cast<uint4*>(p.glu_up + at) = du;
+                }
+              }
+            } else {
+              pingpong::store_staged_rows_bf16(staging, Y, tile.row0, tile.rows, n0, p.N);
+            }
           }
         }
-      }
-    }
-  }
+      });
 }
 
 }  // namespace

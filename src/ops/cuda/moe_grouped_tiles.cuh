@@ -55,6 +55,22 @@ __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int E, int
   return false;
 }
 
+// The persistent kernels' walk (pingpong.cuh): this CTA's tiles j = first, first + step, …, i.e.
+// L = blockIdx.x + j·gridDim.x below `tiles` (the row-tile bound × nx), each as its row tile
+// (L / nx) and column tile (L mod nx): body(j, tile, column_tile). Stops at the first L past the
+// last row tile (later ones lie further). Called by whole warps (find_row_tile).
+template <class Body>
+__device__ __forceinline__ void for_each_cta_row_tile(const int64_t* offsets, int E, int nx,
+                                                      int64_t tiles, int first, int step,
+                                                      Body&& body) {
+  for (int64_t j = first, L = blockIdx.x + j * gridDim.x; L < tiles;
+       j += step, L += step * int64_t(gridDim.x)) {
+    GroupedRowTile tile;
+    if (!find_row_tile(offsets, E, L / nx, &tile)) break;
+    body(j, tile, L % nx);
+  }
+}
+
 // Σ_e ceil(n_e / 128) ≤ R / 128 + E row tiles (x: 128-column tiles of N); CTAs past the last
 // row tile return at once.
 inline dim3 grouped_rows_grid(int64_t R, int E, int64_t N) {

@@ -44,9 +44,8 @@ constexpr int kTile = 128, kStepK = 64;
 constexpr int kLineBytes = 128;                  // one swizzled line: 64 bf16
 constexpr int kAtomBytes = kStepK * kLineBytes;  // 8 KB: one 64-wide MN atom, 64 k deep
 constexpr int kOperandBytes = 2 * kAtomBytes;    // 128 columns
-constexpr int kStagedLd = kTile + 8;  // fp32 staging rows (fragment stores conflict-free)
+constexpr int kStagedLd = pingpong::kStagedF32Ld;
 static_assert(2 * kOperandBytes == pingpong::kStageBytes, "A and B atoms fill a stage");
-static_assert(64 * kStagedLd * 4 <= pingpong::kStagingBytes, "64 staged rows fit");
 
 struct WeightGradArgs {
   const int64_t* offsets;  // DEVICE [E + 1]
@@ -123,10 +122,7 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
       continue;
     }
     float acc[2][64];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    pingpong::zero_tile(acc);
     pingpong::consume_tile(
         barriers, smem.ring, consumer, j, first, steps,
         [&](int t, uint8_t* stage) {  // last step past the expert's end: those k lines of A zeroed
@@ -165,15 +161,7 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
     const bool col_ok = col < p.N;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      pingpong::consumer_sync(consumer);  // the staging is free (the last pass has read it)
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const int r = 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
-        const int c = 8 * (i / 4) + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(staged + r * kStagedLd + c) =
-            make_float2(acc[h][i], acc[h][i + 1]);
-      }
-      pingpong::consumer_sync(consumer);
+      pingpong::stage_half_f32(acc[h], staged, consumer);
       // Two passes of 8 rows a thread: the old values of C (accumulating) all in flight first.
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {

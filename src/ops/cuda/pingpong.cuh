@@ -16,6 +16,8 @@
 // Registers: the producer gives its warpgroup's back (setmaxnreg 40), the consumers take them
 // (232): 128·40 + 256·232 ≤ 64K, the CTA's 384 threads launched at 168.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "ops/cuda/tma.cuh"
@@ -26,7 +28,11 @@ namespace dm::cuda::pingpong {
 constexpr int kStages = 4;
 constexpr int kStageBytes = 32 * 1024;               // 128 × 64 bf16 of each operand
 constexpr int kThreads = 384;                        // producer warpgroup, two consumer warpgroups
-constexpr int kStagingBytes = 128 * (128 * 2 + 16);  // a consumer's epilogue buffer: 34,816
+constexpr int kStagedBf16RowBytes = 128 * 2 + 16;    // bf16 staging rows, 16 bytes apart (banks)
+constexpr int kStagedF32Ld = 128 + 8;  // fp32 staging rows (64 at a time; fragment stores in
+                                       // two conflict-free wavefronts)
+constexpr int kStagingBytes = 128 * kStagedBf16RowBytes;  // a consumer's epilogue buffer: 34,816
+static_assert(64 * kStagedF32Ld * 4 <= kStagingBytes, "64 fp32 rows fit the staging");
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStagingBytes;  // + 1 KB alignment
 
 __device__ __forceinline__ void producer_registers() {
@@ -64,6 +70,11 @@ struct Smem {
 __device__ __forceinline__ Smem carve(uint8_t* raw_bytes) {
   const uint32_t raw = tma::shared_address(raw_bytes);
   return Smem{raw_bytes + (((raw + 1023u) & ~1023u) - raw)};
+}
+
+// A named barrier over one consumer warpgroup (ids 1 and 2; 0 is the CTA's).
+__device__ __forceinline__ void consumer_sync(int consumer) {
+  tma::named_barrier_sync(1 + consumer, 128);
 }
 
 // The producer's next ring position.
@@ -115,9 +126,65 @@ __device__ __forceinline__ void consume_tile(Barriers& b, uint8_t* ring, int con
   if (k_steps > 0 && lane0) tma::barrier_arrive(&b.empty[previous]);
 }
 
-// A named barrier over one consumer warpgroup (ids 1 and 2; 0 is the CTA's).
-__device__ __forceinline__ void consumer_sync(int consumer) {
-  tma::named_barrier_sync(1 + consumer, 128);
+__device__ __forceinline__ void zero_tile(float (&acc)[2][64]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+}
+
+// The epilogues: acc[h][i] of consumer thread t (warp w = (t mod 128) / 32, lane l) is tile row
+// 64h + 16w + l/4 + 8·((i/2) mod 2), column 8·(i/4) + 2·(l mod 4) + (i mod 2) (wgmma.cuh);
+// adjacent columns go in as pairs.
+
+// The consumer's tile as bf16 into its staging (rows kStagedBf16RowBytes apart), between two
+// barriers of the consumer: the first waits until every thread of it has read the last tile's.
+__device__ __forceinline__ void stage_tile_bf16(const float (&acc)[2][64], uint8_t* staging,
+                                                int consumer) {
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  consumer_sync(consumer);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int r = 64 * h + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
+      const int c = 8 * (i / 4) + 2 * (lane % 4);
+      *reinterpret_cast<__nv_bfloat162*>(staging + r * kStagedBf16RowBytes + c * 2) =
+          __floats2bfloat162_rn(acc[h][i], acc[h][i + 1]);
+    }
+  consumer_sync(consumer);
+}
+
+// Staged bf16 tile rows r < rows to Y [·, N] from row0, columns n0 … (n0 + c < N, N a multiple of
+// 8): thread t takes 16-byte piece t % 16 of rows t / 16 + 8i (a warp writes two whole rows).
+__device__ __forceinline__ void store_staged_rows_bf16(const uint8_t* staging, __nv_bfloat16* Y,
+                                                       int64_t row0, int rows, int64_t n0,
+                                                       int64_t N) {
+  const int wg_thread = threadIdx.x % 128, piece = wg_thread % 16;
+  const int64_t col = n0 + 8 * piece;
+  if (col >= N) return;
+#pragma unroll 4
+  for (int i = 0; i < 16; ++i) {
+    const int r = wg_thread / 16 + 8 * i;
+    if (r >= rows) break;
+    *reinterpret_cast<uint4*>(Y + (row0 + r) * N + col) =
+        *reinterpret_cast<const uint4*>(staging + r * kStagedBf16RowBytes + piece * 16);
+  }
+}
+
+// Half h of the tile (acc = acc[h], rows 64h …) as fp32 into the staging ([64][kStagedF32Ld]),
+// between two barriers of the consumer, as stage_tile_bf16.
+__device__ __forceinline__ void stage_half_f32(const float (&acc)[64], float* staged,
+                                               int consumer) {
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  consumer_sync(consumer);
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int r = 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
+    const int c = 8 * (i / 4) + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(staged + r * kStagedF32Ld + c) = make_float2(acc[i], acc[i + 1]);
+  }
+  consumer_sync(consumer);
 }
 
 }  // namespace dm::cuda::pingpong
