@@ -840,6 +840,59 @@ TEST(CudaMoeExperts, PingpongMatchesAcrossManyTiles) {
   EXPECT_EQ(differing(bits[5], bits[0]), 0u) << "g vs the plain product";
 }
 
+// The pingpong kernels' preconditions are host arithmetic on the arguments, checked before any
+// CUDA call: this runs (and must refuse) without a GPU. Pointers are never dereferenced.
+TEST(CudaMoeExperts, PingpongPreconditionsRefuseBadShapes) {
+  alignas(16) static uint16_t operand[64];
+  alignas(16) static float out[64];
+  const uint16_t* a = operand;
+  const uint16_t* misaligned = operand + 1;  // 2 bytes off a 16-byte boundary
+  const int64_t offsets[2] = {0, 8};
+  using cuda::moe_detail::grouped_rows_backward_pingpong_applies;
+  using cuda::moe_detail::grouped_weight_grad_pingpong_applies;
+  // Weight gradient: row strides multiples of 8 and ≥ M, N; N % 4; 16-byte aligned A, B, C;
+  // 0 < R < 2^31.
+  EXPECT_TRUE(grouped_weight_grad_pingpong_applies(a, 1024, a, 512, 24576, 1024, 512, out));
+  EXPECT_FALSE(grouped_weight_grad_pingpong_applies(misaligned, 1024, a, 512, 8, 1024, 512, out));
+  EXPECT_FALSE(grouped_weight_grad_pingpong_applies(a, 1020, a, 512, 8, 1020, 512, out));
+  EXPECT_FALSE(grouped_weight_grad_pingpong_applies(a, 1024, a, 512, 8, 1032, 512, out));
+  EXPECT_FALSE(grouped_weight_grad_pingpong_applies(a, 1024, a, 520, 8, 1024, 518, out));
+  EXPECT_FALSE(grouped_weight_grad_pingpong_applies(a, 1024, a, 512, 8, 1024, 512, out + 1));
+  EXPECT_FALSE(
+      grouped_weight_grad_pingpong_applies(a, 1024, a, 512, int64_t(1) << 31, 1024, 512, out));
+  EXPECT_FALSE(grouped_weight_grad_pingpong_applies(a, 1024, a, 512, 0, 1024, 512, out));
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_weight_grad_pingpong(a, 1020, a, 512, offsets, 1, 8,
+                                                                     1020, 512, out, nullptr, true),
+               Error);
+  // Rows: K, N multiples of 8, aligned operands and Y, A2 and B2 both or neither.
+  EXPECT_TRUE(grouped_rows_backward_pingpong_applies(a, a, a, a, 8, 512, 1024, out));
+  EXPECT_TRUE(grouped_rows_backward_pingpong_applies(a, a, nullptr, nullptr, 8, 512, 1024, out));
+  EXPECT_FALSE(grouped_rows_backward_pingpong_applies(a, a, a, nullptr, 8, 512, 1024, out));
+  EXPECT_FALSE(grouped_rows_backward_pingpong_applies(a, a, nullptr, nullptr, 8, 516, 1024, out));
+  EXPECT_FALSE(grouped_rows_backward_pingpong_applies(a, a, nullptr, nullptr, 8, 512, 1020, out));
+  EXPECT_FALSE(
+      grouped_rows_backward_pingpong_applies(a, misaligned, nullptr, nullptr, 8, 512, 1024, out));
+  EXPECT_FALSE(
+      grouped_rows_backward_pingpong_applies(nullptr, a, nullptr, nullptr, 8, 512, 1024, out));
+  // The GLU epilogue takes one product with bf16 out.
+  cuda::GluKernelParams act;
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_backward_pingpong(
+                   a, a, nullptr, nullptr, offsets, 1, 8, 512, 1024, out, /*y_f32=*/true, a,
+                   operand, &act, nullptr),
+               Error);
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_backward_pingpong(
+                   a, a, a, a, offsets, 1, 8, 512, 1024, out, false, a, operand, &act, nullptr),
+               Error);
+  // Forward: K, N multiples of 8 and aligned A, W, Y; the GLU kernel also W_up and the outputs.
+  EXPECT_THROW(cuda::moe_detail::launch_grouped_rows_nk_bf16_pingpong(a, a, offsets, 1, 8, 516,
+                                                                      1024, operand, nullptr),
+               Error);
+  EXPECT_FALSE(cuda::moe_detail::grouped_gate_up_glu_pingpong_applies(a, a, misaligned, 512, 1024,
+                                                                      nullptr, nullptr, operand));
+  EXPECT_TRUE(cuda::moe_detail::grouped_gate_up_glu_pingpong_applies(a, a, a, 512, 1024, nullptr,
+                                                                     nullptr, operand));
+}
+
 // The pingpong weight gradient (launch_grouped_weight_grad_pingpong) bitwise against the TMA-fed
 // kernel, storing (C from NaN) and accumulating (C from random values), where each CTA walks
 // more than two tiles: 7 experts of 3001, 0, 5999, 130, 5870, 1 and 4999 rows (an empty expert,
