@@ -16,10 +16,7 @@
 // TMA-fed → this kernel): dx 120.4 → 111.2, dh 65.6 → 64.7. With the GLU backward in the
 // epilogue it took 162.3 µs against 129.3 for dh and the separate GLU pass (138.8 for the wgmma
 // kernel's fused epilogue): its g and u loads outlast the other consumer's K loop, so the layers
-// do not use it (moe.h). Since then (written after the session's device time ran out, NOT YET
-// RUN ON A GPU): 8 rows' g and u loads in flight instead of 4, and the tile's g and u lines
-// prefetched into L2 before its K loop; bench_cuda_moe_gemm's GLU table times it, and
-// CudaMoeExperts.PingpongRowsBackwardMatchesTmaAcrossManyTiles checks it bitwise.
+// do not use it (moe.h).
 //
 // Rows past the expert's end are loaded but never stored; columns past N read zeros. The k
 // steps (the first product's, then the second's) and k16 slices accumulate in the TMA-fed
@@ -122,16 +119,6 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
         const int64_t n0 = column_tile * kTile;
         float acc[2][64];
         pingpong::zero_tile(acc);
-        if (!kF32 && p.glu_gate != nullptr && wg_thread < tile.rows) {
-          // The GLU epilogue's g and u lines of this tile (a row's 256 bytes: two 128-byte
-          // lines each) asked into L2 while the K loop runs, so that its loads wait for L2
-          // rather than HBM with nothing else for this consumer to do.
-          const int64_t row_at = (tile.row0 + wg_thread) * p.N + n0;
-          for (int line = 0; line < 2 && n0 + 64 * line < p.N; ++line) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p.glu_gate + row_at + 64 * line));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p.glu_up + row_at + 64 * line));
-          }
-        }
         pingpong::consume_tile(
             barriers, smem.ring, consumer, j, j * k_steps, k_steps, [](int, uint8_t*) {},
             [&](const uint8_t* stage) {
@@ -174,17 +161,15 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
           const int64_t col = n0 + 8 * piece;
           if (col < p.N) {
             if (p.glu_gate != nullptr) {
-              // The bf16 dh piece with g and u of the same 8 elements: dg over Y, du over u.
-              // kRowsInFlight rows' g and u loads issued before their stores (which may alias
-              // them as far as the compiler knows); the lines were asked into L2 before the K
-              // loop.
+              // The bf16 dh piece with g and u of the same 8 elements: dg over Y, du over u. Four
+              // rows' g and u loads in flight before their stores (which may alias them as far as
+              // the compiler knows).
               const GluInverseBetas inv = glu_inverse_betas(p.glu);
-              constexpr int kRowsInFlight = 8;
 #pragma unroll 1
-              for (int i0 = 0; i0 < kTile / 8; i0 += kRowsInFlight) {
-                uint4 g[kRowsInFlight], u[kRowsInFlight];
+              for (int i0 = 0; i0 < kTile / 8; i0 += 4) {
+                uint4 g[4], u[4];
 #pragma unroll
-                for (int i = 0; i < kRowsInFlight; ++i) {
+                for (int i = 0; i < 4; ++i) {
                   const int r = wg_thread / 16 + 8 * (i0 + i);
                   if (r < tile.rows) {
                     const int64_t at = (tile.row0 + r) * p.N + col;
@@ -193,7 +178,7 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
                   }
                 }
 #pragma unroll
-                for (int i = 0; i < kRowsInFlight; ++i) {
+                for (int i = 0; i < 4; ++i) {
                   const int r = wg_thread / 16 + 8 * (i0 + i);
                   if (r >= tile.rows) break;
                   const int64_t at = (tile.row0 + r) * p.N + col;
