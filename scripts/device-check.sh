@@ -160,6 +160,9 @@ if [ "$BENCH" = 1 ]; then
   bench bench_cuda_train 40 $B/bench_cuda_train --config "$MODEL_CFG" --batch 1 --seq 4096 --steps 3
   bench bench_cuda_train_kept 40 $B/bench_cuda_train --config "$MODEL_CFG" --batch 1 --seq 4096 \
     --steps 3 --recompute off
+  # Four sequences a step: the optimizer paid once for 16K tokens (~57 GB of kept activations).
+  bench bench_cuda_train_b4 60 $B/bench_cuda_train --config "$MODEL_CFG" --batch 4 --seq 4096 \
+    --steps 3 --recompute off
   bench bench_cuda_decode 50 $B/bench_cuda_decode --config configs/kimi_linear_48b.json \
     --cases 1x32768,64x32768,1x1048576 --steps 20 --warmup 3
   bench bench_cuda_mla 45 $B/bench_cuda_mla

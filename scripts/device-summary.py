@@ -130,7 +130,9 @@ def main():
     p = peer[-1]["tokens_per_s"] if peer else None
     for log, label in (("bench_cuda_train.log", "training step (1B config)"),
                        ("bench_cuda_train_kept.log",
-                        "training step (1B config, KDA and MoE internals kept)")):
+                        "training step (1B config, KDA and MoE internals kept)"),
+                       ("bench_cuda_train_b4.log",
+                        "training step (1B config, internals kept, 4 × 4096 tokens)")):
         ours = [j for j in json_lines(read(d, log)) if j.get("impl") == "deltamoe"]
         if not ours:
             continue
