@@ -356,8 +356,7 @@ void moe_set_wgmma_pingpong_weight_grad(bool on) {
   wgmma_pingpong_weight_grad_setting().store(on, std::memory_order_relaxed);
 }
 bool moe_wgmma_pingpong_rows_backward() {
-  return moe_wgmma_pingpong() &&
-         wgmma_pingpong_rows_backward_setting().load(std::memory_order_relaxed);
+  return wgmma_pingpong_rows_backward_setting().load(std::memory_order_relaxed);
 }
 void moe_set_wgmma_pingpong_rows_backward(bool on) {
   wgmma_pingpong_rows_backward_setting().store(on, std::memory_order_relaxed);

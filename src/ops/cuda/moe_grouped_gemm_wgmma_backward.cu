@@ -440,7 +440,7 @@ void launch_rows(const uint16_t* A1, const uint16_t* B1, const uint16_t* A2, con
                  const int64_t* offsets, int E, int64_t R, int64_t K, int64_t N, Out* Y,
                  CUstream_st* stream) {
   if (E <= 0 || R <= 0 || N <= 0) return;
-  if (moe_wgmma_pingpong_rows_backward() &&
+  if (moe_wgmma_pingpong() && moe_wgmma_pingpong_rows_backward() &&
       grouped_rows_backward_pingpong_applies(A1, B1, A2, B2, R, K, N, Y)) {
     launch_grouped_rows_backward_pingpong(A1, B1, A2, B2, offsets, E, R, K, N, Y, sizeof(Out) == 4,
                                           nullptr, nullptr, nullptr, stream);
