@@ -2,16 +2,18 @@
 // the gpu_1b shape by default: 4096 tokens × top-6 over 32 experts (24576 rows, uneven like a
 // random router), Din 512, F 1024. One row per product and kernel: the mma.sync kernels, the
 // warpgroup-MMA ones in both schedules (moe.h moe_wgmma_overlap), the forward's 128 × 256-tile
-// versions (moe.h moe_wgmma_wide) in both, the TMA-fed forward kernels (moe.h moe_wgmma_tma) at
-// both widths, and, as the ceiling, one
-// dense cuBLASLt GEMM of the same total size. CUDA-event timing, median of --reps runs; each wgmma
+// versions (moe.h moe_wgmma_wide) in both, the TMA-fed kernels (moe.h moe_wgmma_tma; the
+// forward's at both widths), the persistent pingpong kernels (moe.h moe_wgmma_pingpong; the
+// launchers' own dispatch to them is off here, each has its row), and, as the ceiling, one dense
+// cuBLASLt GEMM of the same total size. CUDA-event timing, median of --reps runs; each wgmma
 // result is also checked against the mma.sync one (relative RMS).
 //   bench_cuda_moe_gemm [--tokens 4096] [--top-k 6] [--experts 32] [--din 512] [--ffn 1024]
 //                       [--reps 20] [--only SUBSTRING]
 // --only: run only the products whose name contains SUBSTRING (e.g. dW, for a profiler).
 // A second table times the GLU's two places (moe.h moe_wgmma_fused_glu): the forward's gate and
 // up products + the element-wise GLU against the one kernel with the GLU in its epilogue, and the
-// backward's dh product + the GLU backward against the dh kernel that applies it (SiTU).
+// backward's dh product + the GLU backward against the dh kernel that applies it (SiTU), each
+// also on the pingpong kernels.
 // FLOP counted: rows products 2·R·K·N (dx has two), weight gradients 2·R·M·N.
 #include <algorithm>
 #include <cmath>

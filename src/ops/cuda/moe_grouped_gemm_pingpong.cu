@@ -15,11 +15,11 @@
 // experts in L2). 384 threads: warpgroup 0 is the producer (one lane issues the TMA loads, its
 // registers given back with setmaxnreg), warpgroups 1 and 2 the consumers, which take the CTA's
 // tiles alternately, each a whole 128 × 128 tile (two m64n128 accumulators, 128 registers). The
-// producer streams every tile's k steps through one ring of kStages stages in tile order, running
-// ahead into the next tile while a consumer is still multiplying or storing, and each consumer has
-// its own staging buffer for the epilogue: while one stores its tile, the other multiplies. The
-// consumers' K loops take turns in tile order (mainloop_done below), so that the ring's barriers
-// are always waited for in position order.
+// producer streams every tile's k steps through one ring of pingpong::kStages stages in tile
+// order, running ahead into the next tile while a consumer is still multiplying or storing, and
+// each consumer has its own staging buffer for the epilogue: while one stores its tile, the other
+// multiplies. The consumers' K loops take turns in tile order (pingpong.cuh's done barriers), so
+// that the ring's barriers are always waited for in position order.
 //
 // Measured on an H200 (bench_cuda_moe_gemm, 24576 rows over 32 experts, Din 512, F 1024; µs,
 // TMA-fed kernel → this one): gate 66.0 → 65.5, down 64.1 → 60.6; gate + up + GLU 169.8 (two
