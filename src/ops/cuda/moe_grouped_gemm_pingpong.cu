@@ -193,6 +193,23 @@ void check_sizes(const char* who, int E, int64_t R, int64_t weight_rows) {
            " rows, ", E, " x ", weight_rows, " weight rows (TMA coordinates are 32-bit)");
 }
 
+// The arguments both launchers share: N columns of Y (or F) in tiles of `cols`.
+PingpongArgs rows_args(const int64_t* offsets, int E, int64_t K, int64_t N, int64_t cols,
+                       uint16_t* Y) {
+  PingpongArgs p{};
+  p.offsets = offsets;
+  p.E = E;
+  p.K = K;
+  p.N = N;
+  p.nx = int((N + cols - 1) / cols);
+  p.Y = reinterpret_cast<__nv_bfloat16*>(Y);
+  return p;
+}
+
+CUtensorMap a_rows_map(const uint16_t* A, int64_t R, int64_t K) {
+  return tma_map_bf16_rows(A, uint64_t(R), uint64_t(K), uint64_t(K), kTileM, kTileK);
+}
+
 }  // namespace
 
 void launch_grouped_rows_nk_bf16_pingpong(const uint16_t* A, const uint16_t* W,
@@ -202,18 +219,10 @@ void launch_grouped_rows_nk_bf16_pingpong(const uint16_t* A, const uint16_t* W,
   DM_CHECK(grouped_rows_tma_applies(A, W, K, N, Y), "launch_grouped_rows_nk_bf16_pingpong: K = ", K,
            ", N = ", N, " (both multiples of 8) and 16-byte aligned A, W, Y");
   check_sizes("launch_grouped_rows_nk_bf16_pingpong", E, R, N);
-  const CUtensorMap a_map =
-      tma_map_bf16_rows(A, uint64_t(R), uint64_t(K), uint64_t(K), kTileM, kTileK);
   const CUtensorMap w_map =
       tma_map_bf16_rows(W, uint64_t(E) * uint64_t(N), uint64_t(K), uint64_t(K), kTileN, kTileK);
-  PingpongArgs p{};
-  p.offsets = offsets;
-  p.E = E;
-  p.K = K;
-  p.N = N;
-  p.nx = int((N + kTileN - 1) / kTileN);
-  p.Y = reinterpret_cast<__nv_bfloat16*>(Y);
-  launch<false>(a_map, w_map, w_map, p, R, reinterpret_cast<cudaStream_t>(stream));
+  launch<false>(a_rows_map(A, R, K), w_map, w_map, rows_args(offsets, E, K, N, kTileN, Y), R,
+                reinterpret_cast<cudaStream_t>(stream));
 }
 
 bool grouped_gate_up_glu_pingpong_applies(const void* A, const void* W_gate, const void* W_up,
@@ -234,24 +243,16 @@ void launch_grouped_gate_up_glu_pingpong(const uint16_t* A, const uint16_t* W_ga
            "launch_grouped_gate_up_glu_pingpong: K = ", K, ", F = ", F,
            " (multiples of 8) and 16-byte aligned operands and outputs");
   check_sizes("launch_grouped_gate_up_glu_pingpong", E, R, F);
-  const CUtensorMap a_map =
-      tma_map_bf16_rows(A, uint64_t(R), uint64_t(K), uint64_t(K), kTileM, kTileK);
   const uint64_t weight_rows = uint64_t(E) * uint64_t(F);
   const CUtensorMap gate_map =
       tma_map_bf16_rows(W_gate, weight_rows, uint64_t(K), uint64_t(K), kGluCols, kTileK);
   const CUtensorMap up_map =
       tma_map_bf16_rows(W_up, weight_rows, uint64_t(K), uint64_t(K), kGluCols, kTileK);
-  PingpongArgs p{};
-  p.offsets = offsets;
-  p.E = E;
-  p.K = K;
-  p.N = F;
-  p.nx = int((F + kGluCols - 1) / kGluCols);
-  p.Y = reinterpret_cast<__nv_bfloat16*>(h);
+  PingpongArgs p = rows_args(offsets, E, K, F, kGluCols, h);
   p.gate_out = reinterpret_cast<__nv_bfloat16*>(gate_out);
   p.up_out = reinterpret_cast<__nv_bfloat16*>(up_out);
   p.act = act;
-  launch<true>(a_map, gate_map, up_map, p, R, reinterpret_cast<cudaStream_t>(stream));
+  launch<true>(a_rows_map(A, R, K), gate_map, up_map, p, R, reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // namespace dm::cuda::moe_detail
