@@ -470,7 +470,8 @@ TEST(CudaOpsAdamW, MatchesCpuRuleOverSteps) {
 }
 
 // One launch over arena ranges (the GPU optimizer step) against adamw_update per range on the
-// pre-scaled gradients: the same bits, and elements between the ranges untouched.
+// pre-scaled gradients: the same bits, and elements between the ranges untouched; the fp32
+// mirrors receive exactly the updated master values of their elements inside the ranges.
 TEST(CudaOpsAdamW, RangesMatchPerRangeUpdatesBitForBit) {
   DM_SKIP_WITHOUT_GPU();
   const int64_t n = 100003;
@@ -478,7 +479,12 @@ TEST(CudaOpsAdamW, RangesMatchPerRangeUpdatesBitForBit) {
   // a range longer than one 16K tile.
   const std::vector<cu::AdamWRange> ranges = {{3, 40000, true}, {40000, 70001, false},
                                               {70005, 100000, true}};
-  const cu::AdamWRangePlan plan(ranges);
+  // Mirrors (given out of order): across the first range's start, across the boundary of two
+  // ranges, over the gap into the third range, inside a 16K tile at an odd offset, past the end.
+  const std::vector<cu::AdamWMirror> mirrors = {
+      {39990, 40020, 50}, {0, 50, 0}, {69998, 70010, 80}, {20001, 20007, 92}, {99990, 100003, 98}};
+  const int64_t mirror_floats = 111;
+  const cu::AdamWRangePlan plan(ranges, mirrors);
   EXPECT_EQ(plan.elements(), 39997 + 30001 + 29995);
   std::vector<float> p = random_normal(size_t(n), 61), m(size_t(n), 0.0f), v(size_t(n), 0.0f);
   DeviceScratch dev(size_t(n) * 4 * 12 + (1 << 16));
@@ -491,6 +497,8 @@ TEST(CudaOpsAdamW, RangesMatchPerRangeUpdatesBitForBit) {
   float* v_each = dev.upload(v);
   uint16_t* p16_each = dev.zeros<uint16_t>(size_t(n));
   float* g_d = dev.zeros<float>(size_t(n));
+  const float kUntouched = -7.0f;
+  float* mirror_d = dev.upload(std::vector<float>(size_t(mirror_floats), kUntouched));
   std::vector<float> p_host = p, m_host = m, v_host = v;
   cu::AdamWStep s;
   s.lr = 1e-2f;
@@ -499,7 +507,8 @@ TEST(CudaOpsAdamW, RangesMatchPerRangeUpdatesBitForBit) {
     const float grad_scale = step == 2 ? 0.37f : 1.0f;
     std::vector<float> g = random_normal(size_t(n), 80 + uint64_t(step), 0.1f);
     cu::copy_to_device(g_d, g.data(), size_t(n) * 4);
-    cu::adamw_update_ranges(plan, p_fused, g_d, m_fused, v_fused, p16_fused, s, grad_scale);
+    cu::adamw_update_ranges(plan, p_fused, g_d, m_fused, v_fused, p16_fused, mirror_d, s,
+                            grad_scale);
     std::vector<float> scaled = g;
     for (float& x : scaled) x *= grad_scale;
     cu::copy_to_device(g_d, scaled.data(), size_t(n) * 4);
@@ -531,6 +540,20 @@ TEST(CudaOpsAdamW, RangesMatchPerRangeUpdatesBitForBit) {
     EXPECT_EQ(p_gpu[size_t(i)], p[size_t(i)]) << i;
     EXPECT_EQ(p16[size_t(i)], 0) << i;
   }
+  const auto mirror = DeviceScratch::download(mirror_d, size_t(mirror_floats));
+  auto in_ranges = [&](int64_t i) {
+    for (const cu::AdamWRange& r : ranges)
+      if (i >= r.begin && i < r.end) return true;
+    return false;
+  };
+  int64_t checked = 0;
+  for (const cu::AdamWMirror& mr : mirrors)
+    for (int64_t i = mr.begin; i < mr.end; ++i) {
+      const float expect = in_ranges(i) ? p_gpu[size_t(i)] : kUntouched;
+      EXPECT_EQ(mirror[size_t(mr.packed + i - mr.begin)], expect) << "element " << i;
+      checked += in_ranges(i);
+    }
+  EXPECT_EQ(checked, 47 + 30 + 8 + 6 + 10);
 }
 
 TEST(CudaOpsAdamW, RejectsStepZero) {

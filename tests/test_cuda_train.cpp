@@ -393,6 +393,17 @@ void compare_optimizer(OptimizerKind kind, const char* what) {
   }
   std::printf("[          ] %s: 3 steps, worst tensor rel RMS %.2e\n", what, worst);
   EXPECT_LE(worst, 1e-5) << what;
+  // The packed fp32 copies the layers read hold exactly the updated master values.
+  int64_t mirrored = 0;
+  for (const cuda::DeviceWeights::F32Range& r : gpu.weights().f32_ranges()) {
+    const size_t count = size_t(r.end - r.begin);
+    std::vector<float> copy(count), master(count);
+    cuda::copy_to_host(copy.data(), gpu.weights().f32_data() + r.packed, count * sizeof(float));
+    cuda::copy_to_host(master.data(), gpu.master().data() + r.begin, count * sizeof(float));
+    EXPECT_EQ(copy, master) << what << ": fp32 copy of [" << r.begin << ", " << r.end << ")";
+    mirrored += int64_t(count);
+  }
+  EXPECT_GT(mirrored, 0);
 }
 
 TEST(CudaTrain, AdamWStepMatchesCpu) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <vector>
 
 #include "core/error.h"
 #include "core/gemm.h"
@@ -163,15 +164,25 @@ void Optimizer::load(const std::string& path) {
   step_ = std::stoll(md.at("step"));
 }
 
+// Σ g² in fixed blocks of elements, each summed in order, then the blocks in order: the same bits
+// for any thread count (OpenMP's reduction clause adds the threads' partials in whatever order
+// they finish, so a run resumed on a many-core machine could clip differently in the last bit).
 double grad_global_norm(const ModelWeights& grad) {
+  constexpr int64_t kBlock = 16384;
+  std::vector<double> partial;
   double s = 0;
   for (const ParamEntry& e : grad.params) {
-    double local = 0;
     const float* g = e.data;
-    const int64_t n = e.numel();
-#pragma omp parallel for reduction(+ : local) schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; ++i) local += double(g[i]) * g[i];
-    s += local;
+    const int64_t n = e.numel(), blocks = (n + kBlock - 1) / kBlock;
+    partial.assign(size_t(blocks), 0.0);
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t b = 0; b < blocks; ++b) {
+      double local = 0;
+      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i)
+        local += double(g[i]) * g[i];
+      partial[size_t(b)] = local;
+    }
+    for (const double p : partial) s += p;
   }
   return std::sqrt(s);
 }

@@ -544,19 +544,27 @@ __device__ __forceinline__ uint32_t bf16_bits(float x) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
-// One tile of adamw_update_ranges: elements [begin, begin + length) of one range.
+// One tile of adamw_update_ranges: elements [begin, begin + length) of one range, inside one
+// mirror (element i's fp32 copy at p_f32[i + mirror_shift]) or outside all of them.
 struct AdamWTile {
   int64_t begin;
+  int64_t mirror_shift;  // packed − begin of the mirror; kNoMirror: none
   int32_t length;
   int32_t decay;
 };
+constexpr int64_t kNoMirror = INT64_MIN;
 constexpr int kAdamWTileElements = 16384;  // 256 threads × 4 × 16
 
 // One block per tile; the 4-aligned middle of the tile with float4 loads (uint2 bf16 stores),
 // the unaligned ends element by element.
 __global__ void adamw_tiles_kernel(const AdamWTile* tiles, float* p, const float* g, float* m,
-                                   float* v, uint16_t* p_bf16, AdamWScalars s, float grad_scale) {
+                                   float* v, uint16_t* p_bf16, float* p_f32, AdamWScalars s,
+                                   float grad_scale) {
   const AdamWTile tile = tiles[blockIdx.x];
+  // The fp32 copy of this tile's elements, at p_f32[i + shift] (unaligned in general: written
+  // element by element).
+  const int64_t shift = tile.mirror_shift;
+  const bool mirrored = p_f32 != nullptr && shift != kNoMirror;
   const float weight_decay_lr = tile.decay ? s.weight_decay_lr : 0.0f;
   const int64_t begin = tile.begin, end = tile.begin + tile.length;
   const int64_t up = (begin + 3) & ~int64_t(3), down = end & ~int64_t(3);
@@ -569,6 +577,7 @@ __global__ void adamw_tiles_kernel(const AdamWTile* tiles, float* p, const float
     v[i] = v_i;
     p[i] = updated;
     if (p_bf16) store_from_float(p_bf16, i, updated);
+    if (mirrored) p_f32[i + shift] = updated;
   };
   if (threadIdx.x < vec_begin - begin) scalar(begin + threadIdx.x);
   if (threadIdx.x < end - vec_end) scalar(vec_end + threadIdx.x);
@@ -590,20 +599,48 @@ __global__ void adamw_tiles_kernel(const AdamWTile* tiles, float* p, const float
       packed.y = uint32_t(bf16_bits(weight.z)) | (uint32_t(bf16_bits(weight.w)) << 16);
       *reinterpret_cast<uint2*>(p_bf16 + i) = packed;
     }
+    if (mirrored) {
+      p_f32[i + shift] = weight.x;
+      p_f32[i + shift + 1] = weight.y;
+      p_f32[i + shift + 2] = weight.z;
+      p_f32[i + shift + 3] = weight.w;
+    }
   }
 }
 
 }  // namespace
 
-AdamWRangePlan::AdamWRangePlan(const std::vector<AdamWRange>& ranges) {
+AdamWRangePlan::AdamWRangePlan(const std::vector<AdamWRange>& ranges,
+                               const std::vector<AdamWMirror>& mirrors) {
+  std::vector<AdamWMirror> sorted = mirrors;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const AdamWMirror& a, const AdamWMirror& b) { return a.begin < b.begin; });
+  for (size_t i = 0; i < sorted.size(); ++i)
+    DM_CHECK(sorted[i].begin <= sorted[i].end && (i == 0 || sorted[i - 1].end <= sorted[i].begin),
+             "AdamWRangePlan: mirrors must be disjoint ranges");
   std::vector<AdamWTile> tiles;
+  // Tiles of ≤ kAdamWTileElements over [begin, end), none across a mirror's bounds.
+  auto cut = [&](int64_t begin, int64_t end, int64_t shift, bool decay) {
+    for (int64_t at = begin; at < end; at += kAdamWTileElements)
+      tiles.push_back(
+          {at, shift, int32_t(std::min<int64_t>(kAdamWTileElements, end - at)), decay ? 1 : 0});
+  };
   for (const AdamWRange& r : ranges) {
     DM_CHECK(r.begin >= 0 && r.end >= r.begin, "AdamWRangePlan: bad range [", r.begin, ", ",
              r.end, ")");
     elements_ += r.end - r.begin;
-    for (int64_t at = r.begin; at < r.end; at += kAdamWTileElements)
-      tiles.push_back({at, int32_t(std::min<int64_t>(kAdamWTileElements, r.end - at)),
-                       r.decay ? 1 : 0});
+    // The mirrors overlapping r, in order, split it into mirrored and plain pieces.
+    auto it = std::upper_bound(sorted.begin(), sorted.end(), r.begin,
+                               [](int64_t x, const AdamWMirror& m) { return x < m.end; });
+    int64_t at = r.begin;
+    for (; it != sorted.end() && it->begin < r.end; ++it) {
+      const int64_t b = std::max(at, it->begin), e = std::min(r.end, it->end);
+      if (b >= e) continue;
+      cut(at, b, kNoMirror, r.decay);
+      cut(b, e, it->packed - it->begin, r.decay);
+      at = e;
+    }
+    cut(at, r.end, kNoMirror, r.decay);
   }
   tiles_ = int64_t(tiles.size());
   DM_CHECK(tiles_ < (int64_t(1) << 31), "AdamWRangePlan: too many tiles (", tiles_, ")");
@@ -616,11 +653,12 @@ AdamWRangePlan::AdamWRangePlan(const std::vector<AdamWRange>& ranges) {
 AdamWRangePlan::~AdamWRangePlan() = default;
 
 void adamw_update_ranges(const AdamWRangePlan& plan, float* p, const float* g, float* m, float* v,
-                         uint16_t* p_bf16, const AdamWStep& st, float grad_scale, Stream stream) {
+                         uint16_t* p_bf16, float* p_f32, const AdamWStep& st, float grad_scale,
+                         Stream stream) {
   const AdamWScalars s = adamw_scalars(st);
   if (plan.tiles() == 0) return;
   adamw_tiles_kernel<<<unsigned(plan.tiles()), kElementThreads, 0, stream>>>(
-      static_cast<const AdamWTile*>(plan.device_tiles()), p, g, m, v, p_bf16, s, grad_scale);
+      static_cast<const AdamWTile*>(plan.device_tiles()), p, g, m, v, p_bf16, p_f32, s, grad_scale);
   check_last_error("cuda adamw_update_ranges");
 }
 

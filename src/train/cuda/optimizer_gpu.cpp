@@ -102,9 +102,19 @@ void GpuOptimizer::step(GpuRun& run, DeviceParamArena& master, DeviceWeights& we
   s.eps = oc_.eps;
   s.weight_decay = oc_.weight_decay;
   s.step = step_;
-  adamw_update_ranges(adamw_ranges_, master.data(), grads.data(), m_.data(), v_.data(), bf16, s,
-                      grad_scale, run.stream);
-  weights.refresh_f32_from_master(master.data(), run.stream);
+  if (!plan_ || plan_weights_ != &weights) {
+    std::vector<AdamWMirror> mirrors;
+    for (const DeviceWeights::F32Range& r : weights.f32_ranges())
+      mirrors.push_back({r.begin, r.end, r.packed});
+    plan_ = std::make_unique<AdamWRangePlan>(adamw_ranges_, mirrors);
+    plan_weights_ = &weights;
+  }
+  // AdamW writes the fp32 copies of what it updates; what else has one (the routing biases QB
+  // sets: uploaded to both copies) does not change here, and Muon's matrices have none in the
+  // bf16 mode, but the fp32 mode mirrors every parameter, so Muon steps refresh them all.
+  adamw_update_ranges(*plan_, master.data(), grads.data(), m_.data(), v_.data(), bf16,
+                      weights.f32_data(), s, grad_scale, run.stream);
+  if (oc_.kind == OptimizerKind::Muon) weights.refresh_f32_from_master(master.data(), run.stream);
 }
 
 void GpuOptimizer::save(const std::string& path) {

@@ -2,13 +2,15 @@
 // GpuTrainModel. AdamW (and Muon for the hidden matrices when configured) update the fp32 master
 // weights from the fp32 gradients, write the bf16 compute copy in the same pass and refresh the
 // packed fp32 copies of the element-wise parameters; moments live on the device (8 B/param).
-// Every AdamW parameter is updated by one launch (adamw_update_ranges over the arena's ranges).
-// Global-norm clipping reads the gradient norm with one deterministic reduction.
+// Every AdamW parameter is updated by one launch (adamw_update_ranges over the arena's ranges),
+// which also writes the packed fp32 copies of the element-wise parameters it updates. Global-norm
+// clipping reads the gradient norm with one deterministic reduction.
 // Checkpoints use the CPU optimizer's file (optimizer.safetensors), so a run can resume on either.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "model/cuda/gpu_run.h"
 #include "ops/cuda/elementwise.h"
@@ -39,7 +41,11 @@ class GpuOptimizer {
   OptimizerConfig oc_;
   Optimizer host_format_;  // host moments: the checkpoint format (staging for save / load)
   DeviceParamArena m_, v_;
-  AdamWRangePlan adamw_ranges_;  // every AdamW-updated parameter: one launch per step
+  std::vector<AdamWRange> adamw_ranges_;  // every AdamW-updated parameter
+  // Their tiles with the fp32 copies of `plan_weights_` (built at the first step: one launch per
+  // step).
+  std::unique_ptr<AdamWRangePlan> plan_;
+  const DeviceWeights* plan_weights_ = nullptr;
   float pending_grad_scale_ = 1.0f;
   DeviceArena scratch_;    // norm reduction + Newton–Schulz workspace
   int64_t step_ = 0;
