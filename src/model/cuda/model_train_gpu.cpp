@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 
@@ -314,14 +315,32 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   int64_t* tokens_dev = act.alloc<int64_t>(size_t(N));
   int64_t* targets_dev = act.alloc<int64_t>(size_t(N));
   int32_t* doc_dev = act.alloc<int32_t>(size_t(N));
-  copy_to_device(tokens_dev, tokens, size_t(N) * sizeof(int64_t));
-  copy_to_device(targets_dev, targets, size_t(N) * sizeof(int64_t));
   // Rows of one document each (every start 0) need no document masks: nullptr lets the MLA
   // layers take cuDNN's fused attention, which has none.
   const bool packed = doc_start && std::any_of(doc_start, doc_start + N,
                                                [](int32_t s) { return s != 0; });
-  if (packed) copy_to_device(doc_dev, doc_start, size_t(N) * sizeof(int32_t));
-  else doc_dev = nullptr;
+  // The batch goes up through page-locked staging, queued behind whatever the stream still runs
+  // (the previous step's AdamW): a copy from pageable memory would first wait for the stream to
+  // drain, leaving the GPU idle while this host code queues the forward (0.4 ms a step). The
+  // staging is free again when the previous call ended with the host waiting for its loss; one
+  // that threw after queuing its copies is waited for here.
+  const size_t token_bytes = size_t(N) * sizeof(int64_t), doc_bytes = size_t(N) * sizeof(int32_t);
+  if (upload_pending_) stream_synchronize(stream);
+  upload_pending_ = false;
+  if (!upload_ || upload_->bytes() < 2 * token_bytes + doc_bytes)
+    upload_ = std::make_unique<PinnedBuffer>(2 * token_bytes + doc_bytes);
+  uint8_t* staging = upload_->as<uint8_t>();
+  std::memcpy(staging, tokens, token_bytes);
+  std::memcpy(staging + token_bytes, targets, token_bytes);
+  copy_to_device_async(tokens_dev, staging, token_bytes, stream);
+  copy_to_device_async(targets_dev, staging + token_bytes, token_bytes, stream);
+  if (packed) {
+    std::memcpy(staging + 2 * token_bytes, doc_start, doc_bytes);
+    copy_to_device_async(doc_dev, staging + 2 * token_bytes, doc_bytes, stream);
+  } else {
+    doc_dev = nullptr;
+  }
+  upload_pending_ = true;
   std::vector<float*> p_in(static_cast<size_t>(L));
   for (auto& q : p_in) q = act.alloc<float>(nd);
   std::vector<float*> p_mids(static_cast<size_t>(L));
@@ -593,6 +612,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   std::vector<CrossEntropyDeviceResult> ce(static_cast<size_t>(tiles));
   copy_to_host_async(ce.data(), ce_results, ce.size() * sizeof(CrossEntropyDeviceResult), stream);
   stream_synchronize(stream);
+  upload_pending_ = false;
   check_last_error("train (cuda): forward_backward");
   timer.report();
   TrainStepResult res;

@@ -25,6 +25,7 @@
 #include "model/cuda/gpu_run.h"
 #include "model/cuda/layers.h"
 #include "model/model.h"
+#include "ops/cuda/graph.h"
 
 namespace dm {
 struct QbHistogramRange;  // train/balance.h
@@ -98,6 +99,8 @@ class GpuTrainModel {
   // [E, bins] and loads [E] on the device (grown on demand, so steady steps do not allocate) and
   // their host copies.
   std::unique_ptr<DeviceArena> route_stats_;
+  std::unique_ptr<PinnedBuffer> upload_;  // the batch's tokens, targets and document starts
+  bool upload_pending_ = false;           // copies from upload_ queued, not yet waited for
   std::vector<int64_t> route_counts_, route_loads_;
 };
 
