@@ -69,10 +69,10 @@ class DeviceWeights {
   const ModelConfig& config() const { return host_.cfg; }
   void sync_from_host();
   // Training: the optimizer writes the bf16 mirror in place (same offsets as the host arena) and
-  // then refreshes the packed fp32 copies from the device master weights (host offsets).
+  // the packed fp32 copies (f32_data()[r.packed + (i − r.begin)] mirrors host element i of range
+  // r) in the same pass (GpuOptimizer's AdamW), or refreshes those from the device master weights
+  // (host offsets) after an update that does not write them (Muon).
   uint16_t* bf16_data() { return bf16_; }
-  // The packed fp32 copies (f32_data()[r.packed + (i − r.begin)] mirrors host element i of range
-  // r), for an optimizer that writes them in its own pass (GpuOptimizer's AdamW).
   float* f32_data() { return f32_; }
   const std::vector<F32Range>& f32_ranges() const { return f32_ranges_; }
   void refresh_f32_from_master(const float* master, CUstream_st* stream = nullptr);

@@ -1,10 +1,10 @@
 // The optimizer step on the GPU (SPEC §2): the twin of train/optimizer.h on the device arenas of
 // GpuTrainModel. AdamW (and Muon for the hidden matrices when configured) update the fp32 master
-// weights from the fp32 gradients, write the bf16 compute copy in the same pass and refresh the
-// packed fp32 copies of the element-wise parameters; moments live on the device (8 B/param).
-// Every AdamW parameter is updated by one launch (adamw_update_ranges over the arena's ranges),
-// which also writes the packed fp32 copies of the element-wise parameters it updates. Global-norm
-// clipping reads the gradient norm with one deterministic reduction.
+// weights from the fp32 gradients and keep the device mirrors current (the bf16 compute copy, the
+// packed fp32 copies of the element-wise parameters); moments live on the device (8 B/param).
+// Every AdamW parameter is updated by one launch (adamw_update_ranges over the arena's ranges)
+// that writes both mirrors in the same pass. Global-norm clipping reads the gradient norm with one
+// deterministic reduction.
 // Checkpoints use the CPU optimizer's file (optimizer.safetensors), so a run can resume on either.
 #pragma once
 #include <cstdint>
