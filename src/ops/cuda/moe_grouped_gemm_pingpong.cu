@@ -85,14 +85,10 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t pingpong_smem_raw[];
   const pingpong::Smem smem = pingpong::carve(pingpong_smem_raw);
   const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    tma::prefetch_map(&a_map);
-    tma::prefetch_map(&w_map);
-    if constexpr (kGlu) tma::prefetch_map(&w2_map);
-    barriers.init();
-  }
-  __syncthreads();
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  if constexpr (kGlu)
+    pingpong::start(barriers, &a_map, &w_map, &w2_map);
+  else
+    pingpong::start(barriers, &a_map, &w_map);
   const int k_steps = int((p.K + kTileK - 1) / kTileK);
   const int64_t cols = kGlu ? kGluCols : kTileN;
 

@@ -75,13 +75,7 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t rows_backward_smem_raw[];
   const pingpong::Smem smem = pingpong::carve(rows_backward_smem_raw);
   const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    tma::prefetch_map(&a1_map);
-    tma::prefetch_map(&b1_map);
-    barriers.init();
-  }
-  __syncthreads();
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  pingpong::start(barriers, &a1_map, &b1_map);
   const int per_product = int((p.K + kStepK - 1) / kStepK), k_steps = per_product * p.products;
 
   if (warpgroup == 0) {  // the producer: warp 0 walks the tiles, its lane 0 issues

@@ -81,13 +81,7 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t weight_grad_smem_raw[];
   const pingpong::Smem smem = pingpong::carve(weight_grad_smem_raw);
   const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    tma::prefetch_map(&a_map);
-    tma::prefetch_map(&b_map);
-    barriers.init();
-  }
-  __syncthreads();
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  pingpong::start(barriers, &a_map, &b_map);
 
   if (warpgroup == 0) {  // the producer: one thread
     pingpong::producer_registers();

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/tma.cuh"
 #include "ops/cuda/wgmma.cuh"
 
@@ -58,6 +59,18 @@ struct Barriers {
     tma::barrier_init_fence();
   }
 };
+
+// Every pingpong kernel's start: thread 0 asks for the tensor maps' descriptors and initialises
+// the barriers, the CTA waits for that, then for its inputs (PDL, pdl.h: before any is read).
+template <typename... Maps>
+__device__ __forceinline__ void start(Barriers& barriers, const Maps*... maps) {
+  if (threadIdx.x == 0) {
+    (tma::prefetch_map(maps), ...);
+    barriers.init();
+  }
+  __syncthreads();
+  pdl_wait_then_launch_dependents();
+}
 
 // The shared memory of a pingpong CTA: the ring (1 KB aligned, for the swizzle atoms), then the
 // two consumers' staging buffers.
