@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cuda_test_util.h"
 #include "ops/cpu/ffn.h"
 #include "ops/cpu/loss.h"
 #include "ops/cpu/rmsnorm.h"
@@ -19,7 +20,7 @@
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe_layer_ops.h"
 #include "ops/cuda/residual_ops.h"
-#include "cuda_test_util.h"
+#include "ops/cuda/zero_ranges.h"
 #include "test_util.h"
 
 namespace {
@@ -563,6 +564,28 @@ TEST(CudaOpsAdamW, RejectsStepZero) {
   EXPECT_THROW(cu::adamw_update(nullptr, static_cast<const float*>(nullptr), nullptr, nullptr,
                                 nullptr, 4, s),
                dm::Error);
+}
+
+// One launch over many ranges (the gradient arena's step start): exactly the ranges' elements
+// become zero, at unaligned bounds, across 64K tiles, with empty ranges and a one-element one.
+TEST(CudaOpsZeroRanges, ZeroesExactlyTheRanges) {
+  DM_SKIP_WITHOUT_GPU();
+  const int64_t n = 300007;
+  const std::vector<cu::ZeroRange> ranges = {{0, 1},       {3, 3},           {5, 70},
+                                             {71, 200001}, {200002, 200003}, {250001, 300006}};
+  const cu::ZeroRangesPlan plan(ranges);
+  EXPECT_EQ(plan.elements(), 1 + 65 + 199930 + 1 + 50005);
+  EXPECT_EQ(plan.tiles(), 1 + 1 + 4 + 1 + 1);  // 199930 elements take four 64K tiles
+  std::vector<float> x = random_normal(size_t(n), 91);
+  for (float& v : x) v = std::fabs(v) + 1.0f;  // never 0 before
+  DeviceScratch dev(size_t(n) * 4 + (1 << 16));
+  float* x_d = dev.upload(x);
+  cu::zero_ranges(plan, x_d + 1);  // an array that starts 4 bytes past a 16-byte boundary
+  const auto got = DeviceScratch::download(x_d, size_t(n));
+  std::vector<float> want = x;
+  for (const cu::ZeroRange& r : ranges)
+    for (int64_t i = r.begin; i < r.end; ++i) want[size_t(i + 1)] = 0.0f;
+  EXPECT_EQ(got, want);
 }
 
 }  // namespace

@@ -180,16 +180,21 @@ void DeviceParamArena::add_store_first(const float* host_view, int64_t n) {
            "DeviceParamArena::add_store_first: overlapping ranges");
   store_first_.insert(it, r);
   pending_.assign(store_first_.size(), false);
+  gaps_.reset();
 }
 
 void DeviceParamArena::zero_deferred(CUstream_st* stream) {
-  int64_t from = 0;  // the gaps between the store-first ranges
-  for (const StoreFirstRange& r : store_first_) {
-    if (r.begin > from)
-      fill_zero_async(data_ + from, size_t(r.begin - from) * sizeof(float), stream);
-    from = r.end;
+  if (!gaps_) {  // the gaps between the store-first ranges, as one launch's tile table
+    std::vector<cuda::ZeroRange> gaps;
+    int64_t from = 0;
+    for (const StoreFirstRange& r : store_first_) {
+      if (r.begin > from) gaps.push_back({from, r.begin});
+      from = r.end;
+    }
+    if (numel_ > from) gaps.push_back({from, numel_});
+    gaps_ = std::make_unique<cuda::ZeroRangesPlan>(gaps);
   }
-  if (numel_ > from) fill_zero_async(data_ + from, size_t(numel_ - from) * sizeof(float), stream);
+  cuda::zero_ranges(*gaps_, data_, stream);
   pending_.assign(store_first_.size(), true);
 }
 

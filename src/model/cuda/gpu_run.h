@@ -23,6 +23,7 @@
 #include "model/weights.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/zero_ranges.h"
 
 namespace dm::cuda {
 
@@ -130,6 +131,7 @@ class DeviceParamArena {
   float* data_ = nullptr;
   std::vector<StoreFirstRange> store_first_;  // sorted, disjoint
   mutable std::vector<bool> pending_;         // per store_first_ range
+  std::unique_ptr<cuda::ZeroRangesPlan> gaps_;  // the rest of the arena, built at first use
 };
 using DeviceGrads = DeviceParamArena;
 

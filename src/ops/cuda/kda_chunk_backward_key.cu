@@ -3,7 +3,8 @@
 // (kda_chunk_backward_value.cu). Same algebra and precision per product as stages 2–4 of the
 // fused kernel (kda_chunk_backward_tc.cu), restricted to the block's KH = KP/2 channels
 // c0 + [0, KH):
-//   dQd = dO·Sᵀ (bf16), dKd = −dX·Sᵀ, dKe = V'·dS'ᵀ (tf32; S, dS' rows staged in slabs),
+//   dQd = dO·Sᵀ (bf16) and dKd = −dX·Sᵀ (tf32) in one pass over S's slabs, dKe = V'·dS'ᵀ
+//   (tf32) in one over the dS' slabs, with dγ = e^γ ⊙ rowsum(S ⊙ dS') from those,
 //   the pairwise sums of dL = β·dM and dP (F, G, G^q formed in the operand loaders from k̂, q̂, Γ
 //   instead of stored), dΓ, E = dKe⊙Ke (kept from the dKe product), dg's scans, and dq, dk through
 //   the L2 norms.
@@ -55,9 +56,17 @@ constexpr int kKeyVectorFloats =
 constexpr int kKeyStamps = 11;
 __device__ int g_key_clock_on;
 __device__ long long g_key_clock[kKeyStamps];
-const char* const kKeyPhaseNames[kKeyStamps] = {
-    "start",         "row loads, dgamma", "norms, Gamma, dP, dL", "dQd",  "dKd",   "dKe, E",
-    "pairwise rows/cols", "pairwise inside", "dGamma, dots, cluster", "dg scans", "dg, dq, dk writes"};
+const char* const kKeyPhaseNames[kKeyStamps] = {"start",
+                                                "row loads",
+                                                "norms, Gamma, dP, dL",
+                                                "dQd, dKd (one pass)",
+                                                "-",
+                                                "dKe, E, dgamma",
+                                                "pairwise rows/cols",
+                                                "pairwise inside",
+                                                "dGamma, dots, cluster",
+                                                "dg scans",
+                                                "dg, dq, dk writes"};
 
 __host__ __device__ inline KeyLayout key_layout(int KP, int VP) {
   const int KH = KP / 2;
@@ -88,6 +97,62 @@ __host__ __device__ inline KeyLayout key_layout(int KP, int VP) {
   at += kKeyVectorFloats * 4;
   l.total = at;
   return l;
+}
+
+// One pass over the block's rows of S [c0 + KH rows, VP] (slab by slab, as key_side_product
+// stages them) for the two products that read S:
+//   acc_q += dO·Sᵀ (bf16: A the raw dO bits [C, ldo] in shared memory, B rounded to bf16),
+//   acc_k += dX·Sᵀ (tf32: A = dX [C, VP] fp32 in global memory),
+// sharing every B pair load (one k16 step of the bf16 product reads the pairs of the two k8
+// steps of the tf32 one). Every thread of the block calls it; it ends with a barrier, after
+// which the slabs are free.
+template <int kTiles, int kBlockThreads>
+__device__ __forceinline__ void state_pass(float (&acc_q)[kTiles][4], float (&acc_k)[kTiles][4],
+                                           int n_tiles, int col0, int c0, int KH, int VP, int r0,
+                                           const float* state, const uint16_t* d_out_s, int ldo,
+                                           const float* d_x, float* slabs) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int count = VP / kSlab, buffer = KH * kSlabLd;
+  stage_slab<kBlockThreads>(slabs, state, c0, KH, VP, 0);
+  attention_detail::cp_async_commit();
+  for (int s = 0; s < count; ++s) {
+    if (s + 1 < count) {
+      // Buffer (s+1)&1 was last read by slab s−1, before the barrier that ended its step.
+      stage_slab<kBlockThreads>(slabs + ((s + 1) & 1) * buffer, state, c0, KH, VP, s + 1);
+      attention_detail::cp_async_commit();
+      attention_detail::cp_async_wait<1>();
+    } else {
+      attention_detail::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* slab = slabs + (s & 1) * buffer;  // [KH, kSlabLd], row = channel − c0
+#pragma unroll
+    for (int k0 = 0; k0 < kSlab; k0 += 16) {
+      const int k = k0 + 2 * tq, e = s * kSlab + k;  // slab column, absolute column
+      const uint16_t* o_top = d_out_s + (r0 + g) * ldo + e;
+      const uint16_t* o_bottom = o_top + 8 * ldo;
+      const uint32_t a_out[4] = {*reinterpret_cast<const uint32_t*>(o_top),
+                                 *reinterpret_cast<const uint32_t*>(o_bottom),
+                                 *reinterpret_cast<const uint32_t*>(o_top + 8),
+                                 *reinterpret_cast<const uint32_t*>(o_bottom + 8)};
+      const float* x_top = d_x + (r0 + g) * VP + e;
+      const float* x_bottom = x_top + 8 * VP;
+      const float2 x0 = load_pair(x_top), x1 = load_pair(x_bottom), x2 = load_pair(x_top + 8),
+                   x3 = load_pair(x_bottom + 8);
+      const uint32_t a_x0[4] = {to_tf32(x0.x), to_tf32(x1.x), to_tf32(x0.y), to_tf32(x1.y)};
+      const uint32_t a_x1[4] = {to_tf32(x2.x), to_tf32(x3.x), to_tf32(x2.y), to_tf32(x3.y)};
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+        if (j < n_tiles) {
+          const float* b = slab + (col0 - c0 + 8 * j + g) * kSlabLd + k;
+          const float2 b0 = load_pair(b), b1 = load_pair(b + 8);
+          mma_bf16_16x8x16(acc_q[j], a_out, pack_bf16(b0.x, b0.y), pack_bf16(b1.x, b1.y));
+          mma_tf32_16x8x8(acc_k[j], a_x0, to_tf32(b0.x), to_tf32(b0.y));
+          mma_tf32_16x8x8(acc_k[j], a_x1, to_tf32(b1.x), to_tf32(b1.y));
+        }
+    }
+    __syncthreads();
+  }
 }
 
 template <int kColGroups, int kStaticDims>
@@ -234,20 +299,6 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     float* out = dbeta + token_row(tid);
     *out = split.accumulate ? *out + part : part;
   }
-  // dγ = e^γ ⊙ rowsum(S ⊙ dS') for the block's channels (warp per state row, 16-byte loads).
-#pragma unroll 4
-  for (int col = warp; col < KH; col += kBlockWarps) {
-    const float* s_row = state + int64_t(c0 + col) * VP;
-    const float* ds_row = d_state + int64_t(c0 + col) * VP;
-    float dot = 0.0f;
-    for (int e = 4 * lane; e < VP; e += 128) {
-      const float4 a = *reinterpret_cast<const float4*>(s_row + e);
-      const float4 b4 = *reinterpret_cast<const float4*>(ds_row + e);
-      dot += a.x * b4.x + a.y * b4.y + a.z * b4.z + a.w * b4.w;
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) d_gamma_last[col] = decay_whole[c0 + col] * dot;
-  }
   attention_detail::cp_async_wait<0>();
   __syncthreads();
   stamp(1);
@@ -263,24 +314,47 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     *reinterpret_cast<uint4*>(key_raw + i * ldr + col) =
         *reinterpret_cast<const uint4*>(key_full + i * ldf + c0 + col);
   }
-  for (int col = tid; col < KH; col += kBlockThreads) {
-    float running = 0.0f;
-    for (int i = 0; i < kChunk; ++i) {
-      running += bf16_bits_to_float(gate_bits[i * ldr + col]);
-      gam[i * ldg + col] = running;
+  {
+    // Γ by kBlockThreads/KH adjacent lanes per column (a power of two ≤ 32: KH ∈ {16, 32, 64}),
+    // each over a run of rows: the run's sums in registers, the runs' totals scanned by shuffles.
+    constexpr int kMaxRows = kChunk * kKdaCudaMaxHeadDim / 2 / kBlockThreads;  // at KH = 64
+    const int parts = kBlockThreads / KH, rows = kChunk / parts;
+    const int col = tid / parts, part = tid % parts, i0 = part * rows;
+    float run[kMaxRows];
+    float total = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r)
+      if (r < rows) {
+        total += bf16_bits_to_float(gate_bits[(i0 + r) * ldr + col]);
+        run[r] = total;
+      }
+    float before = total;  // inclusive scan of the runs' totals over the column's lanes
+    for (int step = 1; step < parts; step *= 2) {
+      const float other = __shfl_up_sync(0xffffffffu, before, step, parts);
+      if (part >= step) before += other;
     }
+    before -= total;
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r)
+      if (r < rows) gam[(i0 + r) * ldg + col] = before + run[r];
   }
   __syncthreads();  // the whole rows are dead: dP and dL take their place
-  for (int sb = 0; sb < kNumSubBlocks; ++sb) {  // block-uniform: whole warps reduce
-    const int s0 = kSubBlock * sb, m = s0 + kSubBlock / 2;
+  // max |Γ_i − Γ_m| over each sub-block's rows and the block's channels: a thread per (sub-block,
+  // channel); whole warps reduce (items < 4·KH, a multiple of 32), one atomic per warp and
+  // sub-block it spans (two when KH = 16).
+  for (int item = tid; item < kNumSubBlocks * KH; item += kBlockThreads) {
+    const int sb = item / KH, col = item % KH, s0 = kSubBlock * sb, m = s0 + kSubBlock / 2;
+    const float gamma_m = gam[m * ldg + col];
     unsigned most = 0u;
-    for (int col = tid; col < KH; col += kBlockThreads) {
-      const float gamma_m = gam[m * ldg + col];
-      for (int i = s0; i < s0 + kSubBlock; ++i)
-        most = max(most, __float_as_uint(fabsf(gam[i * ldg + col] - gamma_m)));  // NaN: largest
+#pragma unroll 4
+    for (int i = s0; i < s0 + kSubBlock; ++i)
+      most = max(most, __float_as_uint(fabsf(gam[i * ldg + col] - gamma_m)));  // NaN: largest
+    if (KH >= 32) {
+      most = __reduce_max_sync(0xffffffffu, most);
+      if (lane == 0 && most != 0u) atomicMax(&inside_exponent[sb], most);
+    } else if (most != 0u) {
+      atomicMax(&inside_exponent[sb], most);
     }
-    most = __reduce_max_sync(0xffffffffu, most);
-    if (lane == 0 && most != 0u) atomicMax(&inside_exponent[sb], most);
   }
 
   // dP and dL = β·dM from the two value halves' partials (summed in a fixed order), strictly
@@ -325,39 +399,66 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   zero_tiles(acc_k);
   float* key_end_terms = slabs;  // E [C, ldg], once the last product has freed the slabs
   {
-    float acc[kTiles][4];
-    // dQd = dO·Sᵀ (bf16: dO exact).
-    zero_tiles(acc);
-    key_side_product<MmaPrecision::Bf16, kTiles, kBlockThreads>(
-        acc, tiles_k, col0_k, c0, KH, VP, state, slabs, [&](int r, int e) {
-          const uint32_t bits = *reinterpret_cast<const uint32_t*>(d_out_s + (r0 + r) * ldo + e);
-          return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-        });
+    // dQd = dO·Sᵀ (bf16: dO exact) into acc_q, dX·Sᵀ (tf32) into acc_k, and dγ, in one pass
+    // over S; both scaled by e^Γ (first segment) below, dKd = −dX·Sᵀ.
+    state_pass<kTiles, kBlockThreads>(acc_q, acc_k, tiles_k, col0_k, c0, KH, VP, r0, state, d_out_s,
+                                      ldo, d_x, slabs);
     for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
-      const float value = acc[j][e4] * decay_from_start;
-      acc_q[j][e4] += value;
-      d_gamma[i * ldg + c - c0] = value * query_hat(i, c);
+      const float value_q = acc_q[j][e4] * decay_from_start;
+      const float value_k = -acc_k[j][e4] * decay_from_start;
+      acc_q[j][e4] = value_q;
+      acc_k[j][e4] = value_k;
+      d_gamma[i * ldg + c - c0] = value_q * query_hat(i, c) + value_k * key_hat(i, c);
     });
     stamp(3);
-    // dKd = −dX·Sᵀ (tf32).
-    zero_tiles(acc);
-    key_side_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
-        acc, tiles_k, col0_k, c0, KH, VP, state, slabs,
-        [&](int r, int e) { return load_pair(d_x + (r0 + r) * VP + e); });
-    for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-      const float decay_from_start = seg[i] == 0 ? __expf(gamma_at(i, c)) : 0.0f;
-      const float value = -acc[j][e4] * decay_from_start;
-      acc_k[j][e4] += value;
-      d_gamma[i * ldg + c - c0] += value * key_hat(i, c);
-    });
     stamp(4);
+  }
+  {
+    float acc[kTiles][4];
     // dKe = V'·dS'ᵀ (tf32): dk̂ += dKe ⊙ e^{γ−Γ} (last segment), and E = that ⊙ k̂ for dg's
     // exclusive forward prefix (stage 4 of the fused kernel explains why not total − suffix).
+    // dγ = e^γ ⊙ rowsum(S ⊙ dS') for the block's channels from the same slabs: item 8·r + p
+    // (r < KH ≤ 64) takes columns 4p.. of slab row r, with S's piece from global memory (in L2
+    // since the pass above staged it), loaded before the slab's barrier.
+    constexpr int kDotItems = (kKdaCudaMaxHeadDim / 2 * 8 + kBlockThreads - 1) / kBlockThreads;
+    float dot[kDotItems];
+    float4 state_piece[kDotItems];
+#pragma unroll
+    for (int m = 0; m < kDotItems; ++m) dot[m] = 0.0f;
     zero_tiles(acc);
     key_side_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
         acc, tiles_k, col0_k, c0, KH, VP, d_state, slabs,
-        [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); });
+        [&](int r, int e) { return load_pair(value_new + (r0 + r) * VP + e); },
+        [&](int s) {
+#pragma unroll
+          for (int m = 0; m < kDotItems; ++m) {
+            const int idx = tid + m * kBlockThreads, r = idx >> 3, p = idx & 7;
+            state_piece[m] = r < KH ? *reinterpret_cast<const float4*>(
+                                          state + int64_t(c0 + r) * VP + s * kSlab + 4 * p)
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+        },
+        [&](const float* slab, int) {
+#pragma unroll
+          for (int m = 0; m < kDotItems; ++m) {
+            const int idx = tid + m * kBlockThreads, r = idx >> 3, p = idx & 7;
+            if (r < KH) {
+              const float4 a = state_piece[m];
+              const float4 b = *reinterpret_cast<const float4*>(slab + r * kSlabLd + 4 * p);
+              dot[m] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+          }
+        });
+#pragma unroll
+    for (int m = 0; m < kDotItems; ++m) {  // the 8 items of a row are 8 adjacent lanes
+      const int idx = tid + m * kBlockThreads, r = idx >> 3;
+      float x = dot[m];
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      if ((idx & 7) == 0 && r < KH) d_gamma_last[r] = decay_whole[c0 + r] * x;
+    }
     for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
       const float decay_to_end =
           seg[i] == last_segment ? __expf(gamma_at(kChunk - 1, c) - gamma_at(i, c)) : 0.0f;
@@ -401,21 +502,21 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
         const int c = col0_k + nn;
         return key_hat(j, c) * __expf(gamma_at(after, c) - gamma_at(j, c));
       };
+      // dL and dP against the same F: one B load per element for both products.
+      float acc_query_key[kTiles][4];
       zero_tiles(acc);
-      warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, j0, j1, [&](int r, int j) { return d_lkk[(r0 + r) * kLdPair + j]; }, f_key);
+      zero_tiles(acc_query_key);
+      warp_mma_tf32_shared_b(
+          acc, acc_query_key, tiles_k, j0, j1,
+          [&](int r, int j) { return d_lkk[(r0 + r) * kLdPair + j]; },
+          [&](int r, int j) { return d_pqk[(r0 + r) * kLdPair + j]; }, f_key);
       for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-        const float row_lower = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
+        const float decay = __expf(gamma_at(i, c) - gamma_at(after, c));
+        const float row_lower = acc[j][e4] * decay;
+        const float row_query_key = acc_query_key[j][e4] * decay;
         acc_k[j][e4] += row_lower;
-        d_gamma[i * ldg + c - c0] += key_hat(i, c) * row_lower;
-      });
-      zero_tiles(acc);
-      warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, j0, j1, [&](int r, int j) { return d_pqk[(r0 + r) * kLdPair + j]; }, f_key);
-      for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
-        const float row_query_key = acc[j][e4] * __expf(gamma_at(i, c) - gamma_at(after, c));
         acc_q[j][e4] += row_query_key;
-        d_gamma[i * ldg + c - c0] += query_hat(i, c) * row_query_key;
+        d_gamma[i * ldg + c - c0] += key_hat(i, c) * row_lower + query_hat(i, c) * row_query_key;
       });
     }
     // Column passes: the inside one (if by products), then one over [r0 + 16, C) with a = r0 + 16;
@@ -431,18 +532,15 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
       } else {
         l0 = r0 + kSubBlock, l1 = kChunk, ref = l0;
       }
+      // G and G^q share their decay factor: one exponent per element for both products.
       zero_tiles(acc);
-      warp_mma<MmaPrecision::Tf32>(
+      warp_mma_tf32_sum_of_two(
           acc, tiles_k, l0, l1, [&](int r, int l) { return d_lkk[l * kLdPair + r0 + r]; },
+          [&](int r, int l) { return d_pqk[l * kLdPair + r0 + r]; },
           [&](int l, int nn) {
             const int c = col0_k + nn;
-            return key_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(ref, c));
-          });
-      warp_mma<MmaPrecision::Tf32>(
-          acc, tiles_k, l0, l1, [&](int r, int l) { return d_pqk[l * kLdPair + r0 + r]; },
-          [&](int l, int nn) {
-            const int c = col0_k + nn;
-            return query_hat(l, c) * __expf(gamma_at(l, c) - gamma_at(ref, c));
+            const float decay = __expf(gamma_at(l, c) - gamma_at(ref, c));
+            return make_float2(key_hat(l, c) * decay, query_hat(l, c) * decay);
           });
       for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
         const float cols = acc[j][e4] * __expf(gamma_at(ref, c) - gamma_at(i, c));

@@ -9,6 +9,7 @@
 // dP and dM are sums over V: each half writes its partial [C, C] to the split workspace, with its
 // partial of dβ = rowdot(dR, X) + Σ_j L_ij·dM_ij (linear in dM, so the L term splits too), and its
 // columns of dX. The key kernel sums the two halves in a fixed order (deterministic).
+// At K = V = 128 dP_h is computed in phase 3 beside dM_h (one load of each V' pair for both).
 //
 // Why split: the fused kernel holds ~220 KB of shared memory and 252 registers per thread, one
 // block per SM, and waits on L2 in its product phases with nothing to switch to. Here the
@@ -178,6 +179,11 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
                                 KdaSplitWorkspace split) {
   constexpr int kBlockWarps = kNumSubBlocks * kColGroups, kBlockThreads = 32 * kBlockWarps;
   constexpr int kTiles = 8 / kColGroups;  // 8-column tiles per warp: VH/groups/8, 64/groups/8
+  // At K = V = 128 (and four column groups) dP_h moves from phase 1 to phase 3, beside dM_h:
+  // both read V' as their right operand, so its pairs are loaded once (dO stays until then).
+  constexpr bool kMixWithQueryKey = kStaticDims == 128 && kColGroups == 4;
+  static_assert(!kMixWithQueryKey || 2 * kSlab * (64 + 4) * 4 <= kChunk * (128 + 8) * 2,
+                "two S slabs in raw k's rows");
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   // K = V = kStaticDims when > 0 (the common 128): the layout and every stride fold to
   // constants, which frees the registers that would hold them.
@@ -362,7 +368,7 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
       d_value[i * ldh + e] = acc[j][e4];
     });
   }
-  {
+  if constexpr (!kMixWithQueryKey) {
     float acc[tiles_c][4];
     zero_tiles(acc);
     warp_mma_pairs<MmaPrecision::Bf16>(
@@ -382,20 +388,54 @@ __global__ void __launch_bounds__(kNumSubBlocks* kColGroups * 32, 2)
   {
     float acc[tiles_c][4];
     zero_tiles(acc);
-    warp_mma_pairs<MmaPrecision::Tf32>(
-        acc, tiles_c, 0, VH, [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldh + e); },
-        [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e0 + e); });
+    if constexpr (kMixWithQueryKey) {
+      // dP_h = dO·V'ᵀ (bf16) beside dM_h, both against V' [C, VP] from global memory: each pair
+      // of V' is loaded once for the bf16 k16 step and the two tf32 k8 steps it spans.
+      float acc_query_key[tiles_c][4];
+      zero_tiles(acc_query_key);
+      const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
+      for (int k0 = 0; k0 < VH; k0 += 16) {
+        const int k = k0 + 2 * tq;
+        const float* o_top = d_out_s + (r0 + g) * ldh + k;
+        const float* r_top = d_value + (r0 + g) * ldh + k;
+        const float2 o0 = load_pair(o_top), o1 = load_pair(o_top + 8 * ldh),
+                     o2 = load_pair(o_top + 8), o3 = load_pair(o_top + 8 * ldh + 8);
+        const float2 r0v = load_pair(r_top), r1v = load_pair(r_top + 8 * ldh),
+                     r2v = load_pair(r_top + 8), r3v = load_pair(r_top + 8 * ldh + 8);
+        const uint32_t a_out[4] = {pack_bf16(o0.x, o0.y), pack_bf16(o1.x, o1.y),
+                                   pack_bf16(o2.x, o2.y), pack_bf16(o3.x, o3.y)};
+        const uint32_t a_r0[4] = {to_tf32(r0v.x), to_tf32(r1v.x), to_tf32(r0v.y), to_tf32(r1v.y)};
+        const uint32_t a_r1[4] = {to_tf32(r2v.x), to_tf32(r3v.x), to_tf32(r2v.y), to_tf32(r3v.y)};
+#pragma unroll
+        for (int j = 0; j < tiles_c; ++j) {
+          const float* b = value_new + (col0_c + 8 * j + g) * VP + e0 + k;
+          const float2 b0 = load_pair(b), b1 = load_pair(b + 8);
+          mma_bf16_16x8x16(acc_query_key[j], a_out, pack_bf16(b0.x, b0.y), pack_bf16(b1.x, b1.y));
+          mma_tf32_16x8x8(acc[j], a_r0, to_tf32(b0.x), to_tf32(b0.y));
+          mma_tf32_16x8x8(acc[j], a_r1, to_tf32(b1.x), to_tf32(b1.y));
+        }
+      }
+      store_tiles(acc_query_key, tiles_c, r0, col0_c, d_query_key_part, kChunk, 1.0f);
+    } else {
+      warp_mma_pairs<MmaPrecision::Tf32>(
+          acc, tiles_c, 0, VH,
+          [&](int r, int e) { return load_pair(d_value + (r0 + r) * ldh + e); },
+          [&](int e, int nn) { return load_pair(value_new + (col0_c + nn) * VP + e0 + e); });
+    }
     store_tiles(acc, tiles_c, r0, col0_c, d_mix_part, kChunk, -1.0f);
     for_each_element<tiles_c>(tiles_c, r0, col0_c, [&](int j, int e4, int i, int jj) {
       if (jj < i && seg[i] == seg[jj]) beta_dot[e4 >> 1] -= lower[i * kLdPair + jj] * acc[j][e4];
     });
   }
   {
-    // S [KP, VH] through shared memory in slabs, staged in dO's buffer (dead since phase 1).
+    // S [KP, VH] through shared memory in slabs, staged in raw k's rows (dead since phase 1;
+    // [C, 136] bf16 holds two [32, 68] fp32 slabs at K = V = 128) when dO is still read just
+    // above, else in dO's buffer (dead since phase 1).
     float acc[kTiles][4];
     zero_tiles(acc);
     row_slab_product<MmaPrecision::Tf32, kTiles, kBlockThreads>(
-        acc, tiles_v, col0_v, KP, state + e0, VP, VH, d_out_s,
+        acc, tiles_v, col0_v, KP, state + e0, VP, VH,
+        kMixWithQueryKey ? reinterpret_cast<float*>(key_raw) : d_out_s,
         [&](int r, int c) { return load_pair(gam + (r0 + r) * ldk + c); });  // Kd
     for_each_element<kTiles>(tiles_v, r0, col0_v, [&](int j, int e4, int i, int e) {
       const int column = e0 + e;

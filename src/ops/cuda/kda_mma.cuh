@@ -88,6 +88,54 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, i
   }
 }
 
+// warp_mma (tf32) of two left operands against one right operand: first[j] += A1·B_j and
+// second[j] += A2·B_j, each B element loaded (and converted) once for both products.
+template <int kTiles, typename LoadA1, typename LoadA2, typename LoadB>
+__device__ __forceinline__ void warp_mma_tf32_shared_b(float (&first)[kTiles][4],
+                                                       float (&second)[kTiles][4], int n_tiles,
+                                                       int k_begin, int k_end, LoadA1&& load_a1,
+                                                       LoadA2&& load_a2, LoadB&& load_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  for (int k0 = k_begin; k0 < k_end; k0 += 8) {
+    const uint32_t a1[4] = {to_tf32(load_a1(g, k0 + tq)), to_tf32(load_a1(g + 8, k0 + tq)),
+                            to_tf32(load_a1(g, k0 + tq + 4)), to_tf32(load_a1(g + 8, k0 + tq + 4))};
+    const uint32_t a2[4] = {to_tf32(load_a2(g, k0 + tq)), to_tf32(load_a2(g + 8, k0 + tq)),
+                            to_tf32(load_a2(g, k0 + tq + 4)), to_tf32(load_a2(g + 8, k0 + tq + 4))};
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      if (j < n_tiles) {
+        const uint32_t b0 = to_tf32(load_b(k0 + tq, 8 * j + g)),
+                       b1 = to_tf32(load_b(k0 + tq + 4, 8 * j + g));
+        mma_tf32_16x8x8(first[j], a1, b0, b1);
+        mma_tf32_16x8x8(second[j], a2, b0, b1);
+      }
+  }
+}
+
+// acc[j] += A1·B1_j + A2·B2_j (tf32) with both right operands from one loader call:
+// load_b_both(k, n) = (B1[k][n], B2[k][n]), for operands that share work (a decay factor).
+// The two products' k-steps interleave into the one accumulator.
+template <int kTiles, typename LoadA1, typename LoadA2, typename LoadBBoth>
+__device__ __forceinline__ void warp_mma_tf32_sum_of_two(float (&acc)[kTiles][4], int n_tiles,
+                                                         int k_begin, int k_end, LoadA1&& load_a1,
+                                                         LoadA2&& load_a2,
+                                                         LoadBBoth&& load_b_both) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  for (int k0 = k_begin; k0 < k_end; k0 += 8) {
+    const uint32_t a1[4] = {to_tf32(load_a1(g, k0 + tq)), to_tf32(load_a1(g + 8, k0 + tq)),
+                            to_tf32(load_a1(g, k0 + tq + 4)), to_tf32(load_a1(g + 8, k0 + tq + 4))};
+    const uint32_t a2[4] = {to_tf32(load_a2(g, k0 + tq)), to_tf32(load_a2(g + 8, k0 + tq)),
+                            to_tf32(load_a2(g, k0 + tq + 4)), to_tf32(load_a2(g + 8, k0 + tq + 4))};
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      if (j < n_tiles) {
+        const float2 b0 = load_b_both(k0 + tq, 8 * j + g), b1 = load_b_both(k0 + tq + 4, 8 * j + g);
+        mma_tf32_16x8x8(acc[j], a1, to_tf32(b0.x), to_tf32(b1.x));
+        mma_tf32_16x8x8(acc[j], a2, to_tf32(b0.y), to_tf32(b1.y));
+      }
+  }
+}
+
 // Runs step(into, k0) over the 8-wide k-steps k0 of [k_begin, k_end) ((k_end − k_begin) % 16
 // == 0), alternating `into` between acc and a second accumulator that is added to acc at the
 // end, with the loop unrolled.

@@ -59,11 +59,21 @@ __device__ __forceinline__ void stage_slab(float* dst, const float* B, int row0,
 // fragments come from global memory directly; otherwise rows [row0, row0 + rows) of B (which
 // must hold the warp's channels) are staged slab by slab in `slabs` (two buffers of
 // [rows, kSlabLd] fp32; VP % kSlab == 0), and the call ends with a barrier. With slabs every
-// thread of the block (kBlockThreads) must call it.
-template <MmaPrecision kPrecision, int kTiles, int kBlockThreads = kThreads, typename LoadA2>
+// thread of the block (kBlockThreads) must call it. Hooks, with slabs only: before_slab(s) runs
+// before the barrier that publishes slab s (issue loads there), after_slab(slab, s) after the
+// products, before the barrier that retires it (slab: its [rows, kSlabLd] buffer, B's columns
+// s·kSlab + [0, kSlab)).
+struct NoSlabHook {
+  __device__ void operator()(int) const {}
+  __device__ void operator()(const float*, int) const {}
+};
+template <MmaPrecision kPrecision, int kTiles, int kBlockThreads = kThreads, typename LoadA2,
+          typename BeforeSlab = NoSlabHook, typename AfterSlab = NoSlabHook>
 __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_tiles, int col0,
                                                  int row0, int rows, int VP, const float* B,
-                                                 float* slabs, LoadA2&& load_a2) {
+                                                 float* slabs, LoadA2&& load_a2,
+                                                 BeforeSlab&& before_slab = {},
+                                                 AfterSlab&& after_slab = {}) {
   if (slabs == nullptr) {
     warp_mma_pairs<kPrecision>(acc, n_tiles, 0, VP, load_a2, [&](int e, int nn) {
       return load_pair(B + int64_t(col0 + nn) * VP + e);
@@ -82,11 +92,13 @@ __device__ __forceinline__ void key_side_product(float (&acc)[kTiles][4], int n_
     } else {
       attention_detail::cp_async_wait<0>();
     }
+    before_slab(s);
     __syncthreads();
     const float* slab = slabs + (s & 1) * buffer - s * kSlab - row0 * kSlabLd;  // absolute e, row
     warp_mma_pairs<kPrecision>(
         acc, n_tiles, s * kSlab, (s + 1) * kSlab, load_a2,
         [&](int e, int nn) { return load_pair(slab + (col0 + nn) * kSlabLd + e); });
+    after_slab(slabs + (s & 1) * buffer, s);
     __syncthreads();
   }
 }
