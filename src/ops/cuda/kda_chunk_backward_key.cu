@@ -215,6 +215,23 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     if (stamping) g_key_clock[phase] = clock64();
   };
   stamp(0);
+  // dP and dM's two value-half partials [2, C, C] each, in flight from here through the row
+  // loads and the norms; summed (in a fixed order) and masked into dP, dL = β·dM once their
+  // shared matrices are free.
+  constexpr int kPairSteps = kChunk * kChunk / 4 / kBlockThreads;
+  float4 pairs[kPairSteps][4];
+  {
+    const float* query_key_parts = split.d_query_key + 2 * ch * kChunk * kChunk;
+    const float* mix_parts = split.d_mix + 2 * ch * kChunk * kChunk;
+#pragma unroll
+    for (int u = 0; u < kPairSteps; ++u) {
+      const int at = 4 * (tid + u * kBlockThreads);  // row i = at / C, columns at % C + [0, 4)
+      pairs[u][0] = *reinterpret_cast<const float4*>(query_key_parts + at);
+      pairs[u][1] = *reinterpret_cast<const float4*>(query_key_parts + kChunk * kChunk + at);
+      pairs[u][2] = *reinterpret_cast<const float4*>(mix_parts + at);
+      pairs[u][3] = *reinterpret_cast<const float4*>(mix_parts + kChunk * kChunk + at);
+    }
+  }
 
   // Channel c below is absolute (c0 ≤ c < c0 + KH); the shared rows hold c − c0.
   auto key_hat = [&](int i, int c) {
@@ -357,29 +374,22 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     }
   }
 
-  // dP and dL = β·dM from the two value halves' partials (summed in a fixed order), strictly
-  // lower and same segment; dP's diagonal apart.
-  {
-    const float* query_key_parts = split.d_query_key + 2 * ch * kChunk * kChunk;
-    const float* mix_parts = split.d_mix + 2 * ch * kChunk * kChunk;
-    for (int idx = tid; idx < kChunk * kChunk / 4; idx += kBlockThreads) {
-      const int i = idx / (kChunk / 4), j0 = idx % (kChunk / 4) * 4;
-      const float4 p0 = *reinterpret_cast<const float4*>(query_key_parts + i * kChunk + j0);
-      const float4 p1 =
-          *reinterpret_cast<const float4*>(query_key_parts + kChunk * kChunk + i * kChunk + j0);
-      const float4 m0 = *reinterpret_cast<const float4*>(mix_parts + i * kChunk + j0);
-      const float4 m1 =
-          *reinterpret_cast<const float4*>(mix_parts + kChunk * kChunk + i * kChunk + j0);
-      const float p[4] = {p0.x + p1.x, p0.y + p1.y, p0.z + p1.z, p0.w + p1.w};
-      const float m[4] = {m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w};
+  // dP and dL = β·dM from the partials loaded at the start, strictly lower and same segment;
+  // dP's diagonal apart.
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = j0 + u;
-        const bool structural = j < i && seg[i] == seg[j];
-        if (j == i) diag_pqk[i] = p[u];
-        d_pqk[i * kLdPair + j] = structural ? p[u] : 0.0f;
-        d_lkk[i * kLdPair + j] = structural ? beta_s[i] * m[u] : 0.0f;
-      }
+  for (int u = 0; u < kPairSteps; ++u) {
+    const int idx = tid + u * kBlockThreads, i = idx / (kChunk / 4), j0 = idx % (kChunk / 4) * 4;
+    const float p[4] = {pairs[u][0].x + pairs[u][1].x, pairs[u][0].y + pairs[u][1].y,
+                        pairs[u][0].z + pairs[u][1].z, pairs[u][0].w + pairs[u][1].w};
+    const float m[4] = {pairs[u][2].x + pairs[u][3].x, pairs[u][2].y + pairs[u][3].y,
+                        pairs[u][2].z + pairs[u][3].z, pairs[u][2].w + pairs[u][3].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + e;
+      const bool structural = j < i && seg[i] == seg[j];
+      if (j == i) diag_pqk[i] = p[e];
+      d_pqk[i * kLdPair + j] = structural ? p[e] : 0.0f;
+      d_lkk[i * kLdPair + j] = structural ? beta_s[i] * m[e] : 0.0f;
     }
   }
   __syncthreads();
