@@ -274,6 +274,59 @@ TEST(CudaGemm, CachesAlgorithmsAndHandlesEmptyK) {
                Error);  // ldc < N
 }
 
+// A separate C input (c_in: D = alpha·A·B + beta·c_in, the residual add in the epilogue) gives
+// the bits of the in-place product on a copy of c_in, and leaves c_in as it was: through
+// cuBLASLt (padded ldc, fp32 and bf16 out, with and without tuning), the few-row GEMV and K = 0.
+TEST(CudaGemm, SeparateCInputMatchesInPlace) {
+  if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  struct Case {
+    int64_t M, N, K;
+    bool tune;
+  };
+  uint32_t seed = 40;
+  for (Case cs : {Case{300, 257, 96, false}, Case{300, 257, 96, true}, Case{2, 128, 256, false},
+                  Case{64, 64, 0, false}}) {
+    for (auto out : {cuda::GemmOutType::F32, cuda::GemmOutType::Bf16}) {
+      const int64_t M = cs.M, N = cs.N, K = cs.K, ldc = N + 3;
+      SCOPED_TRACE(str_cat("M=", M, " N=", N, " K=", K, " tune=", cs.tune,
+                           " f32=", out == cuda::GemmOutType::F32));
+      cuda::GemmContext context;
+      context.set_tuning(cs.tune);
+      const Bf16Host A = random_bf16(size_t(std::max<int64_t>(1, M * K)), seed++);
+      const Bf16Host B = random_bf16(size_t(std::max<int64_t>(1, N * K)), seed++);
+      const Bf16Host C0 = random_bf16(size_t(M * ldc), seed++);
+      cuda::DeviceArena arena(size_t(16) << 20);
+      const uint16_t* A_dev = upload(arena, A.bits);
+      const uint16_t* B_dev = upload(arena, B.bits);
+      const bool f32 = out == cuda::GemmOutType::F32;
+      auto up = [&]() -> void* {
+        return f32 ? static_cast<void*>(upload(arena, C0.values))
+                   : static_cast<void*>(upload(arena, C0.bits));
+      };
+      void* c_in = up();
+      void* in_place = up();
+      void* separate = f32 ? static_cast<void*>(arena.alloc<float>(size_t(M * ldc)))
+                           : static_cast<void*>(arena.alloc<uint16_t>(size_t(M * ldc)));
+      // A [M, K] row-major, B [N, K] (the linear layers' x·Wᵀ).
+      context.gemm_bf16(false, true, M, N, K, 1.0f, A_dev, K, B_dev, K, 1.0f, in_place, out, ldc);
+      context.gemm_bf16(false, true, M, N, K, 1.0f, A_dev, K, B_dev, K, 1.0f, separate, out, ldc,
+                        nullptr, c_in);
+      cuda::synchronize();
+      auto rows = [&](void* p) {  // the M×N block of a [M, ldc] matrix, as floats
+        std::vector<float> all = f32 ? download(static_cast<float*>(p), size_t(M * ldc))
+                                     : test::mla::bf16_bits_to_floats(
+                                           download(static_cast<uint16_t*>(p), size_t(M * ldc)));
+        std::vector<float> block;
+        for (int64_t i = 0; i < M; ++i)
+          block.insert(block.end(), all.begin() + i * ldc, all.begin() + i * ldc + N);
+        return block;
+      };
+      EXPECT_EQ(rows(separate), rows(in_place));
+      EXPECT_EQ(rows(c_in), rows(up()));  // c_in untouched
+    }
+  }
+}
+
 // Tuning (GemmContext::set_tuning) against the heuristic's choice, and both against the CPU: the
 // same products (bf16 rounding aside), one new cache entry per new key, none on a repeated call.
 // The beta = 1 cases start from the same C and must come out as C + product: the timing runs the

@@ -32,7 +32,7 @@ size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N, WeightPrecis
 
 template <typename A>
 void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
-                           float* y, int64_t N) {
+                           float* y, int64_t N, const float* residual) {
   const ModelConfig& c = dw.config();
   const int64_t d = c.hidden, F = c.dense_ffn;
   DM_CHECK(N >= 0 && d > 0 && F > 0, "dense_ffn_forward_gpu: bad shape N=", N, " d=", d,
@@ -44,13 +44,13 @@ void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeight
   linear(run, xn, dw.operand<A>(w.gate), N, d, F, gate, activation_out<A>());
   linear(run, xn, dw.operand<A>(w.up), N, d, F, up, activation_out<A>());
   glu_forward(gate, up, gate, N * F, glu_activation(c), run.stream);
-  linear(run, gate, dw.operand<A>(w.down), N, F, d, y, GemmOutType::F32);
+  linear_plus(run, gate, dw.operand<A>(w.down), N, F, d, y, residual);
 }
 
 template void dense_ffn_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const FfnWeights&,
-                                              const uint16_t*, float*, int64_t);
+                                              const uint16_t*, float*, int64_t, const float*);
 template void dense_ffn_forward_gpu<float>(GpuRun&, const DeviceWeights&, const FfnWeights&,
-                                           const float*, float*, int64_t);
+                                           const float*, float*, int64_t, const float*);
 
 size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N) {
   DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_backward_gpu: bad shape N=", N, " F=",

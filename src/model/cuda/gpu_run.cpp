@@ -280,6 +280,19 @@ void linear(GpuRun& run, const float* x, const float* W, int64_t N, int64_t in, 
                     run.stream);
 }
 
+void linear_plus(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in,
+                 int64_t out, float* y, const float* residual) {
+  run.gemm.gemm_bf16(false, true, N, out, in, 1.0f, x, in, W, in, residual ? 1.0f : 0.0f, y,
+                     GemmOutType::F32, out, run.stream, residual);
+}
+
+void linear_plus(GpuRun& run, const float* x, const float* W, int64_t N, int64_t in, int64_t out,
+                 float* y, const float* residual) {
+  if (residual && residual != y)
+    copy_device_to_device_async(y, residual, size_t(N) * size_t(out) * sizeof(float), run.stream);
+  linear(run, x, W, N, in, out, y, GemmOutType::F32, residual ? 1.0f : 0.0f);
+}
+
 void linear_many(GpuRun& run, const uint16_t* x, int64_t N, int64_t in, const LinearOut* outs,
                  int count) {
   DM_CHECK(count >= 0 && count <= kGemvMaxOutputs, "linear_many: ", count, " outputs");

@@ -153,6 +153,13 @@ void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_
 // F32 (the argument keeps one call shape for layers templated on their activation type).
 void linear(GpuRun& run, const float* x, const float* W, int64_t N, int64_t in, int64_t out,
             void* y, GemmOutType y_type, float beta = 0.0f);
+// y[N, out] = residual[N, out] + x·Wᵀ, fp32 y (residual nullable: y = x·Wᵀ). The bf16 path adds
+// the residual in the GEMM's epilogue (the residual stream's add without a pass of its own);
+// the fp32 mode copies it into y first. y must not alias x; it may alias residual.
+void linear_plus(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in,
+                 int64_t out, float* y, const float* residual);
+void linear_plus(GpuRun& run, const float* x, const float* W, int64_t N, int64_t in, int64_t out,
+                 float* y, const float* residual);
 // What a GEMM writes for activations of type A: bf16 rows, or fp32 in the fp32 mode.
 template <typename A>
 constexpr GemmOutType activation_out() {

@@ -219,7 +219,7 @@ size_t kda_layer_forward_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T,
 template <typename A>
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
                            float* y, int64_t B, int64_t T, const int32_t* doc_start,
-                           const KdaCarry* carry, void* kept) {
+                           const KdaCarry* carry, void* kept, const float* residual) {
   const ModelConfig& c = dw.config();
   kda_gpu::check(c, B, T, "kda_layer_forward_gpu");
   DM_CHECK(carry == nullptr || (B == 1 && doc_start == nullptr),
@@ -245,14 +245,14 @@ void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeight
     v = forward_carve<A>(plan, dims, shape, /*with_room=*/false);
   }
   kda_gpu::forward_steps<A>(run, dw, w, xn, B, T, doc_start, carry, v);
-  linear(run, v.normed, dw.operand<A>(w.o_proj), dims.N, dims.HK, dims.d, y, GemmOutType::F32);
+  linear_plus(run, v.normed, dw.operand<A>(w.o_proj), dims.N, dims.HK, dims.d, y, residual);
 }
 
 template void kda_layer_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const KdaWeights&,
                                               const uint16_t*, float*, int64_t, int64_t,
-                                              const int32_t*, const KdaCarry*, void*);
+                                              const int32_t*, const KdaCarry*, void*, const float*);
 template void kda_layer_forward_gpu<float>(GpuRun&, const DeviceWeights&, const KdaWeights&,
                                            const float*, float*, int64_t, int64_t, const int32_t*,
-                                           const KdaCarry*, void*);
+                                           const KdaCarry*, void*, const float*);
 
 }  // namespace dm::cuda

@@ -5,6 +5,8 @@
 // Contract shared by all of them:
 //   xn  [N = B·T, d] bf16 (device): the RMS-normed rows the CPU layer takes as x.
 //   y   [N, d] fp32 (device): WRITTEN with the sub-layer output (what the residual stream adds).
+//   residual [N, d] fp32 (device, nullable, the trailing argument): then y = residual + output,
+//       the residual stream's add done by the output GEMM's epilogue (the trainer's layers).
 //   w   the HOST weight views of model/weights.h; their device twins are dw.bf16(p) / dw.f32(p).
 //   doc_start [B·T] int32 (device, nullable): packed documents as on the CPU (docs/backward.md).
 // Temporaries come from run.scratch inside a DeviceArenaScope (released on return); the
@@ -57,7 +59,8 @@ size_t kda_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 template <typename A>
 void kda_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const KdaWeights& w, const A* xn,
                            float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr,
-                           const KdaCarry* carry = nullptr, void* kept = nullptr);
+                           const KdaCarry* carry = nullptr, void* kept = nullptr,
+                           const float* residual = nullptr);
 
 // kept (training without the mixer recompute; nullable, bf16 only): mla_layer_kept_gpu_bytes
 // of device memory, 256-byte aligned, where the forward leaves its activations (q, the latent
@@ -69,13 +72,13 @@ size_t mla_layer_kept_gpu_bytes(const ModelConfig& c, int64_t B, int64_t T);
 template <typename A>
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const A* xn,
                            float* y, int64_t B, int64_t T, const int32_t* doc_start = nullptr,
-                           void* kept = nullptr);
+                           void* kept = nullptr, const float* residual = nullptr);
 
 size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N,
                                    WeightPrecision precision = WeightPrecision::Bf16);
 template <typename A>
 void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
-                           float* y, int64_t N);
+                           float* y, int64_t N, const float* residual = nullptr);
 
 // Routing of one MoE forward, for QB and balance metrics (device pointers into run.scratch that
 // stay valid until the caller's enclosing scope ends; nullptr = not wanted).
@@ -127,8 +130,8 @@ size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N,
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N,
                            MoeRoutingDevice* routing = nullptr,
-                           MoeExpertsPath path = MoeExpertsPath::Grouped,
-                           MoeKept* kept = nullptr);
+                           MoeExpertsPath path = MoeExpertsPath::Grouped, MoeKept* kept = nullptr,
+                           const float* residual = nullptr);
 // The fp32 mode: router, latent projections, experts (ops/cuda/moe.h fp32 experts, one cuBLAS
 // fp32 GEMM per expert: synchronises the stream once for the plan) and shared experts in fp32.
 // routing as above (idx, scores, cutoff wanted or nullptr).

@@ -205,7 +205,8 @@ MlaKeptViews MlaKeptViews::carve(void* kept, const MlaDims& s) {
 
 template <typename A>
 void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeights& w, const A* xn,
-                           float* y, int64_t B, int64_t T, const int32_t* doc_start, void* kept) {
+                           float* y, int64_t B, int64_t T, const int32_t* doc_start, void* kept,
+                           const float* residual) {
   using namespace mla_detail;
   const MlaDims s(dw.config(), B, T);
   check_dims(s, "mla_layer_forward_gpu");
@@ -224,7 +225,7 @@ void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeight
         mla_gate_multiply_into(k.f.o, k.f.gate, gated, hdv, run.stream);
         o = gated;
       }
-      linear(run, o, dw.bf16(w.o_proj), s.N, s.H * s.dv, s.d, y, GemmOutType::F32);
+      linear_plus(run, o, dw.bf16(w.o_proj), s.N, s.H * s.dv, s.d, y, residual);
       return;
     }
   } else {
@@ -234,14 +235,14 @@ void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeight
   mla_forward_core<A>(run, dw, w, s, a, xn, doc_start, /*lse=*/nullptr);
   // Inference gates o in place (nothing needs the ungated output afterwards).
   if (s.gate) mla_gate_multiply(a.o, a.gate, hdv, run.stream);
-  linear(run, a.o, dw.operand<A>(w.o_proj), s.N, s.H * s.dv, s.d, y, GemmOutType::F32);
+  linear_plus(run, a.o, dw.operand<A>(w.o_proj), s.N, s.H * s.dv, s.d, y, residual);
 }
 
 template void mla_layer_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const MlaWeights&,
                                               const uint16_t*, float*, int64_t, int64_t,
-                                              const int32_t*, void*);
+                                              const int32_t*, void*, const float*);
 template void mla_layer_forward_gpu<float>(GpuRun&, const DeviceWeights&, const MlaWeights&,
                                            const float*, float*, int64_t, int64_t, const int32_t*,
-                                           void*);
+                                           void*, const float*);
 
 }  // namespace dm::cuda

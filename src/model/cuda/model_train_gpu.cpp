@@ -37,7 +37,7 @@ int64_t lm_head_rows(const ModelConfig& c, int64_t N) {
 // AttnRes block is the p_in of the layer that sealed it, so blocks need no copies) and mixer
 // outputs p_mid [L, N, d] (the stream after the mixer sub-layer, so the backward rebuilds a
 // layer's record without running its mixer or FFN); the blocks' gradients [nb, N, d]; the last
-// layer's output p, final_in, the current layer's record (x, y, m fp32; xn, yn bf16; without
+// layer's output p, final_in, the current layer's record (x, y fp32; xn, yn bf16; without
 // recompute the record is kept per layer in the kept arena instead), the stream gradients dp,
 // dx, dxn, dh; final_h bf16; one LM-head tile (fp32 logits + bf16 gradient) and the per-tile
 // cross-entropy results.
@@ -49,7 +49,7 @@ size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
   size_t b = 2 * round_up(size_t(N) * 8) + round_up(size_t(N) * 4);
   b += 2 * size_t(L) * row32;                          // p_in, p_mid
   b += round_up(size_t(nb * N * d) * 4);               // dblocks
-  b += 2 * row32 + 3 * row32 + 2 * row16;              // p, final_in; x, y, m; xn, yn
+  b += 2 * row32 + 2 * row32 + 2 * row16;              // p, final_in; x, y; xn, yn
   b += 4 * row32 + row16;                              // dp, dx, dxn, dh; final_h
   b += round_up(size_t(rows * V) * 4) + round_up(size_t(rows * V) * 2);
   b += round_up(size_t(tiles) * sizeof(CrossEntropyDeviceResult));
@@ -350,7 +350,6 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   float* final_in = act.alloc<float>(nd);
   float* x = act.alloc<float>(nd);
   float* y = act.alloc<float>(nd);
-  float* m = act.alloc<float>(nd);
   uint16_t* xn = act.alloc<uint16_t>(nd);
   uint16_t* yn = act.alloc<uint16_t>(nd);
   float* dp = act.alloc<float>(nd);
@@ -435,17 +434,18 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       rmsnorm_to_bf16(rec.x, dw_.f32(Lw.input_norm), rec.xn, N, d, eps, stream);
     });
     if (!rebuild) {
+      // p_mid = [in +] Mixer(xn): the residual add in the mixer's output GEMM.
+      const float* residual = empty ? nullptr : in;
       if (c.mixers[size_t(i)] == MixerKind::KDA)
         timer("kda_fwd", stream, [&] {
           kda_layer_forward_gpu(run, dw_, Lw.kda, rec.xn, p_mid, B, T, doc_dev, nullptr,
-                                mixer_kept[size_t(i)]);
+                                mixer_kept[size_t(i)], residual);
         });
       else
         timer("mla_fwd", stream, [&] {
           mla_layer_forward_gpu(run, dw_, Lw.mla, rec.xn, p_mid, B, T, doc_dev,
-                                mixer_kept[size_t(i)]);
+                                mixer_kept[size_t(i)], residual);
         });
-      if (!empty) add_inplace(p_mid, in, int64_t(nd), stream);
     }
     timer(residual, stream, [&] {
       if (attnres) {
@@ -466,9 +466,10 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         r.cutoff = run.scratch.alloc<float>(size_t(N));
         r.idx = run.scratch.alloc<int32_t>(size_t(N * k));
       }
+      // The layer's output out = p_mid + FFN(yn): the add in the FFN's output GEMM.
       timer("moe_fwd", stream, [&] {
-        moe_layer_forward_gpu(run, dw_, Lw.moe, rec.yn, m, N, want ? &r : nullptr,
-                              MoeExpertsPath::Grouped, moe_kept[size_t(i)]);
+        moe_layer_forward_gpu(run, dw_, Lw.moe, rec.yn, out, N, want ? &r : nullptr,
+                              MoeExpertsPath::Grouped, moe_kept[size_t(i)], p_mid);
       });
       double low = 0, high = 0;
       int bins = 0;
@@ -486,9 +487,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
                          int(E), int(k));
       }
     } else {
-      timer("ffn_fwd", stream, [&] { dense_ffn_forward_gpu(run, dw_, Lw.dense, rec.yn, m, N); });
+      timer("ffn_fwd", stream,
+            [&] { dense_ffn_forward_gpu(run, dw_, Lw.dense, rec.yn, out, N, p_mid); });
     }
-    add(out, p_mid, m, int64_t(nd), stream);  // the layer's output: p_mid + FFN
     return s;
   };
 

@@ -33,6 +33,7 @@
 #include "ops/cuda/moe_backward.h"
 #include "ops/cuda/moe_decode.h"
 #include "ops/cuda/moe_layer_ops.h"
+#include "ops/cuda/residual_ops.h"
 
 namespace dm::cuda {
 namespace {
@@ -105,7 +106,7 @@ size_t moe_layer_forward_gpu_bytes(const ModelConfig& c, int64_t N, WeightPrecis
 
 void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeights& w,
                            const uint16_t* xn, float* y, int64_t N, MoeRoutingDevice* routing,
-                           MoeExpertsPath path, MoeKept* kept) {
+                           MoeExpertsPath path, MoeKept* kept, const float* residual) {
   const ModelConfig& cfg = dw.config();
   const MoeShape s = moe_shape(cfg);
   const int64_t E = s.E, k = s.k, d = s.d, l = s.latent;
@@ -254,7 +255,8 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
       convert_f32_to_bf16(static_cast<const float*>(u), rounded, N * l, stream);
       up_in = rounded;
     }
-    linear(run, up_in, dw.bf16(w.latent_up), N, l, d, y, GemmOutType::F32);
+    linear_plus(run, up_in, dw.bf16(w.latent_up), N, l, d, y, residual);
+    residual = nullptr;  // added
   }
 
   if (s.has_shared && !fold_shared) {
@@ -271,6 +273,7 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     glu_forward(gate, up, gate, N * Fs, glu_activation(cfg), stream);
     linear(run, gate, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
   }
+  if (residual) add_inplace(y, residual, N * d, stream);  // plain MoE: the experts wrote y
 }
 
 }  // namespace dm::cuda

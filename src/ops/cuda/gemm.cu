@@ -110,6 +110,7 @@ struct LtProduct {
   int64_t ldc, stride_c;
   int64_t batch;
   cudaDataType_t ab_type, c_type;
+  const void* C_in = nullptr;  // the beta·C term's matrix when it is not C itself (same layout)
 };
 
 // Cache key of a product: transposes, power-of-two buckets of M, N, K, leading dims, the operand
@@ -192,7 +193,7 @@ cublasLtMatmulAlgo_t fastest_algorithm(const LtProduct& p,
                                        const cublasLtMatmulHeuristicResult_t* candidates, int count,
                                        const Run& run, LtTuner& tuner, CUstream_st* stream) {
   TuneEvents events;
-  const bool keep_c = p.beta != 0.0f;
+  const bool keep_c = p.beta != 0.0f && p.C_in == nullptr;  // else C is only written
   if (keep_c) {
     const size_t bytes = scratch_bytes_for_c(p);
     if (bytes > tuner.scratch_bytes) {
@@ -300,7 +301,9 @@ void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
   };
   const uint32_t align_a = aligned_with(p.B, p.stride_b * ab_bytes),
                  align_b = aligned_with(p.A, p.stride_a * ab_bytes),
-                 align_c = aligned_with(p.C, p.stride_c * c_bytes);
+                 align_c =
+                     std::min(aligned_with(p.C, p.stride_c * c_bytes),
+                              p.C_in ? aligned_with(p.C_in, p.stride_c * c_bytes) : uint32_t(256));
   // The cache is keyed on the power-of-two bucket of each dimension, not its exact value: the
   // MoE's per-expert GEMMs change M (rows of an expert) or K (its rows, for weight gradients)
   // every call, and a heuristic query per call costs more than the GEMM. An algorithm chosen for
@@ -358,9 +361,9 @@ void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
     return returned;
   };
   auto run = [&](const cublasLtMatmulAlgo_t* a) {
-    return cublasLtMatmul(lt, &op_desc, &p.alpha, p.B, &a_layout, p.A, &b_layout, &p.beta, p.C,
-                          &c_layout, p.C, &c_layout, a, static_cast<char*>(workspace),
-                          workspace_bytes, stream);
+    return cublasLtMatmul(lt, &op_desc, &p.alpha, p.B, &a_layout, p.A, &b_layout, &p.beta,
+                          p.C_in ? p.C_in : p.C, &c_layout, p.C, &c_layout, a,
+                          static_cast<char*>(workspace), workspace_bytes, stream);
   };
   if (!algo) {
     cublasLtMatmulHeuristicResult_t candidates[kTuneCandidates] = {};
@@ -427,9 +430,9 @@ void* GemmContext::host_scratch(size_t bytes) {
 void GemmContext::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                             float alpha, const uint16_t* A, int64_t lda, const uint16_t* B,
                             int64_t ldb, float beta, void* C, GemmOutType c_type, int64_t ldc,
-                            CUstream_st* stream) {
+                            CUstream_st* stream, const void* c_in) {
   gemm_bf16_strided_batched(trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, c_type,
-                            ldc, 0, 1, stream);
+                            ldc, 0, 1, stream, c_in);
 }
 
 void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t M, int64_t N,
@@ -437,10 +440,21 @@ void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t 
                                             int64_t stride_a, const uint16_t* B, int64_t ldb,
                                             int64_t stride_b, float beta, void* C,
                                             GemmOutType c_type, int64_t ldc, int64_t stride_c,
-                                            int64_t batch, CUstream_st* stream) {
+                                            int64_t batch, CUstream_st* stream, const void* c_in) {
   DM_CHECK(batch >= 1 && batch <= (int64_t(1) << 30), "gemm_bf16: batch ", batch, " out of range");
   if (!check_gemm_shape("gemm_bf16", M, N, K, ldc)) return;
   const bool out_f32 = c_type == GemmOutType::F32;
+  if (c_in == C) c_in = nullptr;
+  if (c_in &&
+      (K == 0 || (batch == 1 && !trans_a && trans_b && gemv_applies(M, K, A, lda, B, ldb)))) {
+    // The paths below that take C in place: copy c_in's M×N block (batch 1) into C first.
+    DM_CHECK(batch == 1, "gemm_bf16: a separate C input needs K > 0 when batched");
+    const size_t elem = out_f32 ? 4 : 2;
+    DM_CUDA_CHECK(cudaMemcpy2DAsync(C, size_t(ldc) * elem, c_in, size_t(ldc) * elem,
+                                    size_t(N) * elem, size_t(M), cudaMemcpyDeviceToDevice,
+                                    reinterpret_cast<cudaStream_t>(stream)));
+    c_in = nullptr;
+  }
   if (K == 0) {
     DM_CHECK(batch == 1, "gemm_bf16: K = 0 is not supported batched");
     if (out_f32)
@@ -457,11 +471,11 @@ void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t 
     launch_gemv_bf16(M, N, K, alpha, A, lda, B, ldb, beta, C, c_type, ldc, stream);
     return;
   }
-  const LtProduct p{"gemm_bf16", trans_a,  trans_b,     M,
-                    N,           K,        alpha,       beta,
-                    A,           lda,      stride_a,    B,
-                    ldb,         stride_b, C,           ldc,
-                    stride_c,    batch,    CUDA_R_16BF, out_f32 ? CUDA_R_32F : CUDA_R_16BF};
+  const LtProduct p{"gemm_bf16", trans_a,  trans_b, M,           N,
+                    K,           alpha,    beta,    A,           lda,
+                    stride_a,    B,        ldb,     stride_b,    C,
+                    ldc,         stride_c, batch,   CUDA_R_16BF, out_f32 ? CUDA_R_32F : CUDA_R_16BF,
+                    c_in};
   LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
                    cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);

@@ -38,10 +38,13 @@ class GemmContext {
 
   // C[M,N] = alpha·op(A)·op(B) + beta·C (row-major). A, B: bf16 device pointers; C: bf16 or
   // fp32 device pointer per c_type. M, N or K = 0 is allowed (K = 0 scales C by beta).
+  // c_in (nullable): the beta term reads c_in (same type and ldc) instead of C, and C is only
+  // written — a residual add in the product's epilogue instead of a pass of its own.
   // Throws dm::Error on a bad argument or a cuBLAS failure.
   void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                  const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
-                 void* C, GemmOutType c_type, int64_t ldc, CUstream_st* stream = nullptr);
+                 void* C, GemmOutType c_type, int64_t ldc, CUstream_st* stream = nullptr,
+                 const void* c_in = nullptr);
 
   // The same product in fp32: A, B, C fp32, fp32 accumulation with full-precision multiplies
   // (CUBLAS_COMPUTE_32F: no TF32), for the fp32 GPU mode. Same conventions and cache.
@@ -56,7 +59,8 @@ class GemmContext {
                                  float alpha, const uint16_t* A, int64_t lda, int64_t stride_a,
                                  const uint16_t* B, int64_t ldb, int64_t stride_b, float beta,
                                  void* C, GemmOutType c_type, int64_t ldc, int64_t stride_c,
-                                 int64_t batch, CUstream_st* stream = nullptr);
+                                 int64_t batch, CUstream_st* stream = nullptr,
+                                 const void* c_in = nullptr);
   // cublasHandle_t (legacy cuBLAS, with this context's workspace attached) for callers that need
   // the grouped batched API; the stream is set by the caller before each use.
   void* cublas_handle() const { return cublas_; }
