@@ -579,9 +579,10 @@ TEST(CudaKdaBackward, SplitKernelsFitTwoBlocksPerSm) {
 // takes the pair-by-pair inside sums too (strong decay), 2e-3 where it takes them as tf32
 // products (below), and both within the bf16 tolerance of the CPU (check_backward). Shapes: the
 // realistic one with documents and a partial chunk (recomputing and reusing the forward), K = 64
-// / V = 32 (one mma tile per warp), K = 32 / V = 64 with strong decay and documents, and one the
-// split does not take (KP = 48: the fused kernel runs, so the two agree exactly up to the
-// atomics' order).
+// / V = 32 (one mma tile per warp), K = 32 / V = 64 with strong decay and documents, V = 30 and
+// K = V = 126 (padded heads, rows not in 16-byte pieces, dv stored a float at a time; the latter
+// on the K = V = 128 kernels), and one the split does not take (KP = 48: the fused kernel runs,
+// so the two agree exactly up to the atomics' order).
 TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
   DM_SKIP_WITHOUT_GPU();
   struct Case {
@@ -595,6 +596,8 @@ TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
                         {{1, 300, 2, 128, 128}, 42, -5.0, 1.0, {37, 128, 200, 270}, true},
                         {{2, 100, 2, 64, 32}, 43, -5.0, 1.0, {}, true},
                         {{2, 150, 2, 32, 64}, 44, 3.0, 3.3, {5, 6, 64, 100, 149}, false},
+                        {{2, 100, 2, 64, 30}, 46, -5.0, 1.0, {}, true},
+                        {{1, 200, 2, 126, 126}, 47, -5.0, 1.0, {77}, true},
                         {{1, 130, 2, 33, 17}, 45, -5.0, 1.0, {}, false}};
   for (const Case& c : cases) {
     // All but the last shape run the split kernels (else this would compare the fused with itself).
