@@ -409,8 +409,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   zero_tiles(acc_k);
   float* key_end_terms = slabs;  // E [C, ldg], once the last product has freed the slabs
   {
-    // dQd = dO·Sᵀ (bf16: dO exact) into acc_q, dX·Sᵀ (tf32) into acc_k, and dγ, in one pass
-    // over S; both scaled by e^Γ (first segment) below, dKd = −dX·Sᵀ.
+    // dQd = dO·Sᵀ (bf16: dO exact) into acc_q and dX·Sᵀ (tf32) into acc_k, in one pass over S;
+    // both scaled by e^Γ (first segment) below, dKd = −dX·Sᵀ.
     state_pass<kTiles, kBlockThreads>(acc_q, acc_k, tiles_k, col0_k, c0, KH, VP, r0, state, d_out_s,
                                       ldo, d_x, slabs);
     for_each_element<kTiles>(tiles_k, r0, col0_k, [&](int j, int e4, int i, int c) {
