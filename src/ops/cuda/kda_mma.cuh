@@ -88,6 +88,18 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kTiles][4], int n_tiles, i
   }
 }
 
+// The lane's tf32 A fragment of the 8-wide k-step at k0 through load_a(r, k) (r local row), as
+// the two-product helpers below take it.
+struct Tf32Fragment {
+  uint32_t v[4];
+};
+template <typename LoadA>
+__device__ __forceinline__ Tf32Fragment tf32_a_fragment(LoadA& load_a, int k0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  return {{to_tf32(load_a(g, k0 + tq)), to_tf32(load_a(g + 8, k0 + tq)),
+           to_tf32(load_a(g, k0 + tq + 4)), to_tf32(load_a(g + 8, k0 + tq + 4))}};
+}
+
 // warp_mma (tf32) of two left operands against one right operand: first[j] += A1·B_j and
 // second[j] += A2·B_j, each B element loaded (and converted) once for both products.
 template <int kTiles, typename LoadA1, typename LoadA2, typename LoadB>
@@ -97,17 +109,14 @@ __device__ __forceinline__ void warp_mma_tf32_shared_b(float (&first)[kTiles][4]
                                                        LoadA2&& load_a2, LoadB&& load_b) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   for (int k0 = k_begin; k0 < k_end; k0 += 8) {
-    const uint32_t a1[4] = {to_tf32(load_a1(g, k0 + tq)), to_tf32(load_a1(g + 8, k0 + tq)),
-                            to_tf32(load_a1(g, k0 + tq + 4)), to_tf32(load_a1(g + 8, k0 + tq + 4))};
-    const uint32_t a2[4] = {to_tf32(load_a2(g, k0 + tq)), to_tf32(load_a2(g + 8, k0 + tq)),
-                            to_tf32(load_a2(g, k0 + tq + 4)), to_tf32(load_a2(g + 8, k0 + tq + 4))};
+    const Tf32Fragment a1 = tf32_a_fragment(load_a1, k0), a2 = tf32_a_fragment(load_a2, k0);
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
       if (j < n_tiles) {
         const uint32_t b0 = to_tf32(load_b(k0 + tq, 8 * j + g)),
                        b1 = to_tf32(load_b(k0 + tq + 4, 8 * j + g));
-        mma_tf32_16x8x8(first[j], a1, b0, b1);
-        mma_tf32_16x8x8(second[j], a2, b0, b1);
+        mma_tf32_16x8x8(first[j], a1.v, b0, b1);
+        mma_tf32_16x8x8(second[j], a2.v, b0, b1);
       }
   }
 }
@@ -122,16 +131,13 @@ __device__ __forceinline__ void warp_mma_tf32_sum_of_two(float (&acc)[kTiles][4]
                                                          LoadBBoth&& load_b_both) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   for (int k0 = k_begin; k0 < k_end; k0 += 8) {
-    const uint32_t a1[4] = {to_tf32(load_a1(g, k0 + tq)), to_tf32(load_a1(g + 8, k0 + tq)),
-                            to_tf32(load_a1(g, k0 + tq + 4)), to_tf32(load_a1(g + 8, k0 + tq + 4))};
-    const uint32_t a2[4] = {to_tf32(load_a2(g, k0 + tq)), to_tf32(load_a2(g + 8, k0 + tq)),
-                            to_tf32(load_a2(g, k0 + tq + 4)), to_tf32(load_a2(g + 8, k0 + tq + 4))};
+    const Tf32Fragment a1 = tf32_a_fragment(load_a1, k0), a2 = tf32_a_fragment(load_a2, k0);
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
       if (j < n_tiles) {
         const float2 b0 = load_b_both(k0 + tq, 8 * j + g), b1 = load_b_both(k0 + tq + 4, 8 * j + g);
-        mma_tf32_16x8x8(acc[j], a1, to_tf32(b0.x), to_tf32(b1.x));
-        mma_tf32_16x8x8(acc[j], a2, to_tf32(b0.y), to_tf32(b1.y));
+        mma_tf32_16x8x8(acc[j], a1.v, to_tf32(b0.x), to_tf32(b1.x));
+        mma_tf32_16x8x8(acc[j], a2.v, to_tf32(b0.y), to_tf32(b1.y));
       }
   }
 }
