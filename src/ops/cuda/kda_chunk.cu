@@ -83,6 +83,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int col = tid; col < d.KP; col += kThreads)
     ws.decay_whole[ch * d.KP + col] =
         last_segment == 0 ? expf(sm.gamma[(kChunk - 1) * ldk + col]) : 0.0f;
+  if (tid < 2 * kChunk)
+    ws.inverse_norms[ch * 2 * kChunk + tid] =
+        tid < kChunk ? sm.query_inv_norm[tid] : sm.key_inv_norm[tid - kChunk];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,6 +256,7 @@ size_t kda_forward_workspace_carve(const KdaDims& d, void* base, KdaForwardWorks
   take(&out->decay_whole, chunk_heads * d.KP);
   take(&out->value_new, chunk_heads * kChunk * d.VP);
   take(&out->states, chunk_heads * d.KP * d.VP);
+  take(&out->inverse_norms, chunk_heads * 2 * kChunk);
   return offset;
 }
 

@@ -255,31 +255,22 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   };
   auto gamma2 = [&](int i, int c) { return load_pair(gam + i * ldg + c - c0); };
 
-  // ---- 0. Whole raw q, k rows (bf16 bits, for the norms) into the dP and dL matrices (free
-  // until those are filled below), the block's channels of g (bits) into the slab buffers, the dO
-  // rows (bits) into their slot: all by cp.async when K, V and the pointers allow 16-byte pieces,
-  // so every load of the phase is in flight at once; zero past the chunk end, K and V.
-  const int ldf = KP + 8;  // whole-row stride (bf16): [C, ldf] fits a [C, kLdPair] fp32 matrix
-  uint16_t* query_full = reinterpret_cast<uint16_t*>(d_pqk);
-  uint16_t* key_full = reinterpret_cast<uint16_t*>(d_lkk);
+  // ---- 0. The block's channels of q, k (bf16 bits) into their rows and of g into the slab
+  // buffers, the dO rows (bits) into their slot: all by cp.async when K, V and the pointers allow
+  // 16-byte pieces, so every load of the phase is in flight at once; zero past the chunk end, K
+  // and V.
   uint16_t* gate_bits = reinterpret_cast<uint16_t*>(slabs);  // [C, ldr]
   const bool rows_by_8 = kda_rows_by_8(d, q, k, g_in, d_o);
   if (rows_by_8) {
     using attention_detail::cp_async_16;
-    const int per_row = KP / 8;
-    for (int idx = tid; idx < kChunk * per_row; idx += kBlockThreads) {
-      const int i = idx / per_row, col = idx % per_row * 8;
-      const bool valid = i < c_len && col < d.K;  // K % 8 == 0: all 8 columns inside K or none
-      const int64_t at = valid ? token_row(i) * d.K + col : 0;
-      cp_async_16(query_full + i * ldf + col, q + at, valid);
-      cp_async_16(key_full + i * ldf + col, k + at, valid);
-    }
     const int per_row_half = KH / 8;
     for (int idx = tid; idx < kChunk * per_row_half; idx += kBlockThreads) {
       const int i = idx / per_row_half, col = idx % per_row_half * 8;
-      const bool valid = i < c_len && c0 + col < d.K;
-      cp_async_16(gate_bits + i * ldr + col, g_in + (valid ? token_row(i) * d.K + c0 + col : 0),
-                  valid);
+      const bool valid = i < c_len && c0 + col < d.K;  // K % 8 == 0: all 8 inside K or none
+      const int64_t at = valid ? token_row(i) * d.K + c0 + col : 0;
+      cp_async_16(query_raw + i * ldr + col, q + at, valid);
+      cp_async_16(key_raw + i * ldr + col, k + at, valid);
+      cp_async_16(gate_bits + i * ldr + col, g_in + at, valid);
     }
     const int per_row_v = VP / 8;
     for (int idx = tid; idx < kChunk * per_row_v; idx += kBlockThreads) {
@@ -289,23 +280,23 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     }
     attention_detail::cp_async_commit();
   } else {
-    for (int idx = tid; idx < kChunk * KP; idx += kBlockThreads) {
-      const int i = idx / KP, col = idx % KP;
-      const bool valid = i < c_len && col < d.K;
-      const int64_t at = valid ? token_row(i) * d.K + col : 0;
-      query_full[i * ldf + col] = valid ? q[at] : uint16_t(0);
-      key_full[i * ldf + col] = valid ? k[at] : uint16_t(0);
-    }
     for (int idx = tid; idx < kChunk * KH; idx += kBlockThreads) {
       const int i = idx / KH, col = idx % KH;
       const bool valid = i < c_len && c0 + col < d.K;
-      gate_bits[i * ldr + col] = valid ? g_in[token_row(i) * d.K + c0 + col] : uint16_t(0);
+      const int64_t at = valid ? token_row(i) * d.K + c0 + col : 0;
+      query_raw[i * ldr + col] = valid ? q[at] : uint16_t(0);
+      key_raw[i * ldr + col] = valid ? k[at] : uint16_t(0);
+      gate_bits[i * ldr + col] = valid ? g_in[at] : uint16_t(0);
     }
     for (int idx = tid; idx < kChunk * VP; idx += kBlockThreads) {
       const int i = idx / VP, e = idx % VP;
       d_out_s[i * ldo + e] = (i < c_len && e < d.V) ? d_o[token_row(i) * d.V + e] : uint16_t(0);
     }
   }
+  // 1/‖q‖ and 1/‖k‖ of the chunk's rows, as the forward's prepare stage computed them (from the
+  // whole rows, which this block then need not load).
+  static_assert(kBlockThreads >= 2 * kChunk, "a thread per inverse norm");
+  if (tid < 2 * kChunk) query_inv[tid] = ws.inverse_norms[ch * 2 * kChunk + tid];  // key_inv next
   if (tid < kChunk) beta_s[tid] = tid < c_len ? load_as_float(beta_in, token_row(tid)) : 0.0f;
   if (tid < kNumSubBlocks) inside_exponent[tid] = 0u;
   kda_chunk_segments(doc_start, d, b, t0, c_len, seg);
@@ -320,17 +311,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
   __syncthreads();
   stamp(1);
 
-  // Inverse L2 norms from the whole rows (warp per row); the block's channels of q and k copied
-  // to their own rows; Γ = cumsum g down the block's columns.
-  kda_inverse_norms_and_cumsum<kBlockThreads>(query_full, key_full, ldf, nullptr, 0, d, query_inv,
-                                              key_inv);
-  for (int idx = tid; idx < kChunk * (KH / 8); idx += kBlockThreads) {
-    const int i = idx / (KH / 8), col = idx % (KH / 8) * 8;
-    *reinterpret_cast<uint4*>(query_raw + i * ldr + col) =
-        *reinterpret_cast<const uint4*>(query_full + i * ldf + c0 + col);
-    *reinterpret_cast<uint4*>(key_raw + i * ldr + col) =
-        *reinterpret_cast<const uint4*>(key_full + i * ldf + c0 + col);
-  }
+  // Γ = cumsum g down the block's columns.
   {
     // Γ by kBlockThreads/KH adjacent lanes per column (a power of two ≤ 32: KH ∈ {16, 32, 64}),
     // each over a run of rows: the run's sums in registers, the runs' totals scanned by shuffles.
@@ -355,7 +336,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kNumSubBlocks* kColG
     for (int r = 0; r < kMaxRows; ++r)
       if (r < rows) gam[(i0 + r) * ldg + col] = before + run[r];
   }
-  __syncthreads();  // the whole rows are dead: dP and dL take their place
+  __syncthreads();  // Γ published
   // max |Γ_i − Γ_m| over each sub-block's rows and the block's channels: a thread per (sub-block,
   // channel); whole warps reduce (items < 4·KH, a multiple of 32), one atomic per warp and
   // sub-block it spans (two when KH = 16).

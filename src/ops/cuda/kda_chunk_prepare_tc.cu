@@ -402,6 +402,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     for (int col = tid - kChunk; col < KP; col += kThreads - kChunk)
       ws.decay_whole[ch * KP + col] = last_segment == 0 ? __expf(gamma_last[col]) : 0.0f;
+    for (int r = tid - kChunk; r < 2 * kChunk; r += kThreads - kChunk)
+      ws.inverse_norms[ch * 2 * kChunk + r] = r < kChunk ? query_inv[r] : key_inv[r - kChunk];
   }
   __syncthreads();
   stamp(5);

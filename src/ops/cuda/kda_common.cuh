@@ -65,6 +65,8 @@ struct KdaForwardWorkspace {
   float* decay_whole;      // [·, KP]     e^γ, or 0 when the chunk holds a document start
   float* value_new;        // [·, C, VP]  V' = U − W·S
   float* states;           // [·, KP, VP] state at the chunk start
+  float* inverse_norms;  // [·, 2, C]   1/‖q‖ then 1/‖k‖ of the chunk's rows, for the backward's
+                         //             key kernel (kda_chunk_backward_key.cu)
 };
 
 // Views of the prepare stage's shared memory (row strides: LDK = KP + 1, kLowerStride).
