@@ -624,8 +624,9 @@ TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
 // and the backward's kernel by how many blocks the grid has (Qd and W staged in shared memory,
 // or held in registers); small test shapes would only ever see 16 columns and the staged
 // kernel. Every combination, forced through DM_KDA_STATE_COLUMNS and DM_KDA_STATE_BACKWARD
-// (read at each call), on shapes with VP % 32 == 0, documents and a partial chunk, forward
-// (bf16) and backward (tc).
+// (read at each call), with the per-chunk operands by TMA (the default) and by cp.async
+// (DM_KDA_STATE_TMA=0), on shapes with VP % 32 == 0, documents and a partial chunk (the TMA's
+// zero fill past T and past V), forward (bf16) and backward (tc).
 TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
   DM_SKIP_WITHOUT_GPU();
   struct EnvScope {
@@ -634,18 +635,21 @@ TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
     ~EnvScope() { unsetenv(name); }
   };
   uint64_t seed = 700;
-  for (const char* columns : {"16", "32"})
-    for (const char* backward : {"staged", "regs"})
-      for (const KdaShape& s : {KdaShape{1, 300, 2, 128, 128}, KdaShape{2, 130, 3, 64, 32}}) {
-        EnvScope width("DM_KDA_STATE_COLUMNS", columns), kernel("DM_KDA_STATE_BACKWARD", backward);
-        KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
-        p.doc_start = make_doc_start(s, {37, 128, 129});
-        round_inputs_bf16(p);
-        const std::string what =
-            describe(s, (std::string("state tiles ") + columns + ", backward " + backward).c_str());
-        check_forward(p, KdaGpuForm::Chunked, true, true, what + " forward");
-        check_backward(p, true, what + " backward", true, cu::KdaBackwardPath::TensorCore);
-      }
+  for (const char* tma : {"1", "0"})
+    for (const char* columns : {"16", "32"})
+      for (const char* backward : {"staged", "regs"})
+        for (const KdaShape& s : {KdaShape{1, 300, 2, 128, 128}, KdaShape{2, 130, 3, 64, 32}}) {
+          EnvScope width("DM_KDA_STATE_COLUMNS", columns),
+              kernel("DM_KDA_STATE_BACKWARD", backward), copies("DM_KDA_STATE_TMA", tma);
+          KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
+          p.doc_start = make_doc_start(s, {37, 128, 129});
+          round_inputs_bf16(p);
+          const std::string what = describe(
+              s, (std::string("state tiles ") + columns + ", backward " + backward + ", TMA " + tma)
+                     .c_str());
+          check_forward(p, KdaGpuForm::Chunked, true, true, what + " forward");
+          check_backward(p, true, what + " backward", true, cu::KdaBackwardPath::TensorCore);
+        }
 }
 
 }  // namespace

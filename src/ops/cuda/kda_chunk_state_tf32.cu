@@ -32,6 +32,8 @@
 #include "ops/cuda/kda_backward_detail.cuh"
 #include "ops/cuda/kda_common.cuh"
 #include "ops/cuda/kda_mma.cuh"
+#include "ops/cuda/tma.cuh"
+#include "ops/cuda/tma_map.h"
 
 namespace dm::cuda {
 namespace kda_detail {
@@ -131,9 +133,22 @@ __host__ __device__ inline ForwardStateLayout forward_state_layout(const KdaDims
   return l;
 }
 
-template <int kCols, int kStaticDims>
+// Tensor maps of the forward state kernel's per-chunk operands (kTma): boxes as wide as the
+// padded shared rows (tma_map_f32_rows), so each operand arrives in one copy, padding included.
+struct ForwardStateMaps {
+  CUtensorMap w;           // [chunk-heads·C, KP], boxes [C, KP + 4]
+  CUtensorMap u;           // [chunk-heads·C, VP], boxes [C, kCols + 8] at column e0
+  CUtensorMap key_to_end;  // [chunk-heads·C, KP], boxes [C, KP + 8]
+  CUtensorMap decay;       // [chunk-heads, KP], boxes [1, KP]
+};
+
+// kTma: each side's operands come by TMA, issued by thread 0 and completing on one mbarrier per
+// side (a phase per chunk), instead of 16-byte cp.async by every thread (~8 copies a thread and
+// side, with their address arithmetic, in a step that is issue-bound).
+template <int kCols, int kStaticDims, bool kTma>
 __global__ void __launch_bounds__(kThreads)
-    kda_chunk_state_tf32_kernel(const float* s0, float* sT, KdaDims dims, KdaForwardWorkspace ws) {
+    kda_chunk_state_tf32_kernel(const float* s0, float* sT, KdaDims dims, KdaForwardWorkspace ws,
+                                const __grid_constant__ ForwardStateMaps maps) {
   const KdaDims d = static_dims(dims, kStaticDims);
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   const ForwardStateLayout l = forward_state_layout<kCols>(d);
@@ -151,15 +166,28 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.y, first_chunk = bh * d.num_chunks;
   const int e0 = blockIdx.x * kCols;
 
+  __shared__ __align__(8) uint64_t side_full[2];  // kTma: value side, state side landed
   auto load_value_side = [&](int64_t n) {  // W and the U tile of chunk n
     const int64_t ch = first_chunk + n;
-    copy_rows_async(w_s, ldw, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(u_s, ldt, ws.u + ch * kChunk * d.VP + e0, d.VP, kChunk, kCols);
+    if constexpr (kTma) {  // thread 0 only
+      tma::barrier_arrive_expect_bytes(&side_full[0], uint32_t(kChunk * (ldw + ldt) * 4));
+      tma::load_2d(w_s, &maps.w, &side_full[0], 0, int32_t(ch * kChunk));
+      tma::load_2d(u_s, &maps.u, &side_full[0], e0, int32_t(ch * kChunk));
+    } else {
+      copy_rows_async(w_s, ldw, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+      copy_rows_async(u_s, ldt, ws.u + ch * kChunk * d.VP + e0, d.VP, kChunk, kCols);
+    }
   };
   auto load_state_side = [&](int64_t n) {  // Ke and e^γ of chunk n
     const int64_t ch = first_chunk + n;
-    copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+    if constexpr (kTma) {  // thread 0 only
+      tma::barrier_arrive_expect_bytes(&side_full[1], uint32_t((kChunk * ldke + d.KP) * 4));
+      tma::load_2d(key_to_end_s, &maps.key_to_end, &side_full[1], 0, int32_t(ch * kChunk));
+      tma::load_2d(decay_s, &maps.decay, &side_full[1], 0, int32_t(ch));
+    } else {
+      copy_rows_async(key_to_end_s, ldke, ws.key_to_end + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+      copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+    }
   };
 
   for (int idx = tid; idx < d.KP * kCols; idx += kThreads) {
@@ -167,18 +195,36 @@ __global__ void __launch_bounds__(kThreads)
     state_s[row * ldt + col] =
         (s0 != nullptr && row < d.K && e < d.V) ? s0[(bh * d.K + row) * d.V + e] : 0.0f;
   }
-  // Commit groups alternate value side / state side, one pair per chunk (empty past the end),
-  // so "all but the newest group done" is always the side about to be used.
-  if (d.num_chunks > 0) load_value_side(0);
-  cp_async_commit();
-  if (d.num_chunks > 0) load_state_side(0);
-  cp_async_commit();
+  if constexpr (kTma) {
+    // One phase of each side's barrier per chunk: chunk n waits for parity n & 1.
+    if (tid == 0) {
+      tma::barrier_init(&side_full[0], 1);
+      tma::barrier_init(&side_full[1], 1);
+      tma::barrier_init_fence();
+      if (d.num_chunks > 0) {
+        load_value_side(0);
+        load_state_side(0);
+      }
+    }
+    __syncthreads();  // the barriers initialised, the initial S in place
+  } else {
+    // Commit groups alternate value side / state side, one pair per chunk (empty past the
+    // end), so "all but the newest group done" is always the side about to be used.
+    if (d.num_chunks > 0) load_value_side(0);
+    cp_async_commit();
+    if (d.num_chunks > 0) load_state_side(0);
+    cp_async_commit();
+  }
 
   const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
   for (int64_t n = 0; n < d.num_chunks; ++n) {
     const int64_t ch = first_chunk + n;
-    cp_async_wait<1>();
-    __syncthreads();  // value side of chunk n landed; S is the chunk-start state
+    if constexpr (kTma) {
+      tma::barrier_wait(&side_full[0], uint32_t(n & 1));  // value side of chunk n landed
+    } else {
+      cp_async_wait<1>();
+      __syncthreads();  // value side of chunk n landed; S is the chunk-start state
+    }
     copy_tile_f4<kCols, true>(ws.states + ch * d.KP * d.VP + e0, d.VP, state_s, ldt, d.KP);
 
     // Phase 1: V' = U − W·S (warp: rows r0_value.., half the columns).
@@ -197,10 +243,15 @@ __global__ void __launch_bounds__(kThreads)
                                    });
     }
     __syncthreads();  // W, U free; V' complete
-    if (n + 1 < d.num_chunks) load_value_side(n + 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // state side of chunk n landed
+    if constexpr (kTma) {
+      if (tid == 0 && n + 1 < d.num_chunks) load_value_side(n + 1);
+      tma::barrier_wait(&side_full[1], uint32_t(n & 1));  // state side of chunk n landed
+    } else {
+      if (n + 1 < d.num_chunks) load_value_side(n + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();  // state side of chunk n landed
+    }
 
     // Phase 2: S ← Diag(e^γ)·S + Keᵀ·V' (warp: a 16-row block of S, every column).
     for (int mt = warp; mt < d.KP / 16; mt += kWarpCount) {
@@ -217,10 +268,14 @@ __global__ void __launch_bounds__(kThreads)
       });
     }
     __syncthreads();  // Ke, e^γ free; S is the next chunk's start state
-    if (n + 1 < d.num_chunks) load_state_side(n + 1);
-    cp_async_commit();
+    if constexpr (kTma) {
+      if (tid == 0 && n + 1 < d.num_chunks) load_state_side(n + 1);
+    } else {
+      if (n + 1 < d.num_chunks) load_state_side(n + 1);
+      cp_async_commit();
+    }
   }
-  cp_async_wait<0>();
+  if constexpr (!kTma) cp_async_wait<0>();
   if (sT != nullptr)
     for (int idx = tid; idx < d.K * kCols; idx += kThreads) {
       const int row = idx / kCols, col = idx % kCols, e = e0 + col;
@@ -305,10 +360,22 @@ __host__ __device__ inline BackwardStateLayout backward_state_layout(const KdaDi
   return l;
 }
 
-template <int kCols, int kStaticDims>
+// Tensor maps of the staged backward state kernel's per-chunk operands (kTma), as the
+// forward's: boxes as wide as the padded shared rows.
+struct BackwardStateMaps {
+  CUtensorMap key_to_end;   // [chunk-heads·C, KP], boxes [C, KP + 4]
+  CUtensorMap lower;        // [chunk-heads·C, C], boxes [C, C + 8]
+  CUtensorMap d_out;        // dO [B][T][H][V] bf16, boxes of C tokens × (kCols + 8) of a head
+  CUtensorMap query_decay;  // [chunk-heads·C, KP], boxes [C, KP + 8]
+  CUtensorMap w;            // [chunk-heads·C, KP], boxes [C, KP + 8]
+  CUtensorMap decay;        // [chunk-heads, KP], boxes [1, KP]
+};
+
+template <int kCols, int kStaticDims, bool kTma>
 __global__ void __launch_bounds__(kThreads)
     kda_chunk_state_backward_tf32_kernel(const uint16_t* d_o, const float* dsT, float* ds0,
-                                         KdaDims dims, KdaForwardWorkspace ws, float* d_states) {
+                                         KdaDims dims, KdaForwardWorkspace ws, float* d_states,
+                                         const __grid_constant__ BackwardStateMaps maps) {
   const KdaDims d = static_dims(dims, kStaticDims);
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   const BackwardStateLayout l = backward_state_layout<kCols>(d);
@@ -327,15 +394,34 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.y, b = bh / d.H, h = bh % d.H, first_chunk = bh * d.num_chunks;
   const int e0 = blockIdx.x * kCols;
 
-  auto load_value_side = [&](int64_t n) {  // Ke, P and the dO tile of chunk n
-    load_backward_value_side<kCols>(d, ws, d_o, b, h, first_chunk, e0, n, key_to_end_s, lower_s,
-                                    d_out_s[n & 1]);
+  __shared__ __align__(8) uint64_t side_full[2];  // kTma: value side, state side landed
+  auto load_value_side = [&](int64_t n) {         // Ke, P and the dO tile of chunk n
+    if constexpr (kTma) {                         // thread 0 only
+      const int64_t ch = first_chunk + n;
+      constexpr int kValueBytes = kChunk * (kChunk + kPadColRead) * 4 + kChunk * ldt * 2;
+      tma::barrier_arrive_expect_bytes(&side_full[0],
+                                       uint32_t(kValueBytes + kChunk * (d.KP + kPadRowRead) * 4));
+      tma::load_2d(key_to_end_s, &maps.key_to_end, &side_full[0], 0, int32_t(ch * kChunk));
+      tma::load_2d(lower_s, &maps.lower, &side_full[0], 0, int32_t(ch * kChunk));
+      tma::load_4d(d_out_s[n & 1], &maps.d_out, &side_full[0], e0, int32_t(h), int32_t(n * kChunk),
+                   int32_t(b));
+    } else {
+      load_backward_value_side<kCols>(d, ws, d_o, b, h, first_chunk, e0, n, key_to_end_s, lower_s,
+                                      d_out_s[n & 1]);
+    }
   };
   auto load_state_side = [&](int64_t n) {  // Qd, W and e^γ of chunk n
     const int64_t ch = first_chunk + n;
-    copy_rows_async(query_decay_s, ldkc, ws.query_decay + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(w_s, ldkc, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
-    copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+    if constexpr (kTma) {  // thread 0 only
+      tma::barrier_arrive_expect_bytes(&side_full[1], uint32_t((2 * kChunk * ldkc + d.KP) * 4));
+      tma::load_2d(query_decay_s, &maps.query_decay, &side_full[1], 0, int32_t(ch * kChunk));
+      tma::load_2d(w_s, &maps.w, &side_full[1], 0, int32_t(ch * kChunk));
+      tma::load_2d(decay_s, &maps.decay, &side_full[1], 0, int32_t(ch));
+    } else {
+      copy_rows_async(query_decay_s, ldkc, ws.query_decay + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+      copy_rows_async(w_s, ldkc, ws.w + ch * kChunk * d.KP, d.KP, kChunk, d.KP);
+      copy_rows_async(decay_s, 0, ws.decay_whole + ch * d.KP, 0, 1, d.KP);
+    }
   };
 
   for (int idx = tid; idx < d.KP * kCols; idx += kThreads) {
@@ -344,26 +430,51 @@ __global__ void __launch_bounds__(kThreads)
         (dsT != nullptr && row < d.K && e < d.V) ? dsT[(bh * d.K + row) * d.V + e] : 0.0f;
   }
   const int64_t last = d.num_chunks - 1;
-  if (last >= 0) load_value_side(last);
-  cp_async_commit();
-  if (last >= 0) load_state_side(last);
-  cp_async_commit();
+  if constexpr (kTma) {
+    // One phase of each side's barrier per chunk, chunks in reverse: chunk n waits for parity
+    // (last − n) & 1.
+    if (tid == 0) {
+      tma::barrier_init(&side_full[0], 1);
+      tma::barrier_init(&side_full[1], 1);
+      tma::barrier_init_fence();
+      if (last >= 0) {
+        load_value_side(last);
+        load_state_side(last);
+      }
+    }
+    __syncthreads();  // the barriers initialised, dS' in place
+  } else {
+    if (last >= 0) load_value_side(last);
+    cp_async_commit();
+    if (last >= 0) load_state_side(last);
+    cp_async_commit();
+  }
 
   for (int64_t n = last; n >= 0; --n) {
     const int64_t ch = first_chunk + n;
+    const uint32_t parity = uint32_t((last - n) & 1);
     const uint16_t* d_out = d_out_s[n & 1];
     auto d_out_at = [&](int i, int col) {
       return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16);
     };
-    cp_async_wait<1>();
-    __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
+    if constexpr (kTma) {
+      tma::barrier_wait(&side_full[0], parity);  // value side of chunk n landed
+    } else {
+      cp_async_wait<1>();
+      __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
+    }
     copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
     backward_value_product<kCols>(d, key_to_end_s, lower_s, d_state_s, d_out, d_value_new_s);
     __syncthreads();  // Ke, P free (this dO buffer stays: phase 2 reads it)
-    if (n > 0) load_value_side(n - 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // state side of chunk n landed
+    if constexpr (kTma) {
+      if (tid == 0 && n > 0) load_value_side(n - 1);
+      tma::barrier_wait(&side_full[1], parity);  // state side of chunk n landed
+    } else {
+      if (n > 0) load_value_side(n - 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();  // state side of chunk n landed
+    }
 
     // Phase 2: dS = Diag(e^γ)·dS' + Qdᵀ·dO − Wᵀ·dV' (warp: a 16-row block, every column).
     for (int mt = warp; mt < d.KP / 16; mt += kWarpCount) {
@@ -383,10 +494,14 @@ __global__ void __launch_bounds__(kThreads)
       });
     }
     __syncthreads();  // Qd, W, e^γ free
-    if (n > 0) load_state_side(n - 1);
-    cp_async_commit();
+    if constexpr (kTma) {
+      if (tid == 0 && n > 0) load_state_side(n - 1);
+    } else {
+      if (n > 0) load_state_side(n - 1);
+      cp_async_commit();
+    }
   }
-  cp_async_wait<0>();
+  if constexpr (!kTma) cp_async_wait<0>();
   if (ds0 != nullptr)
     for (int idx = tid; idx < d.K * kCols; idx += kThreads) {
       const int row = idx / kCols, col = idx % kCols, e = e0 + col;
@@ -565,6 +680,12 @@ int state_tile_columns(const KdaDims& d) {
 // 3.01 with registers (each step is shorter when Qd and W come from shared memory);
 // (2,16384,16,128), 256 blocks, 10.95 against 10.77; (1,8192,96,128), 384 blocks, 15.25 against
 // 14.93. DM_KDA_STATE_BACKWARD=staged|regs (read at each call: the tests run both) forces one.
+bool state_grid_fits_one_round(int blocks) {
+  int device = 0, sms = 0;
+  DM_CUDA_CHECK(cudaGetDevice(&device));
+  DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return blocks <= sms;
+}
 bool state_backward_staged(int blocks) {
   switch (env_choice("DM_KDA_STATE_BACKWARD", {"auto", "staged", "regs"})) {
     case 1:
@@ -574,26 +695,51 @@ bool state_backward_staged(int blocks) {
     default:
       break;
   }
-  int device = 0, sms = 0;
-  DM_CUDA_CHECK(cudaGetDevice(&device));
-  DM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return blocks <= sms;
+  return state_grid_fits_one_round(blocks);
+}
+
+// Whether the state kernels' operands come by TMA (DM_KDA_STATE_TMA=0, read at each call, turns
+// it off): the padded rows must fit one box (KP + 8 ≤ 256 floats) and the workspace's rows the
+// TMA's coordinate range.
+bool state_operands_by_tma(const KdaDims& d) {
+  const bool enabled = env_flag("DM_KDA_STATE_TMA", true);
+  const int64_t rows = d.B * d.H * d.num_chunks * kChunk;
+  return enabled && d.KP + kPadColRead <= 256 && d.KP % 4 == 0 && d.VP % 4 == 0 &&
+         rows < (int64_t(1) << 31);
 }
 
 template <int kCols>
 void launch_forward_state(const float* s0, float* sT, const KdaDims& d,
                           const KdaForwardWorkspace& ws, cudaStream_t stream) {
   const int shared = forward_state_layout<kCols>(d).total;
+  // By TMA where the grid is one round at one block per SM, as in training: (1,4096,16,128)
+  // fwd+bwd 1.35 -> 1.27 ms with both state kernels on it, (2,16384,16,128) forward 2.11 -> 2.05;
+  // but the 384 blocks of (1,8192,96,128), two per SM, forward 3.00 -> 3.08 ms (H200).
+  const bool by_tma =
+      state_operands_by_tma(d) && state_grid_fits_one_round(int(d.VP / kCols * d.B * d.H));
+  ForwardStateMaps maps{};
+  if (by_tma) {
+    const uint64_t rows = uint64_t(d.B * d.H * d.num_chunks * kChunk);
+    maps.w = tma_map_f32_rows(ws.w, rows, d.KP, d.KP, kChunk, d.KP + kPadRowRead);
+    maps.u = tma_map_f32_rows(ws.u, rows, d.VP, d.VP, kChunk, kCols + kPadColRead);
+    maps.key_to_end = tma_map_f32_rows(ws.key_to_end, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
+    maps.decay = tma_map_f32_rows(ws.decay_whole, rows / kChunk, d.KP, d.KP, 1, d.KP);
+  }
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
     kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
-        s0, sT, d, ws);
+        s0, sT, d, ws, maps);
   };
-  if (kda_static_dims(d) == kKdaStaticDims)
-    launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims>);
+  const bool fixed = kda_static_dims(d) == kKdaStaticDims;
+  if (by_tma && fixed)
+    launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims, true>);
+  else if (by_tma)
+    launch(kda_chunk_state_tf32_kernel<kCols, 0, true>);
+  else if (fixed)
+    launch(kda_chunk_state_tf32_kernel<kCols, kKdaStaticDims, false>);
   else
-    launch(kda_chunk_state_tf32_kernel<kCols, 0>);
+    launch(kda_chunk_state_tf32_kernel<kCols, 0, false>);
   check_last_error("cuda kda_chunk_forward (state, tf32 tensor cores)");
 }
 
@@ -601,18 +747,37 @@ template <int kCols>
 void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, const KdaDims& d,
                            const KdaForwardWorkspace& ws, float* d_states, cudaStream_t stream) {
   const int shared = backward_state_layout<kCols>(d).total;
+  const bool by_tma = state_operands_by_tma(d) && d.V % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(d_o) % 16 == 0 && d.B * d.T < (int64_t(1) << 31);
+  BackwardStateMaps maps{};
+  if (by_tma) {
+    const uint64_t rows = uint64_t(d.B * d.H * d.num_chunks * kChunk);
+    maps.key_to_end = tma_map_f32_rows(ws.key_to_end, rows, d.KP, d.KP, kChunk, d.KP + kPadRowRead);
+    maps.lower =
+        tma_map_f32_rows(ws.lower_query_key, rows, kChunk, kChunk, kChunk, kChunk + kPadColRead);
+    maps.d_out = tma_map_bf16_head_rows(d_o, uint64_t(d.B), uint64_t(d.T), uint64_t(d.H),
+                                        uint64_t(d.V), kChunk, kCols + kPadColRead);
+    maps.query_decay =
+        tma_map_f32_rows(ws.query_decay, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
+    maps.w = tma_map_f32_rows(ws.w, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
+    maps.decay = tma_map_f32_rows(ws.decay_whole, rows / kChunk, d.KP, d.KP, 1, d.KP);
+  }
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
     kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(shared), stream>>>(
-        d_o, dsT, ds0, d, ws, d_states);
+        d_o, dsT, ds0, d, ws, d_states, maps);
   };
   const bool fixed = kda_static_dims(d) == kKdaStaticDims;
   if (state_backward_staged(d.VP / kCols * d.B * d.H)) {
-    if (fixed)
-      launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims>);
+    if (by_tma && fixed)
+      launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims, true>);
+    else if (by_tma)
+      launch(kda_chunk_state_backward_tf32_kernel<kCols, 0, true>);
+    else if (fixed)
+      launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims, false>);
     else
-      launch(kda_chunk_state_backward_tf32_kernel<kCols, 0>);
+      launch(kda_chunk_state_backward_tf32_kernel<kCols, 0, false>);
   } else {
     const int regs_shared = backward_state_regs_layout<kCols>(d).total;
     auto launch_regs = [&](auto kernel) {

@@ -85,6 +85,17 @@ __device__ __forceinline__ void load_3d(void* dst, const CUtensorMap* map, uint6
       : "memory");
 }
 
+// Box (x, y, z, w) of a 4-D tensor map (tma_map_bf16_head_rows: x column, y head, z token,
+// w batch) into shared memory.
+__device__ __forceinline__ void load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t x,
+                                        int32_t y, int32_t z, int32_t w) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(bar)), "r"(x), "r"(y), "r"(z), "r"(w)
+      : "memory");
+}
+
 // A named barrier over the first `threads` threads of the CTA (a multiple of 32): the consumer
 // warpgroups synchronise among themselves while the producer warp has left.
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {

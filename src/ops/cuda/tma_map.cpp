@@ -61,6 +61,58 @@ CUtensorMap tma_map_bf16_rows(const void* base, uint64_t rows, uint64_t cols, ui
   return encode_bf16("tma_map_bf16_rows", base, 2, extent, stride_bytes, box_rows, box_cols);
 }
 
+CUtensorMap tma_map_f32_rows(const void* base, uint64_t rows, uint64_t cols, uint64_t row_stride,
+                             uint32_t box_rows, uint32_t box_cols) {
+  DM_CHECK(base != nullptr && reinterpret_cast<uintptr_t>(base) % 16 == 0 && row_stride % 4 == 0 &&
+               row_stride >= cols && cols % 4 == 0,
+           "tma_map_f32_rows: needs a 16-byte aligned base and rows a multiple of 4 floats apart, "
+           "got cols = ",
+           cols, ", row stride ", row_stride);
+  DM_CHECK(
+      box_rows >= 1 && box_rows <= 256 && box_cols >= 4 && box_cols <= 256 && box_cols % 4 == 0,
+      "tma_map_f32_rows: box ", box_rows, " x ", box_cols,
+      " (rows ≤ 256, columns ≤ 256 and a multiple of 4)");
+  DM_CHECK(rows > 0 && rows < (uint64_t(1) << 32) && cols > 0, "tma_map_f32_rows: extent ", rows,
+           " x ", cols, " outside the TMA's range");
+  const cuuint64_t extent[2] = {cols, rows};
+  const cuuint64_t stride_bytes[1] = {row_stride * 4};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t element_stride[2] = {1, 1};
+  CUtensorMap map{};
+  const CUresult result = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), extent, stride_bytes, box,
+      element_stride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  DM_CHECK(result == CUDA_SUCCESS, "tma_map_f32_rows: cuTensorMapEncodeTiled failed (CUresult ",
+           int(result), ") for extents ", cols, " x ", rows, ", box ", box_rows, " x ", box_cols);
+  return map;
+}
+
+CUtensorMap tma_map_bf16_head_rows(const void* base, uint64_t B, uint64_t T, uint64_t H, uint64_t V,
+                                   uint32_t box_tokens, uint32_t box_cols) {
+  DM_CHECK(base != nullptr && reinterpret_cast<uintptr_t>(base) % 16 == 0 && V % 8 == 0 && B > 0 &&
+               T > 0 && H > 0 && B < (uint64_t(1) << 32) && T < (uint64_t(1) << 32) &&
+               H < (uint64_t(1) << 32),
+           "tma_map_bf16_head_rows: needs a 16-byte aligned base and V % 8 == 0, got V = ", V);
+  DM_CHECK(
+      box_tokens >= 1 && box_tokens <= 256 && box_cols >= 8 && box_cols <= 256 && box_cols % 8 == 0,
+      "tma_map_bf16_head_rows: box ", box_tokens, " x ", box_cols);
+  const cuuint64_t extent[4] = {V, H, T, B};
+  const cuuint64_t stride_bytes[3] = {V * 2, H * V * 2, T * H * V * 2};
+  const cuuint32_t box[4] = {box_cols, 1, box_tokens, 1};
+  const cuuint32_t element_stride[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult result = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), extent, stride_bytes, box,
+      element_stride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  DM_CHECK(result == CUDA_SUCCESS,
+           "tma_map_bf16_head_rows: cuTensorMapEncodeTiled failed "
+           "(CUresult ",
+           int(result), ")");
+  return map;
+}
+
 CUtensorMap tma_map_bf16_batched(const void* base, uint64_t batches, uint64_t rows, uint64_t cols,
                                  uint32_t box_rows, uint32_t box_cols) {
   DM_CHECK(tma_map_bf16_applies(base, cols),

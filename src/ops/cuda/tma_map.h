@@ -24,6 +24,22 @@ CUtensorMap tma_map_bf16_rows(const void* base, uint64_t rows, uint64_t cols, ui
 CUtensorMap tma_map_bf16_batched(const void* base, uint64_t batches, uint64_t rows, uint64_t cols,
                                  uint32_t box_rows, uint32_t box_cols);
 
+// A [rows][cols] row-major fp32 matrix at `base` (rows row_stride elements apart, both 16-byte
+// multiples), read in unswizzled boxes of box_rows × box_cols with box_cols ≥ the columns a
+// reader wants: the box lands densely in shared memory, so box_cols is also the shared row
+// stride, and a box wider than the columns left (past `cols`) pads each row with zeros. This is
+// how the KDA state kernels get their bank-conflict padding (rows of KP + 4 or KP + 8 floats)
+// from one copy. box_cols ≤ 256 and a multiple of 4, box_rows ≤ 256.
+CUtensorMap tma_map_f32_rows(const void* base, uint64_t rows, uint64_t cols, uint64_t row_stride,
+                             uint32_t box_rows, uint32_t box_cols);
+
+// One head's rows of a [B][T][H][V] bf16 tensor (V % 8 == 0, base 16-byte aligned) as a 4-D map
+// (x = column, y = head, z = token, w = batch), read in unswizzled boxes of box_tokens tokens ×
+// box_cols columns of one head (box_cols a multiple of 8, ≤ 256): dense [box_tokens][box_cols] in
+// shared memory; tokens past T and columns past V read as zeros (never the next sequence's).
+CUtensorMap tma_map_bf16_head_rows(const void* base, uint64_t B, uint64_t T, uint64_t H, uint64_t V,
+                                   uint32_t box_tokens, uint32_t box_cols);
+
 // Whether tma_map_bf16_rows accepts a matrix at `base` with rows `row_stride` elements apart.
 bool tma_map_bf16_applies(const void* base, uint64_t row_stride);
 
