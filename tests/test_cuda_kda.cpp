@@ -650,6 +650,17 @@ TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
           check_forward(p, KdaGpuForm::Chunked, true, true, what + " forward");
           check_backward(p, true, what + " backward", true, cu::KdaBackwardPath::TensorCore);
         }
+  // 40 heads of 4 16-column tiles: 160 blocks, more than one round of the H200's 132 SMs, where
+  // DM_KDA_STATE_TMA=all puts the forward on TMA with thread 0 alone polling its barriers.
+  for (const char* tma : {"all", "0"}) {
+    EnvScope width("DM_KDA_STATE_COLUMNS", "16"), copies("DM_KDA_STATE_TMA", tma);
+    const KdaShape s{1, 130, 40, 64, 64};
+    KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
+    round_inputs_bf16(p);
+    const std::string what = describe(s, (std::string("state tiles 16, TMA ") + tma).c_str());
+    check_forward(p, KdaGpuForm::Chunked, true, true, what + " forward");
+    check_backward(p, true, what + " backward", true, cu::KdaBackwardPath::TensorCore);
+  }
 }
 
 }  // namespace
