@@ -4,18 +4,23 @@
 // and one JSON line for scripts/device-summary.py. Mirrors
 // `bench/peers/deltamoe_torch.py train-bench --device cuda --dtype bfloat16`.
 //   bench_cuda_train --config configs/gpu_1b.json --batch 1 --seq 4096 --steps 5 [--recompute off]
-//                    [--accum 1]
+//                    [--accum 1] [--ab NAME=v1,v2,... [--rounds 2]]
 // --recompute off: the KDA, MLA and MoE layers keep their forward internals instead of
 // recomputing them.
 // --accum K: K micro-batches of batch × seq per optimizer step (gradients accumulated), so the
 // optimizer's fixed cost (~14 ms for gpu_1b's 1.4B fp32 parameters) is paid once per K.
+// --ab NAME=v1,v2: after one set-up, `rounds` rounds each measuring every value of the environment
+// switch NAME in turn (kernels read their switches at each call), one line per measurement and a
+// median per value at the end: an A/B on one machine without paying the init per variant.
 // MFU counts the model FLOPs of the step (no recompute; model/plan.h train_flops_per_token:
 // 6 · active parameters per token for the matrices, plus the MLA layers' causal attention), over
 // the H200's dense bf16 peak of 989 TFLOP/s.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if DELTAMOE_HAVE_CUDA
 #include "core/error.h"
@@ -24,12 +29,54 @@
 #include "ops/cuda/device.h"
 #include "train/train_bench.h"
 
+namespace {
+
+// `rounds` rounds of every value of NAME=v1,v2,... in turn, then each value's median step.
+int run_ab(dm::TrainBench& bench, const std::string& ab, int rounds, double peak_tflops) {
+  const size_t eq = ab.find('=');
+  if (eq == std::string::npos || eq == 0 || rounds < 1) {
+    std::fprintf(stderr, "error: --ab wants NAME=v1,v2,... and --rounds ≥ 1, got %s\n", ab.c_str());
+    return 2;
+  }
+  const std::string name = ab.substr(0, eq);
+  std::vector<std::string> values;
+  for (size_t at = eq + 1;;) {
+    const size_t comma = ab.find(',', at);
+    values.push_back(ab.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  std::vector<std::vector<double>> ms(values.size());
+  for (int round = 0; round < rounds; ++round)
+    for (size_t v = 0; v < values.size(); ++v) {
+      setenv(name.c_str(), values[v].c_str(), 1);
+      const dm::TrainBenchResult r = bench.measure();
+      ms[v].push_back(r.step_s * 1e3);
+      std::printf("round %d %s=%s: step %.2f ms (fwd+bwd %.2f), %.0f tokens/s, MFU %.2f%%\n", round,
+                  name.c_str(), values[v].c_str(), r.step_s * 1e3, r.forward_backward_s * 1e3,
+                  r.tokens_per_s(), 100.0 * r.model_tflops() / peak_tflops);
+      std::fflush(stdout);
+    }
+  for (size_t v = 0; v < values.size(); ++v) {
+    std::vector<double> sorted = ms[v];
+    std::sort(sorted.begin(), sorted.end());
+    std::printf("%s=%s: median step %.2f ms over %d rounds (min %.2f, max %.2f)\n", name.c_str(),
+                values[v].c_str(), sorted[sorted.size() / 2], rounds, sorted.front(),
+                sorted.back());
+  }
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   std::string config = "configs/gpu_1b.json";
   int64_t B = 1, T = 4096, accum = 1;
   int steps = 5, warmup = 2;
   double peak_tflops = 989.0;
   bool recompute = true;
+  std::string ab;  // NAME=v1,v2,...
+  int rounds = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--config")) config = argv[i + 1];
     else if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
@@ -41,6 +88,10 @@ int main(int argc, char** argv) {
       warmup = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--peak-tflops")) peak_tflops = std::atof(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--recompute")) recompute = std::strcmp(argv[i + 1], "off") != 0;
+    else if (!std::strcmp(argv[i], "--ab"))
+      ab = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--rounds"))
+      rounds = std::atoi(argv[i + 1]);
   }
   try {
     if (!dm::cuda::device_available()) {
@@ -56,7 +107,9 @@ int main(int argc, char** argv) {
     o.steps = steps;
     o.warmup = warmup;
     o.recompute = recompute;
-    const dm::TrainBenchResult r = dm::run_train_bench(c, o);
+    dm::TrainBench bench(c, o);
+    if (!ab.empty()) return run_ab(bench, ab, rounds, peak_tflops);
+    const dm::TrainBenchResult r = bench.measure();
     const double t = r.step_s, tflops = r.model_tflops();
     std::printf("%s on %s: %s parameters, %s active; B=%lld T=%lld accum=%lld; recompute %s\n",
                 config.c_str(), dm::cuda::device_description().c_str(),

@@ -23,7 +23,21 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o) {
+struct TrainBench::State {
+  ModelConfig cfg;
+  TrainBenchOptions o;
+  Model model;
+  std::unique_ptr<TrainEngine> engine;
+  std::vector<int64_t> tokens, targets;
+  State(const ModelConfig& c, const TrainBenchOptions& opts,
+        std::unique_ptr<ModelWeightsT<float>> w)
+      : cfg(c), o(opts), model(std::move(w)) {}
+};
+
+namespace {
+
+std::unique_ptr<ModelWeightsT<float>> checked_init(const ModelConfig& cfg,
+                                                   const TrainBenchOptions& o) {
   DM_CHECK(o.batch >= 1 && o.seq >= 2 && o.steps >= 1 && o.warmup >= 0 && o.accum >= 1,
            "bench train: need batch ≥ 1, seq ≥ 2, steps ≥ 1, warmup ≥ 0 and accum ≥ 1, got batch ",
            o.batch, " seq ", o.seq, " steps ", o.steps, " warmup ", o.warmup, " accum ", o.accum);
@@ -31,14 +45,32 @@ TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions
            cfg.max_context);
   auto w = weights_allocate<float>(cfg);
   weights_init(*w, o.seed);
-  Model model(std::move(w));
-  auto engine = make_train_engine(o.device, model, OptimizerConfig{});
-  const int64_t B = o.batch, T = o.seq, N = B * T;
+  return w;
+}
+
+}  // namespace
+
+TrainBench::TrainBench(const ModelConfig& cfg, const TrainBenchOptions& o)
+    : state_(std::make_unique<State>(cfg, o, checked_init(cfg, o))) {
+  State& st = *state_;
+  st.engine = make_train_engine(o.device, st.model, OptimizerConfig{});
+  const int64_t N = o.batch * o.seq, T = o.seq;
   // Random tokens; each row's targets are its next tokens (the last position has none).
   std::mt19937_64 rng(o.seed + 2);
-  std::vector<int64_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
-  for (auto& t : tokens) t = int64_t(rng() % uint64_t(cfg.vocab_size));
-  for (int64_t i = 0; i < N; ++i) targets[size_t(i)] = (i + 1) % T ? tokens[size_t(i + 1)] : -1;
+  st.tokens.resize(static_cast<size_t>(N));
+  st.targets.resize(static_cast<size_t>(N));
+  for (auto& t : st.tokens) t = int64_t(rng() % uint64_t(cfg.vocab_size));
+  for (int64_t i = 0; i < N; ++i)
+    st.targets[size_t(i)] = (i + 1) % T ? st.tokens[size_t(i + 1)] : -1;
+}
+
+TrainBench::~TrainBench() = default;
+
+TrainBenchResult TrainBench::measure() {
+  State& st = *state_;
+  const TrainBenchOptions& o = st.o;
+  TrainEngine& engine = *st.engine;
+  const int64_t B = o.batch, T = o.seq, N = B * T;
   TrainOptions options;
   options.recompute = o.recompute;
 
@@ -50,16 +82,16 @@ TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions
   };
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     const auto t0 = Clock::now();
-    engine->zero_grads();
+    engine.zero_grads();
     TrainStepResult step;
     for (int64_t m = 0; m < o.accum; ++m)  // the same tokens each time: only the timing matters
-      step = engine->forward_backward(tokens.data(), targets.data(), nullptr, B, T,
-                                      1.0 / double(o.accum * (N - B)), options, nullptr);
+      step = engine.forward_backward(st.tokens.data(), st.targets.data(), nullptr, B, T,
+                                     1.0 / double(o.accum * (N - B)), options, nullptr);
     const auto t1 = Clock::now();
-    const double norm = engine->grad_norm();  // synchronises on the GPU
-    if (norm > 1.0) engine->scale_grads(float(1.0 / norm));
-    engine->optimizer_step(1e-4f);
-    engine->synchronize();
+    const double norm = engine.grad_norm();  // synchronises on the GPU
+    if (norm > 1.0) engine.scale_grads(float(1.0 / norm));
+    engine.optimizer_step(1e-4f);
+    engine.synchronize();
     const auto t2 = Clock::now();
     if (s >= o.warmup) {
       steps.push_back(seconds(t0, t2));
@@ -67,16 +99,20 @@ TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions
     }
     r.loss = step.loss_sum / double(std::max<int64_t>(step.count, 1));
   }
-  const ParamCount pc = count_params(cfg);
+  const ParamCount pc = count_params(st.cfg);
   r.step_s = median(steps);
   r.forward_backward_s = median(forward_backward);
   r.tokens_per_step = o.accum * N;
   r.params = pc.total;
   r.active_params = pc.active;
-  r.flops_per_token = train_flops_per_token(cfg, pc.active, T);
-  r.optimizer_bytes = engine->optimizer_bytes();
-  r.activation_peak = engine->activation_peak();
+  r.flops_per_token = train_flops_per_token(st.cfg, pc.active, T);
+  r.optimizer_bytes = engine.optimizer_bytes();
+  r.activation_peak = engine.activation_peak();
   return r;
+}
+
+TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o) {
+  return TrainBench(cfg, o).measure();
 }
 
 }  // namespace dm

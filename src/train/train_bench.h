@@ -6,6 +6,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "io/config.h"
@@ -33,7 +34,24 @@ struct TrainBenchResult {
   double model_tflops() const { return flops_per_token * tokens_per_s() / 1e12; }
 };
 
-// Throws dm::Error for a bad shape, an unknown device, or "cuda" without a GPU.
+// The model, engine and tokens set up once (the 1.4B gpu_1b init is ~30 s); measure() times
+// warmup + steps steps and may run again, e.g. once per setting of an environment switch that
+// the kernels read at each call, so that an A/B pays the set-up once and runs on one machine.
+class TrainBench {
+ public:
+  // Throws dm::Error for a bad shape, an unknown device, or "cuda" without a GPU.
+  TrainBench(const ModelConfig& cfg, const TrainBenchOptions& o);
+  ~TrainBench();
+  TrainBench(const TrainBench&) = delete;
+  TrainBench& operator=(const TrainBench&) = delete;
+  TrainBenchResult measure();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// TrainBench(cfg, o).measure().
 TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o);
 
 }  // namespace dm
