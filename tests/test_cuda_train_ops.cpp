@@ -8,6 +8,10 @@
 //     same row shapes, warps that own several rows, some dsrc nullptr, accumulation onto
 //     non-zero gradients; increments compared, relative RMS ≤ 1e-5; parameter grads
 //     bit-identical on a rerun (determinism);
+//   - attnres_forward_norm vs attnres_forward then rmsnorm_to_bf16: the mix bit for bit, the
+//     normed bf16 rows within one rounding step, fused and two-op shapes;
+//   - attnres_norm_backward vs rmsnorm_backward<float> then attnres_backward<float>: the same
+//     row shapes up to kAttnResNormInMaxWidth, with and without parameter gradients;
 //   - embedding_backward vs a host scatter-add with repeated ids (fp64 sums), untouched rows
 //     exact, bit-identical reruns, out-of-range ids skipped; the atomic variant ≤ 1e-5;
 //   - sum_squares vs a host fp64 sum (relative 1e-12), deterministic; scale_inplace exact;
@@ -28,16 +32,17 @@
 
 #include "core/arena.h"
 #include "core/gemm.h"
+#include "cuda_test_util.h"
 #include "io/config.h"
 #include "model/weights.h"
 #include "ops/cpu/attnres.h"
+#include "ops/cpu/rmsnorm.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/muon.h"
 #include "ops/cuda/residual_ops.h"
-#include "train/optimizer.h"
-#include "cuda_test_util.h"
 #include "test_util.h"
+#include "train/optimizer.h"
 
 namespace {
 
@@ -154,6 +159,71 @@ TEST(CudaTrainOpsAttnRes, ForwardTrainingShape) {
   DM_SKIP_WITHOUT_GPU();
   check_attnres_forward({5, 4096, 2048});
   check_attnres_forward({8, 4096, 2048}, 7);
+}
+
+// attnres_forward_norm against attnres_forward then rmsnorm_to_bf16 on the GPU: the mix bit for
+// bit, the normed rows within one bf16 rounding step (the fused norm sums squares per warp).
+void check_attnres_forward_norm(const AttnResCase& c, size_t offset = 0) {
+  const int S = c.S;
+  const int64_t N = c.N, D = c.D;
+  const size_t nd = size_t(N * D);
+  const float eps = 1e-6f, norm_eps = 1e-5f;
+  std::vector<std::vector<float>> src(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j)
+    src[size_t(j)] = random_normal(nd, 500 + uint64_t(j), 0.5f + 0.4f * float(j));
+  const std::vector<float> query = random_normal(size_t(D), 27, 0.3f);
+  std::vector<float> norm_w = random_normal(size_t(D), 28, 0.2f),
+                     out_w = random_normal(size_t(D), 29, 0.3f);
+  for (float& e : norm_w) e += 1.0f;
+  for (float& e : out_w) e += 1.0f;
+  DeviceScratch dev(size_t(S + 2) * (nd + 64) * 4 + 2 * (nd + 64) * 2 + 4 * size_t(D + 64) * 4 +
+                    (1 << 20));
+  std::vector<const float*> src_d(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const float* query_d = dev.upload(query);
+  const float* norm_d = dev.upload(norm_w);
+  const float* out_w_d = dev.upload(out_w);
+  float* mixed_fused = upload_at_offset(dev, std::vector<float>(nd, std::nanf("")), offset);
+  float* mixed_ref = upload_at_offset(dev, std::vector<float>(nd, std::nanf("")), offset);
+  uint16_t* normed_fused = dev.upload(std::vector<uint16_t>(nd, 0x7fc0));  // bf16 NaN
+  uint16_t* normed_ref = dev.upload(std::vector<uint16_t>(nd, 0x7fc0));
+  cu::attnres_forward_norm(src_d.data(), S, query_d, norm_d, mixed_fused, out_w_d, normed_fused, N,
+                           D, eps, norm_eps);
+  cu::attnres_forward(src_d.data(), S, query_d, norm_d, mixed_ref, N, D, eps);
+  cu::rmsnorm_to_bf16(mixed_ref, out_w_d, normed_ref, N, D, norm_eps);
+  const std::string where = "S=" + std::to_string(S) + " N=" + std::to_string(N) +
+                            " D=" + std::to_string(D) + " offset=" + std::to_string(offset);
+  EXPECT_EQ(DeviceScratch::download(mixed_fused, nd), DeviceScratch::download(mixed_ref, nd))
+      << where;
+  const auto got = DeviceScratch::download(normed_fused, nd);
+  const auto want = DeviceScratch::download(normed_ref, nd);
+  auto value = [](uint16_t bits) {
+    const uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  size_t off_by_one = 0, worse = 0;
+  for (size_t i = 0; i < nd; ++i) {
+    if (got[i] == want[i]) continue;
+    const float a = value(got[i]), b = value(want[i]);
+    if (std::isfinite(a) && std::abs(a - b) <= std::abs(b) * (1.0f / 128.0f))
+      ++off_by_one;
+    else
+      ++worse;
+  }
+  EXPECT_EQ(worse, 0u) << where;
+  EXPECT_LE(off_by_one, nd / 100 + 1) << where << ": bf16 values one rounding step apart";
+}
+
+TEST(CudaTrainOpsAttnRes, ForwardNormMatchesMixThenNorm) {
+  DM_SKIP_WITHOUT_GPU();
+  check_attnres_forward_norm({5, 4096, 2048});  // fused: the training shape
+  check_attnres_forward_norm({3, 1300, 256});   // fused, the last block's warps idle
+  check_attnres_forward_norm({1, 1030, 64});
+  check_attnres_forward_norm({3, 37, 256});       // block-per-row rows: two ops
+  check_attnres_forward_norm({4, 1100, 2052});    // wider than a tile: two ops
+  check_attnres_forward_norm({3, 1030, 256}, 1);  // rows off 16 bytes: two ops
 }
 
 void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dnorm,
@@ -284,6 +354,113 @@ TEST(CudaTrainOpsAttnRes, BackwardWarpsOwningSeveralRows) {
 TEST(CudaTrainOpsAttnRes, BackwardTrainingShape) {
   DM_SKIP_WITHOUT_GPU();
   check_attnres_backward({5, 4096, 2048}, true, true);
+}
+
+// attnres_norm_backward against the CPU's two steps: rmsnorm_backward<float> of the mix's output
+// into a zeroed dout, then attnres_backward<float> with it; every gradient an increment onto a
+// non-zero start, relative RMS ≤ 1e-5, the parameter gradients bit-identical on a rerun.
+void check_attnres_norm_backward(const AttnResCase& c, bool with_params, size_t offset = 0) {
+  const int S = c.S;
+  const int64_t N = c.N, D = c.D;
+  const size_t nd = size_t(N * D);
+  const float eps = 1e-6f, norm_eps = 1e-5f;
+  std::vector<std::vector<float>> src(static_cast<size_t>(S)), dsrc0(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) {
+    src[size_t(j)] = random_normal(nd, 300 + uint64_t(j), 0.5f + 0.4f * float(j));
+    dsrc0[size_t(j)] = random_normal(nd, 400 + uint64_t(j), 0.1f);
+  }
+  const std::vector<float> query =
+      random_normal(size_t(D), 17, 0.3f * std::min(1.0f, 16.0f / std::sqrt(float(D))));
+  std::vector<float> norm_w = random_normal(size_t(D), 18, 0.2f),
+                     out_w = random_normal(size_t(D), 19, 0.3f);
+  for (float& e : norm_w) e += 1.0f;
+  for (float& e : out_w) e += 1.0f;
+  const std::vector<float> mixed = random_normal(nd, 20, 0.7f), dy = random_normal(nd, 21);
+  const std::vector<float> dquery0 = random_normal(size_t(D), 22, 0.1f);
+  const std::vector<float> dnorm0 = random_normal(size_t(D), 23, 0.1f);
+  const std::vector<float> dout_w0 = random_normal(size_t(D), 24, 0.1f);
+  auto skipped = [](int j) { return j == 1; };
+
+  std::vector<std::vector<float>> dsrc_ref = dsrc0;
+  std::vector<float> dquery_ref = dquery0, dnorm_ref = dnorm0, dout_w_ref = dout_w0;
+  std::vector<float> dout(nd, 0.0f), unused_dw(size_t(D), 0.0f);  // the CPU op always forms dw
+  dm::rmsnorm_backward<float>(mixed.data(), out_w.data(), dy.data(), dout.data(),
+                              with_params ? dout_w_ref.data() : unused_dw.data(), N, D, norm_eps);
+  std::vector<const float*> src_h(static_cast<size_t>(S));
+  std::vector<float*> dsrc_h(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) {
+    src_h[size_t(j)] = src[size_t(j)].data();
+    dsrc_h[size_t(j)] = skipped(j) ? nullptr : dsrc_ref[size_t(j)].data();
+  }
+  dm::Arena ws(dm::attnres_backward_workspace_bytes(D, sizeof(float)) + 4096);
+  dm::attnres_backward<float>(src_h.data(), S, query.data(), norm_w.data(), dout.data(),
+                              dsrc_h.data(), with_params ? dquery_ref.data() : nullptr,
+                              with_params ? dnorm_ref.data() : nullptr, N, D, eps, ws);
+
+  const size_t ws_bytes = cu::attnres_norm_backward_workspace_bytes(N, D, S);
+  DeviceScratch dev(size_t(3 * S + 2) * (nd + 64) * 4 + 16 * size_t(D + 64) * 4 + ws_bytes +
+                    (1 << 20));
+  std::vector<const float*> src_d(static_cast<size_t>(S));
+  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const float* query_d = dev.upload(query);
+  const float* norm_d = dev.upload(norm_w);
+  const float* out_w_d = dev.upload(out_w);
+  const float* mixed_d = upload_at_offset(dev, mixed, offset);
+  const float* dy_d = upload_at_offset(dev, dy, offset);
+  void* ws_d = dev.raw(ws_bytes);
+  const std::string where = "S=" + std::to_string(S) + " N=" + std::to_string(N) +
+                            " D=" + std::to_string(D) + " offset=" + std::to_string(offset);
+  std::vector<std::vector<float>> first;
+  for (int run = 0; run < 2; ++run) {
+    std::vector<float*> dsrc_d(static_cast<size_t>(S));
+    for (int j = 0; j < S; ++j)
+      dsrc_d[size_t(j)] = skipped(j) ? nullptr : upload_at_offset(dev, dsrc0[size_t(j)], offset);
+    float* dquery_d = dev.upload(dquery0);
+    float* dnorm_d = dev.upload(dnorm0);
+    float* dout_w_d = dev.upload(dout_w0);
+    cu::attnres_norm_backward(src_d.data(), S, query_d, norm_d, mixed_d, out_w_d, dy_d,
+                              dsrc_d.data(), with_params ? dquery_d : nullptr,
+                              with_params ? dnorm_d : nullptr, with_params ? dout_w_d : nullptr, N,
+                              D, eps, norm_eps, ws_d);
+    for (int j = 0; j < S; ++j) {
+      if (skipped(j)) continue;
+      const auto got = DeviceScratch::download(dsrc_d[size_t(j)], nd);
+      EXPECT_TRUE(all_finite(got)) << where;
+      EXPECT_LE(rel_rms_increment(got, dsrc_ref[size_t(j)], dsrc0[size_t(j)]), 1e-5)
+          << where << " dsrc[" << j << "]";
+    }
+    std::vector<std::vector<float>> params = {DeviceScratch::download(dquery_d, size_t(D)),
+                                              DeviceScratch::download(dnorm_d, size_t(D)),
+                                              DeviceScratch::download(dout_w_d, size_t(D))};
+    const std::vector<float>* want[3] = {&dquery_ref, &dnorm_ref, &dout_w_ref};
+    const std::vector<float>* start[3] = {&dquery0, &dnorm0, &dout_w0};
+    const char* names[3] = {"dquery", "dnorm_w", "d_out_w"};
+    for (int k = 0; k < 3; ++k) {
+      if (with_params)
+        EXPECT_LE(rel_rms_increment(params[size_t(k)], *want[k], *start[k]), 1e-5)
+            << where << " " << names[k];
+      else
+        EXPECT_EQ(params[size_t(k)], *start[k]) << where << " " << names[k] << " touched";
+    }
+    if (run == 0)
+      first = params;
+    else
+      EXPECT_EQ(params, first) << where << " parameter gradients not bit-identical on a rerun";
+  }
+}
+
+TEST(CudaTrainOpsAttnRes, NormBackwardMatchesCpuNormThenMix) {
+  DM_SKIP_WITHOUT_GPU();
+  for (int S : {1, 3, 5})
+    for (int64_t D : {64, 256}) check_attnres_norm_backward({S, 37, D}, true);
+  check_attnres_norm_backward({3, 37, 64}, false);    // no parameter gradients
+  check_attnres_norm_backward({4, 1300, 300}, true);  // several blocks, idle warps
+  check_attnres_norm_backward({3, 9001, 64}, true);   // warps owning several rows
+  check_attnres_norm_backward({3, 37, 37}, true);     // scalar chunks
+  check_attnres_norm_backward({3, 19, 2052}, true);   // wider than a tile, ragged tail
+  check_attnres_norm_backward({2, 5, cu::kAttnResNormInMaxWidth}, true);  // one warp a block
+  check_attnres_norm_backward({3, 13, 256}, true, 1);  // rows off 16 bytes: scalar
+  check_attnres_norm_backward({5, 4096, 2048}, true);  // the training shape
 }
 
 // ---------------------------------------------------------------------------------------------

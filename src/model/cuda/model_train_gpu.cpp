@@ -78,6 +78,7 @@ size_t train_scratch_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   }
   const int sources = std::max(1, residual_num_blocks(c)) + 1;
   bytes = std::max({bytes, round_up(attnres_backward_workspace_bytes(N, d, sources)),
+                    round_up(attnres_norm_backward_workspace_bytes(N, d, sources)),
                     round_up(rmsnorm_backward_workspace_bytes(N, d)),
                     round_up(embedding_backward_workspace_bytes(N, c.vocab_size)),
                     round_up(cross_entropy_workspace_bytes(lm_head_rows(c, N)))});
@@ -411,6 +412,22 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   // MoE routing to the sink (first pass only). `rebuild` (the backward, with recompute): only the
   // record, from the p_mids[i] the forward saved: neither the mixer (its backward recomputes what
   // it needs) nor the FFN (its output is not part of the record) runs again.
+  // A site's mix and the RMSNorm after it in one kernel (attnres_forward_norm):
+  // DM_ATTNRES_NORM_OUT (read at each step) = 1 (default) | 0 (attnres_forward, then
+  // rmsnorm_to_bf16: the A/B reference).
+  const bool norm_out = env_choice("DM_ATTNRES_NORM_OUT", {"1", "0"}) == 0;
+  auto mix_norm = [&](const AttnResSiteWeights& site, float* mixed, const float* w,
+                      uint16_t* normed) {
+    // srcs set by the caller.
+    if (norm_out) {
+      attnres_forward_norm(srcs.data(), int(srcs.size()), dw_.f32(site.query), dw_.f32(site.norm),
+                           mixed, dw_.f32(w), normed, N, d, eps, eps, stream);
+      return;
+    }
+    attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(site.query), dw_.f32(site.norm), mixed,
+                    N, d, eps, stream);
+    rmsnorm_to_bf16(mixed, dw_.f32(w), normed, N, d, eps, stream);
+  };
   auto layer_forward = [&](int i, float* out, bool report, bool rebuild) {
     const LayerWeights& Lw = W.layers[size_t(i)];
     const float* in = p_in[size_t(i)];
@@ -423,15 +440,15 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     timer(residual, stream, [&] {
       if (attnres && s > 0) {
         sources_of(s, !empty, in);
-        attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.attn_site.query),
-                        dw_.f32(Lw.attn_site.norm), rec.x, N, d, eps, stream);
-      }  // else rec.x is `in` itself (layer 0: nothing sealed yet)
+        mix_norm(Lw.attn_site, rec.x, Lw.input_norm, rec.xn);
+      } else {  // rec.x is `in` itself (layer 0: nothing sealed yet; or the plain residual)
+        rmsnorm_to_bf16(rec.x, dw_.f32(Lw.input_norm), rec.xn, N, d, eps, stream);
+      }
       if (attnres && i % c.attn_res_block == 0) {  // seal: blocks[s] = in
         blocks[size_t(s)] = in;
         ++s;
         empty = true;
       }
-      rmsnorm_to_bf16(rec.x, dw_.f32(Lw.input_norm), rec.xn, N, d, eps, stream);
     });
     if (!rebuild) {
       // p_mid = [in +] Mixer(xn): the residual add in the mixer's output GEMM.
@@ -450,10 +467,10 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     timer(residual, stream, [&] {
       if (attnres) {
         sources_of(s, true, p_mid);
-        attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(Lw.ffn_site.query),
-                        dw_.f32(Lw.ffn_site.norm), rec.y, N, d, eps, stream);
-      }  // else rec.y is p_mid itself
-      rmsnorm_to_bf16(rec.y, dw_.f32(Lw.post_norm), rec.yn, N, d, eps, stream);
+        mix_norm(Lw.ffn_site, rec.y, Lw.post_norm, rec.yn);
+      } else {  // rec.y is p_mid itself
+        rmsnorm_to_bf16(rec.y, dw_.f32(Lw.post_norm), rec.yn, N, d, eps, stream);
+      }
     });
     if (rebuild) return s;
     if (c.ffns[size_t(i)] == FfnKind::MoE) {
@@ -505,12 +522,11 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   }
   if (attnres) {
     sources_of(sealed, true, p);
-    attnres_forward(srcs.data(), int(srcs.size()), dw_.f32(W.output_site.query),
-                    dw_.f32(W.output_site.norm), final_in, N, d, eps, stream);
+    mix_norm(W.output_site, final_in, W.final_norm, final_h);
   } else {
     copy(final_in, p);
+    rmsnorm_to_bf16(final_in, dw_.f32(W.final_norm), final_h, N, d, eps, stream);
   }
-  rmsnorm_to_bf16(final_in, dw_.f32(W.final_norm), final_h, N, d, eps, stream);
 
   // ---- fused LM head + cross-entropy, tile by tile ----
   timer("lm_head", stream, [&] {
@@ -551,12 +567,35 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
                        stream);
     });
   };
-  norm_backward(final_in, W.final_norm, dh);
+  // A site's RMSNorm backward and its mix's backward in one pass (attnres_norm_backward):
+  // DM_ATTNRES_NORM_IN (read at each step) = 1 (default) | 0 (rmsnorm_backward into dx, then
+  // attnres_backward: the A/B reference).
+  const bool norm_in =
+      env_choice("DM_ATTNRES_NORM_IN", {"1", "0"}) == 0 && d <= kAttnResNormInMaxWidth;
+  auto norm_mix_backward = [&](const float* in, const float* w, const float* dy_rows,
+                               const AttnResSiteWeights& site) {
+    // srcs / dsrcs set by the caller; in = the mix's output, dy_rows = ∂L/∂ its normed rows.
+    if (!norm_in) {
+      norm_backward(in, w, dy_rows);
+      mix_backward(site);
+      return;
+    }
+    DeviceArenaScope scope(run.scratch);
+    void* ws =
+        run.scratch.alloc_bytes(attnres_norm_backward_workspace_bytes(N, d, int(srcs.size())));
+    timer("attnres_norm_bwd", stream, [&] {
+      attnres_norm_backward(srcs.data(), int(srcs.size()), dw_.f32(site.query), dw_.f32(site.norm),
+                            in, dw_.f32(w), dy_rows, dsrcs.data(), grads_.at(site.query),
+                            grads_.at(site.norm), grads_.at(w), N, d, eps, eps, ws, stream);
+    });
+  };
   if (attnres) {
     sources_of(sealed, true, p);
     dsources_of(sealed, true);
-    mix_backward(W.output_site);
-  }  // else norm_backward added to dp
+    norm_mix_backward(final_in, W.final_norm, dh, W.output_site);
+  } else {
+    norm_backward(final_in, W.final_norm, dh);  // adds to dp
+  }
   for (int i = int(L) - 1; i >= 0; --i) {
     const LayerWeights& Lw = W.layers[size_t(i)];
     const int s_in = sealed_in[size_t(i)];
@@ -573,12 +612,13 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     else
       timer("ffn_bwd", stream,
             [&] { dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, rec.yn, dp, dxn, N); });
-    norm_backward(rec.y, Lw.post_norm, dxn);
     if (attnres) {
       sources_of(s_mid, true, p_mid);
       dsources_of(s_mid, true);
-      mix_backward(Lw.ffn_site);
-    }  // else norm_backward added to dp
+      norm_mix_backward(rec.y, Lw.post_norm, dxn, Lw.ffn_site);
+    } else {
+      norm_backward(rec.y, Lw.post_norm, dxn);  // adds to dp
+    }
     // Mixer sub-layer: p_mid = [p_in +] Mixer(norm(x)); dp is now ∂L/∂p_mid = ∂L/∂(mixer out).
     if (c.mixers[size_t(i)] == MixerKind::KDA)
       timer("kda_bwd", stream, [&] {
@@ -590,7 +630,6 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         mla_layer_backward_gpu(run, dw_, grads_, Lw.mla, rec.xn, dp, dxn, B, T, doc_dev,
                                mixer_kept[size_t(i)]);
       });
-    norm_backward(rec.x, Lw.input_norm, dxn);
     if (seals) {  // p restarted after sealing: p_in's gradient is what its sealed copy collected
       float* db = dblocks + size_t(s_in) * nd;
       copy(dp, db);
@@ -599,10 +638,13 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     if (attnres && s_in > 0) {  // x = mix(blocks[0..s_in), p_in)
       sources_of(s_in, !p_empty_in[size_t(i)], p_in[size_t(i)]);
       dsources_of(s_in, !p_empty_in[size_t(i)]);
-      mix_backward(Lw.attn_site);
+      norm_mix_backward(rec.x, Lw.input_norm, dxn, Lw.attn_site);
     } else if (attnres) {  // layer 0: x is p_in itself (after the seal's copy into dp)
+      norm_backward(rec.x, Lw.input_norm, dxn);
       add_inplace(dp, dx, int64_t(nd), stream);
-    }  // plain residual: norm_backward added to dp
+    } else {
+      norm_backward(rec.x, Lw.input_norm, dxn);  // adds to dp
+    }
   }
   {  // deterministic: rows of one token summed in position order
     DeviceArenaScope scope(run.scratch);

@@ -206,10 +206,20 @@ __global__ void attnres_forward_block_rows_kernel(AttnResSources sources, int S,
 // out may alias a source: a lane reads every source chunk it will write before writing it, the
 // statistics of the whole row (a warp reduction) complete before any write, and no other warp
 // touches the row.
-template <int kVec>
+// kNormOut (float4 rows of one tile only): the row's RMSNorm follows from the registers,
+// normed[n] = bf16(out[n]·rsqrt(mean(out[n]²) + norm_eps)·out_w) as rmsnorm_to_bf16 (warp sums
+// instead of block sums), so the norm does not read the row back.
+struct AttnResNormOut {
+  const float* out_w = nullptr;
+  uint16_t* normed = nullptr;
+  float eps = 0.0f;
+};
+
+template <int kVec, bool kNormOut = false>
 __global__ void __launch_bounds__(kAttnResForwardWarps * 32, 3)
     attnres_forward_rows_kernel(AttnResSources sources, int S, const float* query,
-                                const float* norm_w, float* out, int64_t N, int D, float eps) {
+                                const float* norm_w, float* out, int64_t N, int D, float eps,
+                                AttnResNormOut norm = {}) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   using Chunk = AttnResChunk<kVec>;
   constexpr int K = kAttnResChunksPerLane;
@@ -261,10 +271,26 @@ __global__ void __launch_bounds__(kAttnResForwardWarps * 32, 3)
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int c = lane + 32 * k;
-      if (c < chunks) o[c] = chunk_scale(acc[k], inv_den);
+      acc[k] = chunk_scale(acc[k], inv_den);
+      if (c < chunks) o[c] = acc[k];
+    }
+    if constexpr (kNormOut && kVec == 4) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) ss += chunk_dot(acc[k], acc[k]);  // zeros past the row
+      ss = warp_sum(ss);
+      const float inverse_rms = rsqrtf(ss / float(D) + norm.eps);
+      const float4* w = reinterpret_cast<const float4*>(norm.out_w);
+      uint16_t* normed_row = norm.normed + n * D;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        if (c < chunks) store_normed_chunk(normed_row, c, acc[k], __ldg(w + c), inverse_rms);
+      }
     }
     return;
   }
+  if constexpr (kNormOut) __trap();  // the host sends only one-tile rows here
 
   // Wider rows: half-size tiles keep the two passes within the online path's registers.
   constexpr int KW = K / 2;
@@ -411,8 +437,13 @@ void add_inplace(float* dst, const float* src, int64_t n, CUstream_st* stream) {
   add(dst, dst, src, n, stream);
 }
 
-void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
-                     float* out, int64_t N, int64_t D, float eps, CUstream_st* stream) {
+namespace {
+
+// attnres_forward, then (norm.normed != nullptr) rmsnorm_to_bf16 of its output, fused into the
+// row kernel where a row is one float4 tile.
+void attnres_forward_launch(const float* const* src, int S, const float* query, const float* norm_w,
+                            float* out, const AttnResNormOut& norm, int64_t N, int64_t D, float eps,
+                            CUstream_st* stream) {
   DM_CHECK(S >= 1 && S <= kAttnResCudaMaxSources, "attnres (CUDA): ", S, " sources (1..",
            kAttnResCudaMaxSources, " supported)");
   DM_CHECK(N >= 0 && D >= 0 && D <= kAttnResMaxWidth, "attnres (CUDA): bad shape N=", N,
@@ -424,21 +455,47 @@ void attnres_forward(const float* const* src, int S, const float* query, const f
     sources.src[j] = src[j];
     vec4 = vec4 && aligned16(src[j]);
   }
+  const bool fuse_norm = norm.normed != nullptr && vec4 && N >= kAttnResWarpRowsMinN &&
+                         D <= 4 * 32 * kAttnResChunksPerLane && aligned16(norm.out_w) &&
+                         aligned16(norm.normed);
   if (N < kAttnResWarpRowsMinN) {
     launch_pdl(attnres_forward_block_rows_kernel, unsigned(N), kRowThreads, 0, stream, sources, S,
                query, norm_w, out, D, eps);
-    check_last_error("attnres_forward");
-    return;
+  } else {
+    const int64_t blocks = (N + kAttnResForwardWarps - 1) / kAttnResForwardWarps;
+    const size_t smem = size_t(D) * sizeof(float);
+    if (fuse_norm)
+      launch_attnres_rows(attnres_forward_rows_kernel<4, true>, blocks, kAttnResForwardWarps * 32,
+                          smem, stream, sources, S, query, norm_w, out, N, int(D), eps, norm);
+    else if (vec4)
+      launch_attnres_rows(attnres_forward_rows_kernel<4>, blocks, kAttnResForwardWarps * 32, smem,
+                          stream, sources, S, query, norm_w, out, N, int(D), eps, AttnResNormOut{});
+    else
+      launch_attnres_rows(attnres_forward_rows_kernel<1>, blocks, kAttnResForwardWarps * 32, smem,
+                          stream, sources, S, query, norm_w, out, N, int(D), eps, AttnResNormOut{});
   }
-  const int64_t blocks = (N + kAttnResForwardWarps - 1) / kAttnResForwardWarps;
-  const size_t smem = size_t(D) * sizeof(float);
-  if (vec4)
-    launch_attnres_rows(attnres_forward_rows_kernel<4>, blocks, kAttnResForwardWarps * 32, smem,
-                        stream, sources, S, query, norm_w, out, N, int(D), eps);
-  else
-    launch_attnres_rows(attnres_forward_rows_kernel<1>, blocks, kAttnResForwardWarps * 32, smem,
-                        stream, sources, S, query, norm_w, out, N, int(D), eps);
   check_last_error("attnres_forward");
+  if (norm.normed != nullptr && !fuse_norm)
+    rmsnorm_to_bf16(out, norm.out_w, norm.normed, N, D, norm.eps, stream);
+}
+
+}  // namespace
+
+void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
+                     float* out, int64_t N, int64_t D, float eps, CUstream_st* stream) {
+  attnres_forward_launch(src, S, query, norm_w, out, AttnResNormOut{}, N, D, eps, stream);
+}
+
+void attnres_forward_norm(const float* const* src, int S, const float* query, const float* norm_w,
+                          float* out, const float* out_w, uint16_t* normed, int64_t N, int64_t D,
+                          float eps, float norm_eps, CUstream_st* stream) {
+  DM_CHECK(out_w != nullptr && normed != nullptr,
+           "attnres_forward_norm (CUDA): out_w and normed are needed");
+  AttnResNormOut norm;
+  norm.out_w = out_w;
+  norm.normed = normed;
+  norm.eps = norm_eps;
+  attnres_forward_launch(src, S, query, norm_w, out, norm, N, D, eps, stream);
 }
 
 }  // namespace dm::cuda

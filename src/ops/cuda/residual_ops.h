@@ -54,6 +54,15 @@ inline constexpr int kAttnResCudaMaxSources = 64;
 void attnres_forward(const float* const* src, int S, const float* query, const float* norm_w,
                      float* out, int64_t N, int64_t D, float eps, CUstream_st* stream = nullptr);
 
+// attnres_forward, then rmsnorm_to_bf16(out, out_w, normed, norm_eps) of its output (every
+// training site's mix is followed by its norm). Rows of one float4 tile (D ≤ 2048, 16-byte
+// aligned, N ≥ 1024) are normed from the mix's registers in the same kernel: out is written but
+// not read back; other shapes run the two ops. The fused norm sums squares per warp instead of
+// per block of 256 threads, so its bf16 bits may differ from rmsnorm_to_bf16's in the last place.
+void attnres_forward_norm(const float* const* src, int S, const float* query, const float* norm_w,
+                          float* out, const float* out_w, uint16_t* normed, int64_t N, int64_t D,
+                          float eps, float norm_eps, CUstream_st* stream = nullptr);
+
 // ---- Training (backward) side of the residual stream and the global gradient norm ----------
 // Every backward ACCUMULATES into its gradients (docs/backward.md); nothing here synchronises
 // or allocates: scratch comes in through `workspace` (device memory, ≥ the matching
@@ -77,6 +86,27 @@ void attnres_backward(const float* const* src, int S, const float* query, const 
                       const float* dout, float* const* dsrc, float* dquery, float* dnorm_w,
                       int64_t N, int64_t D, float eps, void* workspace,
                       CUstream_st* stream = nullptr);
+
+// The backward of RMSNorm(attnres_forward(src)) in one pass, for training's sites, whose mix is
+// always followed by the norm: given mixed = the mix's output [N, D] (fp32), the norm's weight
+// out_w [D] and dy = ∂L/∂(normed rows) [N, D] (fp32), each row's
+//   dout = r·out_w⊙dy − mixed·r³·(Σ_k dy_k·out_w_k·mixed_k)/D,  r = rsqrt(mean(mixed²) + norm_eps)
+// is formed in shared memory and goes into attnres_backward's updates as its dout; d_out_w
+// (nullptr: not wanted) += Σ_n dy⊙mixed·r, summed like G (fixed order, bit-identical reruns).
+// Same as rmsnorm_backward (elementwise.h) into a dout buffer, then attnres_backward, without
+// that buffer: the rows of mixed and dy are read once. dsrc must not alias src, mixed or dy.
+// Fewer rows run side by side per block than in attnres_backward (each warp also holds its dout
+// row and a partial of d_out_w in shared memory), so G's partial sums, hence its low bits,
+// differ from attnres_backward's.
+// Rows up to kAttnResNormInMaxWidth (one warp's γ⊙w, G partial, dout row and d_out_w partial fit
+// an SM's shared memory); wider ones take rmsnorm_backward + attnres_backward.
+inline constexpr int64_t kAttnResNormInMaxWidth = 12288;
+size_t attnres_norm_backward_workspace_bytes(int64_t N, int64_t D, int S);
+void attnres_norm_backward(const float* const* src, int S, const float* query, const float* norm_w,
+                           const float* mixed, const float* out_w, const float* dy,
+                           float* const* dsrc, float* dquery, float* dnorm_w, float* d_out_w,
+                           int64_t N, int64_t D, float eps, float norm_eps, void* workspace,
+                           CUstream_st* stream = nullptr);
 
 // Backward of embedding_gather into the fp32 table gradient: dtable[tokens[n], :] += dp[n, :]
 // (dtable [V, D], dp [N, D]). Deterministic: the (token, n) pairs are radix-sorted by token

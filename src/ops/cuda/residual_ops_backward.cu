@@ -35,13 +35,29 @@ struct AttnResGradTargets {
   float* dsrc[kAttnResCudaMaxSources];
 };
 
-// Grid of the AttnRes backward row kernel, a function of (N, D) only, so the order in which G
-// adds up (hence the bits of dquery / dnorm_w) never depends on scheduling or on the device.
-// `warps` rows run side by side per block: as many (≤ 8) as keep γ⊙w and one fp32 partial of G
-// per warp within kAttnResBackwardSmemBudget; each warp owns rows_per_warp rows, so that there
-// are at most kAttnResBackwardMaxBlocks blocks, each writing one fp64 partial [D].
+// The RMSNorm that follows the mix, whose backward the fused kernel forms per row
+// (attnres_norm_backward): mixed = the mix's output [N, D], out_w its norm weight [D], dy the
+// gradient of the normed rows [N, D]; dw_partial [blocks, D] the fp64 block partials of
+// Σ_n dy⊙mixed·r (nullptr: the weight's gradient not wanted).
+struct AttnResNormIn {
+  const float* mixed = nullptr;
+  const float* out_w = nullptr;
+  const float* dy = nullptr;
+  double* dw_partial = nullptr;
+  float eps = 0.0f;
+};
+
+// Grid of the AttnRes backward row kernel, a function of (N, D, norm_in) only, so the order in
+// which G adds up (hence the bits of dquery / dnorm_w) never depends on scheduling or on the
+// device. `warps` rows run side by side per block: as many (≤ 8) as keep γ⊙w and, per warp, one
+// fp32 partial of G (norm_in: also the row's dout and a partial of the norm weight's gradient)
+// within kAttnResBackwardSmemBudget; each warp owns rows_per_warp rows, so that there are at most
+// kAttnResBackwardMaxBlocks blocks, each writing one fp64 partial [D] (norm_in: two).
 constexpr int kAttnResBackwardMaxWarps = 8;
 constexpr int64_t kAttnResBackwardMaxBlocks = 512;
+// norm_in: two blocks of four warps fit an SM at D = 2048 (shared memory), so 256 blocks are one
+// wave of the H200's 132 SMs (512 left a second wave and twice the partials to sum).
+constexpr int64_t kAttnResNormBackwardMaxBlocks = 256;
 constexpr size_t kAttnResBackwardSmemBudget = 112 * 1024;  // half of an sm_90 SM's 228 KiB
 // Chunks per lane whose loads the element pass issues together (x, dout, dsrc: 24 float4).
 constexpr int kAttnResElementGroup = 8;
@@ -52,13 +68,19 @@ struct AttnResBackwardGrid {
   int64_t blocks;     // = the number of fp64 partials of G
 };
 
-AttnResBackwardGrid attnres_backward_grid(int64_t N, int64_t D) {
+// D-wide fp32 rows of shared memory a warp of the row kernel owns.
+int attnres_backward_rows_per_warp(bool norm_in) { return norm_in ? 3 : 1; }
+
+AttnResBackwardGrid attnres_backward_grid(int64_t N, int64_t D, bool norm_in) {
   AttnResBackwardGrid grid{};
   const int64_t fit =
-      int64_t(kAttnResBackwardSmemBudget / (size_t(std::max<int64_t>(D, 1)) * sizeof(float))) - 1;
+      (int64_t(kAttnResBackwardSmemBudget / (size_t(std::max<int64_t>(D, 1)) * sizeof(float))) -
+       1) /
+      attnres_backward_rows_per_warp(norm_in);
   grid.warps = int(std::clamp<int64_t>(fit, 1, kAttnResBackwardMaxWarps));
   const int64_t rows = std::max<int64_t>(N, 1);
-  const int64_t max_rows_per_pass = grid.warps * kAttnResBackwardMaxBlocks;
+  const int64_t max_rows_per_pass =
+      grid.warps * (norm_in ? kAttnResNormBackwardMaxBlocks : kAttnResBackwardMaxBlocks);
   grid.rows_per_warp = int((rows + max_rows_per_pass - 1) / max_rows_per_pass);
   const int64_t rows_per_block = int64_t(grid.warps) * grid.rows_per_warp;
   grid.blocks = (rows + rows_per_block - 1) / rows_per_block;
@@ -66,9 +88,11 @@ AttnResBackwardGrid attnres_backward_grid(int64_t N, int64_t D) {
 }
 
 // Dynamic shared memory of the backward row kernel: γ⊙w [D], then (parameter gradients wanted)
-// one fp32 partial of G [D] per warp.
-size_t attnres_backward_smem_bytes(int64_t D, int warps, bool param_grads) {
-  return size_t(1 + (param_grads ? warps : 0)) * size_t(D) * sizeof(float);
+// one fp32 partial of G [D] per warp, then (norm_in) each warp's dout row [D] and fp32 partial of
+// the norm weight's gradient [D].
+size_t attnres_backward_smem_bytes(int64_t D, int warps, bool param_grads, bool norm_in) {
+  return size_t(1 + (param_grads ? warps : 0) + (norm_in ? 2 * warps : 0)) * size_t(D) *
+         sizeof(float);
 }
 
 // AttnRes backward, stage 1. Warp w of block b owns rows n = (i·gridDim.x + b)·warps + w,
@@ -88,12 +112,16 @@ size_t attnres_backward_smem_bytes(int64_t D, int warps, bool param_grads) {
 // row's remaining sources out of L2.
 // At the end the block sums its warps' partials in warp order, in fp64, into
 // partial[blockIdx.x, :]; partial == nullptr: no parameter gradient wanted (no partials kept).
-template <int kVec>
+// kNormIn: dout is not an input but the backward of the RMSNorm after the mix, formed per row
+// first into the warp's shared row (norm.mixed and norm.dy read once, 8·D bytes, where the
+// separate norm backward moved 20·D: x and dy twice, dx written), with the norm weight's
+// gradient partial beside G's.
+template <int kVec, bool kNormIn>
 __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
     attnres_backward_rows_kernel(AttnResSources sources, AttnResGradTargets targets, int S,
                                  const float* query, const float* norm_w, const float* dout,
-                                 double* partial, int64_t N, int D, float eps,
-                                 int rows_per_warp) {
+                                 double* partial, int64_t N, int D, float eps, int rows_per_warp,
+                                 AttnResNormIn norm) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   using Chunk = AttnResChunk<kVec>;
   constexpr int K = kAttnResChunksPerLane, kGroup = kAttnResElementGroup;
@@ -103,19 +131,81 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
   const int chunks = D / kVec;
   Chunk* gw = reinterpret_cast<Chunk*>(attnres_smem);
   float* warp_partials = reinterpret_cast<float*>(gw + chunks);  // [warps, D] if partial
+  // kNormIn: [warps, D] dout rows, then [warps, D] partials of the norm weight's gradient.
+  float* dout_rows = warp_partials + (partial ? warps * D : 0);
+  float* norm_partials = dout_rows + warps * D;
+  const bool norm_dw = kNormIn && norm.dw_partial != nullptr;
   attnres_fill_gamma_w(gw, query, norm_w, chunks);
-  if (partial) {
+  if (partial || norm_dw) {
     Chunk* zero = reinterpret_cast<Chunk*>(warp_partials);
-    for (int i = threadIdx.x; i < warps * chunks; i += blockDim.x) zero[i] = Chunk{};
+    const int rows = (partial ? warps : 0) + (norm_dw ? 2 * warps : 0);
+    for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) zero[i] = Chunk{};
   }
   __syncthreads();
   const Chunk* gwc = gw;
   Chunk* gpart = partial ? reinterpret_cast<Chunk*>(warp_partials + warp * D) : nullptr;
+  Chunk* dout_row = reinterpret_cast<Chunk*>(dout_rows + warp * D);
+  Chunk* npart = norm_dw ? reinterpret_cast<Chunk*>(norm_partials + warp * D) : nullptr;
 
   for (int i = 0; i < rows_per_warp; ++i) {
     const int64_t n = (int64_t(i) * gridDim.x + blockIdx.x) * warps + warp;
     if (n >= N) break;  // whole warps; rows grow with i
-    const Chunk* g = reinterpret_cast<const Chunk*>(dout + n * D);
+    const Chunk* g = reinterpret_cast<const Chunk*>(kNormIn ? nullptr : dout + n * D);
+    if constexpr (kNormIn) {
+      // dout = r·w⊙dy − mixed·r³·(Σ dy·w·mixed)/D (RMSNorm's backward, fp64 row sums), into the
+      // warp's row; the norm weight's partial += dy⊙mixed·r. Each lane reads back only chunks it
+      // wrote, so the row needs no barrier. A row of one tile stays in registers between the
+      // sums and the stores (a second read of it was the longest wait of the row).
+      const Chunk* m = reinterpret_cast<const Chunk*>(norm.mixed + n * D);
+      const Chunk* dy = reinterpret_cast<const Chunk*>(norm.dy + n * D);
+      const Chunk* ow = reinterpret_cast<const Chunk*>(norm.out_w);
+      float fr = 0.0f, neg_proj = 0.0f;
+      auto coefficients = [&](double ss, double wdot) {
+        ss = warp_sum(ss);
+        wdot = warp_sum(wdot);
+        const double r = 1.0 / sqrt(ss / double(D) + double(norm.eps));
+        fr = float(r);
+        neg_proj = float(-r * r * r * wdot / double(D));
+      };
+      auto store = [&](int c, Chunk xc, Chunk yc) {
+        dout_row[c] = chunk_lincomb(fr, chunk_mul(yc, __ldg(ow + c)), neg_proj, xc);
+        if (npart) npart[c] = chunk_lincomb(1.0f, npart[c], fr, chunk_mul(yc, xc));
+      };
+      if (chunks <= 32 * K) {
+        Chunk x[K], y[K];
+        double ss = 0.0, wdot = 0.0;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = lane + 32 * k;
+          x[k] = c < chunks ? m[c] : Chunk{};
+          y[k] = c < chunks ? dy[c] : Chunk{};
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = lane + 32 * k;
+          if (c < chunks) {
+            ss += double(chunk_dot(x[k], x[k]));
+            wdot += double(chunk_dot(chunk_mul(y[k], __ldg(ow + c)), x[k]));
+          }
+        }
+        coefficients(ss, wdot);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = lane + 32 * k;
+          if (c < chunks) store(c, x[k], y[k]);
+        }
+      } else {
+        double ss = 0.0, wdot = 0.0;
+        for (int c = lane; c < chunks; c += 32) {
+          const Chunk xc = m[c], yc = dy[c];
+          ss += double(chunk_dot(xc, xc));
+          wdot += double(chunk_dot(chunk_mul(yc, __ldg(ow + c)), xc));
+        }
+        coefficients(ss, wdot);
+        for (int c = lane; c < chunks; c += 32) store(c, m[c], dy[c]);  // from L1 / L2
+      }
+      g = dout_row;
+    }
 
     SourceSlots logit{-INFINITY, -INFINITY}, r{0.0, 0.0}, s{0.0, 0.0}, da{0.0, 0.0};
     for (int j = 0; j < S; ++j) {
@@ -197,12 +287,17 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
     }
   }
 
-  if (partial == nullptr) return;  // block-uniform
+  if (partial == nullptr && !norm_dw) return;  // block-uniform
   __syncthreads();
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int d = threadIdx.x; partial && d < D; d += blockDim.x) {
     double G = 0.0;
     for (int w = 0; w < warps; ++w) G += double(warp_partials[w * D + d]);
     partial[int64_t(blockIdx.x) * D + d] = G;
+  }
+  for (int d = threadIdx.x; norm_dw && d < D; d += blockDim.x) {
+    double total = 0.0;
+    for (int w = 0; w < warps; ++w) total += double(norm_partials[w * D + d]);
+    norm.dw_partial[int64_t(blockIdx.x) * D + d] = total;
   }
 }
 
@@ -211,12 +306,11 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
 // thread (x, y) sums the partials b ≡ y (mod groups) in ascending b (a warp reads 256
 // contiguous bytes per b), then thread (x, 0) adds the group sums in group order: a fixed order,
 // so bit-identical run to run, and 16-way parallel over the ≤ 512 partials of a column.
+// partial == nullptr: no G. norm_partial (the fused norm backward's, [blocks, D]): its column sums,
+// in the same order, add to d_out_w.
 constexpr int kAttnResParamGroups = 16;
-__global__ void __launch_bounds__(32 * kAttnResParamGroups)
-    attnres_backward_params_kernel(const double* partial, int64_t blocks, const float* query,
-                                   const float* norm_w, float* dquery, float* dnorm_w, int D) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
-  __shared__ double group_sum[kAttnResParamGroups][32];
+__device__ __forceinline__ double attnres_column_sum(const double* partial, int64_t blocks, int D,
+                                                     double (*group_sum)[32]) {
   const int x = threadIdx.x, y = threadIdx.y;
   const int d = blockIdx.x * 32 + x;
   double acc = 0.0;
@@ -224,13 +318,31 @@ __global__ void __launch_bounds__(32 * kAttnResParamGroups)
 #pragma unroll 4
     for (int64_t b = y; b < blocks; b += kAttnResParamGroups) acc += partial[b * D + d];
   }
+  __syncthreads();  // group_sum free (a previous call's readers are done)
   group_sum[y][x] = acc;
   __syncthreads();
-  if (y != 0 || d >= D) return;
-  double G = 0.0;
-  for (int k = 0; k < kAttnResParamGroups; ++k) G += group_sum[k][x];
-  if (dquery) dquery[d] += float(G * double(norm_w[d]));
-  if (dnorm_w) dnorm_w[d] += float(G * double(query[d]));
+  double total = 0.0;
+  for (int k = 0; k < kAttnResParamGroups; ++k) total += group_sum[k][x];
+  return total;
+}
+
+__global__ void __launch_bounds__(32 * kAttnResParamGroups)
+    attnres_backward_params_kernel(const double* partial, int64_t blocks, const float* query,
+                                   const float* norm_w, float* dquery, float* dnorm_w,
+                                   const double* norm_partial, float* d_out_w, int D) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  __shared__ double group_sum[kAttnResParamGroups][32];
+  const int d = blockIdx.x * 32 + threadIdx.x;
+  const bool writer = threadIdx.y == 0 && d < D;
+  if (partial) {
+    const double G = attnres_column_sum(partial, blocks, D, group_sum);
+    if (writer && dquery) dquery[d] += float(G * double(norm_w[d]));
+    if (writer && dnorm_w) dnorm_w[d] += float(G * double(query[d]));
+  }
+  if (norm_partial) {
+    const double total = attnres_column_sum(norm_partial, blocks, D, group_sum);
+    if (writer) d_out_w[d] += float(total);
+  }
 }
 
 // Embedding backward, step 1: sort keys (token id, or V for an id outside [0, V): sorted last
@@ -310,23 +422,41 @@ __global__ void scale_inplace_kernel(float* x, int64_t n, float s) {
 size_t attnres_backward_workspace_bytes(int64_t N, int64_t D, int S) {
   (void)S;
   if (N <= 0 || D <= 0) return 0;
-  return align256(size_t(attnres_backward_grid(N, D).blocks) * size_t(D) * sizeof(double));
+  return align256(size_t(attnres_backward_grid(N, D, false).blocks) * size_t(D) * sizeof(double));
 }
 
-void attnres_backward(const float* const* src, int S, const float* query, const float* norm_w,
-                      const float* dout, float* const* dsrc, float* dquery, float* dnorm_w,
-                      int64_t N, int64_t D, float eps, void* workspace, CUstream_st* stream) {
-  DM_CHECK(S >= 1 && S <= kAttnResCudaMaxSources, "attnres_backward (CUDA): ", S,
-           " sources (1..", kAttnResCudaMaxSources, " supported)");
-  DM_CHECK(N >= 0 && D >= 0 && D <= kAttnResMaxWidth, "attnres_backward (CUDA): bad shape N=", N,
-           " D=", D, " (D ≤ ", kAttnResMaxWidth, ")");
+size_t attnres_norm_backward_workspace_bytes(int64_t N, int64_t D, int S) {
+  (void)S;
+  if (N <= 0 || D <= 0) return 0;
+  return 2 *
+         align256(size_t(attnres_backward_grid(N, D, true).blocks) * size_t(D) * sizeof(double));
+}
+
+namespace {
+
+// attnres_backward and attnres_norm_backward (norm.mixed != nullptr).
+void attnres_backward_launch(const float* const* src, int S, const float* query,
+                             const float* norm_w, const float* dout, const AttnResNormIn& norm_args,
+                             float* const* dsrc, float* dquery, float* dnorm_w, float* d_out_w,
+                             int64_t N, int64_t D, float eps, void* workspace,
+                             CUstream_st* stream) {
+  const char* who = norm_args.mixed ? "attnres_norm_backward (CUDA)" : "attnres_backward (CUDA)";
+  DM_CHECK(S >= 1 && S <= kAttnResCudaMaxSources, who, ": ", S, " sources (1..",
+           kAttnResCudaMaxSources, " supported)");
+  DM_CHECK(N >= 0 && D >= 0 && D <= kAttnResMaxWidth, who, ": bad shape N=", N, " D=", D, " (D ≤ ",
+           kAttnResMaxWidth, ")");
   if (N == 0 || D == 0) return;
+  const bool norm_in = norm_args.mixed != nullptr;
   const bool param_grads = dquery != nullptr || dnorm_w != nullptr;
-  DM_CHECK(!param_grads || workspace != nullptr,
-           "attnres_backward (CUDA): a workspace is needed for dquery / dnorm_w");
+  const bool any_params = param_grads || d_out_w != nullptr;
+  DM_CHECK(!any_params || workspace != nullptr, who,
+           ": a workspace is needed for the parameter gradients");
   AttnResSources sources{};
   AttnResGradTargets targets{};
-  bool vec4 = D % 4 == 0 && aligned16(query) && aligned16(norm_w) && aligned16(dout);
+  bool vec4 = D % 4 == 0 && aligned16(query) && aligned16(norm_w);
+  vec4 = vec4 && (norm_in ? aligned16(norm_args.mixed) && aligned16(norm_args.out_w) &&
+                                aligned16(norm_args.dy)
+                          : aligned16(dout));
   bool any_dsrc = false;
   for (int j = 0; j < S; ++j) {
     sources.src[j] = src[j];
@@ -334,23 +464,58 @@ void attnres_backward(const float* const* src, int S, const float* query, const 
     vec4 = vec4 && aligned16(src[j]) && aligned16(targets.dsrc[j]);
     any_dsrc = any_dsrc || targets.dsrc[j] != nullptr;
   }
-  if (!any_dsrc && !param_grads) return;
-  const AttnResBackwardGrid grid = attnres_backward_grid(N, D);
-  const size_t smem = attnres_backward_smem_bytes(D, grid.warps, param_grads);
+  if (!any_dsrc && !any_params) return;
+  const AttnResBackwardGrid grid = attnres_backward_grid(N, D, norm_in);
+  const size_t smem = attnres_backward_smem_bytes(D, grid.warps, param_grads, norm_in);
+  const size_t partial_bytes = align256(size_t(grid.blocks) * size_t(D) * sizeof(double));
   double* partial = param_grads ? static_cast<double*>(workspace) : nullptr;
-  if (vec4)
-    launch_attnres_rows(attnres_backward_rows_kernel<4>, grid.blocks, grid.warps * 32, smem,
-                        stream, sources, targets, S, query, norm_w, dout, partial, N, int(D), eps,
-                        grid.rows_per_warp);
+  AttnResNormIn norm = norm_args;
+  norm.dw_partial = norm_in && d_out_w
+                        ? reinterpret_cast<double*>(static_cast<char*>(workspace) + partial_bytes)
+                        : nullptr;
+  auto launch = [&](auto kernel) {
+    launch_attnres_rows(kernel, grid.blocks, grid.warps * 32, smem, stream, sources, targets, S,
+                        query, norm_w, dout, partial, N, int(D), eps, grid.rows_per_warp, norm);
+  };
+  if (norm_in)
+    vec4 ? launch(attnres_backward_rows_kernel<4, true>)
+         : launch(attnres_backward_rows_kernel<1, true>);
   else
-    launch_attnres_rows(attnres_backward_rows_kernel<1>, grid.blocks, grid.warps * 32, smem,
-                        stream, sources, targets, S, query, norm_w, dout, partial, N, int(D), eps,
-                        grid.rows_per_warp);
-  check_last_error("attnres_backward (rows)");
-  if (!param_grads) return;
+    vec4 ? launch(attnres_backward_rows_kernel<4, false>)
+         : launch(attnres_backward_rows_kernel<1, false>);
+  check_last_error(who);
+  if (!param_grads && norm.dw_partial == nullptr) return;
   launch_pdl(attnres_backward_params_kernel, unsigned((D + 31) / 32), dim3(32, kAttnResParamGroups),
-             0, stream, partial, grid.blocks, query, norm_w, dquery, dnorm_w, int(D));
-  check_last_error("attnres_backward (params)");
+             0, stream, static_cast<const double*>(partial), grid.blocks, query, norm_w, dquery,
+             dnorm_w, static_cast<const double*>(norm.dw_partial), d_out_w, int(D));
+  check_last_error(who);
+}
+
+}  // namespace
+
+void attnres_backward(const float* const* src, int S, const float* query, const float* norm_w,
+                      const float* dout, float* const* dsrc, float* dquery, float* dnorm_w,
+                      int64_t N, int64_t D, float eps, void* workspace, CUstream_st* stream) {
+  attnres_backward_launch(src, S, query, norm_w, dout, AttnResNormIn{}, dsrc, dquery, dnorm_w,
+                          nullptr, N, D, eps, workspace, stream);
+}
+
+void attnres_norm_backward(const float* const* src, int S, const float* query, const float* norm_w,
+                           const float* mixed, const float* out_w, const float* dy,
+                           float* const* dsrc, float* dquery, float* dnorm_w, float* d_out_w,
+                           int64_t N, int64_t D, float eps, float norm_eps, void* workspace,
+                           CUstream_st* stream) {
+  DM_CHECK(mixed != nullptr && out_w != nullptr && dy != nullptr,
+           "attnres_norm_backward (CUDA): mixed, out_w and dy are needed");
+  DM_CHECK(D <= kAttnResNormInMaxWidth, "attnres_norm_backward (CUDA): D=", D, " exceeds ",
+           kAttnResNormInMaxWidth, " (use rmsnorm_backward, then attnres_backward)");
+  AttnResNormIn norm;
+  norm.mixed = mixed;
+  norm.out_w = out_w;
+  norm.dy = dy;
+  norm.eps = norm_eps;
+  attnres_backward_launch(src, S, query, norm_w, nullptr, norm, dsrc, dquery, dnorm_w, d_out_w, N,
+                          D, eps, workspace, stream);
 }
 
 namespace {
