@@ -8,6 +8,8 @@
 //   MLA key/value assembly, its transpose and the output gate's three kernels (mla_layer_ops.h):
 //     the grouped kernels (aligned tensors) against the one-element kernels (the same inputs one
 //     element off alignment), bit for bit: both compute each element with the same fp32 ops.
+//   KDA decay gate, forward and backward: the four-channel kernels against the CPU and, for the
+//     parameter gradients, bit for bit against the one-channel kernels;
 // The short conv's wide kernels are covered by test_cuda_short_conv.cpp (channel counts that
 // take either width). Skips without a GPU.
 #include <gtest/gtest.h>
@@ -19,6 +21,7 @@
 
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "ops/cpu/kda_prep.h"
 #include "ops/cpu/norm_gated.h"
 #include "ops/cuda/kda_layer_backward_ops.h"
 #include "ops/cuda/kda_layer_ops.h"
@@ -87,6 +90,71 @@ void run_gated_norm_case(int64_t rows, int64_t D, size_t offset) {
   EXPECT_LE(test::rel_rms(to_double(dx).data(), dx_ref.data(), n), 1e-2);
   EXPECT_LE(test::rel_rms(to_double(dgate).data(), dgate_ref.data(), n), 1e-2);
   EXPECT_LE(test::rel_rms(to_double(dw).data(), dw_ref.data(), size_t(D)), 1e-5);
+}
+
+// The KDA decay gate, forward and backward, bf16 f: the four-channel kernels (K % 4 == 0, every
+// tensor aligned) and the one-channel kernels (the same at offset 1, and K = 30) against the CPU
+// (ops/cpu/kda_prep.h, float, the same bf16 inputs): g and df relative RMS ≤ 1e-2 (bf16),
+// dA_log and ddt_bias (fp32, accumulated onto a nonzero start) ≤ 1e-5; and the four-channel
+// backward's parameter gradients equal the one-channel kernel's bit for bit (same row order).
+void run_gate_case(int64_t N, int64_t H, int64_t K, bool safe, size_t offset,
+                   std::vector<float>* dparams_out = nullptr) {
+  SCOPED_TRACE("N=" + std::to_string(N) + " H=" + std::to_string(H) + " K=" + std::to_string(K) +
+               (safe ? " safe" : " softplus") + " offset=" + std::to_string(offset));
+  const size_t n = size_t(N * H * K), hk = size_t(H * K);
+  const float lower_bound = -5.0f;
+  const KdaGateKind kind = safe ? KdaGateKind::Safe : KdaGateKind::Softplus;
+  const std::vector<float> f = test::round_bf16(test::random_normal(n, 41, 6.0f));
+  const std::vector<float> A_log = test::random_normal(size_t(H), 42, 0.5f);
+  const std::vector<float> dt_bias = test::random_normal(hk, 43);
+  const std::vector<float> dg = test::random_normal(n, 44);
+  const std::vector<float> dA0 = test::random_normal(size_t(H), 45),
+                           db0 = test::random_normal(hk, 46);
+  std::vector<float> g_ref(n), df_ref(n, 0.0f), dA_ref = dA0, db_ref = db0;
+  kda_gate_forward<float>(f.data(), A_log.data(), dt_bias.data(), g_ref.data(), N, H, K, kind,
+                          lower_bound);
+  kda_gate_backward<float>(f.data(), A_log.data(), dt_bias.data(), dg.data(), df_ref.data(),
+                           dA_ref.data(), db_ref.data(), N, H, K, kind, lower_bound);
+
+  DeviceScratch dev(n * 12 + hk * 16 + cuda::kda_gate_backward_partial_floats(N, H, K) * 4 + 65536);
+  const uint16_t* f_d = upload_at(dev, test::to_bf16(f), offset);
+  const float* A_d = dev.upload(A_log);
+  const float* b_d = upload_at(dev, dt_bias, offset);
+  const float* dg_d = upload_at(dev, dg, offset);
+  float* dA_d = dev.upload(dA0);
+  float* db_d = dev.upload(db0);
+  uint16_t* g_d = zeros_at<uint16_t>(dev, n, offset);
+  uint16_t* df_d = zeros_at<uint16_t>(dev, n, offset);
+  float* partial = dev.zeros<float>(cuda::kda_gate_backward_partial_floats(N, H, K));
+  cuda::kda_gate_forward(f_d, A_d, b_d, g_d, N, H, K, safe, lower_bound);
+  cuda::kda_gate_backward(f_d, A_d, b_d, dg_d, df_d, dA_d, db_d, partial, N, H, K, safe,
+                          lower_bound);
+  const auto g = test::from_bf16(DeviceScratch::download(g_d, n));
+  const auto df = test::from_bf16(DeviceScratch::download(df_d, n));
+  const auto dA = DeviceScratch::download(dA_d, size_t(H));
+  const auto db = DeviceScratch::download(db_d, hk);
+  ASSERT_TRUE(test::all_finite(g) && test::all_finite(df) && test::all_finite(dA) &&
+              test::all_finite(db));
+  EXPECT_LE(test::rel_rms(g.data(), g_ref.data(), n), 1e-2);
+  EXPECT_LE(test::rel_rms(df.data(), df_ref.data(), n), 1e-2);
+  EXPECT_LE(test::rel_rms(dA.data(), dA_ref.data(), size_t(H)), 1e-5);
+  EXPECT_LE(test::rel_rms(db.data(), db_ref.data(), hk), 1e-5);
+  if (dparams_out) {
+    *dparams_out = dA;
+    dparams_out->insert(dparams_out->end(), db.begin(), db.end());
+  }
+}
+
+TEST(CudaLayerOpsVectors, KdaGateMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const bool safe : {false, true}) {
+    std::vector<float> vec4, scalar;
+    run_gate_case(300, 4, 128, safe, 0, &vec4);
+    run_gate_case(300, 4, 128, safe, 1, &scalar);
+    EXPECT_EQ(vec4, scalar) << "four-channel and one-channel parameter gradients differ";
+    run_gate_case(37, 3, 30, safe, 0);    // K % 4 ≠ 0: one channel a thread
+    run_gate_case(5000, 2, 64, safe, 0);  // several rows a thread
+  }
 }
 
 TEST(CudaLayerOpsVectors, GatedNormMatchesCpu) {
