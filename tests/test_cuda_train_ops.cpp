@@ -87,6 +87,72 @@ float* upload_at_offset(DeviceScratch& dev, const std::vector<float>& host, size
   return dev.upload(padded) + offset;
 }
 
+// S random sources of nd floats (source j at scale 0.5 + 0.4·j, so the r_j path matters), from
+// seeds `seed` + j; dsrc0 (if given): their gradients' starting values, from seeds `seed` + 100 + j.
+std::vector<std::vector<float>> random_sources(int S, size_t nd, uint64_t seed,
+                                               std::vector<std::vector<float>>* dsrc0 = nullptr) {
+  std::vector<std::vector<float>> src(static_cast<size_t>(S));
+  if (dsrc0) dsrc0->assign(static_cast<size_t>(S), {});
+  for (int j = 0; j < S; ++j) {
+    src[size_t(j)] = random_normal(nd, seed + uint64_t(j), 0.5f + 0.4f * float(j));
+    if (dsrc0) (*dsrc0)[size_t(j)] = random_normal(nd, seed + 100 + uint64_t(j), 0.1f);
+  }
+  return src;
+}
+
+// The gradients' starting values uploaded `offset` floats in; nullptr where skipped(j).
+template <typename Skip>
+std::vector<float*> upload_gradients(DeviceScratch& dev, const std::vector<std::vector<float>>& dsrc0,
+                                     Skip skipped, size_t offset) {
+  std::vector<float*> out(dsrc0.size(), nullptr);
+  for (size_t j = 0; j < dsrc0.size(); ++j)
+    if (!skipped(int(j))) out[j] = upload_at_offset(dev, dsrc0[j], offset);
+  return out;
+}
+
+// Every uploaded gradient (non-null dsrc_d[j]) finite and its increment over dsrc0 within 1e-5
+// of the reference's.
+void expect_gradients_match(const std::vector<float*>& dsrc_d,
+                            const std::vector<std::vector<float>>& dsrc_ref,
+                            const std::vector<std::vector<float>>& dsrc0, size_t nd,
+                            const std::string& where) {
+  for (size_t j = 0; j < dsrc_d.size(); ++j) {
+    if (dsrc_d[j] == nullptr) continue;
+    const auto got = DeviceScratch::download(dsrc_d[j], nd);
+    EXPECT_TRUE(all_finite(got)) << where;
+    EXPECT_LE(rel_rms_increment(got, dsrc_ref[j], dsrc0[j]), 1e-5) << where << " dsrc[" << j << "]";
+  }
+}
+
+// The CPU reference of the backward tests: attnres_backward<float> onto dsrc (sources with
+// skipped(j) get no gradient) and dquery / dnorm (nullptr: not wanted).
+template <typename Skip>
+void cpu_attnres_backward(const std::vector<std::vector<float>>& src,
+                          std::vector<std::vector<float>>& dsrc, Skip skipped,
+                          const std::vector<float>& query, const std::vector<float>& norm_w,
+                          const std::vector<float>& dout, float* dquery, float* dnorm, int64_t N,
+                          int64_t D, float eps) {
+  const size_t S = src.size();
+  std::vector<const float*> src_h(S);
+  std::vector<float*> dsrc_h(S);
+  for (size_t j = 0; j < S; ++j) {
+    src_h[j] = src[j].data();
+    dsrc_h[j] = skipped(int(j)) ? nullptr : dsrc[j].data();
+  }
+  dm::Arena ws(dm::attnres_backward_workspace_bytes(D, sizeof(float)) + 4096);
+  dm::attnres_backward<float>(src_h.data(), int(S), query.data(), norm_w.data(), dout.data(),
+                              dsrc_h.data(), dquery, dnorm, N, D, eps, ws);
+}
+
+// The sources uploaded `offset` floats into their allocations.
+std::vector<const float*> upload_sources(DeviceScratch& dev,
+                                         const std::vector<std::vector<float>>& src,
+                                         size_t offset) {
+  std::vector<const float*> out;
+  for (const auto& v : src) out.push_back(upload_at_offset(dev, v, offset));
+  return out;
+}
+
 // out_alias ≥ 0: the output overwrites src[out_alias] (allowed by residual_ops.h).
 void check_attnres_forward_rows(const AttnResCase& c, int out_alias, size_t offset) {
   const int S = c.S;
@@ -107,8 +173,7 @@ void check_attnres_forward_rows(const AttnResCase& c, int out_alias, size_t offs
                              D, eps);
 
   DeviceScratch dev(size_t(S + 1) * (nd + 64) * 4 + 4 * size_t(D + 64) * 4 + (1 << 20));
-  std::vector<const float*> src_d(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const std::vector<const float*> src_d = upload_sources(dev, src, offset);
   const float* query_d = dev.upload(query);
   const float* norm_d = dev.upload(norm_w);
   // NaN everywhere a missed write would show.
@@ -168,9 +233,7 @@ void check_attnres_forward_norm(const AttnResCase& c, size_t offset = 0) {
   const int64_t N = c.N, D = c.D;
   const size_t nd = size_t(N * D);
   const float eps = 1e-6f, norm_eps = 1e-5f;
-  std::vector<std::vector<float>> src(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j)
-    src[size_t(j)] = random_normal(nd, 500 + uint64_t(j), 0.5f + 0.4f * float(j));
+  const std::vector<std::vector<float>> src = random_sources(S, nd, 500);
   const std::vector<float> query = random_normal(size_t(D), 27, 0.3f);
   std::vector<float> norm_w = random_normal(size_t(D), 28, 0.2f),
                      out_w = random_normal(size_t(D), 29, 0.3f);
@@ -178,8 +241,7 @@ void check_attnres_forward_norm(const AttnResCase& c, size_t offset = 0) {
   for (float& e : out_w) e += 1.0f;
   DeviceScratch dev(size_t(S + 2) * (nd + 64) * 4 + 2 * (nd + 64) * 2 + 4 * size_t(D + 64) * 4 +
                     (1 << 20));
-  std::vector<const float*> src_d(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const std::vector<const float*> src_d = upload_sources(dev, src, offset);
   const float* query_d = dev.upload(query);
   const float* norm_d = dev.upload(norm_w);
   const float* out_w_d = dev.upload(out_w);
@@ -232,12 +294,8 @@ void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dn
   const int64_t N = c.N, D = c.D;
   const size_t nd = size_t(N * D);
   const float eps = 1e-6f;
-  std::vector<std::vector<float>> src(static_cast<size_t>(S)), dsrc0(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) {
-    // Different scales per source so the r_j path matters.
-    src[size_t(j)] = random_normal(nd, 100 + uint64_t(j), 0.5f + 0.4f * float(j));
-    dsrc0[size_t(j)] = random_normal(nd, 200 + uint64_t(j), 0.1f);
-  }
+  std::vector<std::vector<float>> dsrc0;
+  const std::vector<std::vector<float>> src = random_sources(S, nd, 100, &dsrc0);
   // A non-zero pseudo-query so the softmax is not uniform, scaled down for wide rows (the logits
   // grow like √D): at D = 16384 an unscaled one saturated the softmax, G fell to ~1e-12 and the
   // parameter increments vanished below the fp32 ulp of their starting values.
@@ -254,33 +312,23 @@ void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dn
   // CPU reference.
   std::vector<std::vector<float>> dsrc_ref = dsrc0;
   std::vector<float> dquery_ref = dquery0, dnorm_ref = dnorm0;
-  std::vector<const float*> src_h(static_cast<size_t>(S));
-  std::vector<float*> dsrc_h(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) {
-    src_h[size_t(j)] = src[size_t(j)].data();
-    dsrc_h[size_t(j)] = skipped(j) ? nullptr : dsrc_ref[size_t(j)].data();
-  }
-  dm::Arena ws(dm::attnres_backward_workspace_bytes(D, sizeof(float)) + 4096);
-  dm::attnres_backward<float>(src_h.data(), S, query.data(), norm_w.data(), dout.data(),
-                              dsrc_h.data(), with_dquery ? dquery_ref.data() : nullptr,
-                              with_dnorm ? dnorm_ref.data() : nullptr, N, D, eps, ws);
+  cpu_attnres_backward(src, dsrc_ref, skipped, query, norm_w, dout,
+                       with_dquery ? dquery_ref.data() : nullptr,
+                       with_dnorm ? dnorm_ref.data() : nullptr, N, D, eps);
 
   // GPU, twice from the same start (determinism).
   const size_t ws_bytes = cu::attnres_backward_workspace_bytes(N, D, S);
   // Sources, dout, and the dsrc of two runs; each upload padded by `offset` and aligned.
   DeviceScratch dev(size_t(3 * S + 1) * (nd + 64) * 4 + 8 * size_t(D + 64) * 4 + 2 * ws_bytes +
                     (1 << 20));
-  std::vector<const float*> src_d(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const std::vector<const float*> src_d = upload_sources(dev, src, offset);
   const float* query_d = dev.upload(query);
   const float* norm_d = dev.upload(norm_w);
   const float* dout_d = upload_at_offset(dev, dout, offset);
   void* ws_d = dev.raw(ws_bytes);
   std::vector<float> first_dquery, first_dnorm;
   for (int run = 0; run < 2; ++run) {
-    std::vector<float*> dsrc_d(static_cast<size_t>(S));
-    for (int j = 0; j < S; ++j)
-      dsrc_d[size_t(j)] = skipped(j) ? nullptr : upload_at_offset(dev, dsrc0[size_t(j)], offset);
+    const std::vector<float*> dsrc_d = upload_gradients(dev, dsrc0, skipped, offset);
     float* dquery_d = dev.upload(dquery0);
     float* dnorm_d = dev.upload(dnorm0);
     cu::attnres_backward(src_d.data(), S, query_d, norm_d, dout_d, dsrc_d.data(),
@@ -288,13 +336,7 @@ void check_attnres_backward(const AttnResCase& c, bool with_dquery, bool with_dn
                          eps, ws_d);
     const std::string where = "S=" + std::to_string(S) + " N=" + std::to_string(N) +
                               " D=" + std::to_string(D) + " offset=" + std::to_string(offset);
-    for (int j = 0; j < S; ++j) {
-      if (skipped(j)) continue;
-      const auto got = DeviceScratch::download(dsrc_d[size_t(j)], nd);
-      EXPECT_TRUE(all_finite(got)) << where;
-      EXPECT_LE(rel_rms_increment(got, dsrc_ref[size_t(j)], dsrc0[size_t(j)]), 1e-5)
-          << where << " dsrc[" << j << "]";
-    }
+    expect_gradients_match(dsrc_d, dsrc_ref, dsrc0, nd, where);
     const auto dquery = DeviceScratch::download(dquery_d, size_t(D));
     const auto dnorm = DeviceScratch::download(dnorm_d, size_t(D));
     if (with_dquery)
@@ -364,11 +406,8 @@ void check_attnres_norm_backward(const AttnResCase& c, bool with_params, size_t 
   const int64_t N = c.N, D = c.D;
   const size_t nd = size_t(N * D);
   const float eps = 1e-6f, norm_eps = 1e-5f;
-  std::vector<std::vector<float>> src(static_cast<size_t>(S)), dsrc0(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) {
-    src[size_t(j)] = random_normal(nd, 300 + uint64_t(j), 0.5f + 0.4f * float(j));
-    dsrc0[size_t(j)] = random_normal(nd, 400 + uint64_t(j), 0.1f);
-  }
+  std::vector<std::vector<float>> dsrc0;
+  const std::vector<std::vector<float>> src = random_sources(S, nd, 300, &dsrc0);
   const std::vector<float> query =
       random_normal(size_t(D), 17, 0.3f * std::min(1.0f, 16.0f / std::sqrt(float(D))));
   std::vector<float> norm_w = random_normal(size_t(D), 18, 0.2f),
@@ -386,22 +425,14 @@ void check_attnres_norm_backward(const AttnResCase& c, bool with_params, size_t 
   std::vector<float> dout(nd, 0.0f), unused_dw(size_t(D), 0.0f);  // the CPU op always forms dw
   dm::rmsnorm_backward<float>(mixed.data(), out_w.data(), dy.data(), dout.data(),
                               with_params ? dout_w_ref.data() : unused_dw.data(), N, D, norm_eps);
-  std::vector<const float*> src_h(static_cast<size_t>(S));
-  std::vector<float*> dsrc_h(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) {
-    src_h[size_t(j)] = src[size_t(j)].data();
-    dsrc_h[size_t(j)] = skipped(j) ? nullptr : dsrc_ref[size_t(j)].data();
-  }
-  dm::Arena ws(dm::attnres_backward_workspace_bytes(D, sizeof(float)) + 4096);
-  dm::attnres_backward<float>(src_h.data(), S, query.data(), norm_w.data(), dout.data(),
-                              dsrc_h.data(), with_params ? dquery_ref.data() : nullptr,
-                              with_params ? dnorm_ref.data() : nullptr, N, D, eps, ws);
+  cpu_attnres_backward(src, dsrc_ref, skipped, query, norm_w, dout,
+                       with_params ? dquery_ref.data() : nullptr,
+                       with_params ? dnorm_ref.data() : nullptr, N, D, eps);
 
   const size_t ws_bytes = cu::attnres_norm_backward_workspace_bytes(N, D, S);
   DeviceScratch dev(size_t(3 * S + 2) * (nd + 64) * 4 + 16 * size_t(D + 64) * 4 + ws_bytes +
                     (1 << 20));
-  std::vector<const float*> src_d(static_cast<size_t>(S));
-  for (int j = 0; j < S; ++j) src_d[size_t(j)] = upload_at_offset(dev, src[size_t(j)], offset);
+  const std::vector<const float*> src_d = upload_sources(dev, src, offset);
   const float* query_d = dev.upload(query);
   const float* norm_d = dev.upload(norm_w);
   const float* out_w_d = dev.upload(out_w);
@@ -412,9 +443,7 @@ void check_attnres_norm_backward(const AttnResCase& c, bool with_params, size_t 
                             " D=" + std::to_string(D) + " offset=" + std::to_string(offset);
   std::vector<std::vector<float>> first;
   for (int run = 0; run < 2; ++run) {
-    std::vector<float*> dsrc_d(static_cast<size_t>(S));
-    for (int j = 0; j < S; ++j)
-      dsrc_d[size_t(j)] = skipped(j) ? nullptr : upload_at_offset(dev, dsrc0[size_t(j)], offset);
+    const std::vector<float*> dsrc_d = upload_gradients(dev, dsrc0, skipped, offset);
     float* dquery_d = dev.upload(dquery0);
     float* dnorm_d = dev.upload(dnorm0);
     float* dout_w_d = dev.upload(dout_w0);
@@ -422,13 +451,7 @@ void check_attnres_norm_backward(const AttnResCase& c, bool with_params, size_t 
                               dsrc_d.data(), with_params ? dquery_d : nullptr,
                               with_params ? dnorm_d : nullptr, with_params ? dout_w_d : nullptr, N,
                               D, eps, norm_eps, ws_d);
-    for (int j = 0; j < S; ++j) {
-      if (skipped(j)) continue;
-      const auto got = DeviceScratch::download(dsrc_d[size_t(j)], nd);
-      EXPECT_TRUE(all_finite(got)) << where;
-      EXPECT_LE(rel_rms_increment(got, dsrc_ref[size_t(j)], dsrc0[size_t(j)]), 1e-5)
-          << where << " dsrc[" << j << "]";
-    }
+    expect_gradients_match(dsrc_d, dsrc_ref, dsrc0, nd, where);
     std::vector<std::vector<float>> params = {DeviceScratch::download(dquery_d, size_t(D)),
                                               DeviceScratch::download(dnorm_d, size_t(D)),
                                               DeviceScratch::download(dout_w_d, size_t(D))};

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kThreads)
       return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16);
     };
     if constexpr (kTma) {
-      tma::barrier_wait(&side_full[0], parity);  // value side of chunk n landed
+      wait_side<false>(&side_full[0], parity);  // value side of chunk n landed
     } else {
       cp_async_wait<1>();
       __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // Ke, P free (this dO buffer stays: phase 2 reads it)
     if constexpr (kTma) {
       if (tid == 0 && n > 0) load_value_side(n - 1);
-      tma::barrier_wait(&side_full[1], parity);  // state side of chunk n landed
+      wait_side<false>(&side_full[1], parity);  // state side of chunk n landed
     } else {
       if (n > 0) load_value_side(n - 1);
       cp_async_commit();
@@ -364,14 +364,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     auto d_out_at = [&](int i, int col) {
       return __uint_as_float(uint32_t(d_out[i * ldt + col]) << 16);
     };
-    // kTma: thread 0 alone polls the barrier and the block barrier passes its acquire on (two
-    // blocks share an SM here: 255 polling threads would take issue slots from the other one).
+    // kTma: thread 0 alone polls (two blocks share an SM here; wait_side).
     if constexpr (kTma) {
-      if (tid == 0) tma::barrier_wait(&value_full, uint32_t((last - n) & 1));
+      wait_side<true>(&value_full, uint32_t((last - n) & 1));
     } else {
       cp_async_wait<0>();
-    }
-    __syncthreads();  // value side of chunk n landed; dS' is the gradient after chunk n
+      __syncthreads();
+    }  // value side of chunk n landed; dS' is the gradient after chunk n
     copy_tile_f4<kCols, true>(d_states + ch * d.KP * d.VP + e0, d.VP, d_state_s, ldt, d.KP);
     backward_value_product<kCols>(d, key_to_end_s, lower_s, d_state_s, d_out, d_value_new_s);
     __syncthreads();  // dV' complete; Ke, P free (this dO buffer stays: phase 2 reads it)
@@ -424,22 +423,26 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <int kCols>
 void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, const KdaDims& d,
                            const KdaForwardWorkspace& ws, float* d_states, cudaStream_t stream) {
-  const int shared = backward_state_layout<kCols>(d).total;
   const bool by_tma = state_operands_by_tma(d) && d.V % 8 == 0 &&
                       reinterpret_cast<uintptr_t>(d_o) % 16 == 0 && d.B * d.T < (int64_t(1) << 31);
+  const bool staged = state_backward_staged(d.VP / kCols * d.B * d.H);
   BackwardStateMaps maps{};
-  if (by_tma) {
+  if (by_tma) {  // the value side's maps for both kernels, the state side's for the staged one
     const uint64_t rows = uint64_t(d.B * d.H * d.num_chunks * kChunk);
     maps.key_to_end = tma_map_f32_rows(ws.key_to_end, rows, d.KP, d.KP, kChunk, d.KP + kPadRowRead);
     maps.lower =
         tma_map_f32_rows(ws.lower_query_key, rows, kChunk, kChunk, kChunk, kChunk + kPadColRead);
     maps.d_out = tma_map_bf16_head_rows(d_o, uint64_t(d.B), uint64_t(d.T), uint64_t(d.H),
                                         uint64_t(d.V), kChunk, kCols + kPadColRead);
-    maps.query_decay =
-        tma_map_f32_rows(ws.query_decay, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
-    maps.w = tma_map_f32_rows(ws.w, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
-    maps.decay = tma_map_f32_rows(ws.decay_whole, rows / kChunk, d.KP, d.KP, 1, d.KP);
+    if (staged) {
+      maps.query_decay =
+          tma_map_f32_rows(ws.query_decay, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
+      maps.w = tma_map_f32_rows(ws.w, rows, d.KP, d.KP, kChunk, d.KP + kPadColRead);
+      maps.decay = tma_map_f32_rows(ws.decay_whole, rows / kChunk, d.KP, d.KP, 1, d.KP);
+    }
   }
+  const int shared = staged ? backward_state_layout<kCols>(d).total
+                            : backward_state_regs_layout<kCols>(d).total;
   auto launch = [&](auto kernel) {
     DM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
@@ -447,7 +450,7 @@ void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, co
         d_o, dsT, ds0, d, ws, d_states, maps);
   };
   const bool fixed = kda_static_dims(d) == kKdaStaticDims;
-  if (state_backward_staged(d.VP / kCols * d.B * d.H)) {
+  if (staged) {
     if (by_tma && fixed)
       launch(kda_chunk_state_backward_tf32_kernel<kCols, kKdaStaticDims, true>);
     else if (by_tma)
@@ -457,21 +460,14 @@ void launch_backward_state(const uint16_t* d_o, const float* dsT, float* ds0, co
     else
       launch(kda_chunk_state_backward_tf32_kernel<kCols, 0, false>);
   } else {
-    const int regs_shared = backward_state_regs_layout<kCols>(d).total;
-    auto launch_regs = [&](auto kernel) {
-      DM_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, regs_shared));
-      kernel<<<dim3(unsigned(d.VP / kCols), unsigned(d.B * d.H)), kThreads, size_t(regs_shared),
-               stream>>>(d_o, dsT, ds0, d, ws, d_states, maps);
-    };
     if (by_tma && fixed)
-      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims, true>);
+      launch(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims, true>);
     else if (by_tma)
-      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, 0, true>);
+      launch(kda_chunk_state_backward_regs_kernel<kCols, 0, true>);
     else if (fixed)
-      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims, false>);
+      launch(kda_chunk_state_backward_regs_kernel<kCols, kKdaStaticDims, false>);
     else
-      launch_regs(kda_chunk_state_backward_regs_kernel<kCols, 0, false>);
+      launch(kda_chunk_state_backward_regs_kernel<kCols, 0, false>);
   }
   check_last_error("cuda kda_chunk_backward (state gradient, tf32 tensor cores)");
 }

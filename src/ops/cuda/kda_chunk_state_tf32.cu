@@ -209,11 +209,8 @@ __global__ void __launch_bounds__(kThreads)
   const int r0_value = 16 * (warp >> 1), col0_value = (warp & 1) * (kCols / 2);
   for (int64_t n = 0; n < d.num_chunks; ++n) {
     const int64_t ch = first_chunk + n;
-    if constexpr (kTma && kSoloWait) {
-      if (tid == 0) tma::barrier_wait(&side_full[0], uint32_t(n & 1));
-      __syncthreads();  // value side of chunk n landed
-    } else if constexpr (kTma) {
-      tma::barrier_wait(&side_full[0], uint32_t(n & 1));  // value side of chunk n landed
+    if constexpr (kTma) {
+      wait_side<kSoloWait>(&side_full[0], uint32_t(n & 1));  // value side of chunk n landed
     } else {
       cp_async_wait<1>();
       __syncthreads();  // value side of chunk n landed; S is the chunk-start state
@@ -238,12 +235,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // W, U free; V' complete
     if constexpr (kTma) {
       if (tid == 0 && n + 1 < d.num_chunks) load_value_side(n + 1);
-      if constexpr (kSoloWait) {
-        if (tid == 0) tma::barrier_wait(&side_full[1], uint32_t(n & 1));
-        __syncthreads();  // state side of chunk n landed
-      } else {
-        tma::barrier_wait(&side_full[1], uint32_t(n & 1));  // state side of chunk n landed
-      }
+      wait_side<kSoloWait>(&side_full[1], uint32_t(n & 1));  // state side of chunk n landed
     } else {
       if (n + 1 < d.num_chunks) load_value_side(n + 1);
       cp_async_commit();

@@ -12,6 +12,7 @@
 #include "ops/cuda/kda_backward_detail.cuh"
 #include "ops/cuda/kda_common.cuh"
 #include "ops/cuda/kda_mma.cuh"
+#include "ops/cuda/tma.cuh"
 
 namespace dm::cuda::kda_detail::state_tf32 {
 
@@ -90,6 +91,20 @@ __device__ __forceinline__ void warp_mma_tf32_two_chains_rows(float (&acc)[kTile
 __device__ __forceinline__ KdaDims static_dims(KdaDims dims, int static_head_dims) {
   if (static_head_dims > 0) dims.KP = dims.VP = static_head_dims;
   return dims;
+}
+
+// Waits for phase `parity` of a side's TMA mbarrier. kSolo: thread 0 alone polls and the block
+// barrier passes its acquire on to the other threads (where two blocks share an SM, 255 polling
+// threads would take issue slots from the other one); else every thread polls, and nothing else
+// is implied (no block barrier).
+template <bool kSolo>
+__device__ __forceinline__ void wait_side(uint64_t* full, uint32_t parity) {
+  if constexpr (kSolo) {
+    if (threadIdx.x == 0) tma::barrier_wait(full, parity);
+    __syncthreads();
+  } else {
+    tma::barrier_wait(full, parity);
+  }
 }
 
 // ---- host side (kda_chunk_state_tf32.cu) -------------------------------------------------------
