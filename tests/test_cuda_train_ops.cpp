@@ -10,6 +10,7 @@
 //     bit-identical on a rerun (determinism);
 //   - attnres_forward_norm vs attnres_forward then rmsnorm_to_bf16: the mix bit for bit, the
 //     normed bf16 rows within one rounding step, fused and two-op shapes;
+//   - attnres_norm_backward_deferred + attnres_flush vs attnres_norm_backward site by site;
 //   - attnres_norm_backward vs rmsnorm_backward<float> then attnres_backward<float>: the same
 //     row shapes up to kAttnResNormInMaxWidth, with and without parameter gradients;
 //   - embedding_backward vs a host scatter-add with repeated ids (fp64 sums), untouched rows
@@ -28,6 +29,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/arena.h"
@@ -484,6 +486,150 @@ TEST(CudaTrainOpsAttnRes, NormBackwardMatchesCpuNormThenMix) {
   check_attnres_norm_backward({2, 5, cu::kAttnResNormInMaxWidth}, true);  // one warp a block
   check_attnres_norm_backward({3, 13, 256}, true, 1);  // rows off 16 bytes: scalar
   check_attnres_norm_backward({5, 4096, 2048}, true);  // the training shape
+}
+
+// P sites sharing J sealed sources, each with its own p, mixed rows, dy and weights: the
+// deferred calls plus one attnres_flush against P immediate attnres_norm_backward calls. The
+// sealed sources' gradients and every site's dquery / dnorm_w within 1e-5 (the flush sums in
+// another order); p's gradients and d_out_w bit for bit (the same kernel computes them); the
+// flush bit-identical on a rerun.
+void check_attnres_flush(int P, int J, int64_t N, int64_t D) {
+  const size_t nd = size_t(N * D);
+  const float eps = 1e-6f, norm_eps = 1e-5f;
+  const std::string where = "P=" + std::to_string(P) + " J=" + std::to_string(J) +
+                            " N=" + std::to_string(N) + " D=" + std::to_string(D);
+  std::vector<std::vector<float>> dblocks0;
+  const auto blocks = random_sources(J, nd, 600, &dblocks0);
+  struct Site {
+    std::vector<float> p, dp0, mixed, dy, query, norm_w, out_w;
+  };
+  std::vector<Site> sites(static_cast<size_t>(P));
+  for (int k = 0; k < P; ++k) {
+    Site& t = sites[size_t(k)];
+    const uint64_t seed = 700 + 20 * uint64_t(k);
+    t.p = random_normal(nd, seed, 0.8f);
+    t.dp0 = random_normal(nd, seed + 1, 0.1f);
+    t.mixed = random_normal(nd, seed + 2, 0.7f);
+    t.dy = random_normal(nd, seed + 3);
+    t.query =
+        random_normal(size_t(D), seed + 4, 0.3f * std::min(1.0f, 16.0f / std::sqrt(float(D))));
+    t.norm_w = random_normal(size_t(D), seed + 5, 0.2f);
+    t.out_w = random_normal(size_t(D), seed + 6, 0.3f);
+    for (float& e : t.norm_w) e += 1.0f;
+    for (float& e : t.out_w) e += 1.0f;
+  }
+  const size_t site_ws = cu::attnres_norm_backward_workspace_bytes(N, D, J + 1);
+  const size_t flush_ws = cu::attnres_flush_workspace_bytes(N, D, P);
+  // Blocks, three copies of their gradients; per site and upload (three) p, mixed, dy, dp; the
+  // two runs' kept douts and coefficients; the vectors; the workspaces.
+  DeviceScratch dev(size_t(4 * J + 14 * P) * (nd + 64) * 4 + 2 * size_t(3 * J * N * P + 64) * 4 +
+                    size_t(18 * P) * size_t(D + 64) * 4 + site_ws + flush_ws + (1 << 20));
+  const std::vector<const float*> blocks_d = upload_sources(dev, blocks, 0);
+  auto no_skip = [](int) { return false; };
+  struct SiteDev {
+    const float *p, *mixed, *dy, *query, *norm_w, *out_w;
+    float *dp, *dquery, *dnorm, *dout_w, *keep_dout, *keep_coef;
+  };
+  auto upload_sites = [&]() {
+    std::vector<SiteDev> out;
+    for (const Site& t : sites) {
+      SiteDev sd{};
+      sd.p = dev.upload(t.p);
+      sd.mixed = dev.upload(t.mixed);
+      sd.dy = dev.upload(t.dy);
+      sd.query = dev.upload(t.query);
+      sd.norm_w = dev.upload(t.norm_w);
+      sd.out_w = dev.upload(t.out_w);
+      sd.dp = dev.upload(t.dp0);
+      sd.dquery = dev.zeros<float>(size_t(D));
+      sd.dnorm = dev.zeros<float>(size_t(D));
+      sd.dout_w = dev.zeros<float>(size_t(D));
+      out.push_back(sd);
+    }
+    return out;
+  };
+  void* ws = dev.raw(site_ws);
+  // Immediate.
+  const std::vector<float*> dblocks_a = upload_gradients(dev, dblocks0, no_skip, 0);
+  const std::vector<SiteDev> a = upload_sites();
+  for (int k = 0; k < P; ++k) {
+    std::vector<const float*> src(blocks_d.begin(), blocks_d.end());
+    std::vector<float*> dsrc(dblocks_a.begin(), dblocks_a.end());
+    src.push_back(a[size_t(k)].p);
+    dsrc.push_back(a[size_t(k)].dp);
+    cu::attnres_norm_backward(src.data(), J + 1, a[size_t(k)].query, a[size_t(k)].norm_w,
+                              a[size_t(k)].mixed, a[size_t(k)].out_w, a[size_t(k)].dy, dsrc.data(),
+                              a[size_t(k)].dquery, a[size_t(k)].dnorm, a[size_t(k)].dout_w, N, D,
+                              eps, norm_eps, ws);
+  }
+  // Deferred, then flushed (twice from the same start: determinism).
+  void* fws = dev.raw(flush_ws);
+  std::vector<std::vector<float>> first;
+  for (int run = 0; run < 2; ++run) {
+    const std::vector<float*> dblocks_b = upload_gradients(dev, dblocks0, no_skip, 0);
+    std::vector<SiteDev> b = upload_sites();
+    std::vector<cu::AttnResFlushSite> pending;
+    for (int k = 0; k < P; ++k) {
+      SiteDev& sd = b[size_t(k)];
+      sd.keep_dout = dev.zeros<float>(nd);
+      sd.keep_coef = dev.zeros<float>(size_t(3 * J * N));
+      std::vector<const float*> src(blocks_d.begin(), blocks_d.end());
+      std::vector<float*> dsrc(dblocks_b.begin(), dblocks_b.end());
+      src.push_back(sd.p);
+      dsrc.push_back(sd.dp);
+      cu::attnres_norm_backward_deferred(
+          src.data(), J + 1, J, sd.query, sd.norm_w, sd.mixed, sd.out_w, sd.dy, dsrc.data(),
+          sd.dquery, sd.dnorm, sd.dout_w, N, D, eps, norm_eps, sd.keep_dout, sd.keep_coef, ws);
+      cu::AttnResFlushSite f;
+      f.dout = sd.keep_dout;
+      f.coef = sd.keep_coef;
+      f.deferred = J;
+      f.query = sd.query;
+      f.norm_w = sd.norm_w;
+      f.dquery = sd.dquery;
+      f.dnorm_w = sd.dnorm;
+      pending.push_back(f);
+    }
+    std::vector<float*> dblocks_mut(dblocks_b.begin(), dblocks_b.end());
+    cu::attnres_flush(pending.data(), P, blocks_d.data(), dblocks_mut.data(), J, N, D, fws);
+    std::vector<std::vector<float>> got;
+    for (int j = 0; j < J; ++j) {
+      const auto want = DeviceScratch::download(dblocks_a[size_t(j)], nd);
+      const auto have = DeviceScratch::download(dblocks_b[size_t(j)], nd);
+      EXPECT_TRUE(all_finite(have)) << where;
+      EXPECT_LE(rel_rms_increment(have, want, dblocks0[size_t(j)]), 1e-5)
+          << where << " dblocks[" << j << "]";
+      got.push_back(have);
+    }
+    for (int k = 0; k < P; ++k) {
+      const SiteDev &sa = a[size_t(k)], &sb = b[size_t(k)];
+      EXPECT_EQ(DeviceScratch::download(sb.dp, nd), DeviceScratch::download(sa.dp, nd))
+          << where << " site " << k << " dp";
+      EXPECT_EQ(DeviceScratch::download(sb.dout_w, size_t(D)),
+                DeviceScratch::download(sa.dout_w, size_t(D)))
+          << where << " site " << k << " d_out_w";
+      const auto zero = std::vector<float>(size_t(D), 0.0f);
+      for (auto [mine, theirs, name] : {std::tuple{sb.dquery, sa.dquery, "dquery"},
+                                        std::tuple{sb.dnorm, sa.dnorm, "dnorm_w"}}) {
+        const auto have = DeviceScratch::download(mine, size_t(D));
+        EXPECT_LE(rel_rms_increment(have, DeviceScratch::download(theirs, size_t(D)), zero), 1e-5)
+            << where << " site " << k << " " << name;
+        got.push_back(have);
+      }
+    }
+    if (run == 0)
+      first = got;
+    else
+      EXPECT_EQ(got, first) << where << " the flush is not bit-identical on a rerun";
+  }
+}
+
+TEST(CudaTrainOpsAttnRes, DeferredSitesAndFlushMatchImmediateSites) {
+  DM_SKIP_WITHOUT_GPU();
+  check_attnres_flush(1, 1, 37, 64);     // fewer rows than a stage
+  check_attnres_flush(3, 2, 1300, 256);  // a ragged last stage
+  check_attnres_flush(2, 3, 9001, 520);  // several stages a tile; a partial column block
+  check_attnres_flush(cu::kAttnResFlushMaxSites, 4, 4096, 2048);  // the training shape
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ size_t train_activation_bytes(const ModelConfig& c, int64_t N) {
   b += round_up(size_t(nb * N * d) * 4);               // dblocks
   b += 2 * row32 + 2 * row32 + 2 * row16;              // p, final_in; x, y; xn, yn
   b += 4 * row32 + row16;                              // dp, dx, dxn, dh; final_h
+  if (c.residual == ResidualKind::AttnRes)  // the deferred AttnRes sites' douts, coefficients
+    b += size_t(kAttnResFlushMaxSites) *
+         (row32 + round_up(size_t(3 * kAttnResFlushMaxSources * N) * 4));
   b += round_up(size_t(rows * V) * 4) + round_up(size_t(rows * V) * 2);
   b += round_up(size_t(tiles) * sizeof(CrossEntropyDeviceResult));
   return b + 4096;
@@ -79,6 +82,7 @@ size_t train_scratch_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   const int sources = std::max(1, residual_num_blocks(c)) + 1;
   bytes = std::max({bytes, round_up(attnres_backward_workspace_bytes(N, d, sources)),
                     round_up(attnres_norm_backward_workspace_bytes(N, d, sources)),
+                    round_up(attnres_flush_workspace_bytes(N, d, kAttnResFlushMaxSites)),
                     round_up(rmsnorm_backward_workspace_bytes(N, d)),
                     round_up(embedding_backward_workspace_bytes(N, c.vocab_size)),
                     round_up(cross_entropy_workspace_bytes(lm_head_rows(c, N)))});
@@ -362,6 +366,12 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   float* logits = act.alloc<float>(size_t(lm_rows * V));
   uint16_t* dlogits = act.alloc<uint16_t>(size_t(lm_rows * V));
   auto* ce_results = act.alloc<CrossEntropyDeviceResult>(size_t(tiles));
+  std::vector<float*> keep_dout, keep_coef;  // the deferred AttnRes sites' slots
+  if (attnres)
+    for (int k = 0; k < kAttnResFlushMaxSites; ++k) {
+      keep_dout.push_back(act.alloc<float>(nd));
+      keep_coef.push_back(act.alloc<float>(size_t(3 * kAttnResFlushMaxSources * N)));
+    }
 
   // Each layer's record: the mixes x, y (fp32) and the normed rows xn, yn (bf16) its backward
   // reads. With recompute the layers share one record, rebuilt in the backward; without, each
@@ -572,12 +582,60 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   // attnres_backward: the A/B reference).
   const bool norm_in =
       env_choice("DM_ATTNRES_NORM_IN", {"1", "0"}) == 0 && d <= kAttnResNormInMaxWidth;
+  // The sealed blocks' updates of a region's sites deferred to one attnres_flush before the
+  // block's seal (each dblocks row read and written once a region instead of once a site):
+  // DM_ATTNRES_DEFER (read at each step) = 1 (default) | 0.
+  const bool defer = norm_in && attnres && d % 4 == 0 && nb <= kAttnResFlushMaxSources &&
+                     env_choice("DM_ATTNRES_DEFER", {"1", "0"}) == 0;
+  std::vector<AttnResFlushSite> pending;
+  auto flush = [&]() {
+    if (pending.empty()) return;
+    const int J = pending.front().deferred;
+    std::vector<const float*> fsrc(blocks.begin(), blocks.begin() + J);
+    std::vector<float*> fdsrc;
+    for (int j = 0; j < J; ++j) fdsrc.push_back(dblocks + size_t(j) * nd);
+    DeviceArenaScope scope(run.scratch);
+    void* ws = run.scratch.alloc_bytes(attnres_flush_workspace_bytes(N, d, int(pending.size())));
+    timer("attnres_flush", stream, [&] {
+      attnres_flush(pending.data(), int(pending.size()), fsrc.data(), fdsrc.data(), J, N, d, ws,
+                    stream);
+    });
+    pending.clear();
+  };
   auto norm_mix_backward = [&](const float* in, const float* w, const float* dy_rows,
-                               const AttnResSiteWeights& site) {
-    // srcs / dsrcs set by the caller; in = the mix's output, dy_rows = ∂L/∂ its normed rows.
+                               const AttnResSiteWeights& site, bool with_p) {
+    // srcs / dsrcs set by the caller (with_p: p last); in = the mix's output, dy_rows = ∂L/∂ its
+    // normed rows.
     if (!norm_in) {
       norm_backward(in, w, dy_rows);
       mix_backward(site);
+      return;
+    }
+    // The sealed sources (all but p) are deferred.
+    const int sealed_here = int(srcs.size()) - 1;
+    if (defer && with_p && sealed_here >= 1) {
+      if (pending.size() == size_t(kAttnResFlushMaxSites) ||
+          (!pending.empty() && pending.front().deferred != sealed_here))
+        flush();
+      const size_t slot = pending.size();
+      DeviceArenaScope scope(run.scratch);
+      void* ws =
+          run.scratch.alloc_bytes(attnres_norm_backward_workspace_bytes(N, d, int(srcs.size())));
+      timer("attnres_norm_bwd", stream, [&] {
+        attnres_norm_backward_deferred(
+            srcs.data(), int(srcs.size()), sealed_here, dw_.f32(site.query), dw_.f32(site.norm), in,
+            dw_.f32(w), dy_rows, dsrcs.data(), grads_.at(site.query), grads_.at(site.norm),
+            grads_.at(w), N, d, eps, eps, keep_dout[slot], keep_coef[slot], ws, stream);
+      });
+      AttnResFlushSite f;
+      f.dout = keep_dout[slot];
+      f.coef = keep_coef[slot];
+      f.deferred = sealed_here;
+      f.query = dw_.f32(site.query);
+      f.norm_w = dw_.f32(site.norm);
+      f.dquery = grads_.at(site.query);
+      f.dnorm_w = grads_.at(site.norm);
+      pending.push_back(f);
       return;
     }
     DeviceArenaScope scope(run.scratch);
@@ -592,7 +650,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   if (attnres) {
     sources_of(sealed, true, p);
     dsources_of(sealed, true);
-    norm_mix_backward(final_in, W.final_norm, dh, W.output_site);
+    norm_mix_backward(final_in, W.final_norm, dh, W.output_site, true);
   } else {
     norm_backward(final_in, W.final_norm, dh);  // adds to dp
   }
@@ -615,7 +673,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     if (attnres) {
       sources_of(s_mid, true, p_mid);
       dsources_of(s_mid, true);
-      norm_mix_backward(rec.y, Lw.post_norm, dxn, Lw.ffn_site);
+      norm_mix_backward(rec.y, Lw.post_norm, dxn, Lw.ffn_site, true);
     } else {
       norm_backward(rec.y, Lw.post_norm, dxn);  // adds to dp
     }
@@ -631,6 +689,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
                                mixer_kept[size_t(i)]);
       });
     if (seals) {  // p restarted after sealing: p_in's gradient is what its sealed copy collected
+      flush();    // the deferred sites' updates of blocks 0..s_in
       float* db = dblocks + size_t(s_in) * nd;
       copy(dp, db);
       zero(db, nd * 4);
@@ -638,7 +697,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
     if (attnres && s_in > 0) {  // x = mix(blocks[0..s_in), p_in)
       sources_of(s_in, !p_empty_in[size_t(i)], p_in[size_t(i)]);
       dsources_of(s_in, !p_empty_in[size_t(i)]);
-      norm_mix_backward(rec.x, Lw.input_norm, dxn, Lw.attn_site);
+      norm_mix_backward(rec.x, Lw.input_norm, dxn, Lw.attn_site, !p_empty_in[size_t(i)]);
     } else if (attnres) {  // layer 0: x is p_in itself (after the seal's copy into dp)
       norm_backward(rec.x, Lw.input_norm, dxn);
       add_inplace(dp, dx, int64_t(nd), stream);
@@ -646,6 +705,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       norm_backward(rec.x, Lw.input_norm, dxn);  // adds to dp
     }
   }
+  flush();  // nothing is left here (layer 0 seals), unless the config says otherwise
   {  // deterministic: rows of one token summed in position order
     DeviceArenaScope scope(run.scratch);
     void* ws = run.scratch.alloc_bytes(embedding_backward_workspace_bytes(N, V));

@@ -108,6 +108,44 @@ void attnres_norm_backward(const float* const* src, int S, const float* query, c
                            int64_t N, int64_t D, float eps, float norm_eps, void* workspace,
                            CUstream_st* stream = nullptr);
 
+// attnres_norm_backward with the updates of its `deferred` leading sources (the sealed blocks,
+// which the next sites update again) left for attnres_flush: their dsrc and their share of
+// dquery / dnorm_w are not touched here; the rows' dout goes to dout_keep [N, D] and the sources'
+// fp32 coefficients to coef_keep [3, deferred, N]. Every other output as attnres_norm_backward
+// (the other sources' dsrc, their share of dquery / dnorm_w, d_out_w). 1 ≤ deferred < S.
+void attnres_norm_backward_deferred(const float* const* src, int S, int deferred,
+                                    const float* query, const float* norm_w, const float* mixed,
+                                    const float* out_w, const float* dy, float* const* dsrc,
+                                    float* dquery, float* dnorm_w, float* d_out_w, int64_t N,
+                                    int64_t D, float eps, float norm_eps, float* dout_keep,
+                                    float* coef_keep, void* workspace,
+                                    CUstream_st* stream = nullptr);
+
+// One deferred site for attnres_flush: what attnres_norm_backward_deferred kept, its pseudo-query
+// and key-norm weight, and the gradients of those (nullptr: not wanted).
+struct AttnResFlushSite {
+  const float* dout = nullptr;  // [N, D]
+  const float* coef = nullptr;  // [3, deferred, N]
+  int deferred = 0;
+  const float* query = nullptr;
+  const float* norm_w = nullptr;
+  float* dquery = nullptr;
+  float* dnorm_w = nullptr;
+};
+// The deferred updates of P sites (1 ≤ P ≤ kAttnResFlushMaxSites) that all deferred the same
+// J sources src[0..J) (1 ≤ J ≤ kAttnResFlushMaxSources): dsrc[j] += Σ_p (a·dout_p + c·γ_p⊙w_p −
+// c3·V_j) and each site's dquery / dnorm_w += its G over those sources, in one pass over the
+// rows (each dsrc row read and written once for all P sites, where the sites' own kernels would
+// each have read and written it). Together with the deferred calls, equal to P calls of
+// attnres_norm_backward up to fp32 rounding. D % 4 == 0; the rows of src, dsrc and dout 16-byte
+// aligned (query and norm_w need not be). Deterministic.
+inline constexpr int kAttnResFlushMaxSites = 8;
+inline constexpr int kAttnResFlushMaxSources = 16;
+size_t attnres_flush_workspace_bytes(int64_t N, int64_t D, int P);
+void attnres_flush(const AttnResFlushSite* sites, int P, const float* const* src,
+                   float* const* dsrc, int J, int64_t N, int64_t D, void* workspace,
+                   CUstream_st* stream = nullptr);
+
 // Backward of embedding_gather into the fp32 table gradient: dtable[tokens[n], :] += dp[n, :]
 // (dtable [V, D], dp [N, D]). Deterministic: the (token, n) pairs are radix-sorted by token
 // (stable, so equal tokens keep n order), then one block per distinct token sums its rows in

@@ -45,6 +45,12 @@ struct AttnResNormIn {
   const float* dy = nullptr;
   double* dw_partial = nullptr;
   float eps = 0.0f;
+  // Deferred sources (attnres_norm_backward_deferred): sources 0 … deferred − 1 get neither their
+  // dsrc update nor their share of G here; the row's dout goes to dout_keep [N, D] and their
+  // fp32 coefficients to coef_keep [3, deferred, N] (a_j, then c_j, then c3_j) for the flush.
+  int deferred = 0;
+  float* dout_keep = nullptr;
+  float* coef_keep = nullptr;
 };
 
 // Grid of the AttnRes backward row kernel, a function of (N, D, norm_in) only, so the order in
@@ -167,8 +173,11 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
         fr = float(r);
         neg_proj = float(-r * r * r * wdot / double(D));
       };
+      Chunk* keep = norm.dout_keep ? reinterpret_cast<Chunk*>(norm.dout_keep + n * D) : nullptr;
       auto store = [&](int c, Chunk xc, Chunk yc) {
-        dout_row[c] = chunk_lincomb(fr, chunk_mul(yc, __ldg(ow + c)), neg_proj, xc);
+        const Chunk value = chunk_lincomb(fr, chunk_mul(yc, __ldg(ow + c)), neg_proj, xc);
+        dout_row[c] = value;
+        if (keep) __stcs(keep + c, value);
         if (npart) npart[c] = chunk_lincomb(1.0f, npart[c], fr, chunk_mul(yc, xc));
       };
       if (chunks <= 32 * K) {
@@ -249,8 +258,19 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
       c3.lo = dl_lo * s.lo * r.lo * r.lo * r.lo / double(D);
       c3.hi = dl_hi * s.hi * r.hi * r.hi * r.hi / double(D);
     }
+    const int deferred = kNormIn ? norm.deferred : 0;
+    if (deferred > 0) {  // the deferred sources' coefficients, as the element pass rounds them
+      const int64_t plane = int64_t(deferred) * N;
+      for (int j = lane; j < deferred; j += 32) {
+        const bool lo = j < 32;
+        float* at = norm.coef_keep + int64_t(j) * N + n;
+        at[0] = float(lo ? a.lo : a.hi);
+        at[plane] = float(lo ? c.lo : c.hi);
+        at[2 * plane] = float(lo ? c3.lo : c3.hi);
+      }
+    }
 
-    for (int j = S - 1; j >= 0; --j) {
+    for (int j = S - 1; j >= deferred; --j) {
       float* dsrc_j = targets.dsrc[j];
       if (dsrc_j == nullptr && gpart == nullptr) continue;  // warp-uniform
       Chunk* dv = dsrc_j ? reinterpret_cast<Chunk*>(dsrc_j + n * D) : nullptr;
@@ -298,6 +318,109 @@ __global__ void __launch_bounds__(kAttnResBackwardMaxWarps * 32)
     double total = 0.0;
     for (int w = 0; w < warps; ++w) total += double(norm_partials[w * D + d]);
     norm.dw_partial[int64_t(blockIdx.x) * D + d] = total;
+  }
+}
+
+// ---- AttnRes deferred flush ---------------------------------------------------------------------
+// The updates the deferred sites left for the J leading (sealed) sources, applied in one pass:
+//   dsrc_j[n] += Σ_p (a_pj·dout_p[n] + c_pj·γ_p⊙w_p) − (Σ_p c3_pj)·V_j[n],
+//   G_p += Σ_n Σ_j c_pj·V_j[n]   (the sites' parameter gradients, added by the params kernel).
+// Block: kFlushThreads threads × 4 columns (512 columns) × one tile of rows; each thread keeps
+// its columns' dout_p, γ_p⊙w_p and G_p (p < P ≤ kAttnResFlushMaxSites) in registers and walks
+// the tile's rows in order, the coefficients staged in shared memory 16 rows at a time.
+// partial [P, tiles, D] (fp64): tile t's Σ over its rows, summed by the params kernel in tile
+// order (fixed: bit-identical reruns).
+constexpr int kFlushThreads = 128;
+constexpr int kFlushColumns = 4 * kFlushThreads;
+constexpr int kFlushStageRows = 16;
+constexpr int64_t kFlushMaxTiles = 256;
+
+struct AttnResFlushArgs {
+  const float* src[kAttnResFlushMaxSources];
+  float* dsrc[kAttnResFlushMaxSources];
+  const float* dout[kAttnResFlushMaxSites];
+  const float* coef[kAttnResFlushMaxSites];  // [3, J, N]
+  const float* query[kAttnResFlushMaxSites];
+  const float* norm_w[kAttnResFlushMaxSites];
+};
+
+struct FlushGrid {
+  int64_t rows_per_tile, tiles;
+};
+FlushGrid flush_grid(int64_t N) {
+  FlushGrid g;
+  g.rows_per_tile = std::max<int64_t>(kFlushStageRows, (N + kFlushMaxTiles - 1) / kFlushMaxTiles);
+  g.tiles = (N + g.rows_per_tile - 1) / g.rows_per_tile;
+  return g;
+}
+
+__global__ void __launch_bounds__(kFlushThreads)
+    attnres_flush_kernel(AttnResFlushArgs args, int P, int J, int64_t N, int D,
+                         int64_t rows_per_tile, double* partial) {
+  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
+  constexpr int kSites = kAttnResFlushMaxSites;
+  extern __shared__ float4 flush_coef[];  // [kFlushStageRows][P·J]: (a, c, c3, 0)
+  const int col = blockIdx.x * kFlushColumns + 4 * threadIdx.x;  // first of the thread's 4
+  const bool active = col < D;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_tile;
+  const int64_t r1 = std::min<int64_t>(r0 + rows_per_tile, N);
+  float4 gw[kSites], g_acc[kSites];
+#pragma unroll
+  for (int p = 0; p < kSites; ++p) {
+    gw[p] = g_acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (p < P && active) {  // scalar loads: parameter views need not be 16-byte aligned
+      const float* q = args.query[p] + col;
+      const float* w = args.norm_w[p] + col;
+      gw[p] = make_float4(__ldg(q) * __ldg(w), __ldg(q + 1) * __ldg(w + 1),
+                          __ldg(q + 2) * __ldg(w + 2), __ldg(q + 3) * __ldg(w + 3));
+    }
+  }
+  const int PJ = P * J;
+  for (int64_t s0 = r0; s0 < r1; s0 += kFlushStageRows) {
+    const int rows = int(std::min<int64_t>(kFlushStageRows, r1 - s0));
+    __syncthreads();  // the previous stage's coefficients are read
+    for (int idx = threadIdx.x; idx < rows * PJ; idx += kFlushThreads) {
+      const int i = idx % rows, pj = idx / rows, p = pj / J, j = pj % J;  // i fastest: coalesced
+      const float* cf = args.coef[p] + int64_t(j) * N + s0 + i;
+      const int64_t plane = int64_t(J) * N;
+      flush_coef[i * PJ + pj] = make_float4(cf[0], cf[plane], cf[2 * plane], 0.0f);
+    }
+    __syncthreads();
+    if (!active) continue;
+    for (int i = 0; i < rows; ++i) {
+      const int64_t at = (s0 + i) * D + col;
+      float4 dout[kSites];
+#pragma unroll
+      for (int p = 0; p < kSites; ++p)
+        dout[p] = p < P ? __ldcs(reinterpret_cast<const float4*>(args.dout[p] + at))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4* cf = flush_coef + i * PJ;
+      for (int j = 0; j < J; ++j) {
+        const float4 v = __ldcs(reinterpret_cast<const float4*>(args.src[j] + at));
+        float4* dv = reinterpret_cast<float4*>(args.dsrc[j] + at);
+        float4 acc = *dv;
+        float c3_sum = 0.0f;
+#pragma unroll
+        for (int p = 0; p < kSites; ++p) {
+          if (p >= P) break;
+          const float4 k = cf[p * J + j];
+          acc = chunk_update(acc, k.x, dout[p], k.y, gw[p], 0.0f, v);
+          c3_sum += k.z;
+          g_acc[p] = chunk_lincomb(1.0f, g_acc[p], k.y, v);
+        }
+        *dv = chunk_lincomb(1.0f, acc, -c3_sum, v);
+      }
+    }
+  }
+  if (!active) return;
+#pragma unroll
+  for (int p = 0; p < kSites; ++p) {
+    if (p >= P) break;
+    double* out = partial + (int64_t(p) * gridDim.y + blockIdx.y) * D + col;
+    out[0] = g_acc[p].x;
+    out[1] = g_acc[p].y;
+    out[2] = g_acc[p].z;
+    out[3] = g_acc[p].w;
   }
 }
 
@@ -500,6 +623,30 @@ void attnres_backward(const float* const* src, int S, const float* query, const 
                           nullptr, N, D, eps, workspace, stream);
 }
 
+void attnres_norm_backward_deferred(const float* const* src, int S, int deferred,
+                                    const float* query, const float* norm_w, const float* mixed,
+                                    const float* out_w, const float* dy, float* const* dsrc,
+                                    float* dquery, float* dnorm_w, float* d_out_w, int64_t N,
+                                    int64_t D, float eps, float norm_eps, float* dout_keep,
+                                    float* coef_keep, void* workspace, CUstream_st* stream) {
+  DM_CHECK(deferred >= 1 && deferred < S && dout_keep != nullptr && coef_keep != nullptr,
+           "attnres_norm_backward_deferred (CUDA): ", deferred, " deferred of ", S,
+           " sources (1..S−1), dout_keep and coef_keep needed");
+  DM_CHECK(mixed != nullptr && out_w != nullptr && dy != nullptr && D <= kAttnResNormInMaxWidth,
+           "attnres_norm_backward_deferred (CUDA): mixed, out_w, dy needed, D ≤ ",
+           kAttnResNormInMaxWidth);
+  AttnResNormIn norm;
+  norm.mixed = mixed;
+  norm.out_w = out_w;
+  norm.dy = dy;
+  norm.eps = norm_eps;
+  norm.deferred = deferred;
+  norm.dout_keep = dout_keep;
+  norm.coef_keep = coef_keep;
+  attnres_backward_launch(src, S, query, norm_w, nullptr, norm, dsrc, dquery, dnorm_w, d_out_w, N,
+                          D, eps, workspace, stream);
+}
+
 void attnres_norm_backward(const float* const* src, int S, const float* query, const float* norm_w,
                            const float* mixed, const float* out_w, const float* dy,
                            float* const* dsrc, float* dquery, float* dnorm_w, float* d_out_w,
@@ -516,6 +663,59 @@ void attnres_norm_backward(const float* const* src, int S, const float* query, c
   norm.eps = norm_eps;
   attnres_backward_launch(src, S, query, norm_w, nullptr, norm, dsrc, dquery, dnorm_w, d_out_w, N,
                           D, eps, workspace, stream);
+}
+
+size_t attnres_flush_workspace_bytes(int64_t N, int64_t D, int P) {
+  if (N <= 0 || D <= 0 || P <= 0) return 0;
+  return align256(size_t(P) * size_t(flush_grid(N).tiles) * size_t(D) * sizeof(double));
+}
+
+void attnres_flush(const AttnResFlushSite* sites, int P, const float* const* src,
+                   float* const* dsrc, int J, int64_t N, int64_t D, void* workspace,
+                   CUstream_st* stream) {
+  DM_CHECK(P >= 1 && P <= kAttnResFlushMaxSites && J >= 1 && J <= kAttnResFlushMaxSources,
+           "attnres_flush (CUDA): ", P, " sites and ", J, " sources (1..", kAttnResFlushMaxSites,
+           ", 1..", kAttnResFlushMaxSources, ")");
+  DM_CHECK(N >= 0 && D > 0 && D % 4 == 0, "attnres_flush (CUDA): bad shape N=", N, " D=", D,
+           " (D a multiple of 4)");
+  DM_CHECK(workspace != nullptr, "attnres_flush (CUDA): a workspace is needed");
+  if (N == 0) return;
+  AttnResFlushArgs args{};
+  bool aligned = true;
+  for (int j = 0; j < J; ++j) {
+    args.src[j] = src[j];
+    args.dsrc[j] = dsrc[j];
+    aligned = aligned && aligned16(src[j]) && aligned16(dsrc[j]);
+  }
+  for (int p = 0; p < P; ++p) {
+    DM_CHECK(sites[p].deferred == J, "attnres_flush (CUDA): site ", p, " deferred ",
+             sites[p].deferred, " sources, the flush takes ", J);
+    args.dout[p] = sites[p].dout;
+    args.coef[p] = sites[p].coef;
+    args.query[p] = sites[p].query;
+    args.norm_w[p] = sites[p].norm_w;
+    aligned = aligned && aligned16(sites[p].dout);
+  }
+  DM_CHECK(aligned, "attnres_flush (CUDA): the rows of src, dsrc and dout must be 16-byte aligned");
+  const FlushGrid grid = flush_grid(N);
+  const size_t smem = size_t(kFlushStageRows) * size_t(P * J) * sizeof(float4);
+  double* partial = static_cast<double*>(workspace);
+  if (smem > 48 * 1024)
+    DM_CUDA_CHECK(cudaFuncSetAttribute(attnres_flush_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  launch_pdl(attnres_flush_kernel,
+             dim3(unsigned((D + kFlushColumns - 1) / kFlushColumns), unsigned(grid.tiles)),
+             dim3(kFlushThreads), smem, stream, args, P, J, N, int(D), grid.rows_per_tile, partial);
+  check_last_error("attnres_flush");
+  for (int p = 0; p < P; ++p) {
+    if (sites[p].dquery == nullptr && sites[p].dnorm_w == nullptr) continue;
+    launch_pdl(attnres_backward_params_kernel, unsigned((D + 31) / 32),
+               dim3(32, kAttnResParamGroups), 0, stream,
+               static_cast<const double*>(partial + int64_t(p) * grid.tiles * D), grid.tiles,
+               sites[p].query, sites[p].norm_w, sites[p].dquery, sites[p].dnorm_w,
+               static_cast<const double*>(nullptr), static_cast<float*>(nullptr), int(D));
+  }
+  check_last_error("attnres_flush (params)");
 }
 
 namespace {
