@@ -31,38 +31,23 @@
 
 namespace {
 
-// `rounds` rounds of every value of NAME=v1,v2,... in turn, then each value's median step.
-int run_ab(dm::TrainBench& bench, const std::string& ab, int rounds, double peak_tflops) {
-  const size_t eq = ab.find('=');
-  if (eq == std::string::npos || eq == 0 || rounds < 1) {
-    std::fprintf(stderr, "error: --ab wants NAME=v1,v2,... and --rounds ≥ 1, got %s\n", ab.c_str());
-    return 2;
-  }
-  const std::string name = ab.substr(0, eq);
-  std::vector<std::string> values;
-  for (size_t at = eq + 1;;) {
-    const size_t comma = ab.find(',', at);
-    values.push_back(ab.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
-    if (comma == std::string::npos) break;
-    at = comma + 1;
-  }
-  std::vector<std::vector<double>> ms(values.size());
-  for (int round = 0; round < rounds; ++round)
-    for (size_t v = 0; v < values.size(); ++v) {
-      setenv(name.c_str(), values[v].c_str(), 1);
-      const dm::TrainBenchResult r = bench.measure();
-      ms[v].push_back(r.step_s * 1e3);
-      std::printf("round %d %s=%s: step %.2f ms (fwd+bwd %.2f), %.0f tokens/s, MFU %.2f%%\n", round,
-                  name.c_str(), values[v].c_str(), r.step_s * 1e3, r.forward_backward_s * 1e3,
-                  r.tokens_per_s(), 100.0 * r.model_tflops() / peak_tflops);
-      std::fflush(stdout);
-    }
-  for (size_t v = 0; v < values.size(); ++v) {
-    std::vector<double> sorted = ms[v];
-    std::sort(sorted.begin(), sorted.end());
-    std::printf("%s=%s: median step %.2f ms over %d rounds (min %.2f, max %.2f)\n", name.c_str(),
-                values[v].c_str(), sorted[sorted.size() / 2], rounds, sorted.front(),
-                sorted.back());
+// --ab: one line per measurement, then each value's median step.
+int run_ab(dm::TrainBench& bench, const std::string& spec, int rounds, double peak_tflops) {
+  dm::TrainBenchAb ab = dm::parse_train_bench_ab(spec);
+  dm::run_train_bench_ab(
+      bench, ab, rounds, [&](int round, size_t v, const dm::TrainBenchResult& r) {
+        std::printf(
+            "round %d %s=%s: step %.2f ms (fwd+bwd %.2f), %.0f tokens/s, "
+            "MFU %.2f%%\n",
+            round, ab.name.c_str(), ab.values[v].c_str(), r.step_s * 1e3,
+            r.forward_backward_s * 1e3, r.tokens_per_s(), 100.0 * r.model_tflops() / peak_tflops);
+        std::fflush(stdout);
+      });
+  for (size_t v = 0; v < ab.values.size(); ++v) {
+    const auto& ms = ab.step_ms[v];
+    std::printf("%s=%s: median step %.2f ms over %d rounds (min %.2f, max %.2f)\n", ab.name.c_str(),
+                ab.values[v].c_str(), ab.median_ms(v), rounds,
+                *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()));
   }
   return 0;
 }

@@ -1,9 +1,11 @@
 // End-to-end throughput from the CLI. The component benchmarks (Google Benchmark) and the peers'
 // side-by-side runs live in bench/ (docs/benchmarks.md).
 //   deltamoe bench train --config FILE [--device cpu|cuda] [--batch B] [--seq T] [--steps N]
-//       [--warmup W] [--recompute on|off] [--peak-tflops P] [--json]
+//       [--warmup W] [--recompute on|off] [--peak-tflops P] [--ab NAME=v1,v2 [--rounds R]] [--json]
 //     training-step throughput (train/train_bench.h): tokens/s, model TFLOP/s and, given the
-//     device's peak, MFU; the optimizer state and the activations' peak.
+//     device's peak, MFU; the optimizer state and the activations' peak. --ab: after one set-up,
+//     R rounds of every value of an environment switch the kernels read at each call, and each
+//     value's median step.
 //   deltamoe bench decode (--model DIR | --config FILE) [--device cpu|cuda] [--batch B]
 //       [--context L] [--steps N] [--warmup W] [--bandwidth-tbs BW] [--json]
 //     cached decode (infer/decode_bench.h): prefill tokens/s, ms per batched step, tokens/s, and
@@ -12,6 +14,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "command.h"
 #include "core/error.h"
@@ -30,12 +33,44 @@ struct BenchTrainOptions {
   dm::TrainBenchOptions bench;
   std::string recompute = "on";
   double peak_tflops = 0;  // 0: the device's default (989 for cuda: one H200), none on cpu
+  std::string ab;          // NAME=v1,v2,…: an A/B of an environment switch
+  int rounds = 2;
   bool json = false;
 };
+
+void run_bench_train_ab(const dm::ModelConfig& cfg, const BenchTrainOptions& o) {
+  dm::TrainBenchAb ab = dm::parse_train_bench_ab(o.ab);  // before the set-up: fail fast
+  dm::TrainBench bench(cfg, o.bench);
+  dm::run_train_bench_ab(
+      bench, ab, o.rounds, [&](int round, size_t v, const dm::TrainBenchResult& r) {
+        if (o.json) return;
+        std::printf("round %d %s=%s: step %.2f ms, %.0f tokens/s\n", round, ab.name.c_str(),
+                    ab.values[v].c_str(), r.step_s * 1e3, r.tokens_per_s());
+        std::fflush(stdout);
+      });
+  if (o.json) {
+    nlohmann::ordered_json js;
+    js["impl"] = "deltamoe";
+    js["device"] = o.bench.device;
+    js["config"] = o.config;
+    js["ab"] = ab.name;
+    js["values"] = ab.values;
+    js["step_ms"] = ab.step_ms;
+    std::vector<double> medians;
+    for (size_t v = 0; v < ab.values.size(); ++v) medians.push_back(ab.median_ms(v));
+    js["median_step_ms"] = medians;
+    std::printf("%s\n", js.dump().c_str());
+    return;
+  }
+  for (size_t v = 0; v < ab.values.size(); ++v)
+    std::printf("%s=%s: median step %.2f ms over %d rounds\n", ab.name.c_str(),
+                ab.values[v].c_str(), ab.median_ms(v), o.rounds);
+}
 
 void run_bench_train(BenchTrainOptions& o) {
   const dm::ModelConfig cfg = dm::load_config(o.config);
   o.bench.recompute = o.recompute == "on";
+  if (!o.ab.empty()) return run_bench_train_ab(cfg, o);
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : o.bench.device == "cuda" ? 989.0 : 0.0;
   const dm::TrainBenchResult r = dm::run_train_bench(cfg, o.bench);
   const double mfu = peak > 0 ? r.model_tflops() / peak : 0.0;
@@ -181,6 +216,13 @@ dm::cli::Registrar reg(
                        "Dense bf16 peak for MFU (default 989 on cuda: one H200; none on cpu)")
           ->default_val(0.0)
           ->check(CLI::Range(0.0, 1e7));
+      train->add_option("--ab", opt->ab,
+                        "NAME=v1,v2,...: after one set-up, time each value of an environment "
+                        "switch read at each call (docs/gpu.md), --rounds times, and report "
+                        "each value's median step");
+      train->add_option("--rounds", opt->rounds, "Rounds of --ab")
+          ->default_val(2)
+          ->check(CLI::Range(1, 1000));
       train->callback([opt] { run_bench_train(*opt); });
 
       CLI::App* decode = app->add_subcommand(

@@ -191,6 +191,36 @@ TEST(BenchCli, TrainJsonTextAndErrors) {
   EXPECT_NE(too_long.output.find("context"), std::string::npos) << too_long.output;
 }
 
+// `deltamoe bench train --ab`: every value measured every round on one set-up, each value's
+// median the middle of its own rounds (the larger of two); a malformed spec is refused before the
+// model is built.
+TEST(BenchCli, TrainAbMeasuresEveryValueEveryRound) {
+  const std::string cfg = config_path("test");
+  const auto js = test::run_cli(
+      "bench train --json --seq 16 --steps 1 --warmup 0 --ab DM_BENCH_AB_PROBE=a,b,c --rounds 2 "
+      "--config " +
+      cfg);
+  ASSERT_EQ(js.exit_code, 0) << js.output;
+  const nlohmann::json j = nlohmann::json::parse(js.output);
+  EXPECT_EQ(j["ab"], "DM_BENCH_AB_PROBE");
+  EXPECT_EQ(j["values"], nlohmann::json::array({"a", "b", "c"}));
+  ASSERT_EQ(j["step_ms"].size(), 3u);
+  for (size_t v = 0; v < 3; ++v) {
+    const std::vector<double> ms = j["step_ms"][v].get<std::vector<double>>();
+    ASSERT_EQ(ms.size(), 2u);
+    EXPECT_GT(ms[0], 0.0);
+    EXPECT_EQ(j["median_step_ms"][v].get<double>(), std::max(ms[0], ms[1]));
+  }
+  const auto text = test::run_cli(
+      "bench train --seq 16 --steps 1 --warmup 0 --ab DM_BENCH_AB_PROBE=x --rounds 1 --config " +
+      cfg);
+  EXPECT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("DM_BENCH_AB_PROBE=x: median step"), std::string::npos) << text.output;
+  const auto bad = test::run_cli("bench train --ab =x --config " + cfg);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("NAME=v1"), std::string::npos) << bad.output;
+}
+
 // `deltamoe bench decode` on the CPU: random prompts into every slot, then timed steps; the
 // floor fields appear once a bandwidth is given and agree with model/plan.h.
 TEST(BenchCli, DecodeJsonAndErrors) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -113,6 +114,37 @@ TrainBenchResult TrainBench::measure() {
 
 TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o) {
   return TrainBench(cfg, o).measure();
+}
+
+double TrainBenchAb::median_ms(size_t value) const { return median(step_ms.at(value)); }
+
+TrainBenchAb parse_train_bench_ab(const std::string& spec) {
+  const size_t eq = spec.find('=');
+  DM_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+           "bench train --ab: want NAME=v1,v2,…, got '", spec, "'");
+  TrainBenchAb ab;
+  ab.name = spec.substr(0, eq);
+  for (size_t at = eq + 1;;) {
+    const size_t comma = spec.find(',', at);
+    ab.values.push_back(
+        spec.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  return ab;
+}
+
+void run_train_bench_ab(TrainBench& bench, TrainBenchAb& ab, int rounds,
+                        const std::function<void(int, size_t, const TrainBenchResult&)>& each) {
+  DM_CHECK(rounds >= 1, "bench train --ab: need rounds ≥ 1, got ", rounds);
+  ab.step_ms.assign(ab.values.size(), {});
+  for (int round = 0; round < rounds; ++round)
+    for (size_t v = 0; v < ab.values.size(); ++v) {
+      setenv(ab.name.c_str(), ab.values[v].c_str(), 1);
+      const TrainBenchResult r = bench.measure();
+      ab.step_ms[v].push_back(r.step_s * 1e3);
+      if (each) each(round, v, r);
+    }
 }
 
 }  // namespace dm

@@ -6,8 +6,10 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "io/config.h"
 
@@ -53,5 +55,20 @@ class TrainBench {
 
 // TrainBench(cfg, o).measure().
 TrainBenchResult run_train_bench(const ModelConfig& cfg, const TrainBenchOptions& o);
+
+// An A/B of an environment switch that the kernels read at each call (docs/gpu.md's table):
+// NAME=v1,v2,… measured value after value, round after round, on one TrainBench.
+struct TrainBenchAb {
+  std::string name;
+  std::vector<std::string> values;
+  std::vector<std::vector<double>> step_ms;  // [value][round]
+  double median_ms(size_t value) const;
+};
+// Throws dm::Error unless spec is NAME=v1[,v2…] with a non-empty NAME.
+TrainBenchAb parse_train_bench_ab(const std::string& spec);
+// `rounds` rounds of: for each value, setenv(name, value), bench.measure(), then
+// each(round, value index, result). Leaves the variable at the last value.
+void run_train_bench_ab(TrainBench& bench, TrainBenchAb& ab, int rounds,
+                        const std::function<void(int, size_t, const TrainBenchResult&)>& each);
 
 }  // namespace dm
