@@ -28,6 +28,14 @@
 
 namespace {
 
+// The first fields of every bench JSON line (scripts/device-summary.py reads "impl").
+nlohmann::ordered_json result_json(const std::string& device) {
+  nlohmann::ordered_json js;
+  js["impl"] = "deltamoe";
+  js["device"] = device;
+  return js;
+}
+
 struct BenchTrainOptions {
   std::string config;
   dm::TrainBenchOptions bench;
@@ -49,9 +57,7 @@ void run_bench_train_ab(const dm::ModelConfig& cfg, const BenchTrainOptions& o) 
         std::fflush(stdout);
       });
   if (o.json) {
-    nlohmann::ordered_json js;
-    js["impl"] = "deltamoe";
-    js["device"] = o.bench.device;
+    nlohmann::ordered_json js = result_json(o.bench.device);
     js["config"] = o.config;
     js["ab"] = ab.name;
     js["values"] = ab.values;
@@ -75,9 +81,7 @@ void run_bench_train(BenchTrainOptions& o) {
   const dm::TrainBenchResult r = dm::run_train_bench(cfg, o.bench);
   const double mfu = peak > 0 ? r.model_tflops() / peak : 0.0;
   if (o.json) {
-    nlohmann::ordered_json js;
-    js["impl"] = "deltamoe";
-    js["device"] = o.bench.device;
+    nlohmann::ordered_json js = result_json(o.bench.device);
     js["config"] = o.config;
     js["batch"] = o.bench.batch;
     js["accum"] = o.bench.accum;
@@ -140,9 +144,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
       dm::decode_step_bytes(model->weights(), o.bench.batch, o.bench.context);
   const double floor_s = bw > 0 ? sb.total() / (bw * 1e12) : 0.0;
   if (o.json) {
-    nlohmann::ordered_json js;
-    js["impl"] = "deltamoe";
-    js["device"] = o.bench.device;
+    nlohmann::ordered_json js = result_json(o.bench.device);
     js["batch"] = r.batch;
     js["context"] = r.context;
     js["prefill_tokens_per_s"] = r.prefill_tokens_per_s();
