@@ -25,8 +25,11 @@ struct TrainBenchOptions {
 };
 
 struct TrainBenchResult {
-  double step_s = 0;              // median wall time of a whole step
-  double forward_backward_s = 0;  // median wall time of its forward + backward (all micro-batches)
+  // Median wall times: a whole step (its start to the next one's; the host does not wait for
+  // the update, as in `train`), and its forward + backward of all micro-batches (until their
+  // losses are on the host: on the GPU that includes the previous step's update still running).
+  double step_s = 0;
+  double forward_backward_s = 0;
   double loss = 0;                // mean cross-entropy of the last step
   double flops_per_token = 0;     // model FLOPs (model/plan.h train_flops_per_token)
   int64_t tokens_per_step = 0;    // accum × batch × seq

@@ -690,9 +690,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
       });
     if (seals) {  // p restarted after sealing: p_in's gradient is what its sealed copy collected
       flush();    // the deferred sites' updates of blocks 0..s_in
-      float* db = dblocks + size_t(s_in) * nd;
-      copy(dp, db);
-      zero(db, nd * 4);
+      // That slot becomes dp (no copy): below this layer no site reads or writes slot s_in (their
+      // sources are blocks 0..s_in−1 and p), and the next step zeroes every slot again.
+      dp = dblocks + size_t(s_in) * nd;
     }
     if (attnres && s_in > 0) {  // x = mix(blocks[0..s_in), p_in)
       sources_of(s_in, !p_empty_in[size_t(i)], p_in[size_t(i)]);
