@@ -190,7 +190,9 @@ dm::cli::Registrar reg(
     "bench", "Measure end-to-end throughput (bench train, bench decode)", [](CLI::App* app) {
       app->require_subcommand(1);
       CLI::App* train = app->add_subcommand(
-          "train", "Training steps on random tokens: tokens/s, model TFLOP/s, MFU, memory");
+          "train",
+          "Training steps on random tokens, each timed from its start to the next one's as train "
+          "runs them: tokens/s, model TFLOP/s, MFU, memory");
       auto opt = std::make_shared<BenchTrainOptions>();
       train->add_option("--config", opt->config, "config.json (or a checkpoint directory)")
           ->required();
