@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/error.h"
 #include "core/gemm.h"
 #include "cuda_test_util.h"
 #include "io/config.h"
@@ -486,6 +487,42 @@ TEST(CudaTrainOpsAttnRes, NormBackwardMatchesCpuNormThenMix) {
   check_attnres_norm_backward({2, 5, cu::kAttnResNormInMaxWidth}, true);  // one warp a block
   check_attnres_norm_backward({3, 13, 256}, true, 1);  // rows off 16 bytes: scalar
   check_attnres_norm_backward({5, 4096, 2048}, true);  // the training shape
+}
+
+// The fused-norm entry points refuse missing inputs, rows wider than the fused kernel takes and
+// a deferred count outside 1..S−1 with an error naming the function, before touching the device
+// (so this runs without a GPU too).
+TEST(CudaTrainOpsAttnRes, FusedNormRejectsBadArguments) {
+  float row[4] = {}, keep[4] = {};
+  const float* src[3] = {row, row, row};
+  float* dsrc[3] = {row, row, row};
+  auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const dm::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string no_dy = message([&] {
+    cu::attnres_norm_backward(src, 3, row, row, row, row, nullptr, dsrc, nullptr, nullptr, nullptr,
+                              1, 4, 1e-6f, 1e-5f, nullptr);
+  });
+  EXPECT_NE(no_dy.find("attnres_norm_backward (CUDA): mixed, out_w and dy are needed"),
+            std::string::npos)
+      << no_dy;
+  const std::string wide = message([&] {
+    cu::attnres_norm_backward_deferred(src, 3, 1, row, row, row, row, row, dsrc, nullptr, nullptr,
+                                       nullptr, 1, cu::kAttnResNormInMaxWidth + 4, 1e-6f, 1e-5f,
+                                       keep, keep, nullptr);
+  });
+  EXPECT_NE(wide.find("attnres_norm_backward_deferred (CUDA): D="), std::string::npos) << wide;
+  EXPECT_NE(wide.find("exceeds"), std::string::npos) << wide;
+  const std::string all_deferred = message([&] {
+    cu::attnres_norm_backward_deferred(src, 3, 3, row, row, row, row, row, dsrc, nullptr, nullptr,
+                                       nullptr, 1, 4, 1e-6f, 1e-5f, keep, keep, nullptr);
+  });
+  EXPECT_NE(all_deferred.find("3 deferred of 3 sources"), std::string::npos) << all_deferred;
 }
 
 // P sites sharing J sealed sources, each with its own p, mixed rows, dy and weights: the
