@@ -16,10 +16,13 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "core/env.h"
 #include "ops/cuda/cuda_common.cuh"
@@ -387,6 +390,37 @@ void lt_matmul_cached(const LtProduct& p, cublasLtHandle_t lt, void* workspace,
 
 }  // namespace
 
+// DM_GEMM_SHAPES=FILE: every cuBLASLt product's shape, one line each in call order, written to
+// FILE when the context is destroyed. With the kernel trace of the same run
+// (bench/kernel_trace.cpp) scripts/gemm-shapes.py gives each shape its kernels' time and
+// TFLOP/s: events around the products would time the host's launch gaps and the streams'
+// waits as well.
+struct GemmContext::ShapeLog {
+  std::string path;
+  std::vector<std::array<int64_t, 9>> shapes;  // ta, tb, M, N, K, batch, beta ≠ 0, c fp32, ab fp32
+  static constexpr size_t kMaxShapes = 1 << 20;
+
+  void record(const LtProduct& p) {
+    if (shapes.size() < kMaxShapes)
+      shapes.push_back({p.trans_a, p.trans_b, p.M, p.N, p.K, p.batch, p.beta != 0.0f,
+                        p.c_type == CUDA_R_32F, p.ab_type == CUDA_R_32F});
+  }
+  void write() const {
+    if (shapes.empty()) return;  // another context of the process may have logged
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (!f) {
+      std::fprintf(stderr, "DM_GEMM_SHAPES: cannot write %s\n", path.c_str());
+      return;
+    }
+    std::fprintf(f, "ta tb M N K batch beta c32 f32\n");
+    for (const auto& v : shapes)
+      std::fprintf(f, "%lld %lld %lld %lld %lld %lld %lld %lld %lld\n", (long long)v[0],
+                   (long long)v[1], (long long)v[2], (long long)v[3], (long long)v[4],
+                   (long long)v[5], (long long)v[6], (long long)v[7], (long long)v[8]);
+    std::fclose(f);
+  }
+};
+
 struct GemmContext::AlgoCacheEntry {
   int64_t key[kAlgoKeyLength];
   cublasLtMatmulAlgo_t algo;
@@ -395,6 +429,8 @@ struct GemmContext::AlgoCacheEntry {
 GemmContext::GemmContext(size_t workspace_bytes) {
   tuning_ = env_flag("DM_GEMM_TUNE", false);
   tuning_log_ = env_flag("DM_GEMM_TUNE_LOG", false);
+  if (const char* shapes = std::getenv("DM_GEMM_SHAPES"); shapes && *shapes)
+    shape_log_ = new ShapeLog{shapes, {}};
   workspace_bytes = (workspace_bytes + 511) & ~size_t(511);
   cublasLtHandle_t lt = nullptr;
   DM_CUBLAS_CHECK(cublasLtCreate(&lt));
@@ -413,6 +449,8 @@ GemmContext::GemmContext(size_t workspace_bytes) {
 }
 
 GemmContext::~GemmContext() {
+  if (shape_log_) shape_log_->write();
+  delete shape_log_;
   if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(lt_));
   if (cublas_) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
   if (workspace_) cudaFree(workspace_);
@@ -477,6 +515,7 @@ void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t 
                     ldc,         stride_c, batch,   CUDA_R_16BF, out_f32 ? CUDA_R_32F : CUDA_R_16BF,
                     c_in};
   LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
+  if (shape_log_) shape_log_->record(p);
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
                    cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);
 }
@@ -494,6 +533,7 @@ void GemmContext::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int
   const LtProduct p{"gemm_f32", trans_a, trans_b, M, N, K,   alpha, beta, A,          lda,
                     0,          B,       ldb,     0, C, ldc, 0,     1,    CUDA_R_32F, CUDA_R_32F};
   LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
+  if (shape_log_) shape_log_->record(p);
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
                    cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);
 }

@@ -86,6 +86,8 @@ class GemmContext {
   void* host_scratch_ = nullptr;
   size_t host_scratch_bytes_ = 0;
   bool tuning_ = false, tuning_log_ = false;
+  struct ShapeLog;  // DM_GEMM_SHAPES=FILE (gemm.cu); null when unset
+  ShapeLog* shape_log_ = nullptr;
   // Device copy of C while a beta ≠ 0 product is tuned; grown on first calls per key only.
   void* tune_scratch_ = nullptr;
   size_t tune_scratch_bytes_ = 0;
