@@ -2,9 +2,12 @@
 // ffn_forward without saved pre-activations):
 //   g = x·W_gateᵀ, u = x·W_upᵀ  [N, F] bf16;  h = act(g, u) in place in g (SwiGLU or SiTU per
 //   glu_activation(cfg));  y = h·W_downᵀ  [N, d] fp32.
-// Backward (dense_ffn_backward): recompute g, u from xn and run the gated FFN backward of
+// Backward (dense_ffn_backward): recompute g, u from xn (or read them where the forward kept
+// them) and run the gated FFN backward of
 // ops/cuda/moe_backward.h on bf16(dy) (rounded once): dW_down += dyᵀ·h, dh = dy·W_down, GLU
 // backward, dW_gate += dgᵀ·x, dW_up += duᵀ·x, dxn = dg·W_gate + du·W_up (written).
+#include <type_traits>
+
 #include "core/error.h"
 #include "model/cuda/layers.h"
 #include "model/moe.h"  // glu_activation
@@ -30,9 +33,15 @@ size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N, WeightPrecis
   return 2 * ffn_gpu_view_bytes(N, c.dense_ffn, elem) + 256;
 }
 
+size_t dense_ffn_kept_gpu_bytes(const ModelConfig& c, int64_t N) {
+  DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_kept_gpu_bytes: bad shape N=", N,
+           " F=", c.dense_ffn);
+  return 2 * ffn_gpu_view_bytes(N, c.dense_ffn);
+}
+
 template <typename A>
 void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
-                           float* y, int64_t N, const float* residual) {
+                           float* y, int64_t N, const float* residual, uint16_t* kept_gate_up) {
   const ModelConfig& c = dw.config();
   const int64_t d = c.hidden, F = c.dense_ffn;
   DM_CHECK(N >= 0 && d > 0 && F > 0, "dense_ffn_forward_gpu: bad shape N=", N, " d=", d,
@@ -41,16 +50,26 @@ void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeight
   DeviceArenaScope scope(run.scratch);
   A* gate = run.scratch.alloc<A>(size_t(N) * size_t(F));  // [N, F]; h after the GLU
   A* up = run.scratch.alloc<A>(size_t(N) * size_t(F));    // [N, F]
+  A* h = gate;
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    if (kept_gate_up) {  // g and u stay for the backward; h takes the scratch view of g
+      gate = kept_gate_up;
+      up = kept_gate_up + N * F;
+    }
+  } else {
+    DM_CHECK(kept_gate_up == nullptr, "dense_ffn_forward_gpu: kept g, u are bf16 only");
+  }
   linear(run, xn, dw.operand<A>(w.gate), N, d, F, gate, activation_out<A>());
   linear(run, xn, dw.operand<A>(w.up), N, d, F, up, activation_out<A>());
-  glu_forward(gate, up, gate, N * F, glu_activation(c), run.stream);
-  linear_plus(run, gate, dw.operand<A>(w.down), N, F, d, y, residual);
+  glu_forward(gate, up, h, N * F, glu_activation(c), run.stream);
+  linear_plus(run, h, dw.operand<A>(w.down), N, F, d, y, residual);
 }
 
 template void dense_ffn_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const FfnWeights&,
-                                              const uint16_t*, float*, int64_t, const float*);
+                                              const uint16_t*, float*, int64_t, const float*,
+                                              uint16_t*);
 template void dense_ffn_forward_gpu<float>(GpuRun&, const DeviceWeights&, const FfnWeights&,
-                                           const float*, float*, int64_t, const float*);
+                                           const float*, float*, int64_t, const float*, uint16_t*);
 
 size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N) {
   DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_backward_gpu: bad shape N=", N, " F=",
@@ -64,7 +83,7 @@ size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N) {
 
 void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const FfnWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t N) {
+                            int64_t N, const uint16_t* kept_gate_up) {
   const ModelConfig& c = dw.config();
   const int64_t d = c.hidden, F = c.dense_ffn;
   DM_CHECK(N >= 0 && d > 0 && F > 0, "dense_ffn_backward_gpu: bad shape N=", N, " d=", d,
@@ -79,7 +98,7 @@ void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   // dx_beta = 0: the first input-gradient GEMM writes dxn.
   glu_ffn_backward(run.gemm, xn, dw.bf16(w.gate), dw.bf16(w.up), dw.bf16(w.down), dy_b, dxn, 0.0f,
                    grads.at(w.gate), grads.at(w.up), grads.at(w.down), N, d, F, glu_activation(c),
-                   workspace, run.stream);
+                   workspace, run.stream, kept_gate_up);
 }
 
 }  // namespace dm::cuda

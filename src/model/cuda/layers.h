@@ -76,9 +76,14 @@ void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeight
 
 size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N,
                                    WeightPrecision precision = WeightPrecision::Bf16);
+// kept_gate_up (training without recompute; nullable, bf16 only): dense_ffn_kept_gpu_bytes of
+// device memory where the forward leaves g and u ([2, N, F] bf16) for dense_ffn_backward_gpu,
+// which then skips their two recompute GEMMs.
+size_t dense_ffn_kept_gpu_bytes(const ModelConfig& c, int64_t N);
 template <typename A>
 void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
-                           float* y, int64_t N, const float* residual = nullptr);
+                           float* y, int64_t N, const float* residual = nullptr,
+                           uint16_t* kept_gate_up = nullptr);
 
 // Routing of one MoE forward, for QB and balance metrics (device pointers into run.scratch that
 // stay valid until the caller's enclosing scope ends; nullptr = not wanted).
@@ -105,10 +110,11 @@ enum class MoeExpertsPath : uint8_t { Grouped, GroupedCublas, Gathered };
 // What the MoE forward keeps for its backward when training without recompute (Grouped path
 // only): the routing (scores, idx, weights), the dispatch plan (with the host copy of its
 // offsets when the GEMMs are cuBLAS'), the latent input z and the combined expert output u (fp32,
-// before the latent norm), and the experts' intermediates (the workspace moe_experts_recompute
-// fills: sorted rows, g, u, h, outputs). The backward then runs no router GEMM, no dispatch plan
-// (so no stream synchronisation) and no expert GEMM of the forward again. `device` holds
-// moe_layer_kept_gpu_bytes (256-byte aligned); the views below are set by the forward.
+// before the latent norm), the experts' intermediates (the workspace moe_experts_recompute
+// fills: sorted rows, g, u, h, outputs) and the shared experts' g and u. The backward then runs no
+// router GEMM, no dispatch plan (so no stream synchronisation) and no expert GEMM of the forward
+// again. `device` holds moe_layer_kept_gpu_bytes (256-byte aligned); the views below are set by the
+// forward.
 struct MoeKept {
   void* device = nullptr;
   size_t bytes = 0;
@@ -120,6 +126,9 @@ struct MoeKept {
   const uint16_t* z = nullptr;         // [N, ℓ] bf16 (latent; plain MoE: the caller's xn)
   float* u = nullptr;                  // [N, ℓ] fp32 (latent only)
   void* workspace = nullptr;           // moe_experts_backward_workspace_bytes
+  // The shared experts' pre-activations [2, N, Fs] bf16 (g, then u): their backward skips the
+  // two recompute GEMMs (null without shared experts).
+  const uint16_t* shared_gate_up = nullptr;
   int64_t N = 0;                       // rows the forward kept (the backward checks it)
 };
 size_t moe_layer_kept_gpu_bytes(const ModelConfig& c, int64_t N);
@@ -170,7 +179,7 @@ void mla_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
 size_t dense_ffn_backward_gpu_bytes(const ModelConfig& c, int64_t N);
 void dense_ffn_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGrads& grads,
                             const FfnWeights& w, const uint16_t* xn, const float* dy, float* dxn,
-                            int64_t N);
+                            int64_t N, const uint16_t* kept_gate_up = nullptr);
 
 // kept: what moe_layer_forward_gpu kept (nullable: recompute, with one stream synchronisation
 // for the dispatch plan).

@@ -181,6 +181,11 @@ size_t moe_kept_stride(const ModelConfig& c, int64_t N) {
   return round_up(moe_layer_kept_gpu_bytes(c, N));
 }
 
+// One dense FFN layer's kept g and u, rounded likewise.
+size_t dense_kept_stride(const ModelConfig& c, int64_t N) {
+  return round_up(dense_ffn_kept_gpu_bytes(c, N));
+}
+
 // One layer's kept residual record without recompute: the normed rows xn, yn (bf16) and, with
 // AttnRes, the mixes x, y (fp32; with the plain residual x and y are p_in and p_mid).
 size_t record_kept_stride(const ModelConfig& c, int64_t N) {
@@ -189,8 +194,8 @@ size_t record_kept_stride(const ModelConfig& c, int64_t N) {
          (c.residual == ResidualKind::AttnRes ? 2 * round_up(rows * 4) : 0);
 }
 
-// The kept arena without recompute: every KDA, MLA and MoE layer's forward internals and every
-// layer's residual record (so the backward rebuilds nothing).
+// The kept arena without recompute: every KDA, MLA, MoE and dense FFN layer's forward internals
+// and every layer's residual record (so the backward rebuilds nothing).
 size_t train_kept_bytes(const ModelConfig& c, int64_t B, int64_t T) {
   int kda_layers = 0, mla_layers = 0, moe_layers = 0;
   for (int i = 0; i < c.num_layers; ++i) {
@@ -198,9 +203,11 @@ size_t train_kept_bytes(const ModelConfig& c, int64_t B, int64_t T) {
     mla_layers += c.mixers[size_t(i)] == MixerKind::MLA;
     moe_layers += c.ffns[size_t(i)] == FfnKind::MoE;
   }
+  const int dense_layers = c.num_layers - moe_layers;
   return size_t(kda_layers) * kda_kept_stride(c, B, T) +
          size_t(mla_layers) * mla_kept_stride(c, B, T) +
          size_t(moe_layers) * moe_kept_stride(c, B * T) +
+         (dense_layers ? size_t(dense_layers) * dense_kept_stride(c, B * T) : 0) +
          size_t(c.num_layers) * record_kept_stride(c, B * T) + 256;
 }
 
@@ -290,6 +297,7 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
   std::vector<void*> mixer_kept(static_cast<size_t>(c.num_layers), nullptr);
   moe_kept_.resize(size_t(c.num_layers));
   std::vector<MoeKept*> moe_kept(static_cast<size_t>(c.num_layers), nullptr);
+  std::vector<uint16_t*> dense_kept(static_cast<size_t>(c.num_layers), nullptr);  // g, u
   if (!recompute) {
     ensure_kept(B, T);
     kept_->reset();
@@ -302,6 +310,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         m.bytes = moe_kept_stride(c, B * T);
         m.device = kept_->alloc_bytes(m.bytes);
         moe_kept[size_t(i)] = &m;
+      } else if (env_flag("DM_TRAIN_KEEP_GLU_INPUTS", true)) {  // moe_gpu.cpp keep_glu_inputs
+        dense_kept[size_t(i)] =
+            static_cast<uint16_t*>(kept_->alloc_bytes(dense_kept_stride(c, B * T)));
       }
     }
   }
@@ -514,8 +525,9 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
                          int(E), int(k));
       }
     } else {
-      timer("ffn_fwd", stream,
-            [&] { dense_ffn_forward_gpu(run, dw_, Lw.dense, rec.yn, out, N, p_mid); });
+      timer("ffn_fwd", stream, [&] {
+        dense_ffn_forward_gpu(run, dw_, Lw.dense, rec.yn, out, N, p_mid, dense_kept[size_t(i)]);
+      });
     }
     return s;
   };
@@ -668,8 +680,10 @@ TrainStepResult GpuTrainModel::forward_backward(const int64_t* tokens, const int
         moe_layer_backward_gpu(run, dw_, grads_, Lw.moe, rec.yn, dp, dxn, N, moe_kept[size_t(i)]);
       });
     else
-      timer("ffn_bwd", stream,
-            [&] { dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, rec.yn, dp, dxn, N); });
+      timer("ffn_bwd", stream, [&] {
+        dense_ffn_backward_gpu(run, dw_, grads_, Lw.dense, rec.yn, dp, dxn, N,
+                               dense_kept[size_t(i)]);
+      });
     if (attnres) {
       sources_of(s_mid, true, p_mid);
       dsources_of(s_mid, true);

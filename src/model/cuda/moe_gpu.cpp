@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/layers.h"
 #include "model/cuda/moe_gpu_internal.h"
@@ -66,8 +67,8 @@ size_t scope_base_bytes(const MoeShape& s, int64_t N) {
 }
 
 // Peak of what follows the scope base: the experts' workspace (the larger of the two paths),
-// then (released) bf16(u) plus the shared experts' gate and up [N, Fs] bf16 (h is written over
-// gate).
+// then (released) bf16(u) plus two [N, Fs] bf16 views for the shared experts: gate and up (h is
+// written over gate), or h alone when the kept memory holds gate and up.
 size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
   const ExpertWeightsBf16 ew = expert_weights(nullptr, nullptr, s);
   const size_t experts = aligned(std::max(moe_experts_forward_workspace_bytes(N, int(s.k), ew),
@@ -77,6 +78,10 @@ size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
   if (s.has_shared) after += 2 * n_bytes(N * s.shared_F, 2);
   return std::max(experts, after);
 }
+
+// Training without recompute keeps the shared experts' g and u (and the trainer a dense FFN's):
+// DM_TRAIN_KEEP_GLU_INPUTS=0 recomputes them in the backward instead (the A/B reference).
+bool keep_glu_inputs() { return env_flag("DM_TRAIN_KEEP_GLU_INPUTS", true); }
 
 // Host copy of the plan's E+1 offsets: grows only, so steady-state calls do not allocate.
 int64_t* host_offsets_buffer(int64_t E) {
@@ -93,6 +98,7 @@ size_t moe_layer_kept_gpu_bytes(const ModelConfig& c, int64_t N) {
              aligned(moe_dispatch_plan_bytes(N, int(s.k), int(s.E)));
   if (s.has_latent) b += n_bytes(N * s.latent, 2) + n_bytes(N * s.latent, 4);  // z, u
   b += aligned(moe_experts_backward_workspace_bytes(N, int(s.k), expert_weights(nullptr, nullptr, s)));
+  if (s.has_shared) b += n_bytes(2 * N * s.shared_F, 2);  // the shared experts' g, u
   return b + 256;
 }
 
@@ -261,17 +267,27 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
 
   if (s.has_shared && !fold_shared) {
     // Fused shared experts at full width: h = act(g, u) over [N, Fs], y += h·W_dᵀ.
+    // Kept for the backward: g and u in the kept memory, h in scratch (else h over g).
     const int64_t Fs = s.shared_F;
     uint16_t* gate = shared_gate;
     uint16_t* up = shared_up;
+    uint16_t* h = gate;
+    if (kept) kept->shared_gate_up = nullptr;
     if (!gate) {
-      gate = arena.alloc<uint16_t>(size_t(N * Fs));
-      up = arena.alloc<uint16_t>(size_t(N * Fs));
+      if (kept && keep_glu_inputs()) {
+        gate = keep.alloc<uint16_t>(size_t(2 * N * Fs));
+        up = gate + N * Fs;
+        h = arena.alloc<uint16_t>(size_t(N * Fs));
+        kept->shared_gate_up = gate;
+      } else {
+        gate = h = arena.alloc<uint16_t>(size_t(N * Fs));
+        up = arena.alloc<uint16_t>(size_t(N * Fs));
+      }
       linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
       linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
     }
-    glu_forward(gate, up, gate, N * Fs, glu_activation(cfg), stream);
-    linear(run, gate, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
+    glu_forward(gate, up, h, N * Fs, glu_activation(cfg), stream);
+    linear(run, h, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
   }
   if (residual) add_inplace(y, residual, N * d, stream);  // plain MoE: the experts wrote y
 }

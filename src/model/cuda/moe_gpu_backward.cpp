@@ -263,7 +263,7 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     glu_ffn_backward(run.gemm, xn, dw.bf16(w.shared.gate), dw.bf16(w.shared.up),
                      dw.bf16(w.shared.down), dy_b, dxn, 1.0f, grads.at(w.shared.gate),
                      grads.at(w.shared.up), grads.at(w.shared.down), N, d, s.shared_F, act,
-                     workspace, stream);
+                     workspace, stream, kept ? kept->shared_gate_up : nullptr);
   }
 }
 

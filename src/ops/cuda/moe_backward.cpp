@@ -314,7 +314,7 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                       const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
                       float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
                       int64_t d, int64_t F, const GluActivation& act, void* workspace,
-                      CUstream_st* stream) {
+                      CUstream_st* stream, const uint16_t* kept_gate_up) {
   DM_CHECK(N >= 0 && d > 0 && F > 0, "glu_ffn_backward (cuda): bad shape N=", N, " d=", d,
            " F=", F);
   if (N == 0) return;
@@ -322,15 +322,22 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
            "glu_ffn_backward (cuda): null argument");
   char* cursor = static_cast<char*>(workspace);
   const size_t view = round_up_256(size_t(N) * size_t(F) * 2);
-  uint16_t* gate = reinterpret_cast<uint16_t*>(cursor);         // [N, F] g
-  uint16_t* up = reinterpret_cast<uint16_t*>(cursor + view);    // [N, F] u → du
-  uint16_t* h = reinterpret_cast<uint16_t*>(cursor + 2 * view); // [N, F] h → dh → dg
-  // Recompute the forward's bf16 pre-activations and h = act(g, u).
-  gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_gate, d, 0.0f, gate, GemmOutType::Bf16, F,
-                 stream);
-  gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_up, d, 0.0f, up, GemmOutType::Bf16, F,
-                 stream);
-  glu_forward(gate, up, h, N * F, act, stream);
+  uint16_t* gate_view = reinterpret_cast<uint16_t*>(cursor);     // [N, F] g
+  uint16_t* up = reinterpret_cast<uint16_t*>(cursor + view);     // [N, F] u → du
+  uint16_t* h = reinterpret_cast<uint16_t*>(cursor + 2 * view);  // [N, F] h → dh → dg
+  // The forward's bf16 pre-activations (kept, else recomputed by the same GEMMs), h = act(g, u).
+  const uint16_t* gate = gate_view;
+  const uint16_t* up_in = up;
+  if (kept_gate_up) {
+    gate = kept_gate_up;
+    up_in = kept_gate_up + N * F;
+  } else {
+    gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_gate, d, 0.0f, gate_view, GemmOutType::Bf16,
+                   F, stream);
+    gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_up, d, 0.0f, up, GemmOutType::Bf16, F,
+                   stream);
+  }
+  glu_forward(gate, up_in, h, N * F, act, stream);
   // y = h·W_downᵀ: dW_down [d, F] += dyᵀ[d, N]·h[N, F]; then dh [N, F] = dy[N, d]·W_down[d, F]
   // over h (queued after the GEMM that reads it).
   if (dw_down)
@@ -338,7 +345,7 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                    stream);
   gemm.gemm_bf16(false, false, N, F, d, 1.0f, dy, d, w_down, F, 0.0f, h, GemmOutType::Bf16, F,
                  stream);
-  glu_backward(gate, up, h, h, up, N * F, act, stream);
+  glu_backward(gate, up_in, h, h, up, N * F, act, stream);  // du into the workspace's u view
   const uint16_t* dg = h;
   const uint16_t* du = up;
   // g = x·W_gateᵀ: dW_gate [F, d] += dgᵀ[F, N]·x[N, d]; dx [N, d] (+)= dg·W_gate; same for up.

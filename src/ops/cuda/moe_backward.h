@@ -89,8 +89,9 @@ void moe_route_backward(const float* scores, const int32_t* idx, const float* dw
                         CUstream_st* stream = nullptr);
 
 // ---- Gated FFN (dense FFN layer and the MoE's fused shared experts) ---------------------------
-// Recomputes g = x·W_gateᵀ, u = x·W_upᵀ [N, F] (bf16, as the forward) and back-propagates
-// dy [N, d] (bf16, the caller rounds ∂L/∂y once):
+// Recomputes g = x·W_gateᵀ, u = x·W_upᵀ [N, F] (bf16, as the forward) — or reads them from
+// kept_gate_up ([2, N, F] bf16, g then u, as the forward wrote them; not written) — and
+// back-propagates dy [N, d] (bf16, the caller rounds ∂L/∂y once):
 //   dW_down [d, F] += dyᵀ·h;  dh = dy·W_down;  (dg, du) = GLU backward;
 //   dW_gate [F, d] += dgᵀ·x, dW_up += duᵀ·x;  dx [N, d] fp32 = dg·W_gate + du·W_up
 //   (dx_beta = 0 writes dx, 1 accumulates; dx and every dW_* nullable).
@@ -100,7 +101,7 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                       const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
                       float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
                       int64_t d, int64_t F, const GluActivation& act, void* workspace,
-                      CUstream_st* stream = nullptr);
+                      CUstream_st* stream = nullptr, const uint16_t* kept_gate_up = nullptr);
 
 // ---- Internal: moe_backward.cpp → moe_backward.cu (not for use outside src/ops/cuda/moe*) -----
 namespace moe_detail {
