@@ -11,6 +11,8 @@
 // T = 300 (several chunks). Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #if DELTAMOE_HAVE_CUDA
 #include <cmath>
 #include <cstdio>
@@ -228,6 +230,16 @@ TEST(CudaKdaLayerBackward, LongerSequencesSeveralChunks) {
   DM_SKIP_WITHOUT_GPU();
   run_case(kSafeFull, 2, 300, false);
   run_case(kSoftplusLow, 1, 300, true);
+}
+
+// The unfused input-gradient products (one per weight, DM_KDA_FUSED_GRAD_GEMMS=0: the A/B
+// reference of the fused q/k/v and β/f_a products the other cases run) against the CPU too.
+TEST(CudaKdaLayerBackward, UnfusedInputGradientProducts) {
+  DM_SKIP_WITHOUT_GPU();
+  setenv("DM_KDA_FUSED_GRAD_GEMMS", "0", 1);
+  run_case(kSafeFull, 2, 100, true);
+  run_case(kSoftplusLow, 1, 130, false);
+  unsetenv("DM_KDA_FUSED_GRAD_GEMMS");
 }
 
 }  // namespace

@@ -108,6 +108,61 @@ TEST(CudaShortConv, SeveralRunsPerThread) {
   run_conv_case(2, 33000, 34, 4, true);
 }
 
+// dx written as a column block of a wider matrix (row stride ld_dx: the KDA backward's fused
+// q/k/v input-gradient product): the same bits as the contiguous dx in its block, nothing written
+// outside it, for the two-channel (even C, even stride) and one-channel (odd stride) kernels.
+TEST(CudaShortConv, StridedDxMatchesContiguous) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const int64_t C : {64, 37})
+    for (const int64_t ld : {3 * C + 6, 3 * C + 1}) {
+      SCOPED_TRACE("C=" + std::to_string(C) + " ld=" + std::to_string(ld));
+      const int64_t B = 2, T = 70, N = B * T, col = C + 2;  // the block starts at column C + 2
+      const int Kc = 4;
+      const std::vector<float> x = test::round_bf16(test::random_normal(size_t(N * C), 5));
+      const std::vector<float> w = test::random_normal(size_t(C * Kc), 6, 0.5f);
+      const std::vector<float> dy = test::random_normal(size_t(N * C), 7);
+      const std::vector<int32_t> doc_start = test::packed_documents(B, T, {{1, 17}, {33}});
+      const size_t partial_floats = cuda::kda_short_conv_silu_backward_partial_floats(N, C, Kc);
+      test::DeviceScratch dev(size_t(N * C) * 8 + size_t(N * ld) * 2 + size_t(C * Kc) * 12 +
+                              partial_floats * 4 + size_t(N) * 4 + 8192);
+      const uint16_t* x_d = dev.upload(test::to_bf16(x));
+      const float* w_d = dev.upload(w);
+      const float* dy_d = dev.upload(dy);
+      const int32_t* docs_d = dev.upload(doc_start);
+      float* dw_a = dev.zeros<float>(size_t(C * Kc));
+      float* dw_b = dev.zeros<float>(size_t(C * Kc));
+      float* partial = dev.zeros<float>(partial_floats);
+      uint16_t* dx_d = dev.zeros<uint16_t>(size_t(N * C));
+      const uint16_t kUntouched = 0x7777;
+      uint16_t* wide_d = dev.upload(std::vector<uint16_t>(size_t(N * ld), kUntouched));
+      cuda::kda_short_conv_silu_backward(x_d, w_d, dy_d, dx_d, dw_a, partial, B, T, C, Kc, docs_d);
+      cuda::kda_short_conv_silu_backward(x_d, w_d, dy_d, wide_d + col, dw_b, partial, B, T, C, Kc,
+                                         docs_d, nullptr, ld);
+      const auto dx = test::DeviceScratch::download(dx_d, size_t(N * C));
+      const auto wide = test::DeviceScratch::download(wide_d, size_t(N * ld));
+      int64_t mismatches = 0, outside = 0;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < ld; ++j) {
+          const uint16_t got = wide[size_t(n * ld + j)];
+          if (j >= col && j < col + C)
+            mismatches += got != dx[size_t(n * C + j - col)];
+          else
+            outside += got != kUntouched;
+        }
+      EXPECT_EQ(mismatches, 0);
+      EXPECT_EQ(outside, 0);
+      // dw: the same bits when both calls take the same kernel; an odd stride takes the
+      // one-channel kernel, whose runs (and so dw's partial sums) are shorter.
+      const auto dw_contiguous = test::DeviceScratch::download(dw_a, size_t(C * Kc));
+      const auto dw_strided = test::DeviceScratch::download(dw_b, size_t(C * Kc));
+      if (ld % 2 == 0 || C % 2 != 0)
+        EXPECT_EQ(dw_strided, dw_contiguous);
+      else
+        EXPECT_LE(test::rel_rms(dw_strided.data(), dw_contiguous.data(), dw_contiguous.size()),
+                  1e-6);
+    }
+}
+
 TEST(CudaShortConv, TooManyTapsIsAClearError) {
   DM_SKIP_WITHOUT_GPU();
   test::DeviceScratch dev(4096);

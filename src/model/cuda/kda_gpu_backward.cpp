@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/kda_gpu_internal.h"
 #include "model/cuda/layers.h"
@@ -27,19 +28,26 @@ namespace {
 // stream orders a dead use before the next write:
 //   d_o reuses `normed` (read last by the o_proj weight GEMM, before the norm backward);
 //   dg reuses d_normed (read last by the norm backward; zeroed after it);
-//   d_proj [N, H·K] bf16 holds d out_gate, then df (gate), then each branch's d raw in turn;
-//   d_low [N, K] bf16 holds d(g_a x), then d(f_a x);
+//   d_proj [N, 3·H·K] bf16 holds d out_gate, then df (gate), then the three branches' d raw side
+//   by side (row stride 3·H·K; with the products unfused each branch's in turn at stride H·K);
+//   d_small [N, H + K] bf16 holds d(g_a x) ([N, K]), then dz_β | d(f_a x) side by side (row
+//   stride H + K), w_small [H + K, d] bf16 W_β over W_f_a, for one dxn product over both;
 //   partial holds the row partial sums of one parameter gradient at a time.
+//
+// dxn takes one GEMM over K = 3·H·K for q, k, v (their weights, and their gradient slots, lie one
+// after another in the arenas: weights.cpp adds them in a row) and one over K = H + K for β and
+// f_a, instead of five accumulating passes over the fp32 [N, d] dxn (each small-K one is all
+// memory traffic). DM_KDA_FUSED_GRAD_GEMMS=0 keeps one product per weight (the A/B reference).
 struct BackwardBuffers {
   kda_gpu::ForwardViews fwd;
   uint16_t* dy;         // [N, d] bf16
   float* d_normed_then_dg;  // [N, H·K] fp32
   uint16_t* d_o;        // [N, H·K] bf16 (= fwd.normed)
-  uint16_t* d_proj;     // [N, H·K] bf16
+  uint16_t* d_proj;     // [N, 3·H·K] bf16
   float *dq, *dk, *dv;  // [N, H·K] fp32 operator gradients, then (in place) d pre-activation
   float* dbeta;         // [N, H] fp32
-  uint16_t* dz_beta;    // [N, H] bf16 d logits
-  uint16_t* d_low;      // [N, K] bf16
+  uint16_t* d_small;    // [N, H + K] bf16: d(g_a x) [N, K], then dz_β | d(f_a x)
+  uint16_t* w_small;    // [H + K, d] bf16: W_β over W_f_a
   float* partial;       // fp32 row partials (the largest of the three ops' needs)
   void* operator_own;   // the operator backward's own region (kda_chunk_backward_own_bytes)
 };
@@ -57,13 +65,13 @@ BackwardBuffers backward_carve(kda_gpu::ScratchPlan& forward_plan, kda_gpu::Scra
   b.dy = plan.take<uint16_t>(N * dims.d);
   b.d_normed_then_dg = plan.take<float>(N * HK);
   b.d_o = f.normed;
-  b.d_proj = plan.take<uint16_t>(N * HK);
+  b.d_proj = plan.take<uint16_t>(N * 3 * HK);
   b.dq = plan.take<float>(N * HK);
   b.dk = plan.take<float>(N * HK);
   b.dv = plan.take<float>(N * HK);
   b.dbeta = plan.take<float>(N * H);
-  b.dz_beta = plan.take<uint16_t>(N * H);
-  b.d_low = plan.take<uint16_t>(N * K);
+  b.d_small = plan.take<uint16_t>(N * (H + K));
+  b.w_small = plan.take<uint16_t>((H + K) * dims.d);
   const size_t partial_floats =
       std::max({kda_rmsnorm_gated_backward_partial_floats(N * H, K),
                 kda_gate_backward_partial_floats(N, H, K),
@@ -71,6 +79,19 @@ BackwardBuffers backward_carve(kda_gpu::ScratchPlan& forward_plan, kda_gpu::Scra
   b.partial = plan.take<float>(int64_t(partial_floats));
   b.operator_own = plan.take_bytes(kda_chunk_backward_own_bytes(shape));
   return b;
+}
+
+// dW [rows, in] (+)= dyᵀ·x for a weight whose gradient slot is store-first or accumulating
+// (linear_backward's rule), dy [N, rows] with row stride ldy.
+void weight_grad(GpuRun& run, const DeviceGrads& grads, const float* W_host, const uint16_t* dy,
+                 int64_t ldy, const uint16_t* x, int64_t N, int64_t in, int64_t rows) {
+  const float beta = grads.take_pending(W_host) ? 0.0f : 1.0f;
+  run.gemm.gemm_bf16(true, false, rows, in, N, 1.0f, dy, ldy, x, in, beta, grads.at(W_host),
+                     GemmOutType::F32, in, run.stream);
+}
+
+bool fused_grad_gemms() {  // read at each call, so that one process can run both (tests, A/B)
+  return env_flag("DM_KDA_FUSED_GRAD_GEMMS", true);
 }
 
 void backward_check(const ModelConfig& c, int64_t B, int64_t T) {
@@ -157,9 +178,9 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     linear_backward(run, xn, dw.bf16(w.g_full), d_out_gate, N, d, HK, dxn, GemmOutType::F32, 0.0f,
                     grads, w.g_full);
   } else {
-    linear_backward(run, f.out_gate_low, dw.bf16(w.g_b), d_out_gate, N, K, HK, b.d_low,
+    linear_backward(run, f.out_gate_low, dw.bf16(w.g_b), d_out_gate, N, K, HK, b.d_small,
                     GemmOutType::Bf16, 0.0f, grads, w.g_b);
-    linear_backward(run, xn, dw.bf16(w.g_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 0.0f, grads,
+    linear_backward(run, xn, dw.bf16(w.g_a), b.d_small, N, d, K, dxn, GemmOutType::F32, 0.0f, grads,
                     w.g_a);
   }
 
@@ -175,37 +196,82 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                      doc_start, stream, kda_backward_default_path(),
                      /*workspace_holds_forward=*/true, b.operator_own, /*accumulate=*/false);
 
-  // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits.
-  kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, b.dz_beta, N * H, stream);
-  linear_backward(run, xn, dw.bf16(w.b_proj), b.dz_beta, N, d, H, dxn, GemmOutType::F32, 1.0f,
-                  grads, w.b_proj);
+  // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits, into d_small's first H columns.
+  const bool fused = fused_grad_gemms();
+  const int64_t ld_small = fused ? H + K : H;
+  uint16_t* dz_beta = b.d_small;
+  uint16_t* d_fa = fused ? b.d_small + H : b.d_small;  // d(f_a x) [N, K], row stride ld_small
+  kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, dz_beta, N * H, stream, H, ld_small);
+  weight_grad(run, grads, w.b_proj, dz_beta, ld_small, xn, N, d, H);
+  if (!fused)
+    run.gemm.gemm_bf16(false, false, N, d, H, 1.0f, dz_beta, H, dw.bf16(w.b_proj), d, 1.0f, dxn,
+                       GemmOutType::F32, d, stream);
 
   // g = gate(f_b (f_a x)): df [N, H·K] bf16 into d_proj (d out_gate is dead).
   uint16_t* df = b.d_proj;
   kda_gate_backward(f.gate_raw, dw.f32(w.A_log), dw.f32(w.dt_bias), dg, df, grads.at(w.A_log),
                     grads.at(w.dt_bias), b.partial, N, H, K, c.kda.gate == KdaGateKind::Safe,
                     c.kda.gate_lower_bound, stream);
-  linear_backward(run, f.gate_low, dw.bf16(w.f_b), df, N, K, HK, b.d_low, GemmOutType::Bf16, 0.0f,
-                  grads, w.f_b);
-  linear_backward(run, xn, dw.bf16(w.f_a), b.d_low, N, d, K, dxn, GemmOutType::F32, 1.0f, grads,
-                  w.f_a);
+  linear_backward(run, f.gate_low, dw.bf16(w.f_b), df, N, K, HK, nullptr, GemmOutType::Bf16, 0.0f,
+                  grads, w.f_b);  // d f_b only; d(f_a x) below
+  const int64_t ld_fa = fused ? ld_small : K;
+  run.gemm.gemm_bf16(false, false, N, K, HK, 1.0f, df, HK, dw.bf16(w.f_b), K, 0.0f, d_fa,
+                     GemmOutType::Bf16, ld_fa, stream);
+  weight_grad(run, grads, w.f_a, d_fa, ld_fa, xn, N, d, K);
+  if (fused) {
+    // dxn += [dz_β | d(f_a x)]·[W_β; W_f_a]: the two weights copied into one [H + K, d] operand.
+    copy_device_to_device_async(b.w_small, dw.bf16(w.b_proj), size_t(H * d) * 2, stream);
+    copy_device_to_device_async(b.w_small + H * d, dw.bf16(w.f_a), size_t(K * d) * 2, stream);
+    run.gemm.gemm_bf16(false, false, N, d, H + K, 1.0f, b.d_small, H + K, b.w_small, d, 1.0f, dxn,
+                       GemmOutType::F32, d, stream);
+  } else {
+    run.gemm.gemm_bf16(false, false, N, d, K, 1.0f, d_fa, K, dw.bf16(w.f_a), d, 1.0f, dxn,
+                       GemmOutType::F32, d, stream);
+  }
 
-  // q, k, v = SiLU(ShortConv(W x)): each branch's d raw [N, H·K] bf16 into d_proj (the previous
-  // branch's GEMMs, already queued, are its last readers).
+  // q, k, v = SiLU(ShortConv(W x)): the branches' d raw [N, H·K] bf16 side by side in d_proj
+  // when fused (else each in turn: the previous branch's GEMMs, already queued, are its last
+  // readers).
   struct Branch {
     const uint16_t* raw;
     const float* conv;
     const float* proj;
     float* d_act;
   };
-  uint16_t* d_raw = b.d_proj;
-  for (const Branch& br : {Branch{f.q_raw, w.q_conv, w.q_proj, b.dq},
-                           Branch{f.k_raw, w.k_conv, w.k_proj, b.dk},
-                           Branch{f.v_raw, w.v_conv, w.v_proj, b.dv}}) {
+  const Branch branches[3] = {Branch{f.q_raw, w.q_conv, w.q_proj, b.dq},
+                              Branch{f.k_raw, w.k_conv, w.k_proj, b.dk},
+                              Branch{f.v_raw, w.v_conv, w.v_proj, b.dv}};
+  const int64_t block = HK * d;  // one projection's elements
+  const bool fused_qkv = fused && dw.bf16(w.k_proj) == dw.bf16(w.q_proj) + block &&
+                         dw.bf16(w.v_proj) == dw.bf16(w.q_proj) + 2 * block &&
+                         grads.at(w.k_proj) == grads.at(w.q_proj) + block &&
+                         grads.at(w.v_proj) == grads.at(w.q_proj) + 2 * block;
+  const int64_t ld_raw = fused_qkv ? 3 * HK : HK;
+  for (int i = 0; i < 3; ++i) {
+    const Branch& br = branches[i];
+    uint16_t* d_raw = b.d_proj + (fused_qkv ? i * HK : 0);
     kda_short_conv_silu_backward(br.raw, dw.f32(br.conv), br.d_act, d_raw, grads.at(br.conv),
-                                 b.partial, B, T, HK, dims.Kc, doc_start, stream);
-    linear_backward(run, xn, dw.bf16(br.proj), d_raw, N, d, HK, dxn, GemmOutType::F32, 1.0f, grads,
-                    br.proj);
+                                 b.partial, B, T, HK, dims.Kc, doc_start, stream, ld_raw);
+    if (!fused_qkv)
+      linear_backward(run, xn, dw.bf16(br.proj), d_raw, N, d, HK, dxn, GemmOutType::F32, 1.0f,
+                      grads, br.proj);
+  }
+  if (fused_qkv) {
+    // dxn += [dq | dk | dv]_raw·[W_q; W_k; W_v] in one product; the weight gradients in one
+    // [3·H·K, d] product when their slots agree on store-first vs accumulate.
+    run.gemm.gemm_bf16(false, false, N, d, 3 * HK, 1.0f, b.d_proj, 3 * HK, dw.bf16(w.q_proj), d,
+                       1.0f, dxn, GemmOutType::F32, d, stream);
+    bool store[3];
+    for (int i = 0; i < 3; ++i) store[i] = grads.take_pending(branches[i].proj);
+    if (store[0] == store[1] && store[1] == store[2]) {
+      run.gemm.gemm_bf16(true, false, 3 * HK, d, N, 1.0f, b.d_proj, 3 * HK, xn, d,
+                         store[0] ? 0.0f : 1.0f, grads.at(w.q_proj), GemmOutType::F32, d, stream);
+    } else {
+      for (int i = 0; i < 3; ++i)
+        run.gemm.gemm_bf16(true, false, HK, d, N, 1.0f, b.d_proj + i * HK, 3 * HK, xn, d,
+                           store[i] ? 0.0f : 1.0f, grads.at(branches[i].proj), GemmOutType::F32, d,
+                           stream);
+    }
   }
 }
 

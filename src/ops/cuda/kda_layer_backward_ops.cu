@@ -313,12 +313,13 @@ __global__ void __launch_bounds__(kThreads)
 // ---- β -----------------------------------------------------------------------------------------
 __global__ void beta_sigmoid_backward_kernel(const float* __restrict__ z,
                                              const float* __restrict__ dbeta,
-                                             uint16_t* __restrict__ dz, int64_t n) {
+                                             uint16_t* __restrict__ dz, int64_t n, int64_t width,
+                                             int64_t ld_dz) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float s = sigmoid_f32(z[i]);
-    store_from_float(dz, i, dbeta[i] * s * (1.0f - s));
+    store_from_float(dz, i / width * ld_dz + i % width, dbeta[i] * s * (1.0f - s));
   }
 }
 
@@ -384,10 +385,15 @@ void kda_gate_backward(const uint16_t* f, const float* A_log, const float* dt_bi
 }
 
 void kda_beta_sigmoid_backward(const float* z, const float* dbeta, uint16_t* dz, int64_t n,
-                               CUstream_st* stream) {
+                               CUstream_st* stream, int64_t width, int64_t ld_dz) {
   DM_CHECK(n >= 0, "cuda kda_beta_sigmoid_backward: bad size ", n);
+  if (width == 0) width = ld_dz = n > 0 ? n : 1;
+  DM_CHECK(width > 0 && ld_dz >= width && n % width == 0,
+           "cuda kda_beta_sigmoid_backward: bad rows (n=", n, ", width=", width, ", ld=", ld_dz,
+           ")");
   if (n == 0) return;
-  launch_pdl(beta_sigmoid_backward_kernel, grid_blocks(n), kThreads, 0, stream, z, dbeta, dz, n);
+  launch_pdl(beta_sigmoid_backward_kernel, grid_blocks(n), kThreads, 0, stream, z, dbeta, dz, n,
+             width, ld_dz);
   check_last_error("cuda kda_beta_sigmoid_backward");
 }
 

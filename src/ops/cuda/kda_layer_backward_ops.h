@@ -47,19 +47,22 @@ void kda_gate_backward(const uint16_t* f, const float* A_log, const float* dt_bi
                        float lower_bound, CUstream_st* stream = nullptr);
 
 // β = σ(z) backward: dz = dβ·σ(z)(1−σ(z)) from the fp32 logits z (not the rounded β), n values;
-// dz bf16 (WRITTEN).
+// dz bf16 (WRITTEN). With width > 0 the values are rows of `width` (n a multiple of it) and dz's
+// rows are ld_dz apart (a column block of a wider matrix: the layer's fused input-gradient
+// product); width 0: dz contiguous.
 void kda_beta_sigmoid_backward(const float* z, const float* dbeta, uint16_t* dz, int64_t n,
-                               CUstream_st* stream = nullptr);
+                               CUstream_st* stream = nullptr, int64_t width = 0, int64_t ld_dz = 0);
 
 // Short conv + SiLU backward (kda_short_conv_silu_forward: no carried tail, positions before 0
 // or before doc_start[b·T+t] read zeros). x [B, T, C] bf16 (the raw projection of the forward);
 // w [C, Kc] fp32 (Kc ≤ 8). dy [B, T, C] fp32: the gradient of the SiLU output (read only).
-// dx [B, T, C] bf16 WRITTEN (≠ x); dw [C, Kc] fp32 (+=). One fused pass (short_conv.cu).
-// partial: kda_short_conv_silu_backward_partial_floats.
+// dx [B, T, C] bf16 WRITTEN (≠ x), its rows ld_dx ≥ C apart (0: C; a column block of a wider
+// matrix, as the layer's fused q/k/v input-gradient product reads them); dw [C, Kc] fp32 (+=).
+// One fused pass (short_conv.cu). partial: kda_short_conv_silu_backward_partial_floats.
 size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc);
-void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy,
-                                  uint16_t* dx, float* dw, float* partial, int64_t B, int64_t T,
-                                  int64_t C, int Kc, const int32_t* doc_start,
-                                  CUstream_st* stream = nullptr);
+void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy, uint16_t* dx,
+                                  float* dw, float* partial, int64_t B, int64_t T, int64_t C,
+                                  int Kc, const int32_t* doc_start, CUstream_st* stream = nullptr,
+                                  int64_t ld_dx = 0);
 
 }  // namespace dm::cuda

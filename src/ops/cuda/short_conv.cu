@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
     short_conv_silu_backward_kernel(const uint16_t* __restrict__ x, const float* __restrict__ w_all,
                                     const float* __restrict__ dy, uint16_t* __restrict__ dx,
                                     float* __restrict__ partial, ConvRuns<RUN> runs, int64_t C,
-                                    const int32_t* __restrict__ doc_start) {
+                                    const int32_t* __restrict__ doc_start, int64_t ld_dx) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   // da is needed at tokens t0 … t1+KC−2 (the run and the KC−1 tokens whose conv reads its last
   // positions); their pre-activations read x at t0−KC+1 … t1+KC−2.
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
     da.load(dy, base, t0, T, C, c);
     int firsts[kTokens];
     load_firsts(doc_start, base, t0, T, firsts);
-    uint16_t* out = dx + (base + t0) * C + c;
+    uint16_t* out = dx + (base + t0) * ld_dx + c;
     // Unchecked (a clean window, every token < T): the checks below all pass, so it drops them.
     const auto run_gradients = [&](auto checked) {
       constexpr bool kChecked = decltype(checked)::value;
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kConvLanes* kConvRunsPerBlock, V > 1 ? 2 : 1)
             if (!kChecked || (t0 + u < T && s_pos >= firsts[u])) acc[v] += w[v][j] * da.at(u, v);
           }
         }
-        store_vector_from_float<V>(out, int64_t(i) * C, acc);
+        store_vector_from_float<V>(out, int64_t(i) * ld_dx, acc);
       }
     };
     if (window_clean(firsts, t0 - (KC - 1), t0 + kTokens <= T))
@@ -397,15 +397,18 @@ size_t kda_short_conv_silu_backward_partial_floats(int64_t N, int64_t C, int Kc)
   return size_t(conv_run_groups(N, std::min(kConvRun, kConvRunWide)) * C * Kc);
 }
 
-void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy,
-                                  uint16_t* dx, float* dw, float* partial, int64_t B, int64_t T,
-                                  int64_t C, int Kc, const int32_t* doc_start,
-                                  CUstream_st* stream) {
+void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float* dy, uint16_t* dx,
+                                  float* dw, float* partial, int64_t B, int64_t T, int64_t C,
+                                  int Kc, const int32_t* doc_start, CUstream_st* stream,
+                                  int64_t ld_dx) {
   DM_CHECK(B >= 0 && T >= 0 && C > 0 && Kc > 0,
            "cuda kda_short_conv_silu_backward: bad shape B=", B, " T=", T, " C=", C, " Kc=", Kc);
+  if (ld_dx == 0) ld_dx = C;
+  DM_CHECK(ld_dx >= C, "cuda kda_short_conv_silu_backward: dx row stride ", ld_dx, " < C=", C);
   const int64_t N = B * T;
   if (N == 0) return;
-  const bool wide = conv_vectors_fit(C, 2, {{x, 2}, {dy, 4}, {dx, 2}});
+  // Two channels a thread store bf16 pairs: every row of dx must start 4-byte aligned.
+  const bool wide = ld_dx % 2 == 0 && conv_vectors_fit(C, 2, {{x, 2}, {dy, 4}, {dx, 2}});
   const int64_t R = conv_run_groups(N, wide ? kConvRunWide : kConvRun), M = C * Kc;
   const dim3 block(kConvLanes, kConvRunsPerBlock);
   with_taps(Kc, [&](auto taps) {
@@ -413,11 +416,11 @@ void kda_short_conv_silu_backward(const uint16_t* x, const float* w, const float
     if (wide)
       launch_pdl(short_conv_silu_backward_kernel<KC, 2, kConvRunWide>,
                  dim3(unsigned(ceil_div(C, 2 * kConvLanes)), unsigned(R)), block, 0, stream, x, w,
-                 dy, dx, partial, ConvRuns<kConvRunWide>(B, T), C, doc_start);
+                 dy, dx, partial, ConvRuns<kConvRunWide>(B, T), C, doc_start, ld_dx);
     else
       launch_pdl(short_conv_silu_backward_kernel<KC, 1, kConvRun>,
                  dim3(unsigned(ceil_div(C, kConvLanes)), unsigned(R)), block, 0, stream, x, w, dy,
-                 dx, partial, ConvRuns<kConvRun>(B, T), C, doc_start);
+                 dx, partial, ConvRuns<kConvRun>(B, T), C, doc_start, ld_dx);
   });
   check_last_error("cuda kda_short_conv_silu_backward");
   launch_pdl(conv_weight_grad_reduce_kernel, unsigned(ceil_div(M, 256)), 256, 0, stream, partial, R,
