@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -317,6 +318,56 @@ TEST(CudaOpsGlu, ForwardBackwardMatchesCpu) {
       EXPECT_LE(rel_rms(DeviceScratch::download(u_d, size_t(n)), du_ref), 1e-5) << name;
     }
   }
+}
+
+// g and u as the two halves of [rows, 2F] rows (GluRows, the gated FFNs' one gate/up GEMM): h
+// and, in place over g | u, dg | du give the bits of the contiguous operands. F = 64 takes the
+// 8-wide kernels, F = 12 the scalar ones.
+TEST(CudaOpsGlu, RowsLayoutMatchesContiguous) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const int64_t F : {int64_t(64), int64_t(12)}) {
+    const int64_t rows = 37, n = rows * F;
+    const std::vector<float> g = round_bf16(random_normal(size_t(n), 41, 6.0f));
+    const std::vector<float> u = round_bf16(random_normal(size_t(n), 42, 30.0f));
+    const std::vector<float> dh = round_bf16(random_normal(size_t(n), 43));
+    std::vector<float> gu(size_t(2 * n));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < F; ++j) {
+        gu[size_t(r * 2 * F + j)] = g[size_t(r * F + j)];
+        gu[size_t(r * 2 * F + F + j)] = u[size_t(r * F + j)];
+      }
+    for (const dm::GluActivation& a : glu_kinds()) {
+      SCOPED_TRACE(std::to_string(F) + (a.kind == dm::Activation::SiTU ? " SiTU" : " SwiGLU"));
+      DeviceScratch dev(size_t(n) * 2 * 12 + (1 << 16));
+      const uint16_t* g_b = dev.upload(to_bf16(g));
+      const uint16_t* u_b = dev.upload(to_bf16(u));
+      const uint16_t* dh_b = dev.upload(to_bf16(dh));
+      uint16_t* gu_b = dev.upload(to_bf16(gu));
+      uint16_t* h_flat = dev.zeros<uint16_t>(size_t(n));
+      uint16_t* h_rows = dev.zeros<uint16_t>(size_t(n));
+      uint16_t* dg_flat = dev.zeros<uint16_t>(size_t(n));
+      uint16_t* du_flat = dev.zeros<uint16_t>(size_t(n));
+      const cu::GluRows layout{F, 2 * F};
+      cu::glu_forward(g_b, u_b, h_flat, n, a);
+      cu::glu_forward(gu_b, gu_b + F, h_rows, n, a, nullptr, layout);
+      cu::glu_backward(g_b, u_b, dh_b, dg_flat, du_flat, n, a);
+      cu::glu_backward(gu_b, gu_b + F, dh_b, gu_b, gu_b + F, n, a, nullptr, layout);
+      EXPECT_EQ(DeviceScratch::download(h_rows, size_t(n)),
+                DeviceScratch::download(h_flat, size_t(n)));
+      const auto dgu = DeviceScratch::download(gu_b, size_t(2 * n));
+      const auto dg = DeviceScratch::download(dg_flat, size_t(n));
+      const auto du = DeviceScratch::download(du_flat, size_t(n));
+      int64_t mismatches = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < F; ++j)
+          mismatches += (dgu[size_t(r * 2 * F + j)] != dg[size_t(r * F + j)]) +
+                        (dgu[size_t(r * 2 * F + F + j)] != du[size_t(r * F + j)]);
+      EXPECT_EQ(mismatches, 0);
+    }
+  }
+  EXPECT_THROW(cu::glu_forward(static_cast<const uint16_t*>(nullptr), nullptr, nullptr, 10,
+                               glu_kinds()[0], nullptr, cu::GluRows{4, 8}),
+               dm::Error);  // 10 values are not rows of 4
 }
 
 TEST(CudaOpsGlu, RejectsBadSituBeta) {

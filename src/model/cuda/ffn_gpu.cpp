@@ -1,7 +1,8 @@
 // Dense FFN on the GPU, forward: the twin of model/moe.cpp dense_ffn_forward (ops/cpu/ffn.cpp
 // ffn_forward without saved pre-activations):
-//   g = x·W_gateᵀ, u = x·W_upᵀ  [N, F] bf16;  h = act(g, u) in place in g (SwiGLU or SiTU per
-//   glu_activation(cfg));  y = h·W_downᵀ  [N, d] fp32.
+//   g = x·W_gateᵀ, u = x·W_upᵀ  [N, F] bf16 (one [N, 2F] GEMM when W_gate and W_up are adjacent,
+//   as weights.cpp lays them out);  h = act(g, u) (SwiGLU or SiTU per glu_activation(cfg));
+//   y = h·W_downᵀ  [N, d] fp32.
 // Backward (dense_ffn_backward): recompute g, u from xn (or read them where the forward kept
 // them) and run the gated FFN backward of
 // ops/cuda/moe_backward.h on bf16(dy) (rounded once): dW_down += dyᵀ·h, dh = dy·W_down, GLU
@@ -28,9 +29,10 @@ size_t ffn_gpu_view_bytes(int64_t N, int64_t F, size_t elem_bytes = sizeof(uint1
 size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N, WeightPrecision precision) {
   DM_CHECK(N >= 0 && c.dense_ffn > 0, "dense_ffn_forward_gpu: bad shape N=", N, " F=",
            c.dense_ffn);
-  // gate (→ h) and up, plus slack for an unaligned arena mark.
+  // gate (→ h) and up, or g | u [N, 2F] and h (bf16, adjacent weights), plus slack for an
+  // unaligned arena mark.
   const size_t elem = precision == WeightPrecision::F32 ? sizeof(float) : sizeof(uint16_t);
-  return 2 * ffn_gpu_view_bytes(N, c.dense_ffn, elem) + 256;
+  return 3 * ffn_gpu_view_bytes(N, c.dense_ffn, elem) + 256;
 }
 
 size_t dense_ffn_kept_gpu_bytes(const ModelConfig& c, int64_t N) {
@@ -48,21 +50,24 @@ void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeight
            " F=", F);
   if (N == 0) return;
   DeviceArenaScope scope(run.scratch);
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    if (glu_gate_up_adjacent(dw.bf16(w.gate), dw.bf16(w.up), F, d)) {
+      // One GEMM for g | u ([N, 2F] rows: in the kept memory for the backward, else scratch).
+      uint16_t* gu = kept_gate_up ? kept_gate_up : run.scratch.alloc<uint16_t>(size_t(2 * N * F));
+      uint16_t* h = run.scratch.alloc<uint16_t>(size_t(N * F));
+      linear(run, xn, dw.bf16(w.gate), N, d, 2 * F, gu, GemmOutType::Bf16);
+      glu_forward(gu, gu + F, h, N * F, glu_activation(c), run.stream, GluRows{F, 2 * F});
+      linear_plus(run, h, dw.bf16(w.down), N, F, d, y, residual);
+      return;
+    }
+  }
+  // Separate products (fp32 mode; weights not adjacent): nothing kept, the backward recomputes.
   A* gate = run.scratch.alloc<A>(size_t(N) * size_t(F));  // [N, F]; h after the GLU
   A* up = run.scratch.alloc<A>(size_t(N) * size_t(F));    // [N, F]
-  A* h = gate;
-  if constexpr (std::is_same_v<A, uint16_t>) {
-    if (kept_gate_up) {  // g and u stay for the backward; h takes the scratch view of g
-      gate = kept_gate_up;
-      up = kept_gate_up + N * F;
-    }
-  } else {
-    DM_CHECK(kept_gate_up == nullptr, "dense_ffn_forward_gpu: kept g, u are bf16 only");
-  }
   linear(run, xn, dw.operand<A>(w.gate), N, d, F, gate, activation_out<A>());
   linear(run, xn, dw.operand<A>(w.up), N, d, F, up, activation_out<A>());
-  glu_forward(gate, up, h, N * F, glu_activation(c), run.stream);
-  linear_plus(run, h, dw.operand<A>(w.down), N, F, d, y, residual);
+  glu_forward(gate, up, gate, N * F, glu_activation(c), run.stream);
+  linear_plus(run, gate, dw.operand<A>(w.down), N, F, d, y, residual);
 }
 
 template void dense_ffn_forward_gpu<uint16_t>(GpuRun&, const DeviceWeights&, const FfnWeights&,

@@ -77,8 +77,8 @@ void mla_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MlaWeight
 size_t dense_ffn_forward_gpu_bytes(const ModelConfig& c, int64_t N,
                                    WeightPrecision precision = WeightPrecision::Bf16);
 // kept_gate_up (training without recompute; nullable, bf16 only): dense_ffn_kept_gpu_bytes of
-// device memory where the forward leaves g and u ([2, N, F] bf16) for dense_ffn_backward_gpu,
-// which then skips their two recompute GEMMs.
+// device memory where the forward leaves g | u ([N, 2F] bf16 rows, from its one gate/up GEMM) for
+// dense_ffn_backward_gpu, which then skips their recompute.
 size_t dense_ffn_kept_gpu_bytes(const ModelConfig& c, int64_t N);
 template <typename A>
 void dense_ffn_forward_gpu(GpuRun& run, const DeviceWeights& dw, const FfnWeights& w, const A* xn,
@@ -126,8 +126,8 @@ struct MoeKept {
   const uint16_t* z = nullptr;         // [N, ℓ] bf16 (latent; plain MoE: the caller's xn)
   float* u = nullptr;                  // [N, ℓ] fp32 (latent only)
   void* workspace = nullptr;           // moe_experts_backward_workspace_bytes
-  // The shared experts' pre-activations [2, N, Fs] bf16 (g, then u): their backward skips the
-  // two recompute GEMMs (null without shared experts).
+  // The shared experts' pre-activations g | u as [N, 2·Fs] bf16 rows (moe_backward.h
+  // glu_ffn_backward): their backward skips the recompute GEMM (null without shared experts).
   const uint16_t* shared_gate_up = nullptr;
   int64_t N = 0;                       // rows the forward kept (the backward checks it)
 };

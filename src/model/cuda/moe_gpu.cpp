@@ -67,15 +67,15 @@ size_t scope_base_bytes(const MoeShape& s, int64_t N) {
 }
 
 // Peak of what follows the scope base: the experts' workspace (the larger of the two paths),
-// then (released) bf16(u) plus two [N, Fs] bf16 views for the shared experts: gate and up (h is
-// written over gate), or h alone when the kept memory holds gate and up.
+// then (released) bf16(u) plus the shared experts' [N, Fs] bf16 views: g | u as one [N, 2·Fs]
+// matrix (unless the kept memory holds it) and h, or gate and up with h written over gate.
 size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
   const ExpertWeightsBf16 ew = expert_weights(nullptr, nullptr, s);
   const size_t experts = aligned(std::max(moe_experts_forward_workspace_bytes(N, int(s.k), ew),
                                           moe_decode_workspace_bytes(N, int(s.k), ew, true)));
   size_t after = 0;
   if (s.has_latent_norm) after += n_bytes(N * s.latent, 2);
-  if (s.has_shared) after += 2 * n_bytes(N * s.shared_F, 2);
+  if (s.has_shared) after += n_bytes(2 * N * s.shared_F, 2) + n_bytes(N * s.shared_F, 2);
   return std::max(experts, after);
 }
 
@@ -267,26 +267,31 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
 
   if (s.has_shared && !fold_shared) {
     // Fused shared experts at full width: h = act(g, u) over [N, Fs], y += h·W_dᵀ.
-    // Kept for the backward: g and u in the kept memory, h in scratch (else h over g).
+    // g | u from one [N, 2·Fs] GEMM when the two weights are adjacent (kept for the backward in
+    // the kept memory, else scratch), h in scratch; the decode GEMV's separate g, u as they are.
     const int64_t Fs = s.shared_F;
     uint16_t* gate = shared_gate;
     uint16_t* up = shared_up;
+    GluRows rows;
     uint16_t* h = gate;
     if (kept) kept->shared_gate_up = nullptr;
     if (!gate) {
-      if (kept && keep_glu_inputs()) {
-        gate = keep.alloc<uint16_t>(size_t(2 * N * Fs));
-        up = gate + N * Fs;
+      if (glu_gate_up_adjacent(dw.bf16(w.shared.gate), dw.bf16(w.shared.up), Fs, d)) {
+        const bool keep_gu = kept && keep_glu_inputs();
+        gate = (keep_gu ? keep : arena).alloc<uint16_t>(size_t(2 * N * Fs));
+        up = gate + Fs;
+        rows = GluRows{Fs, 2 * Fs};
         h = arena.alloc<uint16_t>(size_t(N * Fs));
-        kept->shared_gate_up = gate;
+        if (keep_gu) kept->shared_gate_up = gate;
+        linear(run, xn, dw.bf16(w.shared.gate), N, d, 2 * Fs, gate, GemmOutType::Bf16);
       } else {
         gate = h = arena.alloc<uint16_t>(size_t(N * Fs));
         up = arena.alloc<uint16_t>(size_t(N * Fs));
+        linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
+        linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
       }
-      linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
-      linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
     }
-    glu_forward(gate, up, h, N * Fs, glu_activation(cfg), stream);
+    glu_forward(gate, up, h, N * Fs, glu_activation(cfg), stream, rows);
     linear(run, h, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
   }
   if (residual) add_inplace(y, residual, N * d, stream);  // plain MoE: the experts wrote y

@@ -238,31 +238,43 @@ void glu_check(const GluKernelParams& p, const char* who) {
              ": SiTU-GLU needs beta1 > 0 and beta2 > 0, got ", p.beta1, ", ", p.beta2);
 }
 
+// Where element (or 8-element group) i of g, u, dg, du sits: GluRows in the launch's units.
+struct GluIndex {
+  int64_t width = 0, ld = 0;  // width 0: contiguous
+  __device__ __forceinline__ int64_t operator()(int64_t i) const {
+    return width == 0 ? i : i / width * ld + i % width;
+  }
+};
+
 template <typename Storage>
 __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* h, int64_t n,
-                                   GluKernelParams p) {
+                                   GluKernelParams p, GluIndex at) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr bool kBf16 = std::is_same_v<Storage, uint16_t>;  // glu.cuh's fast arithmetic
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    store_from_float(h, i, glu_value<kBf16>(load_as_float(g, i), load_as_float(u, i), p, inv));
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = at(i);
+    store_from_float(h, i, glu_value<kBf16>(load_as_float(g, j), load_as_float(u, j), p, inv));
+  }
 }
 
 template <typename Storage>
 __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const Storage* dh,
-                                    Storage* dg, Storage* du, int64_t n, GluKernelParams p) {
+                                    Storage* dg, Storage* du, int64_t n, GluKernelParams p,
+                                    GluIndex at) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr bool kBf16 = std::is_same_v<Storage, uint16_t>;  // glu.cuh's fast arithmetic
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     // Every input of element i is read before dg[i] / du[i] are written: aliasing is safe.
+    const int64_t j = at(i);
     float d_gate, d_up;
-    glu_grads<kBf16>(load_as_float(g, i), load_as_float(u, i), load_as_float(dh, i), p, inv, d_gate,
+    glu_grads<kBf16>(load_as_float(g, j), load_as_float(u, j), load_as_float(dh, i), p, inv, d_gate,
                      d_up);
-    store_from_float(dg, i, d_gate);
-    store_from_float(du, i, d_up);
+    store_from_float(dg, j, d_gate);
+    store_from_float(du, j, d_up);
   }
 }
 
@@ -270,70 +282,84 @@ __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const St
 // load per operand. The scalar kernels above issued a 2-byte load per operand and element and
 // ran at ~1.2 TB/s (114 µs forward, 147 µs backward for 4096 × 5632 on the H200).
 __global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4* h, int64_t n8,
-                                          GluKernelParams p) {
+                                          GluKernelParams p, GluIndex at) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
-    h[i] = glu_forward_bf16x8(g[i], u[i], p, inv);
+    const int64_t j = at(i);
+    h[i] = glu_forward_bf16x8(g[j], u[j], p, inv);
   }
 }
 
 __global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const uint4* dh,
-                                           uint4* dg, uint4* du, int64_t n8, GluKernelParams p) {
+                                           uint4* dg, uint4* du, int64_t n8, GluKernelParams p,
+                                           GluIndex at) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   const GluInverseBetas inv = glu_inverse_betas(p);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
-    // every input of element group i is read before dg[i] / du[i] are written: aliasing is safe
+    // every input of element group i is read before dg[j] / du[j] are written: aliasing is safe
+    const int64_t j = at(i);
     uint4 d_gate, d_up;
-    glu_backward_bf16x8(g[i], u[i], dh[i], p, inv, d_gate, d_up);
-    dg[i] = d_gate;
-    du[i] = d_up;
+    glu_backward_bf16x8(g[j], u[j], dh[i], p, inv, d_gate, d_up);
+    dg[j] = d_gate;
+    du[j] = d_up;
   }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+void glu_rows_check(int64_t n, GluRows rows, const char* who) {
+  DM_CHECK(rows.width == 0 || (rows.width > 0 && rows.ld >= rows.width && n % rows.width == 0), who,
+           ": bad rows (n=", n, ", width=", rows.width, ", ld=", rows.ld, ")");
+}
+
+// The 8-element groups fit the rows when every row starts on a group: width and ld multiples of 8.
+bool glu_rows_vectorise(GluRows rows) { return rows.width % 8 == 0 && rows.ld % 8 == 0; }
+
 template <typename Storage>
 void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t n,
-                        const GluKernelParams& p, Stream stream) {
+                        const GluKernelParams& p, Stream stream, GluRows rows = {}) {
   glu_check(p, "cuda glu_forward");
   DM_CHECK(n >= 0, "cuda glu_forward: bad size ", n);
+  glu_rows_check(n, rows, "cuda glu_forward");
   if (n == 0) return;
   if constexpr (std::is_same_v<Storage, uint16_t>) {
-    if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(h)) {
+    if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(h) && glu_rows_vectorise(rows)) {
       launch_pdl(glu_forward_bf16x8_kernel, element_blocks(n / 8), kElementThreads, 0, stream,
                  reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
-                 reinterpret_cast<uint4*>(h), n / 8, p);
+                 reinterpret_cast<uint4*>(h), n / 8, p, GluIndex{rows.width / 8, rows.ld / 8});
       check_last_error("cuda glu_forward");
       return;
     }
   }
   launch_pdl(glu_forward_kernel<Storage>, element_blocks(n), kElementThreads, 0, stream, g, u, h, n,
-             p);
+             p, GluIndex{rows.width, rows.ld});
   check_last_error("cuda glu_forward");
 }
 
 template <typename Storage>
 void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, Storage* dg,
-                         Storage* du, int64_t n, const GluKernelParams& p, Stream stream) {
+                         Storage* du, int64_t n, const GluKernelParams& p, Stream stream,
+                         GluRows rows = {}) {
   glu_check(p, "cuda glu_backward");
   DM_CHECK(n >= 0, "cuda glu_backward: bad size ", n);
+  glu_rows_check(n, rows, "cuda glu_backward");
   if (n == 0) return;
   if constexpr (std::is_same_v<Storage, uint16_t>) {
     if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(dh) && aligned16(dg) &&
-        aligned16(du)) {
+        aligned16(du) && glu_rows_vectorise(rows)) {
       launch_pdl(glu_backward_bf16x8_kernel, element_blocks(n / 8), kElementThreads, 0, stream,
                  reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
                  reinterpret_cast<const uint4*>(dh), reinterpret_cast<uint4*>(dg),
-                 reinterpret_cast<uint4*>(du), n / 8, p);
+                 reinterpret_cast<uint4*>(du), n / 8, p, GluIndex{rows.width / 8, rows.ld / 8});
       check_last_error("cuda glu_backward");
       return;
     }
   }
   launch_pdl(glu_backward_kernel<Storage>, element_blocks(n), kElementThreads, 0, stream, g, u, dh,
-             dg, du, n, p);
+             dg, du, n, p, GluIndex{rows.width, rows.ld});
   check_last_error("cuda glu_backward");
 }
 
@@ -694,16 +720,16 @@ void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluK
   glu_forward_launch(g, u, h, n, a, stream);
 }
 void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,
-                 const GluKernelParams& a, Stream stream) {
-  glu_forward_launch(g, u, h, n, a, stream);
+                 const GluKernelParams& a, Stream stream, GluRows rows) {
+  glu_forward_launch(g, u, h, n, a, stream, rows);
 }
 void glu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
                   int64_t n, const GluKernelParams& a, Stream stream) {
   glu_backward_launch(g, u, dh, dg, du, n, a, stream);
 }
 void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
-                  uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream) {
-  glu_backward_launch(g, u, dh, dg, du, n, a, stream);
+                  uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream, GluRows rows) {
+  glu_backward_launch(g, u, dh, dg, du, n, a, stream, rows);
 }
 
 size_t cross_entropy_workspace_bytes(int64_t N) {

@@ -55,24 +55,33 @@ struct GluKernelParams {
 // The plain parameters of a GluActivation (elementwise.cpp; for C++20 callers that hand them to
 // .cu code).
 GluKernelParams glu_kernel_params(const GluActivation& a);
+// bf16 g and u (and dg, du) as column blocks of wider rows: element i of the [n / width, width]
+// operand sits at (i / width)·ld + i % width (width 0: contiguous). The gated FFNs' one gate/up
+// GEMM writes [N, 2F] rows, g in columns [0, F) and u in [F, 2F): width F, ld 2F, u = g + F.
+// h and dh stay contiguous.
+struct GluRows {
+  int64_t width = 0, ld = 0;
+};
 void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluKernelParams& a,
                  Stream stream = nullptr);
 void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,
-                 const GluKernelParams& a, Stream stream = nullptr);
+                 const GluKernelParams& a, Stream stream = nullptr, GluRows rows = {});
 void glu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
                   int64_t n, const GluKernelParams& a, Stream stream = nullptr);
 void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
-                  uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream = nullptr);
+                  uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream = nullptr,
+                  GluRows rows = {});
 void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluActivation& a,
                  Stream stream = nullptr);
 void glu_forward(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n,
-                 const GluActivation& a, Stream stream = nullptr);
+                 const GluActivation& a, Stream stream = nullptr, GluRows rows = {});
 // dg = dh·∂act/∂g, du = dh·∂act/∂u, OVERWRITING like the CPU op (dg may alias g or dh, du may
-// alias u).
+// alias u: with rows, dg and du take g's and u's layout).
 void glu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
                   int64_t n, const GluActivation& a, Stream stream = nullptr);
 void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
-                  uint16_t* du, int64_t n, const GluActivation& a, Stream stream = nullptr);
+                  uint16_t* du, int64_t n, const GluActivation& a, Stream stream = nullptr,
+                  GluRows rows = {});
 
 // ---- Softmax cross-entropy over logits [N, V], targets [N] (int64; outside [0, V) = ignored) ---
 // Per counted row: loss = logsumexp(z) − z_target, and dlogits = (softmax(z) − onehot)·scale

@@ -322,22 +322,48 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
            "glu_ffn_backward (cuda): null argument");
   char* cursor = static_cast<char*>(workspace);
   const size_t view = round_up_256(size_t(N) * size_t(F) * 2);
-  uint16_t* gate_view = reinterpret_cast<uint16_t*>(cursor);     // [N, F] g
-  uint16_t* up = reinterpret_cast<uint16_t*>(cursor + view);     // [N, F] u → du
-  uint16_t* h = reinterpret_cast<uint16_t*>(cursor + 2 * view);  // [N, F] h → dh → dg
-  // The forward's bf16 pre-activations (kept, else recomputed by the same GEMMs), h = act(g, u).
-  const uint16_t* gate = gate_view;
-  const uint16_t* up_in = up;
-  if (kept_gate_up) {
-    gate = kept_gate_up;
-    up_in = kept_gate_up + N * F;
-  } else {
-    gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_gate, d, 0.0f, gate_view, GemmOutType::Bf16,
-                   F, stream);
-    gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_up, d, 0.0f, up, GemmOutType::Bf16, F,
+  uint16_t* h = reinterpret_cast<uint16_t*>(cursor + 2 * view);  // [N, F] h → dh → dg (unfused)
+  if (glu_gate_up_adjacent(w_gate, w_up, F, d)) {
+    // [N, 2F] rows: g | u (kept, else recomputed by one GEMM), then dg | du over the recomputed
+    // ones (the GLU backward reads each element before it writes it) or beside the kept ones.
+    uint16_t* dgu = reinterpret_cast<uint16_t*>(cursor);  // the first two views: [N, 2F]
+    const uint16_t* gu = kept_gate_up;
+    if (!gu) {
+      gemm.gemm_bf16(false, true, N, 2 * F, d, 1.0f, x, d, w_gate, d, 0.0f, dgu, GemmOutType::Bf16,
+                     2 * F, stream);
+      gu = dgu;
+    }
+    const GluRows rows{F, 2 * F};
+    glu_forward(gu, gu + F, h, N * F, act, stream, rows);
+    if (dw_down)
+      gemm.gemm_bf16(true, false, d, F, N, 1.0f, dy, d, h, F, 1.0f, dw_down, GemmOutType::F32, F,
+                     stream);
+    gemm.gemm_bf16(false, false, N, F, d, 1.0f, dy, d, w_down, F, 0.0f, h, GemmOutType::Bf16, F,
                    stream);
+    glu_backward(gu, gu + F, h, dgu, dgu + F, N * F, act, stream, rows);
+    if (dw_gate && dw_up && dw_up == dw_gate + F * d) {
+      gemm.gemm_bf16(true, false, 2 * F, d, N, 1.0f, dgu, 2 * F, x, d, 1.0f, dw_gate,
+                     GemmOutType::F32, d, stream);
+    } else {
+      if (dw_gate)
+        gemm.gemm_bf16(true, false, F, d, N, 1.0f, dgu, 2 * F, x, d, 1.0f, dw_gate,
+                       GemmOutType::F32, d, stream);
+      if (dw_up)
+        gemm.gemm_bf16(true, false, F, d, N, 1.0f, dgu + F, 2 * F, x, d, 1.0f, dw_up,
+                       GemmOutType::F32, d, stream);
+    }
+    if (dx)
+      gemm.gemm_bf16(false, false, N, d, 2 * F, 1.0f, dgu, 2 * F, w_gate, d, dx_beta, dx,
+                     GemmOutType::F32, d, stream);
+    return;
   }
-  glu_forward(gate, up_in, h, N * F, act, stream);
+  uint16_t* gate = reinterpret_cast<uint16_t*>(cursor);       // [N, F] g
+  uint16_t* up = reinterpret_cast<uint16_t*>(cursor + view);  // [N, F] u → du
+  // Recompute the forward's bf16 pre-activations and h = act(g, u).
+  gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_gate, d, 0.0f, gate, GemmOutType::Bf16, F,
+                 stream);
+  gemm.gemm_bf16(false, true, N, F, d, 1.0f, x, d, w_up, d, 0.0f, up, GemmOutType::Bf16, F, stream);
+  glu_forward(gate, up, h, N * F, act, stream);
   // y = h·W_downᵀ: dW_down [d, F] += dyᵀ[d, N]·h[N, F]; then dh [N, F] = dy[N, d]·W_down[d, F]
   // over h (queued after the GEMM that reads it).
   if (dw_down)
@@ -345,7 +371,7 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                    stream);
   gemm.gemm_bf16(false, false, N, F, d, 1.0f, dy, d, w_down, F, 0.0f, h, GemmOutType::Bf16, F,
                  stream);
-  glu_backward(gate, up_in, h, h, up, N * F, act, stream);  // du into the workspace's u view
+  glu_backward(gate, up, h, h, up, N * F, act, stream);
   const uint16_t* dg = h;
   const uint16_t* du = up;
   // g = x·W_gateᵀ: dW_gate [F, d] += dgᵀ[F, N]·x[N, d]; dx [N, d] (+)= dg·W_gate; same for up.

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/env.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
 
@@ -89,13 +90,25 @@ void moe_route_backward(const float* scores, const int32_t* idx, const float* dw
                         CUstream_st* stream = nullptr);
 
 // ---- Gated FFN (dense FFN layer and the MoE's fused shared experts) ---------------------------
-// Recomputes g = x·W_gateᵀ, u = x·W_upᵀ [N, F] (bf16, as the forward) — or reads them from
-// kept_gate_up ([2, N, F] bf16, g then u, as the forward wrote them; not written) — and
-// back-propagates dy [N, d] (bf16, the caller rounds ∂L/∂y once):
+// W_gate [F, d] directly followed by W_up [F, d] (as weights.cpp lays them out): then the two
+// act as one [2F, d] matrix, g and u come from one GEMM as [N, 2F] rows (g in columns [0, F), u in
+// [F, 2F), elementwise.h GluRows) and their gradients go through one product each way.
+// DM_GLU_ONE_GATE_UP=0 (read at each call; the A/B reference) treats them as apart.
+inline bool glu_gate_up_adjacent(const uint16_t* w_gate, const uint16_t* w_up, int64_t F,
+                                 int64_t d) {
+  return w_up == w_gate + F * d && env_flag("DM_GLU_ONE_GATE_UP", true);
+}
+// Recomputes g = x·W_gateᵀ, u = x·W_upᵀ (bf16, as the forward) — or, with adjacent weights,
+// reads them from kept_gate_up ([N, 2F] rows as the forward's one GEMM wrote them; not written;
+// ignored when the weights are not adjacent) — and back-propagates dy [N, d] (bf16, the caller
+// rounds ∂L/∂y once):
 //   dW_down [d, F] += dyᵀ·h;  dh = dy·W_down;  (dg, du) = GLU backward;
 //   dW_gate [F, d] += dgᵀ·x, dW_up += duᵀ·x;  dx [N, d] fp32 = dg·W_gate + du·W_up
-//   (dx_beta = 0 writes dx, 1 accumulates; dx and every dW_* nullable).
-// workspace: glu_ffn_backward_workspace_bytes(N, F) bytes (g, u, h → dh → dg, all [N, F] bf16).
+//   (dx_beta = 0 writes dx, 1 accumulates; dx and every dW_* nullable). With adjacent weights
+//   dx is one product over K = 2F, and the weight gradients one [2F, d] product when their slots
+//   are adjacent too.
+// workspace: glu_ffn_backward_workspace_bytes(N, F) bytes (g, u → dg, du; h → dh; [N, F] bf16
+// each).
 size_t glu_ffn_backward_workspace_bytes(int64_t N, int64_t F);
 void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_gate,
                       const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
