@@ -16,6 +16,8 @@
 // Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #if DELTAMOE_HAVE_CUDA
 #include <algorithm>
 #include <array>
@@ -279,6 +281,15 @@ void check_moe_case(const MoeCase& mc, int64_t N) {
 TEST(CudaMoeLayerBackward, MatchesCpu) {
   DM_SKIP_WITHOUT_GPU();
   for (const MoeCase& mc : moe_cases()) check_moe_case(mc, 300);
+}
+
+// The latent cases' down-projection and router input gradients as two products
+// (DM_MOE_FUSED_GRAD_GEMMS=0, the A/B reference of the one product over [dz | dlogits]).
+TEST(CudaMoeLayerBackward, UnfusedDownAndRouterMatchCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  setenv("DM_MOE_FUSED_GRAD_GEMMS", "0", 1);
+  for (const MoeCase& mc : moe_cases()) check_moe_case(mc, 200);
+  unsetenv("DM_MOE_FUSED_GRAD_GEMMS");
 }
 
 // ---- Experts backward: Grouped vs Loop --------------------------------------------------------

@@ -219,6 +219,31 @@ TEST(CudaOpsElementwise, AddInplaceAndBf16ConvertOnBothPaths) {
     }
 }
 
+// convert_f32_to_bf16_rows into a column block of wider rows: the float4 path (width and row
+// stride multiples of 4) and the scalar one (width 6), exact against the host, the other columns
+// untouched.
+TEST(CudaOpsElementwise, Bf16ConvertIntoColumnBlock) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const int64_t width : {int64_t(32), int64_t(6)}) {
+    const int64_t rows = 101, ld = width + 12, col = 8;
+    const std::vector<float> x = random_normal(size_t(rows * width), 55);
+    DeviceScratch dev(size_t(rows * ld) * 2 + size_t(rows * width) * 4 + (1 << 16));
+    const float* x_d = dev.upload(x);
+    const uint16_t kUntouched = 0x1234;
+    uint16_t* y_d = dev.upload(std::vector<uint16_t>(size_t(rows * ld), kUntouched));
+    cu::convert_f32_to_bf16_rows(x_d, y_d + col, rows, width, ld, nullptr);
+    const auto y = DeviceScratch::download(y_d, size_t(rows * ld));
+    const auto want = to_bf16(x);
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < ld; ++j) {
+        const bool inside = j >= col && j < col + width;
+        bad += y[size_t(r * ld + j)] != (inside ? want[size_t(r * width + j - col)] : kUntouched);
+      }
+    EXPECT_EQ(bad, 0) << "width " << width;
+  }
+}
+
 // add (dst = a + b) out of place and with dst aliasing b, on the float4 path and the scalar one
 // (odd n, or one pointer a float off 16 bytes): exact against the host.
 TEST(CudaOpsElementwise, AddOutOfPlaceAndAliased) {

@@ -32,8 +32,10 @@
 //            latent down: bf16(dz) [N,ℓ];  router: dlogits fp32 + bf16 [N,E];
 //            shared: the gated FFN workspace
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/layers.h"
 #include "model/cuda/moe_gpu_internal.h"
@@ -80,7 +82,12 @@ size_t experts_phase_bytes(const MoeShape& s, int64_t N) {
 
 size_t phase_peak_bytes(const MoeShape& s, int64_t N) {
   size_t peak = std::max(n_bytes(N * s.E, 4), experts_phase_bytes(s, N));  // logits | experts
-  if (s.has_latent) peak = std::max(peak, n_bytes(N * s.latent, 2));
+  if (s.has_latent) {
+    peak = std::max(peak, n_bytes(N * s.latent, 2));
+    // The fused down-projection + router phase: [dz | dlogits] bf16, [W↓; W_r], dlogits fp32.
+    const int64_t K = s.latent + s.E;
+    peak = std::max(peak, n_bytes(N * K, 2) + n_bytes(K * s.d, 2) + n_bytes(N * s.E, 4));
+  }
   peak = std::max(peak, n_bytes(N * s.E, 4) + n_bytes(N * s.E, 2));
   if (s.has_shared) peak = std::max(peak, aligned(glu_ffn_backward_workspace_bytes(N, s.shared_F)));
   return peak;
@@ -235,25 +242,52 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                          moe_gemm_default_path());
   }
 
-  // ---- Latent down-projection z = xn·W↓ᵀ: dW↓ [ℓ,d] += dzᵀ·xn; dxn = dz·W↓ (the first write).
-  if (s.has_latent) {
+  // ---- Latent down-projection z = xn·W↓ᵀ and the router (the routing weights depend on
+  // logits = xn·W_rᵀ, selection held fixed) in one product: dxn = [dz | dlogits]·[W↓; W_r] over
+  // K = ℓ + E (the first write), the two operands side by side in one bf16 [N, ℓ + E] buffer and
+  // the two weights copied into one [ℓ + E, d] operand (a K = E product alone is all traffic on
+  // the fp32 dxn); dW↓ [ℓ,d] += dzᵀ·xn, dW_r [E,d] += dlogitsᵀ·xn. DM_MOE_FUSED_GRAD_GEMMS=0
+  // keeps one product each (read at each call). The logit gradient is fp32; its GEMMs take it
+  // rounded to bf16.
+  if (s.has_latent && env_flag("DM_MOE_FUSED_GRAD_GEMMS", true)) {
     DeviceArenaScope down_scope(arena);
-    uint16_t* dz_b = arena.alloc<uint16_t>(size_t(N * l));
-    convert_f32_to_bf16(dz, dz_b, N * l, stream);
-    linear_backward(run, xn, dw.bf16(w.latent_down), dz_b, N, d, l, dxn, GemmOutType::F32, 0.0f,
-                    grads, w.latent_down);
-  }
-
-  // ---- Router: the routing weights depend on logits = xn·W_rᵀ (selection held fixed). The
-  // logit gradient is fp32; its GEMMs take it rounded to bf16.
-  {
-    DeviceArenaScope router_scope(arena);
+    const int64_t K = l + E;
+    uint16_t* dzr = arena.alloc<uint16_t>(size_t(N * K));   // [dz | dlogits] bf16
+    uint16_t* w_zr = arena.alloc<uint16_t>(size_t(K * d));  // [W↓; W_r]
     float* dlogits = arena.alloc<float>(size_t(N * E));
-    uint16_t* dlogits_b = arena.alloc<uint16_t>(size_t(N * E));
+    convert_f32_to_bf16_rows(dz, dzr, N, l, K, stream);
     moe_route_backward(scores, idx, dweight, N, router_params(cfg), dlogits, stream);
-    convert_f32_to_bf16(dlogits, dlogits_b, N * E, stream);
-    linear_backward(run, xn, dw.bf16(w.router), dlogits_b, N, d, E, dxn, GemmOutType::F32, 1.0f,
-                    grads, w.router);
+    convert_f32_to_bf16_rows(dlogits, dzr + l, N, E, K, stream);
+    copy_device_to_device_async(w_zr, dw.bf16(w.latent_down), size_t(l * d) * 2, stream);
+    copy_device_to_device_async(w_zr + l * d, dw.bf16(w.router), size_t(E * d) * 2, stream);
+    run.gemm.gemm_bf16(false, false, N, d, K, 1.0f, dzr, K, w_zr, d, 0.0f, dxn, GemmOutType::F32, d,
+                       stream);
+    for (const auto& [W, rows, A] :
+         {std::tuple{w.latent_down, l, dzr}, std::tuple{w.router, E, dzr + l}}) {
+      const float beta = grads.take_pending(W) ? 0.0f : 1.0f;
+      run.gemm.gemm_bf16(true, false, rows, d, N, 1.0f, A, K, xn, d, beta, grads.at(W),
+                         GemmOutType::F32, d, stream);
+    }
+  } else {
+    // ---- Latent down-projection z = xn·W↓ᵀ: dW↓ [ℓ,d] += dzᵀ·xn; dxn = dz·W↓ (the first write).
+    if (s.has_latent) {
+      DeviceArenaScope down_scope(arena);
+      uint16_t* dz_b = arena.alloc<uint16_t>(size_t(N * l));
+      convert_f32_to_bf16(dz, dz_b, N * l, stream);
+      linear_backward(run, xn, dw.bf16(w.latent_down), dz_b, N, d, l, dxn, GemmOutType::F32, 0.0f,
+                      grads, w.latent_down);
+    }
+
+    // ---- Router.
+    {
+      DeviceArenaScope router_scope(arena);
+      float* dlogits = arena.alloc<float>(size_t(N * E));
+      uint16_t* dlogits_b = arena.alloc<uint16_t>(size_t(N * E));
+      moe_route_backward(scores, idx, dweight, N, router_params(cfg), dlogits, stream);
+      convert_f32_to_bf16(dlogits, dlogits_b, N * E, stream);
+      linear_backward(run, xn, dw.bf16(w.router), dlogits_b, N, d, E, dxn, GemmOutType::F32, 1.0f,
+                      grads, w.router);
+    }
   }
 
   // ---- Shared experts at full width (the gated FFN backward), dxn += their input gradient.

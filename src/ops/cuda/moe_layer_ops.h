@@ -13,5 +13,9 @@ namespace dm::cuda {
 // y[i] = bf16(x[i]) (round to nearest even, like the host float_to_bf16) for i < n.
 // x fp32 [n], y bf16 [n]; must not alias. n = 0 is a no-op.
 void convert_f32_to_bf16(const float* x, uint16_t* y, int64_t n, CUstream_st* stream = nullptr);
+// The same over x [rows, width] (contiguous) into a column block of y: row r at y + r·ld_y
+// (ld_y ≥ width), the columns past width untouched.
+void convert_f32_to_bf16_rows(const float* x, uint16_t* y, int64_t rows, int64_t width,
+                              int64_t ld_y, CUstream_st* stream = nullptr);
 
 }  // namespace dm::cuda
