@@ -163,6 +163,18 @@ TEST(CudaShortConv, StridedDxMatchesContiguous) {
     }
 }
 
+// The row strides of the KDA backward's column-block writers are checked on the host before any
+// launch (runs without a GPU).
+TEST(CudaShortConv, BadRowStridesAreClearErrors) {
+  EXPECT_THROW(cuda::kda_short_conv_silu_backward(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                  nullptr, 1, 4, 8, 4, nullptr, nullptr,
+                                                  /*ld_dx=*/4),
+               Error);  // a row stride below C
+  EXPECT_THROW(cuda::kda_beta_sigmoid_backward(nullptr, nullptr, nullptr, 10, nullptr,
+                                               /*width=*/4, /*ld_dz=*/8),
+               Error);  // 10 values are not rows of 4
+}
+
 TEST(CudaShortConv, TooManyTapsIsAClearError) {
   DM_SKIP_WITHOUT_GPU();
   test::DeviceScratch dev(4096);
