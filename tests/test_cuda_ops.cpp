@@ -395,27 +395,19 @@ TEST(CudaOpsGlu, RowsLayoutMatchesContiguous) {
 // The row-stride arguments of the column-block writers are checked on the host before any launch
 // (this runs without a GPU): values that are not whole rows, a stride below the width.
 TEST(CudaOpsRowStrides, BadStridesAreClearErrors) {
-  auto message = [](auto&& call) {
-    try {
-      call();
-    } catch (const dm::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   uint16_t* y = nullptr;
-  const std::string glu = message([&] {
+  const std::string glu = dm::test::error_message([&] {
     cu::glu_forward(static_cast<const uint16_t*>(nullptr), nullptr, y, 10, glu_kinds()[0], nullptr,
                     cu::GluRows{4, 8});
   });
   EXPECT_NE(glu.find("cuda glu_forward: bad rows (n=10, width=4, ld=8)"), std::string::npos) << glu;
-  const std::string glu_back = message([&] {
+  const std::string glu_back = dm::test::error_message([&] {
     cu::glu_backward(static_cast<const uint16_t*>(nullptr), nullptr, nullptr, y, y, 16,
                      glu_kinds()[1], nullptr, cu::GluRows{8, 4});
   });
   EXPECT_NE(glu_back.find("cuda glu_backward: bad rows"), std::string::npos) << glu_back;
   const std::string convert =
-      message([&] { cu::convert_f32_to_bf16_rows(nullptr, y, 3, 8, 7, nullptr); });
+      dm::test::error_message([&] { cu::convert_f32_to_bf16_rows(nullptr, y, 3, 8, 7, nullptr); });
   EXPECT_NE(convert.find("convert_f32_to_bf16_rows: bad shape rows=3 width=8 ld=7"),
             std::string::npos)
       << convert;

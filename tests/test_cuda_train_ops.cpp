@@ -496,29 +496,21 @@ TEST(CudaTrainOpsAttnRes, FusedNormRejectsBadArguments) {
   float row[4] = {}, keep[4] = {};
   const float* src[3] = {row, row, row};
   float* dsrc[3] = {row, row, row};
-  auto message = [](auto&& call) {
-    try {
-      call();
-    } catch (const dm::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  const std::string no_dy = message([&] {
+  const std::string no_dy = dm::test::error_message([&] {
     cu::attnres_norm_backward(src, 3, row, row, row, row, nullptr, dsrc, nullptr, nullptr, nullptr,
                               1, 4, 1e-6f, 1e-5f, nullptr);
   });
   EXPECT_NE(no_dy.find("attnres_norm_backward (CUDA): mixed, out_w and dy are needed"),
             std::string::npos)
       << no_dy;
-  const std::string wide = message([&] {
+  const std::string wide = dm::test::error_message([&] {
     cu::attnres_norm_backward_deferred(src, 3, 1, row, row, row, row, row, dsrc, nullptr, nullptr,
                                        nullptr, 1, cu::kAttnResNormInMaxWidth + 4, 1e-6f, 1e-5f,
                                        keep, keep, nullptr);
   });
   EXPECT_NE(wide.find("attnres_norm_backward_deferred (CUDA): D="), std::string::npos) << wide;
   EXPECT_NE(wide.find("exceeds"), std::string::npos) << wide;
-  const std::string all_deferred = message([&] {
+  const std::string all_deferred = dm::test::error_message([&] {
     cu::attnres_norm_backward_deferred(src, 3, 3, row, row, row, row, row, dsrc, nullptr, nullptr,
                                        nullptr, 1, 4, 1e-6f, 1e-5f, keep, keep, nullptr);
   });

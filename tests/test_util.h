@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 #include "io/safetensors.h"
 
@@ -28,5 +29,16 @@ CliResult run_cli(const std::string& args);
 
 // A fresh temporary directory (removed at process exit is not guaranteed).
 std::string temp_dir(const std::string& tag);
+
+// What call() throws as dm::Error (its what()), or "no error".
+template <typename Call>
+std::string error_message(Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
 
 }  // namespace dm::test
