@@ -155,10 +155,15 @@ void run_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
   // sum of everything). Measured on the H200 (2026-11-29): f_a/f_b/dt_bias 1.0–1.7e-2, A_log
   // 1.4e-2–8.2e-2. On the CPU layer (2026-11-30), rounding q, k, v and β to bf16 alone moves
   // dA_log by 6.5e-3–1.3e-2, rounding g alone by 8e-5–5e-4: the inputs' rounding, not g's, is
-  // the cause, so an fp32 g input would not fix it. These bounds say what holds.
+  // the cause, so an fp32 g input would not fix it. These bounds say what holds. The errors
+  // depend on the weights' draw: with W_g, W_β and W_f_a moved next to W_q, W_k, W_v in the
+  // arena (2026-12-03; weights_init draws by arena offset, so every value changed) the safe-gate
+  // full-rank case measured f_a/f_b/dt_bias 2.9–5.3e-2 and A_log 8.4e-2, the same to the last
+  // digit through the old input-gradient products (DM_KDA_ONE_DX_PRODUCT=0,
+  // DM_KDA_FUSED_GRAD_GEMMS=0) as through the new one; every other tensor stayed ≤ 8e-3.
   auto tolerance = [](const std::string& tensor) {
     if (tensor == "A_log") return 1e-1;
-    if (tensor == "f_a" || tensor == "f_b" || tensor == "dt_bias") return 2.5e-2;
+    if (tensor == "f_a" || tensor == "f_b" || tensor == "dt_bias") return 6e-2;
     return 1e-2;
   };
   auto compare = [&](const char* tensor, const float* gpu, const float* cpu, int64_t n) {
@@ -203,6 +208,24 @@ void run_case(const KdaCase& c, int64_t B, int64_t T, bool packed) {
     EXPECT_LE(test::rel_rms(g_twice.*member, doubled.data(), size_t(n)), 1e-5)
         << tag << " " << name << ": the second call must accumulate";
   }
+
+  // Store-first slots for some matrices only (q_proj and f_a, one inside the stacked products
+  // and one at their end): zero_deferred clears the rest, and each slot must again hold one
+  // call's gradient, stored where pending and added to zeros elsewhere (the stacked weight
+  // gradients then take one product per matrix).
+  grads.add_store_first(kw.q_proj, param_numel(*w, kw.q_proj));
+  grads.add_store_first(kw.f_a, param_numel(*w, kw.f_a));
+  grads.zero_deferred();
+  cuda::kda_layer_backward_gpu(run, dw, grads, kw, x_dev, dy_dev, dx_dev, B, T, doc_dev);
+  grads.settle();
+  auto grad_mixed = weights_allocate<float>(cfg);
+  grads.download(*grad_mixed);
+  const KdaWeights& g_mixed = grad_mixed->layers[size_t(layer)].kda;
+  for (const auto& [name, member] : kda_params(cfg)) {
+    const int64_t n = param_numel(*grad_mixed, g_mixed.*member);
+    EXPECT_LE(test::rel_rms(g_mixed.*member, g_gpu.*member, size_t(n)), 1e-5)
+        << tag << " " << name << ": one call's gradient after zero_deferred";
+  }
 }
 
 TEST(CudaKdaLayerBackward, SafeGateFullRankOutputGate) {
@@ -240,6 +263,15 @@ TEST(CudaKdaLayerBackward, UnfusedInputGradientProducts) {
   run_case(kSafeFull, 2, 100, true);
   run_case(kSoftplusLow, 1, 130, false);
   unsetenv("DM_KDA_FUSED_GRAD_GEMMS");
+}
+
+// The layer's input-gradient products before they became one (DM_KDA_ONE_DX_PRODUCT=0: the
+// q/k/v and β/f_a products, the output gate's own): the A/B reference, against the CPU too.
+TEST(CudaKdaLayerBackward, SeparateInputGradientProducts) {
+  DM_SKIP_WITHOUT_GPU();
+  setenv("DM_KDA_ONE_DX_PRODUCT", "0", 1);
+  run_case(kSafeFull, 2, 100, true);
+  unsetenv("DM_KDA_ONE_DX_PRODUCT");
 }
 
 }  // namespace

@@ -167,6 +167,51 @@ TEST(CudaLayerOpsVectors, GatedNormMatchesCpu) {
   }
 }
 
+// dgate as a column block of wider token rows (the layer's joint input-gradient operand: H heads
+// of D a token, rows dgate_ld apart): the same bits as the contiguous dgate, the other columns
+// untouched. D = 128 takes the vec4 kernel (ld a multiple of 4), D = 64 the one-element one.
+TEST(CudaLayerOpsVectors, GatedNormDgateColumnBlock) {
+  DM_SKIP_WITHOUT_GPU();
+  for (const auto& [D, extra] : {std::pair<int64_t, int64_t>{128, 8}, {64, 3}}) {
+    SCOPED_TRACE("D=" + std::to_string(D));
+    const int64_t tokens = 37, H = 3, rows = tokens * H, width = H * D, ld = width + extra;
+    const size_t n = size_t(rows * D);
+    const std::vector<float> x = test::round_bf16(test::random_normal(n, 51));
+    const std::vector<float> gate = test::round_bf16(test::random_normal(n, 52, 2.0f));
+    const std::vector<float> w = test::random_normal(size_t(D), 53, 0.5f);
+    const std::vector<float> dy = test::random_normal(n, 54);
+    DeviceScratch dev(n * 24 + size_t(tokens * ld) * 2 +
+                      cuda::kda_rmsnorm_gated_backward_partial_floats(rows, D) * 4 + 65536);
+    const uint16_t* x_d = dev.upload(test::to_bf16(x));
+    const uint16_t* gate_d = dev.upload(test::to_bf16(gate));
+    const float* w_d = dev.upload(w);
+    const float* dy_d = dev.upload(dy);
+    float* dw_d = dev.zeros<float>(size_t(D));
+    uint16_t* dx_d = dev.zeros<uint16_t>(n);
+    uint16_t* dgate_flat = dev.zeros<uint16_t>(n);
+    uint16_t* dgate_block = dev.zeros<uint16_t>(size_t(tokens * ld));
+    float* partial = dev.zeros<float>(cuda::kda_rmsnorm_gated_backward_partial_floats(rows, D));
+    cuda::kda_rmsnorm_gated_backward(x_d, w_d, gate_d, dy_d, dx_d, dgate_flat, dw_d, partial, rows,
+                                     D, 1e-5f);
+    cuda::kda_rmsnorm_gated_backward(x_d, w_d, gate_d, dy_d, dx_d, dgate_block, dw_d, partial, rows,
+                                     D, 1e-5f, nullptr, width, ld);
+    const auto flat = DeviceScratch::download(dgate_flat, n);
+    const auto block = DeviceScratch::download(dgate_block, size_t(tokens * ld));
+    int64_t mismatches = 0;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < ld; ++j)
+        mismatches += block[size_t(t * ld + j)] != (j < width ? flat[size_t(t * width + j)] : 0);
+    EXPECT_EQ(mismatches, 0);
+  }
+  const std::string bad = test::error_message([] {
+    cuda::kda_rmsnorm_gated_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                     nullptr, 6, 128, 1e-5f, nullptr, 200, 256);
+  });
+  EXPECT_NE(bad.find("cuda kda_rmsnorm_gated_backward: bad dgate rows (width=200"),
+            std::string::npos)
+      << bad;
+}
+
 // The MLA element kernels on aligned tensors and on the same data one element off: bit for bit.
 struct MlaOutputs {
   std::vector<uint16_t> k, v, d_kv, d_kv_a, gated, gated_into, dg, d_o;

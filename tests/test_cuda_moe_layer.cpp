@@ -187,6 +187,15 @@ TEST(CudaMoeLayer, MatchesCpuN1000) {
   for (const Variant& v : variants()) check_variant(v, 1000);
 }
 
+// The latent up-projection and the shared experts' down-projection as two products adding into
+// y (DM_MOE_ONE_OUTPUT_PRODUCT=0; the default makes them one product over [bf16(u') | h]).
+TEST(CudaMoeLayer, TwoOutputProductsMatchCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  setenv("DM_MOE_ONE_OUTPUT_PRODUCT", "0", 1);
+  for (const Variant& v : variants()) check_variant(v, 200);
+  unsetenv("DM_MOE_ONE_OUTPUT_PRODUCT");
+}
+
 TEST(CudaMoeLayer, EmptyBatchAndBytes) {
   DM_SKIP_WITHOUT_GPU();
   const ModelConfig cfg = base_config();

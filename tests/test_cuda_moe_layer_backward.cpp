@@ -292,6 +292,15 @@ TEST(CudaMoeLayerBackward, UnfusedDownAndRouterMatchCpu) {
   unsetenv("DM_MOE_FUSED_GRAD_GEMMS");
 }
 
+// The shared experts' input-gradient product apart from the down-projection + router one
+// (DM_MOE_ONE_DX_PRODUCT=0; the default makes them one product over [dg | du | dz | dlogits]).
+TEST(CudaMoeLayerBackward, SeparateSharedInputGradientMatchesCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  setenv("DM_MOE_ONE_DX_PRODUCT", "0", 1);
+  for (const MoeCase& mc : moe_cases()) check_moe_case(mc, 200);
+  unsetenv("DM_MOE_ONE_DX_PRODUCT");
+}
+
 // ---- Experts backward: Grouped vs Loop --------------------------------------------------------
 
 // Outputs of one moe_experts_backward call (host copies).

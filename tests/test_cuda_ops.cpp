@@ -347,7 +347,8 @@ TEST(CudaOpsGlu, ForwardBackwardMatchesCpu) {
 
 // g and u as the two halves of [rows, 2F] rows (GluRows, the gated FFNs' one gate/up GEMM): h
 // and, in place over g | u, dg | du give the bits of the contiguous operands. F = 64 takes the
-// 8-wide kernels, F = 12 the scalar ones.
+// 8-wide kernels, F = 12 the scalar ones. h written as a column block of wider rows (h_ld, the
+// MoE's joint output operand) holds the same bits, the columns past F untouched.
 TEST(CudaOpsGlu, RowsLayoutMatchesContiguous) {
   DM_SKIP_WITHOUT_GPU();
   for (const int64_t F : {int64_t(64), int64_t(12)}) {
@@ -363,7 +364,7 @@ TEST(CudaOpsGlu, RowsLayoutMatchesContiguous) {
       }
     for (const dm::GluActivation& a : glu_kinds()) {
       SCOPED_TRACE(std::to_string(F) + (a.kind == dm::Activation::SiTU ? " SiTU" : " SwiGLU"));
-      DeviceScratch dev(size_t(n) * 2 * 12 + (1 << 16));
+      DeviceScratch dev(size_t(n) * 2 * 16 + (1 << 16));
       const uint16_t* g_b = dev.upload(to_bf16(g));
       const uint16_t* u_b = dev.upload(to_bf16(u));
       const uint16_t* dh_b = dev.upload(to_bf16(dh));
@@ -376,9 +377,29 @@ TEST(CudaOpsGlu, RowsLayoutMatchesContiguous) {
       cu::glu_forward(g_b, u_b, h_flat, n, a);
       cu::glu_forward(gu_b, gu_b + F, h_rows, n, a, nullptr, layout);
       cu::glu_backward(g_b, u_b, dh_b, dg_flat, du_flat, n, a);
+      const int64_t h_ld = F + (F % 8 == 0 ? 16 : 8);
+      uint16_t* h_wide = dev.zeros<uint16_t>(size_t(rows * h_ld));
+      const int64_t h_col = F % 8 == 0 ? 0 : 5;  // the scalar kernel at an odd column offset
+      cu::glu_forward(gu_b, gu_b + F, h_wide + h_col, n, a, nullptr, cu::GluRows{F, 2 * F, h_ld});
+      // dg | du into other rows (d_ld, the MoE backward's joint operand), before the in-place
+      // call below overwrites g | u.
+      const int64_t d_ld = 2 * F + (F % 8 == 0 ? 24 : 5);
+      uint16_t* dgu_wide = dev.zeros<uint16_t>(size_t(rows * d_ld));
+      cu::glu_backward(gu_b, gu_b + F, dh_b, dgu_wide, dgu_wide + F, n, a, nullptr,
+                       cu::GluRows{F, 2 * F, 0, d_ld});
       cu::glu_backward(gu_b, gu_b + F, dh_b, gu_b, gu_b + F, n, a, nullptr, layout);
-      EXPECT_EQ(DeviceScratch::download(h_rows, size_t(n)),
-                DeviceScratch::download(h_flat, size_t(n)));
+      const auto dgu_block = DeviceScratch::download(dgu_wide, size_t(rows * d_ld));
+      const auto h_ref = DeviceScratch::download(h_flat, size_t(n));
+      EXPECT_EQ(DeviceScratch::download(h_rows, size_t(n)), h_ref);
+      const auto h_block = DeviceScratch::download(h_wide, size_t(rows * h_ld));
+      int64_t h_mismatches = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < h_ld; ++j) {
+          const bool in_block = j >= h_col && j < h_col + F;
+          const uint16_t want = in_block ? h_ref[size_t(r * F + j - h_col)] : uint16_t(0);
+          h_mismatches += h_block[size_t(r * h_ld + j)] != want;
+        }
+      EXPECT_EQ(h_mismatches, 0);
       const auto dgu = DeviceScratch::download(gu_b, size_t(2 * n));
       const auto dg = DeviceScratch::download(dg_flat, size_t(n));
       const auto du = DeviceScratch::download(du_flat, size_t(n));
@@ -386,7 +407,11 @@ TEST(CudaOpsGlu, RowsLayoutMatchesContiguous) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < F; ++j)
           mismatches += (dgu[size_t(r * 2 * F + j)] != dg[size_t(r * F + j)]) +
-                        (dgu[size_t(r * 2 * F + F + j)] != du[size_t(r * F + j)]);
+                        (dgu[size_t(r * 2 * F + F + j)] != du[size_t(r * F + j)]) +
+                        (dgu_block[size_t(r * d_ld + j)] != dg[size_t(r * F + j)]) +
+                        (dgu_block[size_t(r * d_ld + F + j)] != du[size_t(r * F + j)]);
+      for (int64_t r = 0; r < rows; ++r)  // the columns past 2F untouched
+        for (int64_t j = 2 * F; j < d_ld; ++j) mismatches += dgu_block[size_t(r * d_ld + j)] != 0;
       EXPECT_EQ(mismatches, 0);
     }
   }
@@ -406,6 +431,12 @@ TEST(CudaOpsRowStrides, BadStridesAreClearErrors) {
                      glu_kinds()[1], nullptr, cu::GluRows{8, 4});
   });
   EXPECT_NE(glu_back.find("cuda glu_backward: bad rows"), std::string::npos) << glu_back;
+  const std::string h_rows = dm::test::error_message([&] {
+    cu::glu_forward(static_cast<const uint16_t*>(nullptr), nullptr, y, 16, glu_kinds()[0], nullptr,
+                    cu::GluRows{8, 16, 4});
+  });
+  EXPECT_NE(h_rows.find("cuda glu_forward: bad h rows (width=8, h_ld=4)"), std::string::npos)
+      << h_rows;
   const std::string convert =
       dm::test::error_message([&] { cu::convert_f32_to_bf16_rows(nullptr, y, 3, 8, 7, nullptr); });
   EXPECT_NE(convert.find("convert_f32_to_bf16_rows: bad shape rows=3 width=8 ld=7"),

@@ -123,22 +123,29 @@ size_t build_table(ModelWeightsT<Real>& w, Arena* arena, uint8_t* raw = nullptr)
     if (c.mixers[i] == MixerKind::KDA) {
       const int64_t H = c.kda.num_heads, K = c.kda.head_dim, HK = H * K, Kc = c.kda.conv_kernel;
       KdaWeightsT<Real>& k = L.kda;
+      // q, k, v, then (full-rank gate) g, β and f_a: six [·, d] matrices one after another, so
+      // the GPU backward's input gradient is one product over their stacked rows
+      // (kda_gpu_backward.cpp) and their gradients one product into adjacent slots.
       k.q_proj = tb.add(a + "q_proj.weight", {HK, d}, ParamInit::Normal);
       k.k_proj = tb.add(a + "k_proj.weight", {HK, d}, ParamInit::Normal);
       k.v_proj = tb.add(a + "v_proj.weight", {HK, d}, ParamInit::Normal);
+      if (c.kda.full_rank_output_gate) {
+        k.g_full = tb.add(a + "g_proj.weight", {HK, d}, ParamInit::Normal);
+        k.b_proj = tb.add(a + "b_proj.weight", {H, d}, ParamInit::Normal);
+        k.f_a = tb.add(a + "f_a_proj.weight", {K, d}, ParamInit::Normal);
+      }
       k.q_conv = tb.add(a + "q_conv1d.weight", {HK, Kc}, ParamInit::ConvNormal, true, {HK, 1, Kc});
       k.k_conv = tb.add(a + "k_conv1d.weight", {HK, Kc}, ParamInit::ConvNormal, true, {HK, 1, Kc});
       k.v_conv = tb.add(a + "v_conv1d.weight", {HK, Kc}, ParamInit::ConvNormal, true, {HK, 1, Kc});
       const int64_t pad = nt.a_log_pad_to ? (H + nt.a_log_pad_to - 1) / nt.a_log_pad_to * nt.a_log_pad_to - H : 0;
       k.A_log = tb.add(a + "A_log", {H}, ParamInit::KdaALog, false,
                        nt.a_log_4d ? Shape{1, 1, H, 1} : Shape{H + pad}, pad);
-      k.f_a = tb.add(a + "f_a_proj.weight", {K, d}, ParamInit::Normal);
+      if (!c.kda.full_rank_output_gate)
+        k.f_a = tb.add(a + "f_a_proj.weight", {K, d}, ParamInit::Normal);
       k.f_b = tb.add(a + "f_b_proj.weight", {HK, K}, ParamInit::Normal);
       k.dt_bias = tb.add(a + "dt_bias", {HK}, ParamInit::KdaDtBias, false);
-      k.b_proj = tb.add(a + "b_proj.weight", {H, d}, ParamInit::Normal);
-      if (c.kda.full_rank_output_gate) {
-        k.g_full = tb.add(a + "g_proj.weight", {HK, d}, ParamInit::Normal);
-      } else {
+      if (!c.kda.full_rank_output_gate) {
+        k.b_proj = tb.add(a + "b_proj.weight", {H, d}, ParamInit::Normal);
         k.g_a = tb.add(a + "g_a_proj.weight", {K, d}, ParamInit::Normal);
         k.g_b = tb.add(a + "g_b_proj.weight", {HK, K}, ParamInit::Normal);
       }
@@ -174,6 +181,16 @@ size_t build_table(ModelWeightsT<Real>& w, Arena* arena, uint8_t* raw = nullptr)
       const std::string f = p + nt.moe;
       const int64_t E = mo.num_experts, F = mo.expert_ffn, l = mo.latent_dim ? mo.latent_dim : d;
       MoeWeightsT<Real>& e = L.moe;
+      // The shared experts' gate and up, the latent down-projection and the router: four
+      // [·, d] matrices in a row, so that the GPU backward's input gradient is one product over
+      // their stacked rows (moe_gpu_backward.cpp one_dx_product).
+      if (mo.num_shared > 0) {
+        const int64_t Fs = int64_t(mo.num_shared) * mo.shared_ffn;
+        e.shared.gate = tb.add(f + "shared_experts.gate_proj.weight", {Fs, d}, ParamInit::Normal);
+        e.shared.up = tb.add(f + "shared_experts.up_proj.weight", {Fs, d}, ParamInit::Normal);
+      }
+      if (mo.latent_dim > 0)
+        e.latent_down = tb.add(f + "routed_expert_down_proj.weight", {l, d}, ParamInit::Normal);
       e.router = tb.add(f + "gate.weight", {E, d}, ParamInit::Router);
       e.router_bias = tb.add(f + "gate.e_score_correction_bias", {E}, ParamInit::Zeros, false);
       w.params.back().trainable = false;
@@ -189,12 +206,9 @@ size_t build_table(ModelWeightsT<Real>& w, Arena* arena, uint8_t* raw = nullptr)
       e.expert_down = tb.add_stacked(names(nt.e_down), {l, F}, ParamInit::NormalOut);
       if (mo.num_shared > 0) {
         const int64_t Fs = int64_t(mo.num_shared) * mo.shared_ffn;
-        e.shared.gate = tb.add(f + "shared_experts.gate_proj.weight", {Fs, d}, ParamInit::Normal);
-        e.shared.up = tb.add(f + "shared_experts.up_proj.weight", {Fs, d}, ParamInit::Normal);
         e.shared.down = tb.add(f + "shared_experts.down_proj.weight", {d, Fs}, ParamInit::NormalOut);
       }
       if (mo.latent_dim > 0) {
-        e.latent_down = tb.add(f + "routed_expert_down_proj.weight", {l, d}, ParamInit::Normal);
         if (mo.latent_norm)
           e.latent_norm = tb.add(f + "routed_expert_norm.weight", {l}, ParamInit::Ones, false);
         e.latent_up = tb.add(f + "routed_expert_up_proj.weight", {d, l}, ParamInit::NormalOut);

@@ -261,10 +261,39 @@ void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const ui
   if (dx)
     run.gemm.gemm_bf16(false, false, N, in, out, 1.0f, dy, out, W, in, dx_beta, dx, dx_type, in,
                        run.stream);
-  if (!W_host) return;
-  const float dW_beta = grads.take_pending(W_host) ? 0.0f : 1.0f;
-  run.gemm.gemm_bf16(true, false, out, in, N, 1.0f, dy, out, x, in, dW_beta, grads.at(W_host),
+  if (W_host) weight_gradient(run, grads, W_host, dy, out, x, N, in, out);
+}
+
+void weight_gradient(GpuRun& run, const DeviceGrads& grads, const float* W_host, const uint16_t* dy,
+                     int64_t ldy, const uint16_t* x, int64_t N, int64_t in, int64_t rows) {
+  const float beta = grads.take_pending(W_host) ? 0.0f : 1.0f;
+  run.gemm.gemm_bf16(true, false, rows, in, N, 1.0f, dy, ldy, x, in, beta, grads.at(W_host),
                      GemmOutType::F32, in, run.stream);
+}
+
+void stacked_weight_gradients(GpuRun& run, const DeviceGrads& grads, const float* const* stacked,
+                              const int64_t* rows, int count, const uint16_t* dy, int64_t ldy,
+                              const uint16_t* x, int64_t N, int64_t in) {
+  constexpr int kMaxStacked = 8;
+  DM_CHECK(count >= 1 && count <= kMaxStacked, "stacked_weight_gradients: ", count, " matrices");
+  bool store[kMaxStacked];
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) {
+    DM_CHECK(grads.at(stacked[i]) == grads.at(stacked[0]) + total * in,
+             "stacked_weight_gradients: matrix ", i, "'s gradient slot does not follow the last");
+    store[i] = grads.take_pending(stacked[i]);
+    total += rows[i];
+  }
+  if (std::all_of(store, store + count, [&](bool s) { return s == store[0]; })) {
+    run.gemm.gemm_bf16(true, false, total, in, N, 1.0f, dy, ldy, x, in, store[0] ? 0.0f : 1.0f,
+                       grads.at(stacked[0]), GemmOutType::F32, in, run.stream);
+    return;
+  }
+  int64_t col = 0;
+  for (int i = 0; i < count; col += rows[i], ++i)
+    run.gemm.gemm_bf16(true, false, rows[i], in, N, 1.0f, dy + col, ldy, x, in,
+                       store[i] ? 0.0f : 1.0f, grads.at(stacked[i]), GemmOutType::F32, in,
+                       run.stream);
 }
 
 void linear(GpuRun& run, const uint16_t* x, const uint16_t* W, int64_t N, int64_t in, int64_t out,

@@ -188,4 +188,19 @@ void linear_backward(GpuRun& run, const uint16_t* x, const uint16_t* W, const ui
                      int64_t N, int64_t in, int64_t out, void* dx, GemmOutType dx_type,
                      float dx_beta, const DeviceGrads& grads, const float* W_host);
 
+// The weight-gradient half of linear_backward for a dy held in a wider buffer: dW [rows, in] of
+// the host matrix W_host (+)= dy[N, rows]ᵀ·x[N, in], dy's rows ldy elements apart (a column block
+// of a joint [dy_a | dy_b] operand); stored instead of added on the slot's first product since
+// zero_deferred (take_pending).
+void weight_gradient(GpuRun& run, const DeviceGrads& grads, const float* W_host, const uint16_t* dy,
+                     int64_t ldy, const uint16_t* x, int64_t N, int64_t in, int64_t rows);
+
+// The gradients of `count` matrices that lie one after another in the weights (and gradient
+// slots), stacked[i] of rows[i] rows of `in`, from one dy [N, Σ rows] (row stride ldy) whose
+// column blocks are theirs: ONE [Σ rows, in] product when every slot is store-first or every one
+// accumulates (take_pending agrees), else one product per matrix.
+void stacked_weight_gradients(GpuRun& run, const DeviceGrads& grads, const float* const* stacked,
+                              const int64_t* rows, int count, const uint16_t* dy, int64_t ldy,
+                              const uint16_t* x, int64_t N, int64_t in);
+
 }  // namespace dm::cuda

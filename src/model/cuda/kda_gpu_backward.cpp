@@ -38,12 +38,22 @@ namespace {
 // after another in the arenas: weights.cpp adds them in a row) and one over K = H + K for β and
 // f_a, instead of five accumulating passes over the fp32 [N, d] dxn (each small-K one is all
 // memory traffic). DM_KDA_FUSED_GRAD_GEMMS=0 keeps one product per weight (the A/B reference).
+//
+// With the full-rank output gate (weights.cpp then adds W_q, W_k, W_v, W_g, W_β, W_f_a in a row)
+// every input-gradient operand goes into one [N, 4·H·K + H + K] matrix instead (one_dx_product):
+// d_proj = [dq | dk | dv | d out_gate | dz_β | d(f_a x)] (raw q, k, v gradients from the short
+// conv, d out_gate from the gated norm, dz_β from the β sigmoid, d(f_a x) from its GEMM, each
+// writing its column block), df goes into d_o's memory (dead once the operator's backward has
+// read it), and dxn = d_proj·[W_q; …; W_f_a] is ONE product over K = 8336 (gpu_1b) writing the
+// fp32 dxn once: the three products before wrote it once and read and wrote it twice more. The
+// six weight gradients are one [4·H·K + H + K, d] product. DM_KDA_ONE_DX_PRODUCT=0: the products
+// above (the A/B reference).
 struct BackwardBuffers {
   kda_gpu::ForwardViews fwd;
   uint16_t* dy;         // [N, d] bf16
   float* d_normed_then_dg;  // [N, H·K] fp32
   uint16_t* d_o;        // [N, H·K] bf16 (= fwd.normed)
-  uint16_t* d_proj;     // [N, 3·H·K] bf16
+  uint16_t* d_proj;     // [N, 3·H·K] bf16 ([N, 4·H·K + H + K] with the full-rank gate)
   float *dq, *dk, *dv;  // [N, H·K] fp32 operator gradients, then (in place) d pre-activation
   float* dbeta;         // [N, H] fp32
   uint16_t* d_small;    // [N, H + K] bf16: d(g_a x) [N, K], then dz_β | d(f_a x)
@@ -65,7 +75,7 @@ BackwardBuffers backward_carve(kda_gpu::ScratchPlan& forward_plan, kda_gpu::Scra
   b.dy = plan.take<uint16_t>(N * dims.d);
   b.d_normed_then_dg = plan.take<float>(N * HK);
   b.d_o = f.normed;
-  b.d_proj = plan.take<uint16_t>(N * 3 * HK);
+  b.d_proj = plan.take<uint16_t>(N * (c.kda.full_rank_output_gate ? 4 * HK + H + K : 3 * HK));
   b.dq = plan.take<float>(N * HK);
   b.dk = plan.take<float>(N * HK);
   b.dv = plan.take<float>(N * HK);
@@ -81,17 +91,27 @@ BackwardBuffers backward_carve(kda_gpu::ScratchPlan& forward_plan, kda_gpu::Scra
   return b;
 }
 
-// dW [rows, in] (+)= dyᵀ·x for a weight whose gradient slot is store-first or accumulating
-// (linear_backward's rule), dy [N, rows] with row stride ldy.
-void weight_grad(GpuRun& run, const DeviceGrads& grads, const float* W_host, const uint16_t* dy,
-                 int64_t ldy, const uint16_t* x, int64_t N, int64_t in, int64_t rows) {
-  const float beta = grads.take_pending(W_host) ? 0.0f : 1.0f;
-  run.gemm.gemm_bf16(true, false, rows, in, N, 1.0f, dy, ldy, x, in, beta, grads.at(W_host),
-                     GemmOutType::F32, in, run.stream);
-}
-
 bool fused_grad_gemms() {  // read at each call, so that one process can run both (tests, A/B)
   return env_flag("DM_KDA_FUSED_GRAD_GEMMS", true);
+}
+
+// one_dx_product (BackwardBuffers above): the full-rank gate, the six matrices and their gradient
+// slots adjacent in the arenas, and the switch on.
+bool one_dx_product(const ModelConfig& c, const DeviceWeights& dw, const DeviceGrads& grads,
+                    const KdaWeights& w, int64_t HK, int64_t H, int64_t d) {
+  if (!c.kda.full_rank_output_gate || !fused_grad_gemms() ||
+      !env_flag("DM_KDA_ONE_DX_PRODUCT", true))
+    return false;
+  const float* const order[] = {w.q_proj, w.k_proj, w.v_proj, w.g_full, w.b_proj, w.f_a};
+  const int64_t rows[] = {HK, HK, HK, HK, H};
+  int64_t at = 0;
+  for (int i = 0; i < 6; ++i) {
+    if (dw.bf16(order[i]) != dw.bf16(w.q_proj) + at * d ||
+        grads.at(order[i]) != grads.at(w.q_proj) + at * d)
+      return false;
+    if (i < 5) at += rows[i];
+  }
+  return true;
 }
 
 void backward_check(const ModelConfig& c, int64_t B, int64_t T) {
@@ -166,17 +186,23 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   linear_backward(run, f.normed, dw.bf16(w.o_proj), b.dy, N, HK, d, b.d_normed_then_dg,
                   GemmOutType::F32, 0.0f, grads, w.o_proj);
 
+  // The joint input-gradient operand's row stride and its column blocks (one_dx_product).
+  const bool one_dx = one_dx_product(c, dw, grads, w, HK, H, d);
+  const int64_t ld_joint = 4 * HK + H + K;
+
   // normed = RMSNorm(o)·o_norm ⊙ σ(out_gate), rows = N·H heads of K. d_o overwrites `normed`,
   // whose last reader (the d o_proj GEMM) is already queued.
-  uint16_t* d_out_gate = b.d_proj;
+  uint16_t* d_out_gate = one_dx ? b.d_proj + 3 * HK : b.d_proj;
   kda_rmsnorm_gated_backward(f.o, dw.f32(w.o_norm), f.out_gate, b.d_normed_then_dg, b.d_o,
-                             d_out_gate, grads.at(w.o_norm), b.partial, N * H, K, c.rms_eps,
-                             stream);
+                             d_out_gate, grads.at(w.o_norm), b.partial, N * H, K, c.rms_eps, stream,
+                             one_dx ? HK : 0, one_dx ? ld_joint : 0);
 
-  // Output gate G x: the first contribution to dxn WRITES it (dx_beta = 0).
+  // Output gate G x: the first contribution to dxn WRITES it (dx_beta = 0); with one_dx_product
+  // its products run with the others' at the end.
   if (c.kda.full_rank_output_gate) {
-    linear_backward(run, xn, dw.bf16(w.g_full), d_out_gate, N, d, HK, dxn, GemmOutType::F32, 0.0f,
-                    grads, w.g_full);
+    if (!one_dx)
+      linear_backward(run, xn, dw.bf16(w.g_full), d_out_gate, N, d, HK, dxn, GemmOutType::F32, 0.0f,
+                      grads, w.g_full);
   } else {
     linear_backward(run, f.out_gate_low, dw.bf16(w.g_b), d_out_gate, N, K, HK, b.d_small,
                     GemmOutType::Bf16, 0.0f, grads, w.g_b);
@@ -198,17 +224,18 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
 
   // β = σ(b_proj x): dz = dβ·σ(1−σ) from the fp32 logits, into d_small's first H columns.
   const bool fused = fused_grad_gemms();
-  const int64_t ld_small = fused ? H + K : H;
-  uint16_t* dz_beta = b.d_small;
-  uint16_t* d_fa = fused ? b.d_small + H : b.d_small;  // d(f_a x) [N, K], row stride ld_small
+  const int64_t ld_small = one_dx ? ld_joint : fused ? H + K : H;
+  uint16_t* dz_beta = one_dx ? b.d_proj + 4 * HK : b.d_small;
+  uint16_t* d_fa = fused ? dz_beta + H : b.d_small;  // d(f_a x) [N, K], row stride ld_small
   kda_beta_sigmoid_backward(f.beta_logits, b.dbeta, dz_beta, N * H, stream, H, ld_small);
-  weight_grad(run, grads, w.b_proj, dz_beta, ld_small, xn, N, d, H);
+  if (!one_dx) weight_gradient(run, grads, w.b_proj, dz_beta, ld_small, xn, N, d, H);
   if (!fused)
     run.gemm.gemm_bf16(false, false, N, d, H, 1.0f, dz_beta, H, dw.bf16(w.b_proj), d, 1.0f, dxn,
                        GemmOutType::F32, d, stream);
 
-  // g = gate(f_b (f_a x)): df [N, H·K] bf16 into d_proj (d out_gate is dead).
-  uint16_t* df = b.d_proj;
+  // g = gate(f_b (f_a x)): df [N, H·K] bf16 into d_proj (d out_gate is dead), or with
+  // one_dx_product into d_o (the operator's backward, queued above, was its last reader).
+  uint16_t* df = one_dx ? b.d_o : b.d_proj;
   kda_gate_backward(f.gate_raw, dw.f32(w.A_log), dw.f32(w.dt_bias), dg, df, grads.at(w.A_log),
                     grads.at(w.dt_bias), b.partial, N, H, K, c.kda.gate == KdaGateKind::Safe,
                     c.kda.gate_lower_bound, stream);
@@ -217,14 +244,14 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
   const int64_t ld_fa = fused ? ld_small : K;
   run.gemm.gemm_bf16(false, false, N, K, HK, 1.0f, df, HK, dw.bf16(w.f_b), K, 0.0f, d_fa,
                      GemmOutType::Bf16, ld_fa, stream);
-  weight_grad(run, grads, w.f_a, d_fa, ld_fa, xn, N, d, K);
-  if (fused) {
+  if (!one_dx) weight_gradient(run, grads, w.f_a, d_fa, ld_fa, xn, N, d, K);
+  if (fused && !one_dx) {
     // dxn += [dz_β | d(f_a x)]·[W_β; W_f_a]: the two weights copied into one [H + K, d] operand.
     copy_device_to_device_async(b.w_small, dw.bf16(w.b_proj), size_t(H * d) * 2, stream);
     copy_device_to_device_async(b.w_small + H * d, dw.bf16(w.f_a), size_t(K * d) * 2, stream);
     run.gemm.gemm_bf16(false, false, N, d, H + K, 1.0f, b.d_small, H + K, b.w_small, d, 1.0f, dxn,
                        GemmOutType::F32, d, stream);
-  } else {
+  } else if (!fused) {
     run.gemm.gemm_bf16(false, false, N, d, K, 1.0f, d_fa, K, dw.bf16(w.f_a), d, 1.0f, dxn,
                        GemmOutType::F32, d, stream);
   }
@@ -246,7 +273,7 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                          dw.bf16(w.v_proj) == dw.bf16(w.q_proj) + 2 * block &&
                          grads.at(w.k_proj) == grads.at(w.q_proj) + block &&
                          grads.at(w.v_proj) == grads.at(w.q_proj) + 2 * block;
-  const int64_t ld_raw = fused_qkv ? 3 * HK : HK;
+  const int64_t ld_raw = one_dx ? ld_joint : fused_qkv ? 3 * HK : HK;
   for (int i = 0; i < 3; ++i) {
     const Branch& br = branches[i];
     uint16_t* d_raw = b.d_proj + (fused_qkv ? i * HK : 0);
@@ -256,22 +283,22 @@ void kda_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
       linear_backward(run, xn, dw.bf16(br.proj), d_raw, N, d, HK, dxn, GemmOutType::F32, 1.0f,
                       grads, br.proj);
   }
-  if (fused_qkv) {
+  if (one_dx) {
+    // dxn = d_proj·[W_q; W_k; W_v; W_g; W_β; W_f_a] (WRITTEN: the layer's only dxn product);
+    // the six weight gradients in one product (stacked_weight_gradients).
+    run.gemm.gemm_bf16(false, false, N, d, ld_joint, 1.0f, b.d_proj, ld_joint, dw.bf16(w.q_proj), d,
+                       0.0f, dxn, GemmOutType::F32, d, stream);
+    const float* const stacked[] = {w.q_proj, w.k_proj, w.v_proj, w.g_full, w.b_proj, w.f_a};
+    const int64_t rows[] = {HK, HK, HK, HK, H, K};
+    stacked_weight_gradients(run, grads, stacked, rows, 6, b.d_proj, ld_joint, xn, N, d);
+  } else if (fused_qkv) {
     // dxn += [dq | dk | dv]_raw·[W_q; W_k; W_v] in one product; the weight gradients in one
-    // [3·H·K, d] product when their slots agree on store-first vs accumulate.
+    // [3·H·K, d] product (stacked_weight_gradients).
     run.gemm.gemm_bf16(false, false, N, d, 3 * HK, 1.0f, b.d_proj, 3 * HK, dw.bf16(w.q_proj), d,
                        1.0f, dxn, GemmOutType::F32, d, stream);
-    bool store[3];
-    for (int i = 0; i < 3; ++i) store[i] = grads.take_pending(branches[i].proj);
-    if (store[0] == store[1] && store[1] == store[2]) {
-      run.gemm.gemm_bf16(true, false, 3 * HK, d, N, 1.0f, b.d_proj, 3 * HK, xn, d,
-                         store[0] ? 0.0f : 1.0f, grads.at(w.q_proj), GemmOutType::F32, d, stream);
-    } else {
-      for (int i = 0; i < 3; ++i)
-        run.gemm.gemm_bf16(true, false, HK, d, N, 1.0f, b.d_proj + i * HK, 3 * HK, xn, d,
-                           store[i] ? 0.0f : 1.0f, grads.at(branches[i].proj), GemmOutType::F32, d,
-                           stream);
-    }
+    const float* const stacked[] = {w.q_proj, w.k_proj, w.v_proj};
+    const int64_t rows[] = {HK, HK, HK};
+    stacked_weight_gradients(run, grads, stacked, rows, 3, b.d_proj, 3 * HK, xn, N, d);
   }
 }
 

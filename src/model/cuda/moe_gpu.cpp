@@ -8,8 +8,11 @@
 //   latent:  z [N,ℓ] bf16 = xn·W↓ᵀ;  u [N,ℓ] = Σ_j w_j·E_j(z);  RMSNorm(u) (fp32, latent_norm);
 //            y [N,d] fp32 = bf16(u)·W↑ᵀ
 //   plain:   y [N,d] fp32 = Σ_j w_j·E_j(xn)
-//   shared:  y += (act(xn·W_gᵀ, xn·W_uᵀ))·W_dᵀ   (fused shared experts, width num_shared·shared_ffn;
+//   shared:  y += (act(xn·W_gᵀ, xn·W_uᵀ))·W_dᵀ   (fused shared experts, width
+//   num_shared·shared_ffn;
 //            the down GEMM accumulates into y with beta = 1, the CPU's y += shared_out)
+//   latent + shared (one_output_product): y = [bf16(u') | h]·[W↑ | W_d]ᵀ (+ residual), one
+//            product over K = ℓ + Fs writing the fp32 y once instead of twice
 //
 // Scratch layout inside run.scratch (the routing outputs the caller asked for sit below the
 // layer's scope so they outlive it):
@@ -76,7 +79,22 @@ size_t scope_peak_bytes(const MoeShape& s, int64_t N) {
   size_t after = 0;
   if (s.has_latent_norm) after += n_bytes(N * s.latent, 2);
   if (s.has_shared) after += n_bytes(2 * N * s.shared_F, 2) + n_bytes(N * s.shared_F, 2);
+  // one_output_product: bf16(u') and h are column blocks of one [N, ℓ + Fs] operand (the same
+  // bytes as the two apart), plus the joint [d, ℓ + Fs] weight.
+  if (s.has_latent && s.has_shared) after += n_bytes(s.d * (s.latent + s.shared_F), 2) + 256;
   return std::max(experts, after);
+}
+
+// The latent up-projection and the shared experts' down-projection as one product over the
+// joint operand [bf16(u') | h] [N, ℓ + Fs] against [W↑ | W_d] [d, ℓ + Fs] (copied column-wise
+// each call: 6 MB for gpu_1b, ~4 us): the fp32 y [N, d] is written once instead of written, then
+// read and written again (the two K = 512 / 1024 products each adding into the fp32 stream ran
+// at 229 and ~240 TFLOP/s at B 4 × 4096). Taken where bf16(u') is produced by a conversion (the
+// latent norm, or kept u) and the shared experts run their own products (not the decode
+// GEMV / gathered path). DM_MOE_ONE_OUTPUT_PRODUCT=0: the two products (the A/B reference).
+bool one_output_product(const MoeShape& s, bool gathered, bool kept) {
+  return s.has_latent && s.has_shared && !gathered && (s.has_latent_norm || kept) &&
+         env_flag("DM_MOE_ONE_OUTPUT_PRODUCT", true);
 }
 
 // Training without recompute keeps the shared experts' g and u (and the trainer a dense FFN's):
@@ -246,23 +264,33 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     }
   }
 
+  // one_output_product: bf16(u') goes into columns [0, ℓ) of `joint`, h into [ℓ, ℓ + Fs).
+  const bool joint_product = one_output_product(s, gathered, kept != nullptr);
+  const int64_t ld_joint = l + s.shared_F;
+  uint16_t* joint = joint_product ? arena.alloc<uint16_t>(size_t(N * ld_joint)) : nullptr;
   if (s.has_latent) {
     const uint16_t* up_in = static_cast<const uint16_t*>(u);
+    const float* to_round = nullptr;  // fp32 u' to round into the up-projection's operand
     if (s.has_latent_norm) {
       // RMSNorm(u) in fp32 (in place unless u is kept for the backward), then bf16.
       float* u32 = static_cast<float*>(u);
       float* normed32 = kept ? arena.alloc<float>(size_t(N * l)) : u32;
       rmsnorm_forward(u32, dw.f32(w.latent_norm), normed32, N, l, double(cfg.rms_eps), stream);
-      uint16_t* normed = arena.alloc<uint16_t>(size_t(N * l));
-      convert_f32_to_bf16(normed32, normed, N * l, stream);
-      up_in = normed;
+      to_round = normed32;
     } else if (kept) {
-      uint16_t* rounded = arena.alloc<uint16_t>(size_t(N * l));
-      convert_f32_to_bf16(static_cast<const float*>(u), rounded, N * l, stream);
-      up_in = rounded;
+      to_round = static_cast<const float*>(u);
     }
-    linear_plus(run, up_in, dw.bf16(w.latent_up), N, l, d, y, residual);
-    residual = nullptr;  // added
+    if (joint_product) {
+      convert_f32_to_bf16_rows(to_round, joint, N, l, ld_joint, stream);
+    } else {
+      if (to_round) {
+        uint16_t* rounded = arena.alloc<uint16_t>(size_t(N * l));
+        convert_f32_to_bf16(to_round, rounded, N * l, stream);
+        up_in = rounded;
+      }
+      linear_plus(run, up_in, dw.bf16(w.latent_up), N, l, d, y, residual);
+      residual = nullptr;  // added
+    }
   }
 
   if (s.has_shared && !fold_shared) {
@@ -275,24 +303,40 @@ void moe_layer_forward_gpu(GpuRun& run, const DeviceWeights& dw, const MoeWeight
     GluRows rows;
     uint16_t* h = gate;
     if (kept) kept->shared_gate_up = nullptr;
+    if (joint_product) {
+      h = joint + l;
+      rows.h_ld = ld_joint;
+    }
     if (!gate) {
       if (glu_gate_up_adjacent(dw.bf16(w.shared.gate), dw.bf16(w.shared.up), Fs, d)) {
         const bool keep_gu = kept && keep_glu_inputs();
         gate = (keep_gu ? keep : arena).alloc<uint16_t>(size_t(2 * N * Fs));
         up = gate + Fs;
-        rows = GluRows{Fs, 2 * Fs};
-        h = arena.alloc<uint16_t>(size_t(N * Fs));
+        rows = GluRows{Fs, 2 * Fs, rows.h_ld};
+        if (!joint_product) h = arena.alloc<uint16_t>(size_t(N * Fs));
         if (keep_gu) kept->shared_gate_up = gate;
         linear(run, xn, dw.bf16(w.shared.gate), N, d, 2 * Fs, gate, GemmOutType::Bf16);
       } else {
-        gate = h = arena.alloc<uint16_t>(size_t(N * Fs));
+        gate = arena.alloc<uint16_t>(size_t(N * Fs));
+        if (!joint_product) h = gate;
         up = arena.alloc<uint16_t>(size_t(N * Fs));
         linear(run, xn, dw.bf16(w.shared.gate), N, d, Fs, gate, GemmOutType::Bf16);
         linear(run, xn, dw.bf16(w.shared.up), N, d, Fs, up, GemmOutType::Bf16);
       }
     }
+    if (rows.h_ld != 0 && rows.width == 0) rows = GluRows{Fs, Fs, ld_joint};  // g, u contiguous
     glu_forward(gate, up, h, N * Fs, glu_activation(cfg), stream, rows);
-    linear(run, h, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
+    if (joint_product) {
+      uint16_t* w_joint = arena.alloc<uint16_t>(size_t(d * ld_joint));  // [W↑ | W_d] [d, ℓ+Fs]
+      copy_rows_device_to_device_async(w_joint, size_t(ld_joint) * 2, dw.bf16(w.latent_up),
+                                       size_t(l) * 2, size_t(l) * 2, size_t(d), stream);
+      copy_rows_device_to_device_async(w_joint + l, size_t(ld_joint) * 2, dw.bf16(w.shared.down),
+                                       size_t(Fs) * 2, size_t(Fs) * 2, size_t(d), stream);
+      linear_plus(run, joint, w_joint, N, ld_joint, d, y, residual);
+      residual = nullptr;  // added
+    } else {
+      linear(run, h, dw.bf16(w.shared.down), N, Fs, d, y, GemmOutType::F32, 1.0f);
+    }
   }
   if (residual) add_inplace(y, residual, N * d, stream);  // plain MoE: the experts wrote y
 }

@@ -18,6 +18,8 @@
 //   router:  dlogits [N,E] fp32 (selection fixed);  dW_r [E,d] += bf16(dlogits)ᵀ·xn;
 //            dxn += bf16(dlogits)·W_r
 //   shared:  the gated FFN backward at full width, dxn += its input gradient
+//   (latent + shared with the weights in a row: the last three input gradients as one product,
+//   one_dx_product below)
 // The routing bias gets nothing (QB sets it). With `kept` (training without recompute) the
 // routing, plan, z, u and the experts' intermediates come from the forward instead: no router,
 // latent-down or expert forward GEMM and no stream synchronisation here.
@@ -90,7 +92,29 @@ size_t phase_peak_bytes(const MoeShape& s, int64_t N) {
   }
   peak = std::max(peak, n_bytes(N * s.E, 4) + n_bytes(N * s.E, 2));
   if (s.has_shared) peak = std::max(peak, aligned(glu_ffn_backward_workspace_bytes(N, s.shared_F)));
+  if (s.has_latent && s.has_shared) {
+    // one_dx_product: [dg | du | dz | dlogits] bf16, dlogits fp32, the gated FFN workspace.
+    peak = std::max(peak, n_bytes(N * (2 * s.shared_F + s.latent + s.E), 2) + n_bytes(N * s.E, 4) +
+                              aligned(glu_ffn_backward_workspace_bytes(N, s.shared_F)));
+  }
   return peak;
+}
+
+// The layer's input gradient as ONE product over the stacked rows [W_sg; W_su; W↓; W_r]
+// (weights.cpp adds the shared experts' gate and up, the latent down-projection and the router
+// in a row): dxn = [dg | du | dz | dlogits]·[W_sg; W_su; W↓; W_r], K = 2·Fs + ℓ + E (2592 at
+// gpu_1b), writing the fp32 dxn once where the down+router product wrote it and the shared
+// experts' K = 2·Fs product read and wrote it again. DM_MOE_ONE_DX_PRODUCT=0 (or the
+// two-product path's DM_MOE_FUSED_GRAD_GEMMS=0): the products apart (the A/B reference).
+bool one_dx_product(const MoeShape& s, const DeviceWeights& dw, const MoeWeights& w) {
+  if (!s.has_latent || !s.has_shared || !env_flag("DM_MOE_FUSED_GRAD_GEMMS", true) ||
+      !env_flag("DM_MOE_ONE_DX_PRODUCT", true))
+    return false;
+  const uint16_t* gate = dw.bf16(w.shared.gate);
+  const int64_t Fs = s.shared_F, d = s.d;
+  return glu_gate_up_adjacent(gate, dw.bf16(w.shared.up), Fs, d) &&
+         dw.bf16(w.latent_down) == gate + 2 * Fs * d &&
+         dw.bf16(w.router) == gate + (2 * Fs + s.latent) * d;
 }
 
 // bf16 copy of dy [N, d] for the GEMMs (rounded once).
@@ -242,6 +266,28 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
                          moe_gemm_default_path());
   }
 
+  if (one_dx_product(s, dw, w)) {
+    // ---- Shared experts, latent down-projection and router: one input-gradient product
+    // (one_dx_product); their weight gradients as in the paths below.
+    DeviceArenaScope joint_scope(arena);
+    const int64_t Fs = s.shared_F, J = 2 * Fs + l + E;
+    uint16_t* joint = arena.alloc<uint16_t>(size_t(N * J));  // [dg | du | dz | dlogits] bf16
+    float* dlogits = arena.alloc<float>(size_t(N * E));
+    convert_f32_to_bf16_rows(dz, joint + 2 * Fs, N, l, J, stream);
+    moe_route_backward(scores, idx, dweight, N, router_params(cfg), dlogits, stream);
+    convert_f32_to_bf16_rows(dlogits, joint + 2 * Fs + l, N, E, J, stream);
+    weight_gradient(run, grads, w.latent_down, joint + 2 * Fs, J, xn, N, d, l);
+    weight_gradient(run, grads, w.router, joint + 2 * Fs + l, J, xn, N, d, E);
+    void* workspace = arena.alloc_bytes(glu_ffn_backward_workspace_bytes(N, Fs));
+    glu_ffn_backward(run.gemm, xn, dw.bf16(w.shared.gate), dw.bf16(w.shared.up),
+                     dw.bf16(w.shared.down), dy_b, /*dx=*/nullptr, 0.0f, grads.at(w.shared.gate),
+                     grads.at(w.shared.up), grads.at(w.shared.down), N, d, Fs, act, workspace,
+                     stream, kept ? kept->shared_gate_up : nullptr, joint, J);
+    run.gemm.gemm_bf16(false, false, N, d, J, 1.0f, joint, J, dw.bf16(w.shared.gate), d, 0.0f, dxn,
+                       GemmOutType::F32, d, stream);
+    return;
+  }
+
   // ---- Latent down-projection z = xn·W↓ᵀ and the router (the routing weights depend on
   // logits = xn·W_rᵀ, selection held fixed) in one product: dxn = [dz | dlogits]·[W↓; W_r] over
   // K = ℓ + E (the first write), the two operands side by side in one bf16 [N, ℓ + E] buffer and
@@ -263,11 +309,8 @@ void moe_layer_backward_gpu(GpuRun& run, const DeviceWeights& dw, const DeviceGr
     run.gemm.gemm_bf16(false, false, N, d, K, 1.0f, dzr, K, w_zr, d, 0.0f, dxn, GemmOutType::F32, d,
                        stream);
     for (const auto& [W, rows, A] :
-         {std::tuple{w.latent_down, l, dzr}, std::tuple{w.router, E, dzr + l}}) {
-      const float beta = grads.take_pending(W) ? 0.0f : 1.0f;
-      run.gemm.gemm_bf16(true, false, rows, d, N, 1.0f, A, K, xn, d, beta, grads.at(W),
-                         GemmOutType::F32, d, stream);
-    }
+         {std::tuple{w.latent_down, l, dzr}, std::tuple{w.router, E, dzr + l}})
+      weight_gradient(run, grads, W, A, K, xn, N, d, rows);
   } else {
     // ---- Latent down-projection z = xn·W↓ᵀ: dW↓ [ℓ,d] += dzᵀ·xn; dxn = dz·W↓ (the first write).
     if (s.has_latent) {

@@ -69,6 +69,16 @@ void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream) {
 void copy_device_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
   DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
 }
+void copy_rows_device_to_device_async(void* dst, size_t dst_pitch, const void* src,
+                                      size_t src_pitch, size_t row_bytes, size_t rows,
+                                      CUstream_st* stream) {
+  DM_CHECK(row_bytes <= dst_pitch && row_bytes <= src_pitch,
+           "copy_rows_device_to_device_async: rows of ", row_bytes, " bytes, pitches ", dst_pitch,
+           " / ", src_pitch);
+  if (rows == 0 || row_bytes == 0) return;
+  DM_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
+                                  cudaMemcpyDeviceToDevice, stream));
+}
 void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
   DM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
 }

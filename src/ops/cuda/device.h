@@ -33,6 +33,11 @@ void fill_zero(void* dst, size_t bytes);
 void fill_zero_async(void* dst, size_t bytes, CUstream_st* stream);
 void copy_device_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
 void copy_to_device_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
+// rows × row_bytes from src (rows src_pitch bytes apart) to dst (dst_pitch apart), both on the
+// device: e.g. a [d, a] matrix into the first a columns of a [d, a + b] one (cudaMemcpy2DAsync).
+void copy_rows_device_to_device_async(void* dst, size_t dst_pitch, const void* src,
+                                      size_t src_pitch, size_t row_bytes, size_t rows,
+                                      CUstream_st* stream);
 void copy_to_host_async(void* dst, const void* src, size_t bytes, CUstream_st* stream);
 // Either direction (host or device pointers, the driver tells them apart); with pageable host
 // memory the call returns once the copy is done, like cudaMemcpyAsync itself.

@@ -238,11 +238,19 @@ void glu_check(const GluKernelParams& p, const char* who) {
              ": SiTU-GLU needs beta1 > 0 and beta2 > 0, got ", p.beta1, ", ", p.beta2);
 }
 
-// Where element (or 8-element group) i of g, u, dg, du sits: GluRows in the launch's units.
+// Where element (or 8-element group) i of g, u, dg, du sits (operator()) and of the forward's h
+// (h()): GluRows in the launch's units.
 struct GluIndex {
-  int64_t width = 0, ld = 0;  // width 0: contiguous
+  // width 0: contiguous; h_ld 0: h contiguous; d_ld 0: dg, du where g, u are
+  int64_t width = 0, ld = 0, h_ld = 0, d_ld = 0;
   __device__ __forceinline__ int64_t operator()(int64_t i) const {
     return width == 0 ? i : i / width * ld + i % width;
+  }
+  __device__ __forceinline__ int64_t h(int64_t i) const {
+    return h_ld == 0 ? i : i / width * h_ld + i % width;
+  }
+  __device__ __forceinline__ int64_t d(int64_t i) const {
+    return d_ld == 0 ? (*this)(i) : i / width * d_ld + i % width;
   }
 };
 
@@ -255,7 +263,8 @@ __global__ void glu_forward_kernel(const Storage* g, const Storage* u, Storage* 
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t j = at(i);
-    store_from_float(h, i, glu_value<kBf16>(load_as_float(g, j), load_as_float(u, j), p, inv));
+    store_from_float(h, at.h(i),
+                     glu_value<kBf16>(load_as_float(g, j), load_as_float(u, j), p, inv));
   }
 }
 
@@ -269,12 +278,12 @@ __global__ void glu_backward_kernel(const Storage* g, const Storage* u, const St
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     // Every input of element i is read before dg[i] / du[i] are written: aliasing is safe.
-    const int64_t j = at(i);
+    const int64_t j = at(i), o = at.d(i);
     float d_gate, d_up;
     glu_grads<kBf16>(load_as_float(g, j), load_as_float(u, j), load_as_float(dh, i), p, inv, d_gate,
                      d_up);
-    store_from_float(dg, j, d_gate);
-    store_from_float(du, j, d_up);
+    store_from_float(dg, o, d_gate);
+    store_from_float(du, o, d_up);
   }
 }
 
@@ -288,7 +297,7 @@ __global__ void glu_forward_bf16x8_kernel(const uint4* g, const uint4* u, uint4*
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t j = at(i);
-    h[i] = glu_forward_bf16x8(g[j], u[j], p, inv);
+    h[at.h(i)] = glu_forward_bf16x8(g[j], u[j], p, inv);
   }
 }
 
@@ -300,11 +309,11 @@ __global__ void glu_backward_bf16x8_kernel(const uint4* g, const uint4* u, const
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += int64_t(gridDim.x) * blockDim.x) {
     // every input of element group i is read before dg[j] / du[j] are written: aliasing is safe
-    const int64_t j = at(i);
+    const int64_t j = at(i), o = at.d(i);
     uint4 d_gate, d_up;
     glu_backward_bf16x8(g[j], u[j], dh[i], p, inv, d_gate, d_up);
-    dg[j] = d_gate;
-    du[j] = d_up;
+    dg[o] = d_gate;
+    du[o] = d_up;
   }
 }
 
@@ -313,10 +322,17 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 void glu_rows_check(int64_t n, GluRows rows, const char* who) {
   DM_CHECK(rows.width == 0 || (rows.width > 0 && rows.ld >= rows.width && n % rows.width == 0), who,
            ": bad rows (n=", n, ", width=", rows.width, ", ld=", rows.ld, ")");
+  DM_CHECK(rows.h_ld == 0 || (rows.width > 0 && rows.h_ld >= rows.width), who,
+           ": bad h rows (width=", rows.width, ", h_ld=", rows.h_ld, ")");
+  DM_CHECK(rows.d_ld == 0 || (rows.width > 0 && rows.d_ld >= rows.width), who,
+           ": bad dg/du rows (width=", rows.width, ", d_ld=", rows.d_ld, ")");
 }
 
-// The 8-element groups fit the rows when every row starts on a group: width and ld multiples of 8.
-bool glu_rows_vectorise(GluRows rows) { return rows.width % 8 == 0 && rows.ld % 8 == 0; }
+// The 8-element groups fit the rows when every row starts on a group: width and the row strides
+// multiples of 8.
+bool glu_rows_vectorise(GluRows rows) {
+  return rows.width % 8 == 0 && rows.ld % 8 == 0 && rows.h_ld % 8 == 0 && rows.d_ld % 8 == 0;
+}
 
 template <typename Storage>
 void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t n,
@@ -329,13 +345,14 @@ void glu_forward_launch(const Storage* g, const Storage* u, Storage* h, int64_t 
     if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(h) && glu_rows_vectorise(rows)) {
       launch_pdl(glu_forward_bf16x8_kernel, element_blocks(n / 8), kElementThreads, 0, stream,
                  reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
-                 reinterpret_cast<uint4*>(h), n / 8, p, GluIndex{rows.width / 8, rows.ld / 8});
+                 reinterpret_cast<uint4*>(h), n / 8, p,
+                 GluIndex{rows.width / 8, rows.ld / 8, rows.h_ld / 8});
       check_last_error("cuda glu_forward");
       return;
     }
   }
   launch_pdl(glu_forward_kernel<Storage>, element_blocks(n), kElementThreads, 0, stream, g, u, h, n,
-             p, GluIndex{rows.width, rows.ld});
+             p, GluIndex{rows.width, rows.ld, rows.h_ld});
   check_last_error("cuda glu_forward");
 }
 
@@ -346,6 +363,9 @@ void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, 
   glu_check(p, "cuda glu_backward");
   DM_CHECK(n >= 0, "cuda glu_backward: bad size ", n);
   glu_rows_check(n, rows, "cuda glu_backward");
+  DM_CHECK(rows.h_ld == 0, "cuda glu_backward: dh is contiguous (h_ld ", rows.h_ld, " given)");
+  DM_CHECK(rows.d_ld == 0 || (dg != g && du != u), "cuda glu_backward: dg, du at their own row ",
+           "stride cannot overwrite g, u");
   if (n == 0) return;
   if constexpr (std::is_same_v<Storage, uint16_t>) {
     if (n % 8 == 0 && aligned16(g) && aligned16(u) && aligned16(dh) && aligned16(dg) &&
@@ -353,13 +373,14 @@ void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, 
       launch_pdl(glu_backward_bf16x8_kernel, element_blocks(n / 8), kElementThreads, 0, stream,
                  reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
                  reinterpret_cast<const uint4*>(dh), reinterpret_cast<uint4*>(dg),
-                 reinterpret_cast<uint4*>(du), n / 8, p, GluIndex{rows.width / 8, rows.ld / 8});
+                 reinterpret_cast<uint4*>(du), n / 8, p,
+                 GluIndex{rows.width / 8, rows.ld / 8, 0, rows.d_ld / 8});
       check_last_error("cuda glu_backward");
       return;
     }
   }
   launch_pdl(glu_backward_kernel<Storage>, element_blocks(n), kElementThreads, 0, stream, g, u, dh,
-             dg, du, n, p, GluIndex{rows.width, rows.ld});
+             dg, du, n, p, GluIndex{rows.width, rows.ld, 0, rows.d_ld});
   check_last_error("cuda glu_backward");
 }
 

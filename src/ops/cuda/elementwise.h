@@ -58,9 +58,12 @@ GluKernelParams glu_kernel_params(const GluActivation& a);
 // bf16 g and u (and dg, du) as column blocks of wider rows: element i of the [n / width, width]
 // operand sits at (i / width)·ld + i % width (width 0: contiguous). The gated FFNs' one gate/up
 // GEMM writes [N, 2F] rows, g in columns [0, F) and u in [F, 2F): width F, ld 2F, u = g + F.
-// h and dh stay contiguous.
+// h and dh stay contiguous, except that the forward writes h as a column block of rows h_ld
+// apart when h_ld > 0 (h_ld ≥ width; e.g. the MoE's joint [bf16(u') | h] output operand), and
+// the backward writes dg, du at rows d_ld apart when d_ld > 0 (else in g's and u's layout; e.g.
+// into the MoE backward's joint input-gradient operand).
 struct GluRows {
-  int64_t width = 0, ld = 0;
+  int64_t width = 0, ld = 0, h_ld = 0, d_ld = 0;
 };
 void glu_forward(const float* g, const float* u, float* h, int64_t n, const GluKernelParams& a,
                  Stream stream = nullptr);

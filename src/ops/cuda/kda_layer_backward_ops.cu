@@ -91,6 +91,15 @@ void reduce_partials(const float* partial, int64_t R, int64_t row_stride, int64_
 }
 
 // ---- gated RMSNorm ---------------------------------------------------------------------------
+// Where a row's first element of dgate sits: element e of the [n / width, width] matrix at
+// (e / width)·ld + e % width (width 0: contiguous). A row of D never crosses a width boundary.
+struct RowBlock {
+  int64_t width = 0, ld = 0;
+  __device__ __forceinline__ int64_t operator()(int64_t e) const {
+    return width == 0 ? e : e / width * ld + e % width;
+  }
+};
+
 // Grid: R row ranges; block: 8 warps, warp w taking rows r0 + w, r0 + w + 8, … of its range.
 // partial [R, D]: the range's Σ dy·x·r·σ per column.
 __global__ void __launch_bounds__(kThreads)
@@ -98,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
                                   const uint16_t* __restrict__ gate, const float* __restrict__ dy,
                                   uint16_t* __restrict__ dx, uint16_t* __restrict__ dgate,
                                   float* __restrict__ partial, int64_t rows, int64_t D, float eps,
-                                  int64_t range_rows) {
+                                  int64_t range_rows, RowBlock dgate_at) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   __shared__ float block_dw[kRowLanes][kKdaNormBackwardMaxD];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -110,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // The row loop depends on the warp only, so the warp_sum shuffles below stay full-warp.
   for (int64_t row = r0 + warp; row < r1; row += kRowLanes) {
-    const int64_t offset = row * D;
+    const int64_t offset = row * D, offset_g = dgate_at(offset);
     float sum_squares = 0.0f;
     for (int64_t i = lane; i < D; i += 32) {
       const float value = load_as_float(x, offset + i);
@@ -126,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
         const float sig = sigmoid_f32(load_as_float(gate, offset + i));
         const float normed = load_as_float(x, offset + i) * inverse_rms;
         const float upstream = dy[offset + i];
-        store_from_float(dgate, offset + i, upstream * normed * w[i] * sig * (1.0f - sig));
+        store_from_float(dgate, offset_g + i, upstream * normed * w[i] * sig * (1.0f - sig));
         dot += upstream * w[i] * sig * normed;
         dw_acc[m] += upstream * normed * sig;
       }
@@ -166,7 +175,8 @@ __global__ void __launch_bounds__(kThreads)
                                        const uint16_t* __restrict__ gate,
                                        const float* __restrict__ dy, uint16_t* __restrict__ dx,
                                        uint16_t* __restrict__ dgate, float* __restrict__ partial,
-                                       int64_t rows, float eps, int64_t range_rows) {
+                                       int64_t rows, float eps, int64_t range_rows,
+                                       RowBlock dgate_at) {
   pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
   constexpr int D = 128 * M;
   __shared__ float block_dw[kRowLanes][D];
@@ -184,7 +194,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // The row loop depends on the warp only, so the warp_sum shuffles below stay full-warp.
   for (int64_t row = r0 + warp; row < r1; row += kRowLanes) {
-    const int64_t offset = row * D + 4 * lane;
+    const int64_t offset = row * D + 4 * lane, offset_g = dgate_at(row * D) + 4 * lane;
     float xs[M][4], sig[M][4], up[M][4];
     float sum_squares = 0.0f;
 #pragma unroll
@@ -209,7 +219,7 @@ __global__ void __launch_bounds__(kThreads)
         dot += up[m][e] * ws[m][e] * s * normed;
         dw_acc[m][e] += up[m][e] * normed * s;
       }
-      store_vector_from_float<4>(dgate, offset + 128 * m, dg);
+      store_vector_from_float<4>(dgate, offset_g + 128 * m, dg);
     }
     const float mean_dot = warp_sum(dot) / float(D);
 #pragma unroll
@@ -332,25 +342,30 @@ size_t kda_rmsnorm_gated_backward_partial_floats(int64_t rows, int64_t D) {
 void kda_rmsnorm_gated_backward(const uint16_t* x, const float* w, const uint16_t* gate,
                                 const float* dy, uint16_t* dx, uint16_t* dgate, float* dw,
                                 float* partial, int64_t rows, int64_t D, float eps,
-                                CUstream_st* stream) {
+                                CUstream_st* stream, int64_t dgate_width, int64_t dgate_ld) {
   DM_CHECK(rows >= 0 && D > 0 && D <= kKdaNormBackwardMaxD,
            "cuda kda_rmsnorm_gated_backward: bad shape rows=", rows, " D=", D, " (D ≤ ",
            kKdaNormBackwardMaxD, ")");
+  DM_CHECK(dgate_ld == 0 || (dgate_width > 0 && dgate_width % D == 0 && dgate_ld >= dgate_width &&
+                             rows * D % dgate_width == 0),
+           "cuda kda_rmsnorm_gated_backward: bad dgate rows (width=", dgate_width,
+           ", ld=", dgate_ld, ", rows=", rows, ", D=", D, ")");
+  const RowBlock dgate_at{dgate_ld == 0 ? 0 : dgate_width, dgate_ld};
   if (rows == 0) return;
   const int64_t R = norm_row_ranges(rows);
   const int64_t range_rows = norm_rows_per_range(rows);
   const bool vec4 = (D == 128 || D == 256) && aligned_to(x, 8) && aligned_to(gate, 8) &&
                     aligned_to(dy, 16) && aligned_to(dx, 8) && aligned_to(dgate, 8) &&
-                    aligned_to(w, 16);
+                    aligned_to(w, 16) && dgate_ld % 4 == 0;
   if (vec4 && D == 128)
     launch_pdl(rmsnorm_gated_backward_vec4_kernel<1>, unsigned(R), kThreads, 0, stream, x, w, gate,
-               dy, dx, dgate, partial, rows, eps, range_rows);
+               dy, dx, dgate, partial, rows, eps, range_rows, dgate_at);
   else if (vec4)
     launch_pdl(rmsnorm_gated_backward_vec4_kernel<2>, unsigned(R), kThreads, 0, stream, x, w, gate,
-               dy, dx, dgate, partial, rows, eps, range_rows);
+               dy, dx, dgate, partial, rows, eps, range_rows, dgate_at);
   else
     launch_pdl(rmsnorm_gated_backward_kernel, unsigned(R), kThreads, 0, stream, x, w, gate, dy, dx,
-               dgate, partial, rows, D, eps, range_rows);
+               dgate, partial, rows, D, eps, range_rows, dgate_at);
   check_last_error("cuda kda_rmsnorm_gated_backward");
   reduce_partials(partial, R, D, 1, dw, D, stream, "cuda kda_rmsnorm_gated_backward (dw)");
 }

@@ -28,11 +28,15 @@ constexpr int64_t kKdaNormBackwardMaxD = 256;
 //   dgate = dy·x·r·w·σ(1−σ);  dx = r·(dy·w·σ − x·r·mean(dy·w·σ·x·r));  dw += Σ_rows dy·x·r·σ.
 // x, gate [rows, D] bf16; w [D] fp32; dy [rows, D] fp32 → dx, dgate [rows, D] bf16 (WRITTEN;
 // dx may not alias dy), dw [D] fp32 (+=). partial: kda_rmsnorm_gated_backward_partial_floats.
+// dgate as a column block of wider rows: with dgate_ld > 0 the [rows·D / dgate_width,
+// dgate_width] matrix (dgate_width a multiple of D: the H·K of one token) has its rows dgate_ld
+// apart (the layer's joint input-gradient operand).
 size_t kda_rmsnorm_gated_backward_partial_floats(int64_t rows, int64_t D);
 void kda_rmsnorm_gated_backward(const uint16_t* x, const float* w, const uint16_t* gate,
                                 const float* dy, uint16_t* dx, uint16_t* dgate, float* dw,
                                 float* partial, int64_t rows, int64_t D, float eps,
-                                CUstream_st* stream = nullptr);
+                                CUstream_st* stream = nullptr, int64_t dgate_width = 0,
+                                int64_t dgate_ld = 0);
 
 // Decay gate backward (formulas of kda_gate_forward in kda_layer_ops.h), with z = f + dt_bias:
 //   softplus: dz = −dg·a·σ(z) (−dg·a above 20),   dA_log[h] += Σ −dg·a·softplus(z)

@@ -314,9 +314,13 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                       const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
                       float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
                       int64_t d, int64_t F, const GluActivation& act, void* workspace,
-                      CUstream_st* stream, const uint16_t* kept_gate_up) {
+                      CUstream_st* stream, const uint16_t* kept_gate_up, uint16_t* dgu_out,
+                      int64_t ld_dgu) {
   DM_CHECK(N >= 0 && d > 0 && F > 0, "glu_ffn_backward (cuda): bad shape N=", N, " d=", d,
            " F=", F);
+  DM_CHECK(!dgu_out || (ld_dgu >= 2 * F && glu_gate_up_adjacent(w_gate, w_up, F, d)),
+           "glu_ffn_backward (cuda): dg | du into the caller's rows needs adjacent gate and up ",
+           "weights and ld_dgu >= 2F (ld_dgu=", ld_dgu, ", F=", F, ")");
   if (N == 0) return;
   DM_CHECK(x && w_gate && w_up && w_down && dy && workspace,
            "glu_ffn_backward (cuda): null argument");
@@ -333,8 +337,10 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                      2 * F, stream);
       gu = dgu;
     }
-    const GluRows rows{F, 2 * F};
-    glu_forward(gu, gu + F, h, N * F, act, stream, rows);
+    const GluRows rows{F, 2 * F, 0, dgu_out ? ld_dgu : 0};
+    const int64_t ld = dgu_out ? ld_dgu : 2 * F;  // dg | du's row stride
+    if (dgu_out) dgu = dgu_out;
+    glu_forward(gu, gu + F, h, N * F, act, stream, GluRows{F, 2 * F});
     if (dw_down)
       gemm.gemm_bf16(true, false, d, F, N, 1.0f, dy, d, h, F, 1.0f, dw_down, GemmOutType::F32, F,
                      stream);
@@ -342,18 +348,18 @@ void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_ga
                    stream);
     glu_backward(gu, gu + F, h, dgu, dgu + F, N * F, act, stream, rows);
     if (dw_gate && dw_up && dw_up == dw_gate + F * d) {
-      gemm.gemm_bf16(true, false, 2 * F, d, N, 1.0f, dgu, 2 * F, x, d, 1.0f, dw_gate,
-                     GemmOutType::F32, d, stream);
+      gemm.gemm_bf16(true, false, 2 * F, d, N, 1.0f, dgu, ld, x, d, 1.0f, dw_gate, GemmOutType::F32,
+                     d, stream);
     } else {
       if (dw_gate)
-        gemm.gemm_bf16(true, false, F, d, N, 1.0f, dgu, 2 * F, x, d, 1.0f, dw_gate,
-                       GemmOutType::F32, d, stream);
+        gemm.gemm_bf16(true, false, F, d, N, 1.0f, dgu, ld, x, d, 1.0f, dw_gate, GemmOutType::F32,
+                       d, stream);
       if (dw_up)
-        gemm.gemm_bf16(true, false, F, d, N, 1.0f, dgu + F, 2 * F, x, d, 1.0f, dw_up,
-                       GemmOutType::F32, d, stream);
+        gemm.gemm_bf16(true, false, F, d, N, 1.0f, dgu + F, ld, x, d, 1.0f, dw_up, GemmOutType::F32,
+                       d, stream);
     }
     if (dx)
-      gemm.gemm_bf16(false, false, N, d, 2 * F, 1.0f, dgu, 2 * F, w_gate, d, dx_beta, dx,
+      gemm.gemm_bf16(false, false, N, d, 2 * F, 1.0f, dgu, ld, w_gate, d, dx_beta, dx,
                      GemmOutType::F32, d, stream);
     return;
   }

@@ -108,13 +108,16 @@ inline bool glu_gate_up_adjacent(const uint16_t* w_gate, const uint16_t* w_up, i
 //   dx is one product over K = 2F, and the weight gradients one [2F, d] product when their slots
 //   are adjacent too.
 // workspace: glu_ffn_backward_workspace_bytes(N, F) bytes (g, u → dg, du; h → dh; [N, F] bf16
-// each).
+// each). dgu_out (adjacent weights only): dg | du go into its first 2F columns, rows ld_dgu
+// apart, instead of the workspace, so that the caller can fold them into a wider input-gradient
+// product of its own (then dx is nullptr).
 size_t glu_ffn_backward_workspace_bytes(int64_t N, int64_t F);
 void glu_ffn_backward(GemmContext& gemm, const uint16_t* x, const uint16_t* w_gate,
                       const uint16_t* w_up, const uint16_t* w_down, const uint16_t* dy, float* dx,
                       float dx_beta, float* dw_gate, float* dw_up, float* dw_down, int64_t N,
                       int64_t d, int64_t F, const GluActivation& act, void* workspace,
-                      CUstream_st* stream = nullptr, const uint16_t* kept_gate_up = nullptr);
+                      CUstream_st* stream = nullptr, const uint16_t* kept_gate_up = nullptr,
+                      uint16_t* dgu_out = nullptr, int64_t ld_dgu = 0);
 
 // ---- Internal: moe_backward.cpp → moe_backward.cu (not for use outside src/ops/cuda/moe*) -----
 namespace moe_detail {
