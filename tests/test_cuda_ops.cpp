@@ -512,6 +512,20 @@ TEST(CudaOpsCrossEntropy, MatchesCpuF32) {
   check_cross_entropy<float>(7, 33, 32, false);
   check_cross_entropy<float>(64, 5003, 33, false);
   check_cross_entropy<float>(3, 163840, 34, false);
+  // V % 4 == 0 takes the float4 row kernel (the ones above with V odd the scalar one): a vocab
+  // of the 1B config's size over rows with masked targets, and rows shorter than a block.
+  check_cross_entropy<float>(300, 32000, 35, false);
+  check_cross_entropy<float>(5, 8, 36, false);
+}
+
+// The scalar row kernel on the shapes the float4 one takes (DM_CROSS_ENTROPY_ROWS=scalar: its
+// A/B reference), against the CPU too.
+TEST(CudaOpsCrossEntropy, ScalarRowsMatchCpu) {
+  DM_SKIP_WITHOUT_GPU();
+  setenv("DM_CROSS_ENTROPY_ROWS", "scalar", 1);
+  check_cross_entropy<float>(300, 32000, 35, false);
+  check_cross_entropy<float>(3, 163840, 34, false);
+  unsetenv("DM_CROSS_ENTROPY_ROWS");
 }
 
 TEST(CudaOpsCrossEntropy, MatchesCpuBf16) {

@@ -1,8 +1,9 @@
-// CUDA RMSNorm, GLU, softmax cross-entropy and AdamW (see elementwise.h for the formulas).
+// CUDA RMSNorm, GLU and AdamW (see elementwise.h for the formulas; the softmax cross-entropy
+// is in cross_entropy.cu).
 //
 // All of these are memory-bound (a few FLOP per byte): the kernels aim at coalesced accesses
 // and enough blocks in flight, nothing more. Row kernels use one block per row; reductions are
-// fixed-order tree sums in fp32 (fp64 for the cross-entropy loss sum) so results are
+// fixed-order tree sums in fp32 so results are
 // deterministic run to run.
 #include <algorithm>
 #include <cmath>
@@ -385,154 +386,6 @@ void glu_backward_launch(const Storage* g, const Storage* u, const Storage* dh, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Cross-entropy. Pass 1 per row: online max / sum of e^{z − max} and the first argmax; pass 2
-// writes the gradient. A second kernel sums the per-row losses in row order.
-
-struct SoftmaxPartial {
-  float max, sum;        // running max and Σ e^{z − max}
-  float best;            // first maximum and its index
-  int best_index;
-};
-
-__device__ __forceinline__ SoftmaxPartial softmax_merge(SoftmaxPartial a, SoftmaxPartial b) {
-  SoftmaxPartial r;
-  r.max = fmaxf(a.max, b.max);
-  // e^{−inf − x} = 0 handles an empty side (sum 0, max −inf) without NaN as long as r.max is
-  // finite; two empty sides give r.max = −inf: keep the sum 0 then.
-  r.sum = r.max == -INFINITY ? 0.0f
-                             : a.sum * expf(a.max - r.max) + b.sum * expf(b.max - r.max);
-  const bool take_b = b.best > a.best || (b.best == a.best && b.best_index < a.best_index);
-  r.best = take_b ? b.best : a.best;
-  r.best_index = take_b ? b.best_index : a.best_index;
-  return r;
-}
-
-__device__ __forceinline__ SoftmaxPartial softmax_shuffle_down(SoftmaxPartial p, int offset) {
-  SoftmaxPartial o;
-  o.max = __shfl_xor_sync(0xffffffffu, p.max, offset);
-  o.sum = __shfl_xor_sync(0xffffffffu, p.sum, offset);
-  o.best = __shfl_xor_sync(0xffffffffu, p.best, offset);
-  o.best_index = __shfl_xor_sync(0xffffffffu, p.best_index, offset);
-  return o;
-}
-
-// One block per row. row_loss [N] (double, 0 for ignored rows), row_flags [N]: bit 0 counted,
-// bit 1 argmax == target.
-template <typename Storage, typename GradStorage>
-__global__ void cross_entropy_rows_kernel(const Storage* logits, const int64_t* targets,
-                                          GradStorage* dlogits, int64_t V, float scale,
-                                          double* row_loss, int32_t* row_flags) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
-  __shared__ SoftmaxPartial warp_partials[32];
-  __shared__ float row_stats[2];  // logsumexp, z[target]
-  const int64_t row = blockIdx.x;
-  const int64_t offset = row * V;
-  const int64_t target = targets[row];
-  const bool counted = target >= 0 && target < V;
-  if (!counted) {
-    if (dlogits)
-      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) store_from_float(dlogits, offset + v, 0.0f);
-    if (threadIdx.x == 0) {
-      row_loss[row] = 0.0;
-      row_flags[row] = 0;
-    }
-    return;
-  }
-  SoftmaxPartial p{-INFINITY, 0.0f, -INFINITY, int(V)};
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float z = load_as_float(logits, offset + v);
-    if (z > p.max) {
-      p.sum = p.sum * expf(p.max - z) + 1.0f;  // p.max = −inf at first: e^{−inf} = 0
-      p.max = z;
-    } else if (z != -INFINITY) {  // −inf logits add nothing (and e^{−inf − (−inf)} is NaN)
-      p.sum += expf(z - p.max);
-    }
-    if (z > p.best) {  // increasing v: keeps the first maximum
-      p.best = z;
-      p.best_index = int(v);
-    }  // increasing v: keeps the first maximum
-  }
-  for (int o = 16; o > 0; o >>= 1) p = softmax_merge(p, softmax_shuffle_down(p, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (lane == 0) warp_partials[warp] = p;
-  if (threadIdx.x == 0) row_stats[1] = load_as_float(logits, offset + target);  // before writes
-  __syncthreads();
-  if (warp == 0) {
-    p = lane < warps ? warp_partials[lane] : SoftmaxPartial{-INFINITY, 0.0f, -INFINITY, int(V)};
-    for (int o = 16; o > 0; o >>= 1) p = softmax_merge(p, softmax_shuffle_down(p, o));
-    if (lane == 0) {
-      const float log_sum_exp = p.max + logf(p.sum);
-      row_stats[0] = log_sum_exp;
-      row_loss[row] = double(log_sum_exp) - double(row_stats[1]);
-      row_flags[row] = 1 | (p.best_index == target ? 2 : 0);
-    }
-  }
-  __syncthreads();
-  if (dlogits == nullptr) return;
-  const float log_sum_exp = row_stats[0];
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float z = load_as_float(logits, offset + v);
-    const float gradient = expf(z - log_sum_exp) * scale - (v == target ? scale : 0.0f);
-    store_from_float(dlogits, offset + v, gradient);
-  }
-}
-
-// One block: sums row_loss / row_flags in a fixed order into *result.
-constexpr int kCrossEntropyReduceThreads = 256;
-__global__ void cross_entropy_reduce_kernel(const double* row_loss, const int32_t* row_flags,
-                                            int64_t N, CrossEntropyDeviceResult* result) {
-  pdl_wait_then_launch_dependents();  // PDL (pdl.h): before any input is read
-  __shared__ double loss_sums[kCrossEntropyReduceThreads];
-  __shared__ long long counts[kCrossEntropyReduceThreads], corrects[kCrossEntropyReduceThreads];
-  double loss = 0.0;
-  long long count = 0, correct = 0;
-  for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
-    loss += row_loss[n];
-    count += row_flags[n] & 1;
-    correct += (row_flags[n] >> 1) & 1;
-  }
-  loss_sums[threadIdx.x] = loss;
-  counts[threadIdx.x] = count;
-  corrects[threadIdx.x] = correct;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-    if (int(threadIdx.x) < stride) {
-      loss_sums[threadIdx.x] += loss_sums[threadIdx.x + stride];
-      counts[threadIdx.x] += counts[threadIdx.x + stride];
-      corrects[threadIdx.x] += corrects[threadIdx.x + stride];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    result->loss_sum = loss_sums[0];
-    result->count = counts[0];
-    result->correct = corrects[0];
-  }
-}
-
-template <typename Storage, typename GradStorage>
-void cross_entropy_launch(const Storage* logits, const int64_t* targets, GradStorage* dlogits,
-                          int64_t N, int64_t V, double scale, CrossEntropyDeviceResult* result,
-                          void* workspace, Stream stream) {
-  DM_CHECK(N >= 0 && V > 0, "cuda cross_entropy: bad shape N=", N, " V=", V);
-  DM_CHECK(N < (int64_t(1) << 31) && V < (int64_t(1) << 31), "cuda cross_entropy: N=", N,
-           " or V=", V, " beyond 2^31");
-  DM_CHECK(result != nullptr, "cuda cross_entropy: result pointer is null");
-  DM_CHECK(N == 0 || workspace != nullptr,
-           "cuda cross_entropy: workspace is null (size it with cross_entropy_workspace_bytes)");
-  double* row_loss = static_cast<double*>(workspace);                       // [N]
-  int32_t* row_flags = reinterpret_cast<int32_t*>(row_loss + N);            // [N]
-  if (N > 0) {
-    launch_pdl(cross_entropy_rows_kernel<Storage, GradStorage>, unsigned(N), kRowThreads, 0, stream,
-               logits, targets, dlogits, V, float(scale), row_loss, row_flags);
-    check_last_error("cuda cross_entropy (rows)");
-  }
-  launch_pdl(cross_entropy_reduce_kernel, 1, kCrossEntropyReduceThreads, 0, stream, row_loss,
-             row_flags, N, result);
-  check_last_error("cuda cross_entropy (reduce)");
-}
-
-// ---------------------------------------------------------------------------------------------
 // AdamW
 
 struct AdamWScalars {
@@ -751,28 +604,6 @@ void glu_backward(const float* g, const float* u, const float* dh, float* dg, fl
 void glu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dh, uint16_t* dg,
                   uint16_t* du, int64_t n, const GluKernelParams& a, Stream stream, GluRows rows) {
   glu_backward_launch(g, u, dh, dg, du, n, a, stream, rows);
-}
-
-size_t cross_entropy_workspace_bytes(int64_t N) {
-  return size_t(std::max<int64_t>(N, 0)) * (sizeof(double) + sizeof(int32_t));
-}
-void cross_entropy_forward_backward(const float* logits, const int64_t* targets, float* dlogits,
-                                    int64_t N, int64_t V, double scale,
-                                    CrossEntropyDeviceResult* result_device, void* workspace,
-                                    Stream stream) {
-  cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);
-}
-void cross_entropy_forward_backward(const uint16_t* logits, const int64_t* targets,
-                                    uint16_t* dlogits, int64_t N, int64_t V, double scale,
-                                    CrossEntropyDeviceResult* result_device, void* workspace,
-                                    Stream stream) {
-  cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);
-}
-void cross_entropy_forward_backward(const float* logits, const int64_t* targets, uint16_t* dlogits,
-                                    int64_t N, int64_t V, double scale,
-                                    CrossEntropyDeviceResult* result_device, void* workspace,
-                                    Stream stream) {
-  cross_entropy_launch(logits, targets, dlogits, N, V, scale, result_device, workspace, stream);
 }
 
 void adamw_update(float* p, const float* g, float* m, float* v, uint16_t* p_bf16, int64_t n,
