@@ -279,16 +279,19 @@ TEST(CudaGemm, CachesAlgorithmsAndHandlesEmptyK) {
 // cuBLASLt (padded ldc, fp32 and bf16 out, with and without tuning), the few-row GEMV and K = 0.
 TEST(CudaGemm, SeparateCInputMatchesInPlace) {
   if (!cuda::device_available()) GTEST_SKIP() << cuda::device_description();
+  using cuda::GemmTuning;
   struct Case {
     int64_t M, N, K;
-    bool tune;
+    GemmTuning tune;
   };
   uint32_t seed = 40;
-  for (Case cs : {Case{300, 257, 96, false}, Case{300, 257, 96, true}, Case{2, 128, 256, false},
-                  Case{64, 64, 0, false}}) {
+  // Accumulating tunes these beta = 1 products (the residual adds' class), as All does.
+  for (Case cs : {Case{300, 257, 96, GemmTuning::Off}, Case{300, 257, 96, GemmTuning::All},
+                  Case{300, 257, 96, GemmTuning::Accumulating}, Case{2, 128, 256, GemmTuning::Off},
+                  Case{64, 64, 0, GemmTuning::Off}}) {
     for (auto out : {cuda::GemmOutType::F32, cuda::GemmOutType::Bf16}) {
       const int64_t M = cs.M, N = cs.N, K = cs.K, ldc = N + 3;
-      SCOPED_TRACE(str_cat("M=", M, " N=", N, " K=", K, " tune=", cs.tune,
+      SCOPED_TRACE(str_cat("M=", M, " N=", N, " K=", K, " tune=", int(cs.tune),
                            " f32=", out == cuda::GemmOutType::F32));
       cuda::GemmContext context;
       context.set_tuning(cs.tune);
@@ -337,8 +340,8 @@ TEST(CudaGemm, TunedMatchesHeuristic) {
   cuda::GemmContext plain, tuned;
   plain.set_tuning(false);  // whatever DM_GEMM_TUNE says
   tuned.set_tuning(true);
-  EXPECT_FALSE(plain.tuning());
-  EXPECT_TRUE(tuned.tuning());
+  EXPECT_EQ(plain.tuning(), cuda::GemmTuning::Off);
+  EXPECT_EQ(tuned.tuning(), cuda::GemmTuning::All);
   struct Case {
     bool ta, tb;
     int64_t M, N, K;

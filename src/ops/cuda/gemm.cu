@@ -2,7 +2,8 @@
 // bf16/fp32 output (gemm_bf16*), and all-fp32 products with full-precision multiplies (gemm_f32,
 // the fp32 GPU mode). Both go through one cuBLASLt call and one algorithm cache.
 //
-// Tuning (GemmContext::set_tuning, DM_GEMM_TUNE=1): on a cache miss outside graph capture, the
+// Tuning (GemmContext::set_tuning, DM_GEMM_TUNE=1, or =accumulating for the beta ≠ 0 products
+// only): on a cache miss outside graph capture, the
 // heuristic's first kTuneCandidates algorithms run on the call's own operands (one warm-up, the
 // median of kTuneTimedRuns, CUDA events on the call's stream) and the fastest is cached. A beta ≠ 0
 // product accumulates into C, so C is saved to the context's tuning scratch before and restored
@@ -421,13 +422,28 @@ struct GemmContext::ShapeLog {
   }
 };
 
+// DM_GEMM_TUNE: unset, 0 → Off; 1, all → All; accumulating → Accumulating.
+static GemmTuning tuning_from_env() {
+  const char* env = std::getenv("DM_GEMM_TUNE");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "0") == 0) return GemmTuning::Off;
+  if (std::strcmp(env, "1") == 0 || std::strcmp(env, "all") == 0) return GemmTuning::All;
+  DM_CHECK(std::strcmp(env, "accumulating") == 0,
+           "DM_GEMM_TUNE must be 0, 1, all or accumulating, got '", env, "'");
+  return GemmTuning::Accumulating;
+}
+
+// Whether a cache miss of p is tuned under t.
+static bool tuned(GemmTuning t, const LtProduct& p) {
+  return t == GemmTuning::All || (t == GemmTuning::Accumulating && p.beta != 0.0f);
+}
+
 struct GemmContext::AlgoCacheEntry {
   int64_t key[kAlgoKeyLength];
   cublasLtMatmulAlgo_t algo;
 };
 
 GemmContext::GemmContext(size_t workspace_bytes) {
-  tuning_ = env_flag("DM_GEMM_TUNE", false);
+  tuning_ = tuning_from_env();
   tuning_log_ = env_flag("DM_GEMM_TUNE_LOG", false);
   if (const char* shapes = std::getenv("DM_GEMM_SHAPES"); shapes && *shapes)
     shape_log_ = new ShapeLog{shapes, {}};
@@ -517,7 +533,7 @@ void GemmContext::gemm_bf16_strided_batched(bool trans_a, bool trans_b, int64_t 
   LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
   if (shape_log_) shape_log_->record(p);
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
-                   cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);
+                   cache_used_, cache_next_, tuned(tuning_, p) ? &tuner : nullptr, stream);
 }
 
 void GemmContext::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -535,7 +551,7 @@ void GemmContext::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int
   LtTuner tuner{tuning_log_, tune_scratch_, tune_scratch_bytes_};
   if (shape_log_) shape_log_->record(p);
   lt_matmul_cached(p, static_cast<cublasLtHandle_t>(lt_), workspace_, lt_workspace_bytes_, cache_,
-                   cache_used_, cache_next_, tuning_ ? &tuner : nullptr, stream);
+                   cache_used_, cache_next_, tuned(tuning_, p) ? &tuner : nullptr, stream);
 }
 
 }  // namespace dm::cuda
