@@ -26,9 +26,19 @@ namespace {
 
 size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// Rows per LM-head tile: the fp32 logits of one tile stay under ~256 MiB.
+// Rows per LM-head tile: the fp32 logits of one tile stay under DM_LM_HEAD_TILE_MIB (read once;
+// default 512 MiB, plus half that for their bf16 gradient), at most 4096 rows. Each tile after the
+// first adds its W_lm gradient into the fp32 [V, d] slot (262 MB at gpu_1b): at 256 MiB a
+// 4096-token step took two tiles of 2097 rows, a B 4 step eight.
 int64_t lm_head_rows(const ModelConfig& c, int64_t N) {
-  const int64_t by_memory = std::max<int64_t>(1, (int64_t(64) << 20) / c.vocab_size);
+  static const int64_t tile_mib = [] {
+    const char* env = std::getenv("DM_LM_HEAD_TILE_MIB");
+    const int64_t mib = env && *env ? std::atoll(env) : 512;
+    DM_CHECK(mib >= 1 && mib <= (int64_t(1) << 20), "DM_LM_HEAD_TILE_MIB must be 1…2^20, got '",
+             env ? env : "", "'");
+    return mib;
+  }();
+  const int64_t by_memory = std::max<int64_t>(1, (tile_mib << 20) / 4 / c.vocab_size);
   return std::max<int64_t>(1, std::min<int64_t>({N, by_memory, 4096}));
 }
 
