@@ -683,7 +683,7 @@ TEST(CudaDecode, ProfileReportsThePhasesOfGraphedSteps) {
     off.step(tokens.data(), logits.data());
     EXPECT_TRUE(off.profile_report().empty());
   }
-  setenv("DM_DECODE_PROFILE", "1", 1);
+  const test::ScopedEnv profile("DM_DECODE_PROFILE", "1");
   for (bool graphs : {true, false}) {
     SCOPED_TRACE(graphs ? "graphs" : "direct");
     cuda::GpuDecoder dec(dw, S, Lmax, decode_options(graphs, DecodeMoe::Auto));
@@ -707,7 +707,6 @@ TEST(CudaDecode, ProfileReportsThePhasesOfGraphedSteps) {
     EXPECT_GT(step, kda + mla + moe + dense - 1.0);  // the events' resolution is ~0.5 µs
     EXPECT_TRUE(dec.profile_report().empty()) << "the report resets";
   }
-  unsetenv("DM_DECODE_PROFILE");
 }
 
 // The decoder's routed-expert path by batch rows (host arithmetic: runs without a GPU). Kimi-

@@ -629,17 +629,12 @@ TEST(CudaKdaBackward, SplitStageFourMatchesFusedBf16) {
 // zero fill past T and past V), forward (bf16) and backward (tc).
 TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
   DM_SKIP_WITHOUT_GPU();
-  struct EnvScope {
-    const char* name;
-    EnvScope(const char* n, const char* value) : name(n) { setenv(name, value, 1); }
-    ~EnvScope() { unsetenv(name); }
-  };
   uint64_t seed = 700;
   for (const char* tma : {"1", "0"})
     for (const char* columns : {"16", "32"})
       for (const char* backward : {"staged", "regs"})
         for (const KdaShape& s : {KdaShape{1, 300, 2, 128, 128}, KdaShape{2, 130, 3, 64, 32}}) {
-          EnvScope width("DM_KDA_STATE_COLUMNS", columns),
+          dm::test::ScopedEnv width("DM_KDA_STATE_COLUMNS", columns),
               kernel("DM_KDA_STATE_BACKWARD", backward), copies("DM_KDA_STATE_TMA", tma);
           KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
           p.doc_start = make_doc_start(s, {37, 128, 129});
@@ -653,7 +648,7 @@ TEST(CudaKdaChunk, StateTileWidthsMatchCpuBf16) {
   // 40 heads of 4 16-column tiles: 160 blocks, more than one round of the H200's 132 SMs, where
   // DM_KDA_STATE_TMA=all puts the forward on TMA with thread 0 alone polling its barriers.
   for (const char* tma : {"all", "0"}) {
-    EnvScope width("DM_KDA_STATE_COLUMNS", "16"), copies("DM_KDA_STATE_TMA", tma);
+    dm::test::ScopedEnv width("DM_KDA_STATE_COLUMNS", "16"), copies("DM_KDA_STATE_TMA", tma);
     const KdaShape s{1, 130, 40, 64, 64};
     KdaInputs p = random_inputs(s, ++seed, -5.0, 1.0);
     round_inputs_bf16(p);

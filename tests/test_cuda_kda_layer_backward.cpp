@@ -259,19 +259,17 @@ TEST(CudaKdaLayerBackward, LongerSequencesSeveralChunks) {
 // reference of the fused q/k/v and β/f_a products the other cases run) against the CPU too.
 TEST(CudaKdaLayerBackward, UnfusedInputGradientProducts) {
   DM_SKIP_WITHOUT_GPU();
-  setenv("DM_KDA_FUSED_GRAD_GEMMS", "0", 1);
+  const test::ScopedEnv env("DM_KDA_FUSED_GRAD_GEMMS", "0");
   run_case(kSafeFull, 2, 100, true);
   run_case(kSoftplusLow, 1, 130, false);
-  unsetenv("DM_KDA_FUSED_GRAD_GEMMS");
 }
 
 // The layer's input-gradient products before they became one (DM_KDA_ONE_DX_PRODUCT=0: the
 // q/k/v and β/f_a products, the output gate's own): the A/B reference, against the CPU too.
 TEST(CudaKdaLayerBackward, SeparateInputGradientProducts) {
   DM_SKIP_WITHOUT_GPU();
-  setenv("DM_KDA_ONE_DX_PRODUCT", "0", 1);
+  const test::ScopedEnv env("DM_KDA_ONE_DX_PRODUCT", "0");
   run_case(kSafeFull, 2, 100, true);
-  unsetenv("DM_KDA_ONE_DX_PRODUCT");
 }
 
 }  // namespace

@@ -191,9 +191,8 @@ TEST(CudaMoeLayer, MatchesCpuN1000) {
 // y (DM_MOE_ONE_OUTPUT_PRODUCT=0; the default makes them one product over [bf16(u') | h]).
 TEST(CudaMoeLayer, TwoOutputProductsMatchCpu) {
   DM_SKIP_WITHOUT_GPU();
-  setenv("DM_MOE_ONE_OUTPUT_PRODUCT", "0", 1);
+  const test::ScopedEnv env("DM_MOE_ONE_OUTPUT_PRODUCT", "0");
   for (const Variant& v : variants()) check_variant(v, 200);
-  unsetenv("DM_MOE_ONE_OUTPUT_PRODUCT");
 }
 
 TEST(CudaMoeLayer, EmptyBatchAndBytes) {

@@ -287,18 +287,16 @@ TEST(CudaMoeLayerBackward, MatchesCpu) {
 // (DM_MOE_FUSED_GRAD_GEMMS=0, the A/B reference of the one product over [dz | dlogits]).
 TEST(CudaMoeLayerBackward, UnfusedDownAndRouterMatchCpu) {
   DM_SKIP_WITHOUT_GPU();
-  setenv("DM_MOE_FUSED_GRAD_GEMMS", "0", 1);
+  const test::ScopedEnv env("DM_MOE_FUSED_GRAD_GEMMS", "0");
   for (const MoeCase& mc : moe_cases()) check_moe_case(mc, 200);
-  unsetenv("DM_MOE_FUSED_GRAD_GEMMS");
 }
 
 // The shared experts' input-gradient product apart from the down-projection + router one
 // (DM_MOE_ONE_DX_PRODUCT=0; the default makes them one product over [dg | du | dz | dlogits]).
 TEST(CudaMoeLayerBackward, SeparateSharedInputGradientMatchesCpu) {
   DM_SKIP_WITHOUT_GPU();
-  setenv("DM_MOE_ONE_DX_PRODUCT", "0", 1);
+  const test::ScopedEnv env("DM_MOE_ONE_DX_PRODUCT", "0");
   for (const MoeCase& mc : moe_cases()) check_moe_case(mc, 200);
-  unsetenv("DM_MOE_ONE_DX_PRODUCT");
 }
 
 // ---- Experts backward: Grouped vs Loop --------------------------------------------------------

@@ -522,10 +522,9 @@ TEST(CudaOpsCrossEntropy, MatchesCpuF32) {
 // A/B reference), against the CPU too.
 TEST(CudaOpsCrossEntropy, ScalarRowsMatchCpu) {
   DM_SKIP_WITHOUT_GPU();
-  setenv("DM_CROSS_ENTROPY_ROWS", "scalar", 1);
+  const dm::test::ScopedEnv env("DM_CROSS_ENTROPY_ROWS", "scalar");
   check_cross_entropy<float>(300, 32000, 35, false);
   check_cross_entropy<float>(3, 163840, 34, false);
-  unsetenv("DM_CROSS_ENTROPY_ROWS");
 }
 
 TEST(CudaOpsCrossEntropy, MatchesCpuBf16) {

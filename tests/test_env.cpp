@@ -6,21 +6,12 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "test_util.h"
 
 namespace dm {
 namespace {
 
-// Sets (or, with nullptr, unsets) a variable for the scope of a test.
-struct ScopedEnv {
-  const char* name;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    if (value)
-      setenv(name, value, 1);
-    else
-      unsetenv(name);
-  }
-  ~ScopedEnv() { unsetenv(name); }
-};
+using test::ScopedEnv;
 
 constexpr const char* kVar = "DM_TEST_ENV_SWITCH";
 

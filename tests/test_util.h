@@ -1,5 +1,6 @@
 // Shared helpers for the test suite: golden file access, error metrics, running the CLI.
 #pragma once
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,22 @@ CliResult run_cli(const std::string& args);
 
 // A fresh temporary directory (removed at process exit is not guaranteed).
 std::string temp_dir(const std::string& tag);
+
+// Sets (or, with nullptr, unsets) an environment variable for a scope and unsets it at the
+// scope's end, also when a failed ASSERT_* leaves the test early (a bare setenv / unsetenv pair
+// would then leak the setting into every later test of the process).
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() { unsetenv(name); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+};
 
 // What call() throws as dm::Error (its what()), or "no error".
 template <typename Call>
